@@ -1,0 +1,158 @@
+"""Structural validation of an artifact: every problem, not just the first.
+
+``validate_artifact`` never raises on bad *content*: it returns a report listing
+each problem with a stable code.  Only an unreadable container (or a schema version
+from the future) raises, because then nothing further can be checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from ..constants import Suffix
+from ..marlin.shapes import LayerShape, marlin_shapes
+from .manifest import schema_errors
+from .reader import Artifact, LayerRecord, open_artifact
+
+BIAS_DTYPES = ("F16", "BF16", "F32")
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One finding.
+
+    Attributes:
+        code: stable identifier (``missing_tensor``, ``shape_mismatch``,
+            ``dtype_mismatch``, ``checksum_mismatch``, ``checksum_missing``,
+            ``unknown_tensor``, ``schema_violation``, ``manifest_checksum``,
+            ``source_mismatch``, ``numerics``, ``gpu``...).
+        message: one line, naming the tensor and the rule.
+        tensor: the tensor or layer concerned ("" for the whole file).
+        expected, actual: the numbers or values compared, when there are any.
+        severity: ``"error"`` (fails verification) or ``"warning"``.
+    """
+
+    code: str
+    message: str
+    tensor: str = ""
+    expected: Any = None
+    actual: Any = None
+    severity: str = "error"
+
+
+@dataclasses.dataclass
+class Report:
+    """Outcome of ``marlin-verify``; ``to_json`` is what ``--json`` prints."""
+
+    artifact: str
+    schema_version: int | None = None
+    checked: dict[str, Any] = dataclasses.field(default_factory=dict)
+    layers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    problems: list[Problem] = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not any(p.severity == "error" for p in self.problems)
+
+    def add(self, code: str, message: str, tensor: str = "", expected: Any = None, actual: Any = None, severity: str = "error") -> None:
+        self.problems.append(Problem(code, message, tensor, expected, actual, severity))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "artifact": self.artifact,
+            "ok": self.ok,
+            "schema_version": self.schema_version,
+            "checked": self.checked,
+            "layers": self.layers,
+            "problems": [dataclasses.asdict(p) for p in self.problems],
+        }
+
+
+def expected_layer_tensors(art: Artifact, rec: LayerRecord) -> dict[Suffix, tuple[str, tuple[int, ...]]]:
+    """``{suffix: (dtype, shape)}`` the manifest implies for one layer."""
+    bias_name = f"{rec.name}.{Suffix.BIAS.value}"
+    bias_dtype = None
+    if rec.has_bias:
+        bias_dtype = art.file.infos[bias_name].dtype if bias_name in art.file else "F16"
+    return marlin_shapes(LayerShape(rec.size_k, rec.size_n, rec.group_size), act_order=rec.act_order, bias_dtype=bias_dtype)
+
+
+def validate_artifact(path: str | Path, *, checksums: bool = True) -> tuple[Report, Artifact]:
+    """Check an artifact's structure without a GPU (what ``--shapes`` runs).
+
+    Checks: the manifest validates against the v1 JSON Schema and its own checksum;
+    every layer's tensors are present with the dtypes and shapes derived from
+    ``size_k``, ``size_n`` and ``group_size``; every pass-through tensor is present;
+    no tensor is unaccounted for; every tensor's xxh3-128 matches the manifest.
+
+    Args:
+        path: the artifact file.
+        checksums: hash every tensor's bytes (reads the whole file once).
+
+    Returns:
+        ``(report, artifact)``; the caller closes the artifact.
+
+    Raises:
+        ConverterError: missing or unreadable file.
+        ArtifactError: malformed container or no manifest.
+        SchemaVersionError: unsupported schema version.
+    """
+    art = open_artifact(path)
+    report = Report(str(path), schema_version=art.manifest.get("schema_version"))
+    for note in art.notes:
+        report.add("manifest_checksum", note, "marlin.manifest")
+    errors = schema_errors(art.manifest)
+    if errors is None:
+        report.add("schema_unchecked", "jsonschema is not installed; manifest not validated against the schema", severity="warning")
+    else:
+        for err in errors:
+            report.add("schema_violation", f"manifest does not match schema v1: {err}", "marlin.manifest")
+    infos = art.file.infos
+    accounted: set[str] = set()
+    if errors:  # field access below assumes a well-formed manifest
+        report.checked = {"layers": 0, "tensors": len(infos), "checksums": False}
+        return report, art
+    for rec in art.layers.values():
+        if rec.size_k % rec.group_size or rec.size_k // rec.group_size != rec.raw["num_groups"]:
+            report.add("shape_mismatch", f"layer {rec.name}: group_size {rec.group_size} and num_groups {rec.raw['num_groups']} disagree with size_k {rec.size_k}", rec.name)
+        for suffix, (dtype, shape) in expected_layer_tensors(art, rec).items():
+            name = f"{rec.name}.{suffix.value}"
+            accounted.add(name)
+            if name not in infos:
+                report.add("missing_tensor", f"{name}: missing (layer {rec.name} needs it)", name)
+                continue
+            info = infos[name]
+            ok_dtype = info.dtype in BIAS_DTYPES if suffix is Suffix.BIAS else info.dtype == dtype
+            if not ok_dtype:
+                report.add("dtype_mismatch", f"{name}: dtype {info.dtype}, expected {dtype}", name, dtype, info.dtype)
+            if info.shape != shape:
+                report.add("shape_mismatch", f"{name}: shape {list(info.shape)}, expected {list(shape)} from size_k={rec.size_k}, size_n={rec.size_n}, group_size={rec.group_size}", name, list(shape), list(info.shape))
+    for entry in art.manifest["passthrough"]:
+        name = entry["name"]
+        if name in accounted:
+            report.add("duplicate_entry", f"{name}: listed both as a layer tensor and as pass-through", name)
+        accounted.add(name)
+        if name not in infos:
+            report.add("missing_tensor", f"{name}: pass-through tensor is missing", name)
+    for name in infos:
+        if name not in accounted:
+            report.add("unknown_tensor", f"{name}: tensor is neither a layer tensor nor listed as pass-through", name)
+    sums = art.manifest["checksums"]["tensors"]
+    for name in sums:
+        if name not in infos:
+            report.add("checksum_orphan", f"{name}: has a checksum but no tensor", name)
+    if checksums:
+        for name in infos:
+            want = sums.get(name)
+            if want is None:
+                report.add("checksum_missing", f"{name}: no checksum in the manifest", name)
+                continue
+            got = xxhash.xxh3_128_hexdigest(art.file.raw(name))
+            if got != want:
+                report.add("checksum_mismatch", f"{name}: xxh3-128 {got} does not match the manifest's {want} (corrupted bytes)", name, want, got)
+    report.checked = {"layers": len(art.layers), "tensors": len(infos), "checksums": checksums}
+    return report, art

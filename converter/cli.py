@@ -1,0 +1,208 @@
+"""The ``marlin-convert`` and ``marlin-verify`` commands (thin: parse, call, render).
+
+Exit codes: 0 success; 1 verification found problems; 2 bad input, bad usage or an
+unreadable file (one line on stderr naming the file, the tensor and the rule; the
+traceback only with ``--debug`` or ``MARLIN_DEBUG=1``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from . import __version__
+from .errors import ConverterError
+
+err_console = Console(stderr=True, highlight=False)
+# Piped output (logs, CI) gets wide tables instead of 80-column wrapping.
+out_console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+
+InPath = Annotated[Path, typer.Argument(help="Input: a .tinyloop file, or a GPTQ checkpoint folder / .safetensors / index.json.", show_default=False)]
+OutPath = Annotated[Path, typer.Argument(help="Output artifact (.safetensors).", show_default=False)]
+ArtPath = Annotated[Path, typer.Argument(help="Artifact to verify (.safetensors).", show_default=False)]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")]
+DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")]
+
+
+def _version(value: bool) -> None:
+    if value:
+        out_console.print(f"marlin-convert {__version__}")
+        raise typer.Exit(0)
+
+
+VersionOpt = Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")]
+
+
+@contextmanager
+def _errors_to_exit(debug: bool, as_json: bool) -> Iterator[None]:
+    """Map our errors to one stderr line (and a JSON error document) and exit 2."""
+    try:
+        yield
+    except ConverterError as exc:
+        if debug or os.environ.get("MARLIN_DEBUG"):
+            raise
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}")
+        if as_json:
+            print(json.dumps({"ok": False, "error": {"type": type(exc).__name__, "message": str(exc), "file": exc.path, "tensor": exc.tensor}}))
+        raise typer.Exit(exc.exit_code) from None
+    except KeyboardInterrupt:
+        err_console.print("[bold red]interrupted[/]; no output was written")
+        raise typer.Exit(130) from None
+
+
+@contextmanager
+def _progress(enabled: bool) -> Iterator[Callable[[str, int], None] | None]:
+    if not enabled:
+        yield None
+        return
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err_console, transient=True)
+    task: list[Any] = []
+
+    def step(desc: str, n: int) -> None:
+        if desc:
+            if task:
+                bar.update(task[0], completed=bar.tasks[0].total)
+                bar.remove_task(task.pop())
+            task.append(bar.add_task(desc, total=n))
+        elif task:
+            bar.advance(task[0], n)
+
+    with bar:
+        yield step
+
+
+def _show_progress(quiet: bool, as_json: bool) -> bool:
+    return not (quiet or as_json) and err_console.is_terminal
+
+
+convert_app = typer.Typer(add_completion=False, rich_markup_mode=None)
+
+
+@convert_app.command(help="Convert an asymmetric 4-bit checkpoint (.tinyloop, GPTQ) into a Marlin safetensors artifact.\n\nExit codes: 0 ok; 2 bad input or usage (nothing is written).", epilog="Example: marlin-convert model.tinyloop model.marlin.safetensors")
+def convert_cmd(
+    source: InPath,
+    output: OutPath,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; write nothing.")] = False,
+    as_json: JsonOpt = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress or summary on stderr.")] = False,
+    debug: DebugOpt = False,
+    version: VersionOpt = False,
+) -> None:
+    from .convert import convert
+
+    with _errors_to_exit(debug, as_json), _progress(_show_progress(quiet, as_json)) as prog:
+        report = convert(source, output, force=force, dry_run=dry_run, progress=prog)
+    if as_json:
+        print(json.dumps(report.to_json()))
+        return
+    if quiet:
+        return
+    table = Table(title=("plan (dry run)" if dry_run else f"wrote {output}"), title_justify="left")
+    table.add_column("layer", overflow="fold")
+    for col in ("K", "N", "group", "bits", "sym", "zeros", "upstream"):
+        table.add_column(col)
+    for lay in report.converted:
+        table.add_row(escape(lay["name"]), str(lay["size_k"]), str(lay["size_n"]),
+                      "chan" if lay["group_size"] == lay["size_k"] else str(lay["group_size"]),
+                      str(lay["bits"]), "yes" if lay["symmetric"] else "no", lay["zero_convention"],
+                      "yes" if lay["upstream_marlin_compatible"] else "no")
+    err_console.print(table)
+    reasons: dict[str, list[str]] = {}
+    for p in report.passthrough:
+        reasons.setdefault(p["reason"], []).append(p["name"])
+    for reason, names in reasons.items():
+        shown = ", ".join(names[:4]) + (f", ... ({len(names)} tensors)" if len(names) > 4 else "")
+        err_console.print(f"pass-through: {escape(shown)}  [dim]({escape(reason)})[/]")
+    for lay in report.converted:
+        for w in lay["warnings"]:
+            err_console.print(f"[yellow]warning:[/] {escape(lay['name'])}: {escape(w)}")
+    verb = "would write" if dry_run else "wrote"
+    err_console.print(f"{len(report.converted)} layers converted, {len(report.passthrough)} tensors passed through; {verb} {report.bytes_out / 1e6:.2f} MB of tensor data")
+
+
+verify_app = typer.Typer(add_completion=False, rich_markup_mode=None)
+
+
+@verify_app.command(help="Verify a Marlin artifact: structure and checksums (--shapes, no GPU), exact agreement with its source (--against), and numerics on CPU and GPU.\n\nExit codes: 0 all good; 1 problems found; 2 unreadable input or bad usage.", epilog="Example: marlin-verify model.marlin.safetensors --shapes --against model.tinyloop")
+def verify_cmd(
+    artifact: ArtPath,
+    shapes: Annotated[bool, typer.Option("--shapes", help="Structure, shapes and checksums only; needs no GPU.")] = False,
+    against: Annotated[Path | None, typer.Option("--against", help="Source checkpoint to compare with, exactly.", show_default=False)] = None,
+    gpu: Annotated[bool, typer.Option("--gpu", help="Require GPU numerics (fail if no GPU).")] = False,
+    cpu: Annotated[bool, typer.Option("--cpu", help="Skip GPU numerics even if a GPU is present.")] = False,
+    as_json: JsonOpt = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only problems and the summary line.")] = False,
+    debug: DebugOpt = False,
+    version: VersionOpt = False,
+) -> None:
+    from .verify import verify
+
+    if gpu and cpu:
+        err_console.print("[bold red]error:[/] --gpu and --cpu contradict each other")
+        raise typer.Exit(2)
+    with _errors_to_exit(debug, as_json), _progress(_show_progress(quiet, as_json)) as prog:
+        report = verify(artifact, shapes_only=shapes, against=against, gpu=True if gpu else (False if cpu else None), progress=prog)
+    if as_json:
+        print(json.dumps(report.to_json(), default=_jsonable))
+    else:
+        _render_verify(report, quiet)
+    raise typer.Exit(0 if report.ok else 1)
+
+
+def _jsonable(obj: Any) -> Any:
+    if hasattr(obj, "item"):
+        return obj.item()
+    raise TypeError(type(obj).__name__)
+
+
+def _render_verify(report: Any, quiet: bool) -> None:
+    bad_layers = {p.tensor.rsplit(".", 1)[0] for p in report.problems} | {p.tensor for p in report.problems}
+    if not quiet and report.layers:
+        table = Table(title=f"{report.artifact}", title_justify="left")
+        for col in ("", "layer", "K", "N", "group", "sym", "exact", "cpu rel err", "gpu mean / max rel err"):
+            table.add_column(col, overflow="fold")
+        for row in report.layers:
+            exact = [row[k] for k in ("codes_exact", "scales_exact", "delta_exact") if k in row]
+            gpu = row.get("gpu")
+            gpu_txt = f"{gpu['mean_rel_err']:.2e} / {gpu['max_rel_err']:.2e}" if isinstance(gpu, dict) and "mean_rel_err" in gpu else ""
+            table.add_row("❌" if row["name"] in bad_layers else "✅", escape(row["name"]), str(row["size_k"]), str(row["size_n"]),
+                          "chan" if row["group_size"] == row["size_k"] else str(row["group_size"]),
+                          "yes" if row["symmetric"] else "no",
+                          ("yes" if all(exact) else "NO") if exact else "-",
+                          f"{row['cpu_rel_err']:.2e}" if "cpu_rel_err" in row else "-", gpu_txt or "-")
+        out_console.print(table)
+    for p in report.problems:
+        tag = "[red]problem[/]" if p.severity == "error" else "[yellow]warning[/]"
+        out_console.print(f"{tag} [{p.code}] {escape(p.message)}")
+    gpu_note = report.checked.get("gpu_numerics")
+    if isinstance(gpu_note, str) and not quiet:
+        err_console.print(f"[dim]GPU numerics {escape(gpu_note)}[/]")
+    errors = sum(p.severity == "error" for p in report.problems)
+    checked = report.checked
+    what = ["shapes", "checksums"] + (["against source"] if "against" in checked else []) + (["CPU numerics"] if checked.get("cpu_numerics") else []) + (["GPU numerics"] if checked.get("gpu_numerics") is True else [])
+    status = "OK" if report.ok else f"FAILED: {errors} problem(s)"
+    out_console.print(f"{status}: {checked.get('layers', 0)} layers, {checked.get('tensors', 0)} tensors; checked {', '.join(what)}")
+
+
+def main_convert() -> None:
+    convert_app(prog_name="marlin-convert")
+
+
+def main_verify() -> None:
+    verify_app(prog_name="marlin-verify")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main_convert())

@@ -1,0 +1,256 @@
+"""Source checkpoint -> Marlin artifact, streaming tensor by tensor.
+
+Flow: ``plan`` (metadata and small tensors only; every check that can fail on the
+input runs here, before anything is written), then stream each layer in K chunks
+through :func:`~converter.marlin.layout.pack_b` into a :class:`StreamingWriter`
+(temporary file, fsync, rename), hashing every tensor's bytes on the way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from .artifact.manifest import layer_entry, metadata_for, new_manifest
+from .constants import CHECKSUM_HEX_LEN, SAFETENSORS_DTYPES, Suffix
+from .errors import ConverterError, OutputExistsError
+from .formats import open_source
+from .formats.base import LayerPlan, Source, SourcePlan
+from .marlin.layout import pack_b, permute_scales
+from .marlin.shapes import LayerShape, marlin_shapes
+from .safetensors_io import StreamingWriter, header_size_for
+
+#: Bytes of uint8 codes unpacked at a time; bounds peak memory per layer.
+CHUNK_CODE_BYTES = 32 << 20
+#: Bytes copied at a time for pass-through tensors.
+COPY_CHUNK_BYTES = 64 << 20
+PLAIN_REASON = "not a quantized linear layer"
+
+Progress = Callable[[str, int], None]
+
+
+@dataclasses.dataclass
+class ConvertReport:
+    """What a conversion did (or, for a dry run, would do).
+
+    Attributes:
+        source: input path; output: artifact path (None for a dry run).
+        source_format: detected format.
+        converted: manifest records of the converted layers.
+        passthrough: ``[{"name", "reason"}]`` for every carried-over tensor.
+        tensors: ``[(name, dtype, shape)]`` of the artifact.
+        bytes_out: size of the tensor data written (or planned).
+        dry_run: True when nothing was written.
+    """
+
+    source: str
+    output: str | None
+    source_format: str
+    converted: list[dict[str, Any]]
+    passthrough: list[dict[str, str]]
+    tensors: list[tuple[str, str, tuple[int, ...]]]
+    bytes_out: int
+    dry_run: bool
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["tensors"] = [{"name": n, "dtype": t, "shape": list(s)} for n, t, s in self.tensors]
+        d["ok"] = True
+        return d
+
+
+def layer_tensor_names(layer: LayerPlan) -> dict[Suffix, tuple[str, tuple[int, ...], str]]:
+    """``{suffix: (artifact name, shape, dtype)}`` for a convertible layer."""
+    shapes = marlin_shapes(
+        LayerShape(layer.size_k, layer.size_n, layer.group_size),
+        act_order=layer.act_order,
+        bias_dtype=layer.bias.dtype if layer.bias else None,
+    )
+    return {suf: (f"{layer.name}.{suf.value}", shape, dtype) for suf, (dtype, shape) in shapes.items()}
+
+
+def build_layout(plan: SourcePlan, *, path: Path) -> tuple[list[tuple[str, str, tuple[int, ...]]], list[dict], list[dict[str, str]]]:
+    """The artifact's tensors, layer records and pass-through list.
+
+    Raises:
+        SourceFormatError: two artifact tensors would get the same name.
+    """
+    layout: list[tuple[str, str, tuple[int, ...]]] = []
+    layers: list[dict] = []
+    passthrough: list[dict[str, str]] = []
+    for layer in plan.layers:
+        if layer.convertible:
+            layers.append(layer_entry(layer))
+            for name, shape, dtype in layer_tensor_names(layer).values():
+                layout.append((name, dtype, shape))
+    for layer in plan.layers:
+        if not layer.convertible:
+            for t in layer.source_tensors + ((layer.bias.name,) if layer.bias else ()):
+                passthrough.append({"name": t, "reason": plan.passthrough_reasons.get(t, layer.reason)})
+    for info in plan.tensors:
+        passthrough.append({"name": info.name, "reason": plan.passthrough_reasons.get(info.name, PLAIN_REASON)})
+    known = {n for n, _, _ in layout}
+    dtypes = {i.name: i for i in plan.tensors}
+    for layer in plan.layers:
+        if not layer.convertible and layer.bias:
+            dtypes[layer.bias.name] = layer.bias
+    for entry in passthrough:
+        name = entry["name"]
+        if name in known:
+            from .errors import SourceFormatError
+
+            raise SourceFormatError(
+                "tensor name collides with a converted layer's artifact tensor; rename it in the source",
+                path=path, tensor=name,
+            )
+        known.add(name)
+    return layout, layers, passthrough
+
+
+def _passthrough_infos(source: Source, plan: SourcePlan, names: list[str]) -> list[tuple[str, str, tuple[int, ...]]]:
+    infos = {i.name: i for i in plan.tensors}
+    out = []
+    for name in names:
+        info = infos.get(name)
+        if info is None:
+            t = source.load_tensor(name)
+            out.append((name, t.dtype, tuple(t.shape)))
+        else:
+            out.append((name, info.dtype, tuple(info.shape)))
+    return out
+
+
+def _chunk_rows(layer: LayerPlan) -> int:
+    # Chunks start on group boundaries (or any 16-row boundary when per-channel)
+    # and on 32-row boundaries so 2- and 3-bit words are never split.
+    unit = math.lcm(16 if layer.group_size == layer.size_k else layer.group_size, 32)
+    rows = max(unit, (CHUNK_CODE_BYTES // max(layer.size_n, 1)) // unit * unit)
+    return min(rows, layer.size_k)
+
+
+def convert(
+    src_path: str | Path,
+    out_path: str | Path,
+    *,
+    force: bool = False,
+    dry_run: bool = False,
+    progress: Progress | None = None,
+) -> ConvertReport:
+    """Convert a checkpoint into one Marlin safetensors artifact.
+
+    Args:
+        src_path: ``.tinyloop`` file, or HF GPTQ folder / ``.safetensors`` / index.
+        out_path: artifact path (``.safetensors``).
+        force: overwrite an existing output.
+        dry_run: plan and report, write nothing.
+        progress: called as ``progress(description, total_steps)`` once, then
+            ``progress("", 1)`` per step.
+
+    Returns:
+        A :class:`ConvertReport`.
+
+    Raises:
+        ConverterError and subclasses: bad input (nothing is written), an existing
+            output without ``force``, or an output that would overwrite the input.
+    """
+    src_path, out_path = Path(src_path), Path(out_path)
+    with open_source(src_path) as source:
+        plan = source.plan()
+        layout, layers, passthrough = build_layout(plan, path=src_path)
+        layout += _passthrough_infos(source, plan, [p["name"] for p in passthrough])
+        desc = source.describe()
+        bytes_out = sum(math.prod(s) * np.dtype(SAFETENSORS_DTYPES[d]).itemsize for _, d, s in layout)
+        report = ConvertReport(
+            str(src_path), None if dry_run else str(out_path), source.format.value,
+            layers, passthrough, layout, bytes_out, dry_run,
+        )
+        if dry_run:
+            return report
+        _check_output(src_path, out_path, force)
+        manifest = new_manifest(desc, layers, passthrough)
+        manifest["checksums"]["tensors"] = {n: "0" * CHECKSUM_HEX_LEN for n, _, _ in layout}
+        reserve = header_size_for(layout, metadata_for(manifest))
+        steps = sum(1 for lay in plan.layers if lay.convertible) + len(passthrough)
+        if progress:
+            progress(f"converting {src_path.name}", steps)
+        with StreamingWriter(out_path, layout, header_reserve=reserve) as writer:
+            sums: dict[str, str] = {}
+            for layer in plan.layers:
+                if layer.convertible:
+                    sums.update(_write_layer(source, layer, writer))
+                    if progress:
+                        progress("", 1)
+            for entry in passthrough:
+                tensor = source.load_tensor(entry["name"])
+                sums[tensor.name] = _copy_tensor(writer, tensor.name, tensor.data)
+                if progress:
+                    progress("", 1)
+            manifest["checksums"]["tensors"] = {n: sums[n] for n, _, _ in layout}
+            writer.finish(metadata_for(manifest))
+    return report
+
+
+def _check_output(src: Path, out: Path, force: bool) -> None:
+    if out.is_dir():
+        raise ConverterError("output is a directory; give a .safetensors file name", path=out)
+    if not out.parent.is_dir():
+        raise ConverterError("output folder does not exist", path=out.parent)
+    if out.exists():
+        src_files = [src] if src.is_file() else list(src.iterdir())
+        if any(f.exists() and os.path.samefile(f, out) for f in src_files):
+            raise ConverterError("output would overwrite the input; choose another path", path=out)
+        if not force:
+            raise OutputExistsError("output exists; pass --force to overwrite it", path=out)
+
+
+def _write_layer(source: Source, layer: LayerPlan, writer: StreamingWriter) -> dict[str, str]:
+    names = {suf: n for suf, (n, _, _) in layer_tensor_names(layer).items()}
+    hashers = {suf: xxhash.xxh3_128() for suf in names}
+    step = _chunk_rows(layer)
+    groups_done = 0
+    for k0 in range(0, layer.size_k, step):
+        k1 = min(k0 + step, layer.size_k)
+        qw = source.load_layer(layer, k0, k1)
+        b = pack_b(qw.q)
+        writer.write(names[Suffix.B], b, k0 // 16)
+        hashers[Suffix.B].update(b)
+        g0 = k0 // layer.group_size
+        # A per-channel layer returns its one group with every chunk: write it once.
+        skip = max(groups_done - g0, 0)
+        if skip < qw.num_groups:
+            s = permute_scales(qw.scales[skip:], single=layer.num_groups == 1)
+            delta = np.ascontiguousarray(qw.delta[skip:], dtype=np.float32)
+            writer.write(names[Suffix.SCALES], s, g0 + skip)
+            writer.write(names[Suffix.DELTA], delta, g0 + skip)
+            hashers[Suffix.SCALES].update(s)
+            hashers[Suffix.DELTA].update(delta)
+            groups_done = g0 + qw.num_groups
+        if k0 == 0:
+            if Suffix.PERM in names:
+                perm = np.ascontiguousarray(qw.perm, dtype=np.int32)
+                writer.write(names[Suffix.PERM], perm)
+                hashers[Suffix.PERM].update(perm)
+            if Suffix.BIAS in names:
+                assert qw.bias is not None
+                bias = np.ascontiguousarray(qw.bias.data)
+                writer.write(names[Suffix.BIAS], bias)
+                hashers[Suffix.BIAS].update(bias)
+    return {names[s]: h.hexdigest() for s, h in hashers.items()}
+
+
+def _copy_tensor(writer: StreamingWriter, name: str, data: np.ndarray) -> str:
+    h = xxhash.xxh3_128()
+    flat = data.reshape(-1) if data.size else data.reshape(0)
+    step = max(1, COPY_CHUNK_BYTES // max(flat.itemsize, 1))
+    for i in range(0, flat.size, step):
+        part = np.ascontiguousarray(flat[i : i + step])
+        writer.write_flat(name, part, i)
+        h.update(part)
+    return h.hexdigest()

@@ -1,0 +1,139 @@
+"""Marlin's pre-permuted ``B`` and scale layouts, integer-only and vectorised.
+
+The closed form (shared/spec/checkpoint-formats.md section 4.3) for code ``q[k, n]``::
+
+    row    = k // 16
+    r, c   = k % 16, n % 16
+    j      = (n % 64) // 16
+    t      = 4 * (c % 8) + (r % 8) // 2
+    col    = 128 * (n // 64) + 4 * t + j
+    nibble = 4 * (r % 2) + 2 * (c // 8) + (r // 8)
+
+Writing ``r = 8*rh + 2*rp + rl`` and ``n % 64 = 16*j + 8*ch + cl`` turns this into
+``col = 128*nb + 16*cl + 4*rp + j`` and ``nibble = 4*rl + 2*ch + rh``: a pure axis
+transpose of ``q`` viewed as ``(kt, rh, rp, rl, nb, j, ch, cl)``.  That is all
+:func:`pack_b` does, so the codes go in bit-exactly with no float round trip.
+
+Worked example (also a test): with ``q[k, n] = 1`` only at ``(k, n) = (8, 0)``, the
+nibble is ``4*0 + 2*0 + 1 = 1`` of ``B[0, 0]``, so ``B[0, 0] == 0b1_0000 == 16``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..constants import (
+    MARLIN_PACK_FACTOR,
+    MARLIN_TILE,
+    SCALE_PERM_GROUPED_CHUNK,
+    SCALE_PERM_SINGLE,
+)
+
+# Axis order of q viewed as (kt, rh, rp, rl, nb, j, ch, cl) that yields
+# (kt, nb, cl, rp, j | rl, ch, rh): word index first, then nibble index.
+_PACK_AXES = (0, 4, 7, 2, 5, 3, 6, 1)
+_UNPACK_AXES = tuple(int(i) for i in np.argsort(_PACK_AXES))
+_NIBBLE_SHIFTS = np.arange(MARLIN_PACK_FACTOR, dtype=np.uint32) * 4
+_SCALE_PERM_SINGLE = np.asarray(SCALE_PERM_SINGLE, dtype=np.intp)
+_SCALE_UNPERM_SINGLE = np.argsort(_SCALE_PERM_SINGLE)
+
+
+def _check_codes_shape(size_k: int, size_n: int) -> None:
+    if size_k % MARLIN_TILE or size_n % 64:
+        raise ValueError(
+            f"Marlin B needs size_k % {MARLIN_TILE} == 0 and size_n % 64 == 0, "
+            f"got size_k={size_k}, size_n={size_n}"
+        )
+
+
+def pack_b(q: np.ndarray) -> np.ndarray:
+    """Pack 4-bit codes into Marlin's ``B``.
+
+    Args:
+        q: uint8 ``(size_k, size_n)``, values in ``[0, 15]``, rows in Marlin order.
+            ``size_k % 16 == 0`` and ``size_n % 64 == 0``.
+
+    Returns:
+        int32 ``(size_k // 16, 2 * size_n)`` in upstream Marlin's tile order
+        (IST-DASLab ``marlin.Layer.pack``; closed form in the module docstring).
+
+    Raises:
+        ValueError: wrong dtype, shape, or a code above 15.
+    """
+    if q.dtype != np.uint8 or q.ndim != 2:
+        raise ValueError(f"codes must be uint8 (size_k, size_n), got {q.dtype} {q.shape}")
+    size_k, size_n = q.shape
+    _check_codes_shape(size_k, size_n)
+    if q.size and int(q.max()) > 15:
+        raise ValueError(f"codes must be in [0, 15], found {int(q.max())}")
+    kt, nb = size_k // MARLIN_TILE, size_n // 64
+    v = q.reshape(kt, 2, 4, 2, nb, 4, 2, 8).transpose(_PACK_AXES)
+    v = v.reshape(kt, 2 * size_n, MARLIN_PACK_FACTOR).astype(np.uint32)
+    words = np.bitwise_or.reduce(v << _NIBBLE_SHIFTS, axis=-1)
+    return words.view(np.int32)
+
+
+def unpack_b(b: np.ndarray, size_n: int | None = None) -> np.ndarray:
+    """Exact inverse of :func:`pack_b`.
+
+    Args:
+        b: int32 (or uint32) ``(size_k // 16, 2 * size_n)``, Marlin tile order.
+        size_n: expected out-features; inferred from ``b`` when None.
+
+    Returns:
+        uint8 ``(size_k, size_n)`` codes in ``[0, 15]``, rows in Marlin order.
+
+    Raises:
+        ValueError: ``b`` is not 2-D 32-bit or its width is not ``2 * size_n``.
+    """
+    if b.ndim != 2 or b.dtype.itemsize != 4 or b.dtype.kind not in "iu":
+        raise ValueError(f"B must be 2-D int32, got {b.dtype} {b.shape}")
+    kt, width = b.shape
+    n = width // 2 if size_n is None else size_n
+    if width != 2 * n or n % 64:
+        raise ValueError(f"B width {width} != 2 * size_n with size_n % 64 == 0 (size_n={n})")
+    words = np.ascontiguousarray(b).view(np.uint32)
+    nib = ((words[..., None] >> _NIBBLE_SHIFTS) & 0xF).astype(np.uint8)
+    nib = nib.reshape(kt, n // 64, 8, 4, 4, 2, 2, 2).transpose(_UNPACK_AXES)
+    return np.ascontiguousarray(nib).reshape(kt * MARLIN_TILE, n)
+
+
+def permute_scales(s: np.ndarray, *, single: bool | None = None) -> np.ndarray:
+    """Apply Marlin's scale permutation (checkpoint-formats.md section 4.4).
+
+    Args:
+        s: ``(num_groups, size_n)`` any dtype (normally float16), natural column order,
+            ``size_n % 64 == 0``.
+        single: use the per-channel permutation; defaults to ``num_groups == 1``.
+            Pass False when permuting a one-row slice of a grouped layer.
+
+    Returns:
+        Same shape and dtype.  ``num_groups > 1``: an 8x8 transpose inside every
+        64-column chunk (``new[8i+j] = old[8j+i]``).  ``num_groups == 1``
+        (per-channel, or one group spanning K): the 32-entry ``SCALE_PERM_SINGLE``
+        inside every 32-column chunk, because the kernel treats a 1-row ``s`` as
+        per-channel.
+
+    Raises:
+        ValueError: ``s`` is not 2-D or ``size_n % 64 != 0``.
+    """
+    g, n = _check_scales(s)
+    if single if single is not None else g == 1:
+        return np.ascontiguousarray(s.reshape(g, n // 32, 32)[:, :, _SCALE_PERM_SINGLE].reshape(g, n))
+    c = SCALE_PERM_GROUPED_CHUNK
+    return np.ascontiguousarray(s.reshape(g, n // c, 8, 8).transpose(0, 1, 3, 2).reshape(g, n))
+
+
+def unpermute_scales(s: np.ndarray, *, single: bool | None = None) -> np.ndarray:
+    """Exact inverse of :func:`permute_scales` (same arguments, shapes, dtypes and errors)."""
+    g, n = _check_scales(s)
+    if single if single is not None else g == 1:
+        return np.ascontiguousarray(s.reshape(g, n // 32, 32)[:, :, _SCALE_UNPERM_SINGLE].reshape(g, n))
+    # The 8x8 transpose is its own inverse.
+    return permute_scales(s, single=False)
+
+
+def _check_scales(s: np.ndarray) -> tuple[int, int]:
+    if s.ndim != 2 or s.shape[1] % SCALE_PERM_GROUPED_CHUNK:
+        raise ValueError(f"scales must be (num_groups, size_n) with size_n % 64 == 0, got {s.shape}")
+    return int(s.shape[0]), int(s.shape[1])

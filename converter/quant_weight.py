@@ -1,0 +1,133 @@
+"""The one in-memory form every reader produces and the packer consumes.
+
+Orientation, once for the whole package: weights are ``(size_k, size_n)`` =
+``(in_features, out_features)``, as in ``y = x @ W`` and as in GPTQ ``qweight``.
+Group ``g`` covers input rows ``[g * group_size, (g + 1) * group_size)`` after any
+act-order permutation has been applied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .constants import MARLIN_ZERO, ZeroConvention
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """Header facts of one source tensor: name, safetensors dtype code, shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """A raw tensor carried over unchanged.
+
+    Attributes:
+        name: tensor name in the source (and in the artifact).
+        dtype: safetensors dtype code (``"F16"``, ``"BF16"``, ``"I32"``...).
+        shape: tuple of ints.
+        data: numpy array of that shape in the storage dtype (BF16 as raw ``uint16``);
+            often a read-only memory map.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantWeight:
+    """One quantized linear layer, independent of the source format.
+
+    Attributes:
+        name: the layer prefix (the source's module or linear name).
+        q: uint8 ``(size_k, size_n)``, codes in ``[0, 2**bits - 1]``, rows in Marlin
+            order (already permuted by ``perm`` when act-order).
+        scales: float16 ``(num_groups, size_n)``: Marlin's ``s`` in natural column order.
+        zeros: the offset exactly as the source defines it after container decoding,
+            ``(num_groups, size_n)``: integer zero points (uint8) for GPTQ/AWQ/
+            compressed-tensors, the float16 additive ``zero`` for ``.tinyloop``.
+        delta: float32 ``(num_groups, size_n)``, ``W_source - (q - 8) * s``, so that
+            ``x @ W = marlin(x) + xsum @ delta``.
+        group_size: rows per group; ``size_k`` for per-channel (one group).
+        bits: source bit width (2, 3 or 4); codes are valid 4-bit codes either way.
+        zero_convention: how ``zeros`` is to be read, see :class:`ZeroConvention`.
+        bias: ``(size_n,)`` in the source dtype, or None.
+        perm: int32 ``(size_k,)`` or None: Marlin row k is source input channel
+            ``perm[k]`` (act-order); None means the identity.
+        k_offset: first Marlin row of ``q`` when the layer is loaded in K chunks.
+        size_k: full in-features of the layer (``q`` may hold only a chunk).
+        source_scales_dtype: safetensors dtype code of the scales as stored.
+        source_scales: float32 ``(num_groups, size_n)`` scales as stored, when they
+            differ from ``scales`` (bf16 sources); None otherwise.
+    """
+
+    name: str
+    q: np.ndarray
+    scales: np.ndarray
+    zeros: np.ndarray
+    delta: np.ndarray
+    group_size: int
+    bits: int
+    zero_convention: ZeroConvention
+    bias: Tensor | None = None
+    perm: np.ndarray | None = None
+    k_offset: int = 0
+    size_k: int = -1
+    source_scales_dtype: str = "F16"
+    source_scales: np.ndarray | None = dataclasses.field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.size_k < 0:
+            object.__setattr__(self, "size_k", int(self.q.shape[0]))
+
+    @property
+    def size_n(self) -> int:
+        return int(self.q.shape[1])
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.scales.shape[0])
+
+    @property
+    def symmetric(self) -> bool:
+        """True when ``delta`` is exactly zero everywhere (derived from data, not flags)."""
+        return not bool(np.any(self.delta))
+
+    def source_weight(self) -> np.ndarray:
+        """The weight as the *source* defines it, float32 ``(rows of q, size_n)``.
+
+        GPTQ/AWQ/compressed-tensors: ``s * (q - z)``; ``.tinyloop``: ``q * s + zero``
+        (the spec formulas, evaluated in float32 from the scales as stored).  Rows are
+        in Marlin order.
+        """
+        g = self._row_groups()
+        q = self.q.astype(np.float32)
+        s = self.source_scales_f32()[g]
+        if self.zero_convention is ZeroConvention.TINYLOOP_ADDITIVE:
+            return q * s + self.zeros.astype(np.float32)[g]
+        return s * (q - self.zeros.astype(np.float32)[g])
+
+    def marlin_weight(self) -> np.ndarray:
+        """``(q - 8) * s + delta`` in float32 ``(rows of q, size_n)``: what the artifact computes."""
+        g = self._row_groups()
+        q = self.q.astype(np.float32)
+        return (q - MARLIN_ZERO) * self.scales.astype(np.float32)[g] + self.delta[g]
+
+    def source_scales_f32(self) -> np.ndarray:
+        """float32 ``(num_groups, size_n)``: the scales as the source stored them."""
+        if self.source_scales is not None:
+            return self.source_scales
+        return self.scales.astype(np.float32)
+
+    def _row_groups(self) -> np.ndarray:
+        # Chunks start on a group boundary (or the layer is per-channel), so the
+        # local group of row i is i // group_size.
+        return np.arange(self.q.shape[0]) // self.group_size

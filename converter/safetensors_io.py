@@ -1,0 +1,350 @@
+"""Strict, memory-mapped safetensors reading and streaming, atomic writing.
+
+Why our own code beside the ``safetensors`` package: its NumPy reader cannot hand
+out BF16 tensors (we carry them over bit-exactly), it reports bad headers with
+generic messages that name neither tensor nor rule, and it has no streaming writer
+(it needs every tensor in memory at once).  The container rules follow the
+reference implementation (shared/spec/checkpoint-formats.md section 7); tests check
+that ``safetensors.safe_open`` reads what we write.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import struct
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import numpy as np
+
+from .constants import SAFETENSORS_DTYPES, SAFETENSORS_MAX_HEADER_BYTES, SAFETENSORS_METADATA_KEY
+from .errors import ConverterError, SourceFormatError
+from .quant_weight import Tensor, TensorInfo
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def parse_json_object(raw: bytes, *, path: Path, what: str, error: type[ConverterError] = SourceFormatError) -> dict:
+    """Decode UTF-8 JSON that must be an object with no duplicate keys.
+
+    Raises:
+        error (default SourceFormatError): not UTF-8, not JSON, duplicate keys, not an object.
+    """
+    try:
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except UnicodeDecodeError as exc:
+        raise error(f"{what} is not valid UTF-8 ({exc.reason} at byte {exc.start})", path=path) from None
+    except (ValueError, RecursionError) as exc:
+        raise error(f"{what} is not valid JSON: {exc}", path=path) from None
+    if not isinstance(obj, dict):
+        raise error(f"{what} must be a JSON object, found {type(obj).__name__}", path=path)
+    return obj
+
+
+class SafetensorsFile:
+    """A validated, memory-mapped safetensors file.
+
+    Validation (before any tensor is handed out): header length within the file and
+    at most 100 MB; header is a UTF-8 JSON object without duplicate names;
+    ``__metadata__`` is a string-to-string map; each entry has a known dtype, a
+    shape of non-negative ints and ``data_offsets`` with ``end - begin ==
+    prod(shape) * itemsize``; sorted by offset the tensors tile the data buffer from
+    0 with no gap or overlap, ending exactly at the end of the file.
+
+    Args:
+        path: the file.
+        error: exception class raised for content problems (SourceFormatError for
+            inputs, ArtifactError for artifacts).
+
+    Raises:
+        error: any rule above, naming the file, the tensor and the rule.
+        ConverterError: the file cannot be opened.
+    """
+
+    def __init__(self, path: str | Path, *, error: type[ConverterError] = SourceFormatError) -> None:
+        self.path = Path(path)
+        self._error = error
+        try:
+            self._fh = open(self.path, "rb")
+        except OSError as exc:
+            raise ConverterError(f"cannot open: {exc.strerror}", path=self.path) from None
+        try:
+            self.file_size = os.fstat(self._fh.fileno()).st_size
+            self._parse_header()
+            self._mm = (
+                mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ) if self.file_size else None
+            )
+        except BaseException:
+            self._fh.close()
+            raise
+
+    # -- header ---------------------------------------------------------------------
+    def _fail(self, message: str, tensor: str | None = None) -> None:
+        raise self._error(message, path=self.path, tensor=tensor)
+
+    def _parse_header(self) -> None:
+        if self.file_size < 8:
+            self._fail(f"not a safetensors file: {self.file_size} bytes, need at least 8 for the header length")
+        (n,) = struct.unpack("<Q", self._fh.read(8))
+        if n > SAFETENSORS_MAX_HEADER_BYTES:
+            self._fail(f"header length {n} exceeds the {SAFETENSORS_MAX_HEADER_BYTES}-byte limit")
+        if 8 + n > self.file_size:
+            self._fail(f"header length {n} runs past the end of the file ({self.file_size} bytes)")
+        raw = self._fh.read(n)
+        header = parse_json_object(raw, path=self.path, what="safetensors header", error=self._error)
+        self.header_size = n
+        self.data_start = 8 + n
+        meta = header.pop(SAFETENSORS_METADATA_KEY, None)
+        if meta is not None and (
+            not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values())
+        ):
+            self._fail("__metadata__ must be a map of strings to strings", SAFETENSORS_METADATA_KEY)
+        self.metadata: dict[str, str] = dict(meta or {})
+        self._infos: dict[str, TensorInfo] = {}
+        self._offsets: dict[str, tuple[int, int]] = {}
+        data_len = self.file_size - self.data_start
+        for name, entry in header.items():
+            self._infos[name], self._offsets[name] = self._parse_entry(name, entry, data_len)
+        expect = 0
+        for name, (begin, end) in sorted(self._offsets.items(), key=lambda kv: kv[1]):
+            if begin != expect:
+                kind = "overlaps the previous tensor" if begin < expect else "leaves a gap after the previous tensor"
+                self._fail(f"data_offsets [{begin}, {end}) {kind} (expected begin {expect})", name)
+            expect = end
+        if expect != data_len:
+            self._fail(f"{data_len - expect} trailing bytes after the last tensor (data ends at {expect}, buffer is {data_len})")
+
+    def _parse_entry(self, name: str, entry: object, data_len: int) -> tuple[TensorInfo, tuple[int, int]]:
+        if not isinstance(entry, dict):
+            self._fail("header entry must be an object with dtype, shape, data_offsets", name)
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
+            self._fail(f"unknown dtype {dtype!r} (known: {', '.join(SAFETENSORS_DTYPES)})", name)
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            self._fail(f"shape must be a list of non-negative integers, found {shape!r}", name)
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(type(o) is int and o >= 0 for o in offsets)
+            or offsets[0] > offsets[1]
+        ):
+            self._fail(f"data_offsets must be [begin, end] with 0 <= begin <= end, found {offsets!r}", name)
+        begin, end = offsets
+        if end > data_len:
+            self._fail(f"data_offsets end {end} is past the end of the data buffer ({data_len} bytes; file truncated?)", name)
+        itemsize = np.dtype(SAFETENSORS_DTYPES[dtype]).itemsize
+        nbytes = math.prod(shape) * itemsize
+        if nbytes != end - begin:
+            self._fail(f"shape {shape} of {dtype} needs {nbytes} bytes, data_offsets span {end - begin}", name)
+        return TensorInfo(name, dtype, tuple(shape)), (begin, end)
+
+    # -- access ---------------------------------------------------------------------
+    @property
+    def infos(self) -> dict[str, TensorInfo]:
+        """``{name: TensorInfo}`` in header order."""
+        return self._infos
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._infos
+
+    def byte_range(self, name: str) -> tuple[int, int]:
+        """Absolute ``[begin, end)`` file offsets of a tensor's bytes."""
+        begin, end = self._offsets[name]
+        return self.data_start + begin, self.data_start + end
+
+    def array(self, name: str) -> np.ndarray:
+        """Read-only array view of one tensor in its storage dtype (BF16 as uint16).
+
+        Raises:
+            KeyError: no such tensor (callers check ``in`` first and raise their own error).
+        """
+        info = self._infos[name]
+        begin, end = self.byte_range(name)
+        dt = np.dtype(SAFETENSORS_DTYPES[info.dtype])
+        if end == begin or self._mm is None:
+            return np.zeros(info.shape, dtype=dt)
+        return np.frombuffer(self._mm, dtype=dt, count=(end - begin) // dt.itemsize, offset=begin).reshape(info.shape)
+
+    def raw(self, name: str) -> memoryview:
+        """The tensor's raw little-endian bytes (zero-copy)."""
+        begin, end = self.byte_range(name)
+        if self._mm is None or end == begin:
+            return memoryview(b"")
+        return memoryview(self._mm)[begin:end]
+
+    def tensor(self, name: str) -> Tensor:
+        """One tensor as a :class:`Tensor` (memory-mapped)."""
+        info = self._infos[name]
+        return Tensor(name, info.dtype, info.shape, self.array(name))
+
+    def close(self) -> None:
+        # Views may still reference the map; let garbage collection unmap it then.
+        self._fh.close()
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- writing ------------------------------------------------------------------------
+def _header_bytes(entries: Mapping[str, dict], metadata: Mapping[str, str], reserve: int = 0) -> bytes:
+    header = {SAFETENSORS_METADATA_KEY: dict(metadata), **entries}
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    size = max(len(raw), reserve)
+    size += -size % 8  # keep tensor data 8-byte aligned, as the reference writer does
+    return raw + b" " * (size - len(raw))
+
+
+class StreamingWriter:
+    """Writes a safetensors file tensor by tensor, in bounded memory, atomically.
+
+    The layout (names, dtypes, shapes, offsets) is fixed up front; tensors may then
+    be written in any order, in row chunks, with :meth:`write`.  The header is
+    written last (:meth:`finish`), so metadata may depend on the data (checksums),
+    provided its length does not exceed ``header_reserve`` bytes.  Everything goes
+    to a temporary file in the target folder, which is fsynced and renamed over
+    ``path`` only by :meth:`finish`; :meth:`abort` (or leaving the ``with`` block
+    on an exception) deletes it, so no half-written output ever exists.
+
+    Args:
+        path: final output path.
+        layout: ``[(name, dtype code, shape), ...]``; data is laid out with
+            8-byte-itemsize tensors first, then 4, 2, 1 (stable), so every tensor is
+            aligned to its itemsize.
+        header_reserve: bytes reserved for the header JSON.
+
+    Raises:
+        ConverterError: the folder is not writable.
+    """
+
+    def __init__(self, path: str | Path, layout: Iterable[tuple[str, str, tuple[int, ...]]], *, header_reserve: int) -> None:
+        self.path = Path(path)
+        items = list(layout)
+        order = sorted(range(len(items)), key=lambda i: -np.dtype(SAFETENSORS_DTYPES[items[i][1]]).itemsize)
+        self.entries: dict[str, dict] = {}
+        self._spans: dict[str, tuple[int, int, np.dtype]] = {}
+        offset = 0
+        for i in order:
+            name, dtype, shape = items[i]
+            dt = np.dtype(SAFETENSORS_DTYPES[dtype])
+            nbytes = math.prod(shape) * dt.itemsize
+            self.entries[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            self._spans[name] = (offset, nbytes, dt)
+            offset += nbytes
+        self.data_size = offset
+        self.header_reserve = header_reserve + (-header_reserve % 8)
+        self.data_start = 8 + self.header_reserve
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".incomplete", dir=self.path.parent)
+        except OSError as exc:
+            raise ConverterError(f"cannot write to the output folder: {exc.strerror}", path=self.path.parent) from None
+        self.tmp_path = Path(tmp)
+        self._fd = fd
+        self._done = False
+        os.ftruncate(fd, self.data_start + self.data_size)
+
+    def write(self, name: str, data: np.ndarray, row_start: int = 0) -> None:
+        """Write ``data`` into tensor ``name`` starting at row ``row_start``.
+
+        Args:
+            name: a tensor of the layout.
+            data: array whose dtype matches the tensor's storage dtype; its rows
+                replace rows ``[row_start, row_start + len(data))`` (flat for 1-D).
+
+        Raises:
+            ValueError: dtype mismatch or the rows fall outside the tensor.
+        """
+        offset, nbytes, dt = self._spans[name]
+        data = np.ascontiguousarray(data)
+        if data.dtype.newbyteorder("<") != dt.newbyteorder("<") and not (data.dtype.kind == dt.kind and data.dtype.itemsize == dt.itemsize):
+            raise ValueError(f"{name}: dtype {data.dtype} does not match {dt}")
+        shape = self.entries[name]["shape"]
+        row_bytes = dt.itemsize * math.prod(shape[1:]) if len(shape) > 1 else dt.itemsize
+        start = offset + row_start * row_bytes
+        if row_start < 0 or start + data.nbytes > offset + nbytes:
+            raise ValueError(f"{name}: rows [{row_start}, +{len(data)}) fall outside shape {shape}")
+        self._pwrite(data, start)
+
+    def write_flat(self, name: str, data: np.ndarray, elem_start: int) -> None:
+        """Write a 1-D slice of tensor ``name``'s flattened elements at ``elem_start``."""
+        offset, nbytes, dt = self._spans[name]
+        data = np.ascontiguousarray(data)
+        start = offset + elem_start * dt.itemsize
+        if data.dtype.itemsize != dt.itemsize or start + data.nbytes > offset + nbytes:
+            raise ValueError(f"{name}: flat write of {data.nbytes} bytes at element {elem_start} does not fit")
+        self._pwrite(data, start)
+
+    def _pwrite(self, data: np.ndarray, start: int) -> None:
+        view = memoryview(data.view(np.uint8).reshape(-1)) if data.nbytes else memoryview(b"")
+        pos = self.data_start + start
+        while view:
+            done = os.pwrite(self._fd, view, pos)
+            view, pos = view[done:], pos + done
+
+    def finish(self, metadata: Mapping[str, str]) -> Path:
+        """Write the header, fsync, and atomically rename onto ``path``.
+
+        Raises:
+            ValueError: the header outgrew ``header_reserve``.
+        """
+        raw = _header_bytes(self.entries, metadata, self.header_reserve)
+        if len(raw) != self.header_reserve:
+            self.abort()
+            raise ValueError(f"header needs {len(raw)} bytes, only {self.header_reserve} reserved")
+        os.pwrite(self._fd, struct.pack("<Q", len(raw)) + raw, 0)
+        os.fsync(self._fd)
+        os.close(self._fd)
+        os.replace(self.tmp_path, self.path)
+        _fsync_dir(self.path.parent)
+        self._done = True
+        return self.path
+
+    def abort(self) -> None:
+        """Delete the temporary file; the target path is left as it was."""
+        if not self._done:
+            self._done = True
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self.tmp_path.unlink(missing_ok=True)
+
+    def __enter__(self) -> StreamingWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if not self._done:
+            self.abort()
+
+
+def header_size_for(entries_layout: Iterable[tuple[str, str, tuple[int, ...]]], metadata: Mapping[str, str]) -> int:
+    """Bytes the header will take for this layout and metadata (offsets at worst-case width)."""
+    big = 10**15
+    entries = {n: {"dtype": d, "shape": list(s), "data_offsets": [big, big]} for n, d, s in entries_layout}
+    return len(_header_bytes(entries, metadata))
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

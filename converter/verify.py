@@ -1,0 +1,240 @@
+"""``marlin-verify``'s checks beyond structure: exact comparison with the source
+(``--against``), CPU numerics, and (through ``converter.gpu``) GPU numerics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from .artifact.reader import Artifact, LayerRecord
+from .artifact.validate import Report, validate_artifact
+from .constants import MARLIN_ZERO, Suffix
+from .errors import ConverterError, GpuUnavailableError
+from .formats import open_source
+from .formats.base import Source
+from .marlin.layout import unpack_b, unpermute_scales
+from .quant_weight import QuantWeight
+
+#: Both sides of the CPU check are fp32; they differ only by fp32 rounding.
+CPU_REL_TOL = 1e-5
+#: The issue's bar for the fp16 GPU GEMM against an fp32 reference.
+GPU_MEAN_REL_TOL = 1e-3
+CPU_M = 8
+
+
+def unpack_layer(art: Artifact, rec: LayerRecord) -> dict[str, np.ndarray | None]:
+    """Exact inverse of the conversion for one layer.
+
+    Returns:
+        ``q`` uint8 ``(size_k, size_n)`` in Marlin row order; ``scales`` float16
+        ``(num_groups, size_n)`` natural order; ``delta`` float32; ``perm`` int32 or None.
+    """
+    p = rec.name + "."
+    return {
+        "q": unpack_b(art.tensor(p + Suffix.B.value), rec.size_n),
+        "scales": unpermute_scales(art.tensor(p + Suffix.SCALES.value), single=rec.num_groups == 1),
+        "delta": np.asarray(art.tensor(p + Suffix.DELTA.value), dtype=np.float32),
+        "perm": np.asarray(art.tensor(p + Suffix.PERM.value)) if rec.act_order else None,
+    }
+
+
+def artifact_weight(u: dict[str, np.ndarray | None], rec: LayerRecord) -> np.ndarray:
+    """float32 ``(size_k, size_n)`` = ``(q - 8) * s + delta``, rows in SOURCE channel order."""
+    g = np.arange(rec.size_k) // rec.group_size
+    w = (u["q"].astype(np.float32) - MARLIN_ZERO) * u["scales"].astype(np.float32)[g] + u["delta"][g]
+    return _to_source_order(w, u["perm"])
+
+
+def _to_source_order(w: np.ndarray, perm: np.ndarray | None) -> np.ndarray:
+    if perm is None:
+        return w
+    out = np.empty_like(w)
+    out[perm] = w
+    return out
+
+
+def _first_diff(a: np.ndarray, b: np.ndarray) -> str:
+    bad = np.argwhere(a != b)
+    idx = tuple(int(i) for i in bad[0])
+    return f"{len(bad)} of {a.size} differ; first at {list(idx)}: {a[idx]!r} vs source {b[idx]!r}"
+
+
+def compare_against(art: Artifact, source: Source, report: Report, layer_rows: dict[str, dict[str, Any]]) -> dict[str, QuantWeight]:
+    """Compare the artifact with its source exactly; append problems to ``report``.
+
+    Checks codes (unpacked ``B``), scales (unpermuted, bitwise), ``delta`` (bitwise),
+    ``perm``, bias and every pass-through tensor's bytes.
+
+    Returns:
+        ``{layer name: QuantWeight}`` of the source layers (for numerics).
+    """
+    plan = source.plan()
+    loaded: dict[str, QuantWeight] = {}
+    src_layers = {lay.name: lay for lay in plan.layers if lay.convertible}
+    for name in art.layers.keys() - src_layers.keys():
+        report.add("source_mismatch", f"layer {name} is in the artifact but not converted from the source", name)
+    for name in src_layers.keys() - art.layers.keys():
+        report.add("source_mismatch", f"layer {name} converts from the source but is missing from the artifact", name)
+    for name, rec in art.layers.items():
+        if name not in src_layers:
+            continue
+        qw = source.load_layer(src_layers[name])
+        loaded[name] = qw
+        u = unpack_layer(art, rec)
+        checks = {
+            "codes": (u["q"], qw.q),
+            "scales": (u["scales"].view(np.uint16), np.ascontiguousarray(qw.scales, dtype=np.float16).view(np.uint16)),
+            "delta": (u["delta"].view(np.uint32), np.ascontiguousarray(qw.delta, dtype=np.float32).view(np.uint32)),
+        }
+        if (u["perm"] is None) != (qw.perm is None):
+            report.add("source_mismatch", f"layer {name}: act-order permutation present in only one of artifact and source", name)
+        elif u["perm"] is not None:
+            checks["perm"] = (u["perm"], qw.perm)
+        row = layer_rows[name]
+        for what, (mine, theirs) in checks.items():
+            if mine.shape != theirs.shape:
+                report.add("source_mismatch", f"layer {name}: {what} shape {list(mine.shape)} vs source {list(theirs.shape)}", name)
+                row[f"{what}_exact"] = False
+            elif not np.array_equal(mine, theirs):
+                report.add("source_mismatch", f"layer {name}: {what} not bit-identical to the source: {_first_diff(mine, theirs)}", name)
+                row[f"{what}_exact"] = False
+            else:
+                row[f"{what}_exact"] = True
+        if rec.has_bias:
+            bias_name = f"{name}.{Suffix.BIAS.value}"
+            if qw.bias is None or bytes(art.file.raw(bias_name)) != np.ascontiguousarray(qw.bias.data).tobytes():
+                report.add("source_mismatch", f"{bias_name}: bias differs from the source", bias_name)
+    for entry in art.manifest["passthrough"]:
+        name = entry["name"]
+        if name not in art.file:
+            continue
+        try:
+            t = source.load_tensor(name)
+        except (KeyError, ConverterError):
+            report.add("source_mismatch", f"{name}: pass-through tensor not found in the source", name)
+            continue
+        info = art.file.infos[name]
+        if (info.dtype, info.shape) != (t.dtype, tuple(t.shape)):
+            report.add("source_mismatch", f"{name}: {info.dtype} {list(info.shape)} vs source {t.dtype} {list(t.shape)}", name)
+        elif xxhash.xxh3_128_hexdigest(art.file.raw(name)) != xxhash.xxh3_128_hexdigest(np.ascontiguousarray(t.data).tobytes()):
+            report.add("source_mismatch", f"{name}: bytes differ from the source", name)
+    return loaded
+
+
+def _source_weight(qw: QuantWeight) -> np.ndarray:
+    return _to_source_order(qw.source_weight(), qw.perm)
+
+
+def cpu_numerics(art: Artifact, rec: LayerRecord, qw: QuantWeight | None, rng: np.random.Generator) -> float:
+    """Relative error of the artifact's decomposed product against a reference, fp32.
+
+    The artifact side computes what a Marlin kernel does: gather ``x[:, perm]``,
+    multiply by ``(q - 8) * s``, add ``xsum @ delta`` with per-group sums of the
+    gathered ``x``.  The reference is ``x @ W_source`` (source formula) when a
+    source is given, else ``x @ W`` from the artifact's own exact unpacking.
+
+    Returns:
+        ``||y - y_ref|| / ||y_ref||`` over random ``x`` of shape ``(8, size_k)``.
+    """
+    u = unpack_layer(art, rec)
+    x = rng.standard_normal((CPU_M, rec.size_k), dtype=np.float32)
+    xp = x[:, u["perm"]] if u["perm"] is not None else x
+    g = np.arange(rec.size_k) // rec.group_size
+    w_sym = (u["q"].astype(np.float32) - MARLIN_ZERO) * u["scales"].astype(np.float32)[g]
+    xsum = xp.reshape(CPU_M, rec.num_groups, rec.group_size).sum(axis=2)
+    y = xp @ w_sym + xsum @ u["delta"]
+    w_ref = _source_weight(qw) if qw is not None else artifact_weight(u, rec)
+    y_ref = x @ w_ref
+    denom = float(np.linalg.norm(y_ref)) or 1.0
+    return float(np.linalg.norm(y - y_ref)) / denom
+
+
+def verify(
+    path: str | Path,
+    *,
+    shapes_only: bool = False,
+    against: str | Path | None = None,
+    gpu: bool | None = None,
+    progress: Callable[[str, int], None] | None = None,
+) -> Report:
+    """Run ``marlin-verify``'s checks and return every problem found.
+
+    Args:
+        path: the artifact.
+        shapes_only: structure and checksums only (plus ``against`` if given); no numerics.
+        against: the source checkpoint, for exact comparison and a source reference.
+        gpu: True forces GPU numerics (a problem if unavailable), False skips them,
+            None runs them when CuPy and a GPU are present.
+        progress: as for :func:`converter.convert.convert`.
+
+    Raises:
+        ConverterError and subclasses: unreadable artifact or source (exit 2).
+    """
+    report, art = validate_artifact(path)
+    with art:
+        rows = {
+            rec.name: {"name": rec.name, "size_k": rec.size_k, "size_n": rec.size_n, "group_size": rec.group_size,
+                       "bits": rec.bits, "symmetric": rec.symmetric, "act_order": rec.act_order}
+            for rec in art.layers.values()
+        }
+        report.layers = list(rows.values())
+        if any(p.code == "schema_violation" for p in report.problems):
+            return report
+        source_layers: dict[str, QuantWeight] = {}
+        if against is not None:
+            with open_source(against) as source:
+                source_layers = compare_against(art, source, report, rows)
+            report.checked["against"] = str(against)
+        if shapes_only:
+            return report
+        rng = np.random.default_rng(0)
+        if progress:
+            progress("CPU numerics", len(art.layers))
+        for name, rec in art.layers.items():
+            err = cpu_numerics(art, rec, source_layers.get(name), rng)
+            rows[name]["cpu_rel_err"] = err
+            if not err <= CPU_REL_TOL:
+                report.add("numerics", f"layer {name}: CPU relative error {err:.3g} exceeds {CPU_REL_TOL:g}", name, CPU_REL_TOL, err)
+            if progress:
+                progress("", 1)
+        report.checked["cpu_numerics"] = True
+        if gpu is not False:
+            _gpu_numerics(art, report, rows, source_layers, forced=bool(gpu), progress=progress)
+    return report
+
+
+def _gpu_numerics(art: Artifact, report: Report, rows: dict[str, dict[str, Any]], source_layers: dict[str, QuantWeight], *, forced: bool, progress) -> None:
+    try:
+        from .gpu.verify import verify_layer_gpu
+
+        from .gpu.runtime import require_gpu
+
+        require_gpu()
+    except (GpuUnavailableError, ImportError) as exc:
+        msg = str(exc) if isinstance(exc, GpuUnavailableError) else f"GPU support is not installed ({exc})"
+        if forced:
+            report.add("gpu", f"--gpu given but {msg}")
+        else:
+            report.checked["gpu_numerics"] = f"skipped: {msg}"
+        return
+    if progress:
+        progress("GPU numerics", len(art.layers))
+    for name, rec in art.layers.items():
+        u = unpack_layer(art, rec)
+        w_ref = _source_weight(source_layers[name]) if name in source_layers else artifact_weight(u, rec)
+        p = name + "."
+        res = verify_layer_gpu(
+            np.asarray(art.tensor(p + Suffix.B.value)), np.asarray(art.tensor(p + Suffix.SCALES.value)),
+            u["delta"], u["perm"], rec.size_k, rec.size_n, rec.group_size, w_ref,
+        )
+        rows[name]["gpu"] = res
+        if not res.get("ok", False):
+            report.add("gpu_numerics", f"layer {name}: GPU check failed: {res.get('summary', res)}", name)
+        if progress:
+            progress("", 1)
+    report.checked["gpu_numerics"] = True

@@ -1,0 +1,113 @@
+// marlin_common.cuh: small device helpers shared by marlin_gemm.cu, dequant.cu and
+// asym_correction.cu, which `#include` it; converter/gpu/kernels.py passes this folder
+// to NVRTC with -I. No CUDA header is pulled in, so NVRTC needs no toolkit include path.
+//
+// Everything here is written against the PTX ISA (fp16x2 arithmetic, mma.m16n8k16
+// fragment layouts) and the layout facts of checkpoint-formats.md section 4.
+// Values of fp16 type travel as raw bits: `unsigned short` for one, `unsigned int`
+// holding two (low half = lower index) for a pair.
+
+#ifndef MARLIN_COMMON_CUH
+#define MARLIN_COMMON_CUH
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+// fp16x2 arithmetic with explicit round-to-nearest. The `.rn` suffix stops ptxas from
+// contracting a mul+add pair into an fma, which would change the bits that the NumPy
+// twins (converter/gpu/reference.py) reproduce exactly.
+__device__ __forceinline__ u32 h2_sub(u32 a, u32 b) {
+    u32 d;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+__device__ __forceinline__ u32 h2_mul(u32 a, u32 b) {
+    u32 d;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+__device__ __forceinline__ u32 h2_fma(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+__device__ __forceinline__ u16 f32_to_h(float x) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+__device__ __forceinline__ float h_to_f32(u16 h) {
+    float x;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(h));
+    return x;
+}
+__device__ __forceinline__ u32 h_splat(u16 h) { return (u32)h | ((u32)h << 16); }
+
+// Read-only, non-coherent loads: the operands they read are never written while a
+// kernel runs, so the texture path is legal; no L2 eviction hint is used (upstream's
+// hinted async load is what crashed on Hopper, see issue 6).
+__device__ __forceinline__ int4 ldg_v4(const int4* p) {
+    int4 v;
+    asm volatile("ld.global.nc.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ u32 ldg_u32(const void* p) {
+    u32 v;
+    asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ float ldg_f32(const float* p) {
+    float v;
+    asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ u16 ldg_u16(const u16* p) {
+    u16 v;
+    asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    return v;
+}
+// L2-only load: partial sums written by other multiprocessors must not be served from
+// a stale L1 line.
+__device__ __forceinline__ float2 ldcg_f2(const float2* p) {
+    float2 v;
+    asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
+    return v;
+}
+
+// The fp16 exponent trick (checkpoint-formats.md 4.2). OR-ing a nibble into the
+// mantissa of 1024.0 (0x6400) gives 1024 + q exactly, so one subtraction of 1032 gives
+// q - 8. A nibble sitting 4 bits higher gives 1024 + 16 q, and (x / 16) - 72 = q - 8,
+// done as one fma whose every step is exact.
+#define FP16_EXP_BITS 0x64006400u
+#define FP16_1032 0x64086408u
+#define FP16_ONE_16TH 0x2C002C00u
+#define FP16_MINUS_72 0xD480D480u
+
+// Codes (r, c) of one B word for a lane with r0 = 2 (lane % 4), c0 = lane / 4
+// (section 4.3), nibbles 0..7: (r0,c0) (r0+8,c0) (r0,c0+8) (r0+8,c0+8) (r0+1,c0)
+// (r0+9,c0) (r0+1,c0+8) (r0+9,c0+8). Out: q - 8 as fp16x2 for the mma B fragments:
+//   m[0] = {r0, r0+1} at c0      m[1] = {r0+8, r0+9} at c0
+//   m[2] = {r0, r0+1} at c0+8    m[3] = {r0+8, r0+9} at c0+8
+__device__ __forceinline__ void codes_minus8(u32 w, u32 m[4]) {
+    const u32 hi = w >> 8;
+    m[0] = h2_sub((w & 0x000F000Fu) | FP16_EXP_BITS, FP16_1032);
+    m[1] = h2_fma((w & 0x00F000F0u) | FP16_EXP_BITS, FP16_ONE_16TH, FP16_MINUS_72);
+    m[2] = h2_sub((hi & 0x000F000Fu) | FP16_EXP_BITS, FP16_1032);
+    m[3] = h2_fma((hi & 0x00F000F0u) | FP16_EXP_BITS, FP16_ONE_16TH, FP16_MINUS_72);
+}
+
+// Position of natural column n inside a row of Marlin-permuted scales.
+//   grouped (G > 1): 8x8 transpose in each 64-column chunk, new[8i+j] = old[8j+i];
+//   per-channel (G == 1): the 32-entry list, inverted in closed form: old column
+//   c = 8a + b of a 32-chunk sits at 8 (b / 2) + 2 a + (b % 2).
+__device__ __forceinline__ int scale_pos(int n, int per_channel) {
+    if (per_channel) {
+        const int c = n & 31;
+        return (n & ~31) + 8 * ((c & 7) >> 1) + 2 * (c >> 3) + (c & 1);
+    }
+    const int c = n & 63;
+    return (n & ~63) + 8 * (c & 7) + (c >> 3);
+}
+
+#endif  // MARLIN_COMMON_CUH
