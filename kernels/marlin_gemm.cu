@@ -204,7 +204,7 @@ marlin_gemm(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __
 #pragma unroll
                     for (int f = 0; f < 8; ++f)
                         *reinterpret_cast<float2*>(wp + (size_t)r * N + colbase + 8 * f) =
-                            make_float2(acc[mt][f][2 * h], acc[mt][f][2 * h + 1]);
+                            float2{acc[mt][f][2 * h], acc[mt][f][2 * h + 1]};
                 }
             }
         __threadfence();  // partials visible device-wide before the counter moves

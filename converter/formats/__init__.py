@@ -68,7 +68,7 @@ def open_source(path: str | Path) -> Source:
             where = ckpt.quant_config_file or "config.json"
             found = repr(method) if method else "no quantization config"
             raise UnsupportedQuantError(
-                f"quant_method {found} is not supported (supported: {', '.join(sorted(HF_READERS))})",
+                f"{found} is not supported (supported: {', '.join(sorted(HF_READERS))})",
                 path=ckpt.folder / where, tensor="quant_method",
             )
         return HF_READERS[method](ckpt)
