@@ -8,6 +8,7 @@ files are built by writing a good one and then patching its bytes or its header.
 from __future__ import annotations
 
 import hashlib
+import os
 import importlib.util
 import json
 import struct
@@ -271,7 +272,8 @@ def test_sample_plan() -> None:
     )
     assert "pre.0.mlp_up.frac4" in plain and "pre.0.mlp_up.frac4" not in layers["pre.0.mlp_up"].source_tensors
     for name in ("head.qweight", "head.scale", "head.zero"):
-        assert plan.passthrough_reasons[name] == not_converted["head"]
+        assert plan.passthrough_reasons[name] == "layer head not converted: " + not_converted["head"]
+    assert layers["pre.0.attn_qkv"].source_tensors == tuple(f"pre.0.attn_qkv.{s}" for s in ("qweight", "scale", "zero"))
     assert set(layers["pre.1.attn_out"].source_tensors) == {f"pre.1.attn_out.{s}" for s in ("qweight", "scale", "zero")}
     assert SAMPLE.stat().st_size < 1_500_000
 
@@ -302,7 +304,7 @@ def test_shorter_than_preamble(tmp_path: Path) -> None:
 def test_missing_file_and_directory(tmp_path: Path) -> None:
     with pytest.raises(SourceFormatError, match="cannot open for reading"):
         TinyloopSource(tmp_path / "nope.tinyloop")
-    with pytest.raises(SourceFormatError, match="cannot open for reading"):
+    with pytest.raises(SourceFormatError, match="not a regular file"):
         TinyloopSource(tmp_path)
 
 
@@ -514,7 +516,8 @@ def _lin(**fields: Any) -> Callable[[dict[str, Any]], None]:
         (_lin(scale="nope"), r"lin: field 'scale' names tensor 'nope', which is not in the tensor table"),
         (_lin(bias="missing.bias"), "field 'bias' names tensor 'missing.bias', which is not in the tensor table"),
         (_lin(frac4="norm"), r"norm: frac4 of linear 'lin' must be u8, found f16"),
-        (_lin(group_size=64), r"lin.scale: scale of linear 'lin' must have shape \[K/G, N\] = \[1, 64\], found \[2, 64\]"),
+        (_lin(group_size=64),
+         r"lin.scale: scale of linear 'lin' must have shape \[K/G, N\] = \[1, 64\], found \[2, 64\]"),
         (_lin(out_features=32), r"lin.qweight: qweight of linear 'lin' must have shape \[N, K\*bits/8\] = \[32, 32\]"),
         (_lin(zero="lin.qweight"), "already used by another field"),
         (_lin(zero="emb"), r"emb: zero of linear 'lin' must be f16, found bf16"),
@@ -595,7 +598,9 @@ def _only_our_errors(path: Path) -> None:
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_fuzz_byte_mutations_raise_only_our_errors(tmp_path_factory: pytest.TempPathFactory, data: st.DataObject) -> None:
+def test_fuzz_byte_mutations_raise_only_our_errors(
+    tmp_path_factory: pytest.TempPathFactory, data: st.DataObject
+) -> None:
     raw = bytearray(_seed_bytes(tmp_path_factory))
     for _ in range(data.draw(st.integers(1, 4))):
         pos = data.draw(st.integers(0, len(raw) - 1))
@@ -615,7 +620,9 @@ _json_values = st.recursive(
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_fuzz_header_fields_raise_only_our_errors(tmp_path_factory: pytest.TempPathFactory, data: st.DataObject) -> None:
+def test_fuzz_header_fields_raise_only_our_errors(
+    tmp_path_factory: pytest.TempPathFactory, data: st.DataObject
+) -> None:
     raw = _seed_bytes(tmp_path_factory)
     (header_len,) = struct.unpack_from("<Q", raw, 16)
     header = json.loads(raw[24 : 24 + header_len])
@@ -627,3 +634,38 @@ def test_fuzz_header_fields_raise_only_our_errors(tmp_path_factory: pytest.TempP
     path = tmp_path_factory.mktemp("h") / "h.tinyloop"
     rebuild(path, json.dumps(header), raw[start:])
     _only_our_errors(path)
+
+
+def test_lone_surrogate_in_header(tmp_path: Path) -> None:
+    path = rebuild(tmp_path / "s.tinyloop", '{"model": {"name": "\\ud800"}, "tensors": {}, "linears": {}}', b"")
+    with pytest.raises(SourceFormatError, match="header: header JSON escapes a lone UTF-16 surrogate"):
+        TinyloopSource(path)
+
+
+def test_not_a_regular_file(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe.tinyloop"
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no named pipes on this platform")
+    os.mkfifo(fifo)
+    with pytest.raises(SourceFormatError, match="pipe.tinyloop: not a regular file"):
+        TinyloopSource(fifo)
+
+
+def test_unconverted_layer_with_bias_and_channels(tmp_path: Path) -> None:
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((64, 64)).astype(np.float32)
+    tensors, entry = quantize_linear_tinyloop(
+        "x", w, 4, 32, rng, bias=np.ones(64), exact_int4=True, channels=("frac4", "sign_bit")
+    )
+    path = write_tinyloop(tmp_path / "x.tinyloop", {}, tensors, {"x": entry})
+    with TinyloopSource(path) as src:
+        plan = src.plan()
+    (layer,) = plan.layers
+    assert not layer.convertible and layer.reason == EXACT_INT4_REASON
+    assert layer.bias is not None and layer.bias.name == "x.bias"
+    assert layer.source_tensors == ("x.qweight", "x.scale", "x.zero", "x.frac4", "x.sign_bit")
+    assert plan.tensors == []
+    assert plan.passthrough_reasons == {
+        f"x.{s}": f"layer x not converted: {EXACT_INT4_REASON}"
+        for s in ("qweight", "scale", "zero", "bias", "frac4", "sign_bit")
+    }

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from ..constants import TINYLOOP_MAGIC
 from ..errors import ConverterError, UnsupportedQuantError
 from .base import LayerPlan, Source, SourcePlan, TensorInfo
 from .hf import HFCheckpoint
@@ -47,14 +46,9 @@ def open_source(path: str | Path) -> Source:
     if not path.exists():
         raise ConverterError("no such file or directory", path=path)
     if path.is_file():
-        try:
-            with open(path, "rb") as fh:
-                head = fh.read(len(TINYLOOP_MAGIC))
-        except OSError as exc:
-            raise ConverterError(f"cannot read: {exc.strerror}", path=path) from None
-        if head == TINYLOOP_MAGIC or path.suffix == ".tinyloop":
-            from .tinyloop import TinyloopSource
+        from .tinyloop import TinyloopSource, sniff
 
+        if path.suffix == ".tinyloop" or sniff(path):
             return TinyloopSource(path)
     ckpt = HFCheckpoint(path)
     try:

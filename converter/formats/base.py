@@ -29,7 +29,7 @@ class LayerPlan:
         zero_convention: how the source stores the offset.
         symmetric: derived from the data (all zeros at the symmetric point), not flags.
         act_order: a non-trivial ``g_idx``: the artifact gets ``marlin_perm``.
-        source_tensors: every source tensor this layer owns.
+        source_tensors: the source tensors this layer owns, except the bias.
         bias: the bias tensor's info, or None.
         convertible: False means its ``source_tensors`` pass through unchanged.
         reason: why it does not convert ("" when it does).
@@ -64,8 +64,9 @@ class SourcePlan:
     Attributes:
         layers: quantized linears, convertible or not.
         tensors: plain tensors that no layer owns, carried over unchanged.
-        passthrough_reasons: ``{tensor name: reason}`` for every carried-over tensor
-            that belongs to a layer which did not convert.
+        passthrough_reasons: ``{tensor name: reason}`` for carried-over tensors with a
+            reason of their own: those of a layer that did not convert, and side
+            channels in ``tensors`` (``.tinyloop`` ``frac4``); others get a default.
     """
 
     layers: list[LayerPlan]

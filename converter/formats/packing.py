@@ -1,22 +1,100 @@
-"""Bit unpacking of producer int32 words (GPTQ, AWQ, compressed-tensors).
+"""Bit unpacking of producer int32 words (GPTQ, AWQ, compressed-tensors), and the
+act-order permutation shared by the readers that carry a ``g_idx``.
 
-Convention (checkpoint-formats.md 1.2-1.3): for ``b`` in {2, 4, 8}, word ``w`` holds
-``32 // b`` codes LSB-first, code ``i`` in bits ``[b*i, b*i + b)``.  All bit work is
-done on the uint32 view of the signed int32 storage.
+Conventions (shared/spec/checkpoint-formats.md 1.2-1.3):
+
+* ``b`` in {2, 4, 8}: word ``w`` holds ``32 // b`` codes LSB-first, code ``i`` in
+  bits ``[b*i, b*i + b)``.
+* ``b == 3``: every 3 consecutive words form one little-endian 96-bit string
+  (word0 = bits 0..31, word1 = 32..63, word2 = 64..95) holding 32 codes, code ``j``
+  in bits ``[3j, 3j + 3)``; codes 10 and 21 straddle word boundaries.
+
+All bit work is done on the uint32 view of the signed int32 storage (or on uint64
+for the 3-bit word pairs), never through floats.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
+from ..errors import SourceFormatError
+
 WORD_BITS = 32
+#: Bit widths with a known int32 packing.
+PACKED_BITS = (2, 3, 4, 8)
+#: 3-bit: 32 codes per block of 3 words.
+_B3_CODES, _B3_WORDS = 32, 3
+# Code j of a 3-bit block read from a 64-bit pair: j <= 10 from (word0 | word1 << 32),
+# j >= 11 from (word1 | word2 << 32); both windows hold the whole 3-bit field.
+_B3_PAIR = np.array([0 if j <= 10 else 1 for j in range(_B3_CODES)], dtype=np.intp)
+_B3_PAIR_SHIFT = np.array([3 * j if j <= 10 else 3 * j - 32 for j in range(_B3_CODES)], dtype=np.uint64)
+# Packing: bit offset of code j relative to word w is 3j - 32w; a code contributes to
+# word w when that offset lies in (-3, 32) (partly, for the two straddling codes).
+_B3_OFF = np.array([[3 * j - 32 * w for w in range(_B3_WORDS)] for j in range(_B3_CODES)], dtype=np.int64)
+_B3_LSHIFT = np.where(_B3_OFF >= 0, _B3_OFF, 0).astype(np.uint64)
+_B3_RSHIFT = np.where(_B3_OFF < 0, -_B3_OFF, 0).astype(np.uint64)
+_B3_VALID = ((_B3_OFF > -3) & (_B3_OFF < 32)).astype(np.uint64)
 
 
 def codes_per_word(bits: int) -> int:
-    """Codes held by one int32 word for ``bits`` in {2, 4, 8}."""
+    """Codes held by one int32 word for ``bits`` in {2, 4, 8} (3-bit has no whole-word packing).
+
+    Raises:
+        ValueError: any other bit width.
+    """
     if bits not in (2, 4, 8):
         raise ValueError(f"no whole-word packing for {bits}-bit codes")
     return WORD_BITS // bits
+
+
+def packed_len(n_codes: int, bits: int) -> int | None:
+    """Number of int32 words holding ``n_codes`` codes of ``bits`` bits, or None if they
+    do not fill whole words (whole 3-word blocks for 3-bit)."""
+    if bits == 3:
+        return n_codes // _B3_CODES * _B3_WORDS if n_codes % _B3_CODES == 0 else None
+    per = codes_per_word(bits)
+    return n_codes // per if n_codes % per == 0 else None
+
+
+def unpacked_len(n_words: int, bits: int) -> int | None:
+    """Number of codes in ``n_words`` int32 words, or None when 3-bit words are not whole blocks."""
+    if bits == 3:
+        return n_words // _B3_WORDS * _B3_CODES if n_words % _B3_WORDS == 0 else None
+    return n_words * codes_per_word(bits)
+
+
+def _unpack_last(u: np.ndarray, bits: int) -> np.ndarray:
+    """Unpack along the last axis of a 2-D uint32 array."""
+    rows, width = u.shape
+    if bits == 3:
+        if width % _B3_WORDS:
+            raise ValueError(f"3-bit packing needs whole 3-word blocks, found {width} words")
+        blk = u.reshape(rows, width // _B3_WORDS, _B3_WORDS).astype(np.uint64)
+        pairs = np.stack((blk[..., 0] | (blk[..., 1] << np.uint64(32)), blk[..., 1] | (blk[..., 2] << np.uint64(32))), axis=-1)
+        out = (pairs[..., _B3_PAIR] >> _B3_PAIR_SHIFT) & np.uint64(7)
+        return out.astype(np.uint8).reshape(rows, width // _B3_WORDS * _B3_CODES)
+    per = codes_per_word(bits)
+    shifts = np.arange(per, dtype=np.uint32) * np.uint32(bits)
+    out = (u[:, :, None] >> shifts) & np.uint32((1 << bits) - 1)
+    return out.astype(np.uint8).reshape(rows, width * per)
+
+
+def _pack_last(c: np.ndarray, bits: int) -> np.ndarray:
+    """Pack uint codes along the last axis of a 2-D array into uint32 words."""
+    rows, width = c.shape
+    if bits == 3:
+        if width % _B3_CODES:
+            raise ValueError(f"3-bit packing needs multiples of 32 codes, found {width}")
+        blk = c.reshape(rows, width // _B3_CODES, _B3_CODES, 1).astype(np.uint64)
+        parts = ((blk << _B3_LSHIFT) >> _B3_RSHIFT) & np.uint64(0xFFFFFFFF) * _B3_VALID
+        words = np.bitwise_or.reduce(parts, axis=2)  # (rows, blocks, 3)
+        return words.astype(np.uint32).reshape(rows, width // _B3_CODES * _B3_WORDS)
+    per = codes_per_word(bits)
+    shifts = np.arange(per, dtype=np.uint32) * np.uint32(bits)
+    v = c.astype(np.uint32).reshape(rows, width // per, per) << shifts
+    return np.bitwise_or.reduce(v, axis=2)
 
 
 def unpack_words(words: np.ndarray, bits: int, axis: int) -> np.ndarray:
@@ -24,41 +102,140 @@ def unpack_words(words: np.ndarray, bits: int, axis: int) -> np.ndarray:
 
     Args:
         words: int32 or uint32 array, 2-D.
-        bits: 2, 4 or 8.
+        bits: 2, 3, 4 or 8 (layouts in the module docstring; spec 1.2).
         axis: 0 to unpack down the rows (GPTQ ``qweight``: ``(K*b/32, N)`` ->
             ``(K, N)``), 1 along the columns (``qzeros``: ``(G, N*b/32)`` -> ``(G, N)``).
 
     Returns:
-        uint8 codes, the packed axis multiplied by ``32 // bits``.
+        uint8 codes in ``[0, 2**bits)``; the packed axis grows by ``32 / bits``.
+
+    Raises:
+        ValueError: an unknown bit width, or 3-bit words that are not whole 3-word blocks.
     """
-    per = codes_per_word(bits)
     u = np.ascontiguousarray(words).view(np.uint32)
-    shifts = np.arange(per, dtype=np.uint32) * np.uint32(bits)
-    mask = np.uint32((1 << bits) - 1)
     if axis == 0:
-        out = (u[:, None, :] >> shifts[None, :, None]) & mask
-        return out.astype(np.uint8).reshape(u.shape[0] * per, u.shape[1])
-    out = (u[:, :, None] >> shifts) & mask
-    return out.astype(np.uint8).reshape(u.shape[0], u.shape[1] * per)
+        return np.ascontiguousarray(_unpack_last(np.ascontiguousarray(u.T), bits).T)
+    return _unpack_last(u, bits)
 
 
 def pack_words(codes: np.ndarray, bits: int, axis: int) -> np.ndarray:
-    """Inverse of :func:`unpack_words`: uint8 codes -> int32 words (writers, fixtures)."""
-    per = codes_per_word(bits)
-    c = np.ascontiguousarray(codes).astype(np.uint32)
-    shifts = np.arange(per, dtype=np.uint32) * np.uint32(bits)
+    """Inverse of :func:`unpack_words`: uint8 codes -> int32 words (writers, fixtures).
+
+    Raises:
+        ValueError: an unknown bit width or a packed axis that does not fill whole words.
+    """
+    c = np.ascontiguousarray(codes)
     if axis == 0:
-        c = c.reshape(c.shape[0] // per, per, c.shape[1]) << shifts[None, :, None]
-        return np.bitwise_or.reduce(c, axis=1).view(np.int32)
-    c = c.reshape(c.shape[0], c.shape[1] // per, per) << shifts
-    return np.bitwise_or.reduce(c, axis=2).view(np.int32)
+        return np.ascontiguousarray(_pack_last(np.ascontiguousarray(c.T), bits).T).view(np.int32)
+    return _pack_last(c, bits).view(np.int32)
 
 
 def field_ones(bits: int) -> np.uint32:
-    """The per-field "1" constant of a word: 0x11111111 for 4-bit, 0x55555555 for 2-bit.
+    """The per-field "1" constant of a word: 0x11111111 (4-bit), 0x55555555 (2-bit), 0x01010101 (8-bit).
 
     GPTQModel writes v1 zeros by subtracting this from whole words, with borrows, and
     reads them back by adding it (checkpoint-formats.md 1.5).
     """
     per = codes_per_word(bits)
     return np.uint32(sum(1 << (bits * i) for i in range(per)))
+
+
+def symmetric_zero(bits: int) -> int:
+    """The symmetric zero point ``2**(bits-1)`` (checkpoint-formats.md 1.6)."""
+    return 1 << (bits - 1)
+
+
+def decode_gptq_zeros(words: np.ndarray, bits: int, *, v1: bool) -> np.ndarray:
+    """True zero points from GPTQ ``qzeros`` words.
+
+    Args:
+        words: int32 ``(G, N*b/32)`` as stored (packed along N).
+        bits: 2, 3, 4 or 8.
+        v1: True for ``checkpoint_format`` gptq (stored = z - 1), False for gptq_v2.
+
+    Returns:
+        uint8 ``(G, N)`` zeros ``z`` with ``W = s * (q - z)``.
+
+    Conventions (checkpoint-formats.md 1.4-1.5): for 2/4/8-bit v1 the "+1" is a
+    whole-word add of :func:`field_ones` modulo 2**32, which undoes GPTQModel's
+    whole-word subtract with borrows exactly and equals "+1 per field" wherever no
+    borrow happened.  3-bit fields straddle words, so GPTQModel corrects them per
+    logical field, ``(stored + 1) & 7``; we do the same.
+    """
+    u = np.ascontiguousarray(words).view(np.uint32)
+    if not v1:
+        return unpack_words(u, bits, axis=1)
+    if bits == 3:
+        return ((unpack_words(u, bits, axis=1) + np.uint8(1)) & np.uint8(7)).astype(np.uint8)
+    return unpack_words(u + field_ones(bits), bits, axis=1)
+
+
+def act_order_perm(g_idx: np.ndarray, group_size: int, num_groups: int, *, path: Path | str, tensor: str) -> np.ndarray | None:
+    """The act-order permutation implied by a ``g_idx``, or None when it is trivial.
+
+    Args:
+        g_idx: int ``(K,)``: the group of each source input channel.
+        group_size: rows per group (``K`` for per-channel).
+        num_groups: ``ceil(K / group_size)``, the number of scale rows.
+        path, tensor: named in errors.
+
+    Returns:
+        None when ``g_idx[k] == k // group_size`` for every k (no act-order; this
+        includes ``static_groups`` files that say ``desc_act: true``, spec section 2:
+        the data decides, not the flag).  Otherwise int32 ``perm`` ``(K,)`` = the
+        stable argsort of ``g_idx``: Marlin row ``k`` holds source input channel
+        ``perm[k]`` (vLLM ``marlin_sort_g_idx``; spec section 2 "Converter
+        implication").
+
+    Raises:
+        SourceFormatError: a value outside ``[0, num_groups)``, or a group that does
+            not have exactly ``group_size`` members (the last group may be short when
+            ``K % group_size``), so sorted groups would not be contiguous blocks.
+    """
+    g_idx = np.asarray(g_idx)
+    size_k = int(g_idx.size)
+    if size_k and (int(g_idx.min()) < 0 or int(g_idx.max()) >= num_groups):
+        raise SourceFormatError(
+            f"values must lie in [0, {num_groups}), found [{int(g_idx.min())}, {int(g_idx.max())}]",
+            path=path, tensor=tensor,
+        )
+    if np.array_equal(g_idx, np.arange(size_k) // group_size):
+        return None
+    counts = np.bincount(g_idx.astype(np.int64), minlength=num_groups)
+    full = np.full(num_groups, group_size)
+    full[-1] = size_k - group_size * (num_groups - 1)
+    if not np.array_equal(counts, full):
+        bad = int(np.flatnonzero(counts != full)[0])
+        raise SourceFormatError(
+            f"act-order groups must each have group_size={group_size} members; "
+            f"group {bad} has {int(counts[bad])} (expected {int(full[bad])})",
+            path=path, tensor=tensor,
+        )
+    return np.argsort(g_idx, kind="stable").astype(np.int32)
+
+
+def gather_rows(packed: np.ndarray, rows: np.ndarray, bits: int) -> np.ndarray:
+    """Codes of selected input channels from words packed down axis 0 (GPTQ ``qweight``).
+
+    Args:
+        packed: int32 ``(K*b/32, N)`` (a memory map is fine: only the words holding
+            ``rows`` are read).
+        rows: int ``(R,)`` source input channels, any order (act-order gathers).
+        bits: 2, 3, 4 or 8.
+
+    Returns:
+        uint8 ``(R, N)``: row ``i`` holds the codes of channel ``rows[i]``.
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    if bits == 3:
+        j = rows % _B3_CODES
+        src = _B3_PAIR[j]
+        w_lo = (rows // _B3_CODES) * _B3_WORDS + src
+        lo = np.asarray(packed[w_lo]).view(np.uint32).astype(np.uint64)
+        hi = np.asarray(packed[w_lo + 1]).view(np.uint32).astype(np.uint64)
+        pair = lo | (hi << np.uint64(32))
+        return ((pair >> _B3_PAIR_SHIFT[j][:, None]) & np.uint64(7)).astype(np.uint8)
+    per = codes_per_word(bits)
+    words = np.asarray(packed[rows // per]).view(np.uint32)
+    shift = (rows % per).astype(np.uint32)[:, None] * np.uint32(bits)
+    return ((words >> shift) & np.uint32((1 << bits) - 1)).astype(np.uint8)

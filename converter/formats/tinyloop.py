@@ -2,7 +2,7 @@
 
 The whole container is validated when the file is opened, from the preamble and the
 JSON header alone: every offset, shape and size is checked against the file's real
-length before anything is mapped or allocated.  :meth:`TinyloopSource.plan` then
+length before any tensor byte is read or anything sized by the file is allocated.  :meth:`TinyloopSource.plan` then
 reads the small per-layer tensors (``scale``, ``zero``) to check their values and to
 derive ``symmetric`` from the data; :meth:`TinyloopSource.load_layer` and
 :meth:`TinyloopSource.load_tensor` read one layer or tensor at a time from a
@@ -26,6 +26,8 @@ import json
 import math
 import mmap
 import os
+import re
+import stat
 import struct
 from pathlib import Path
 from typing import Any, NoReturn
@@ -51,7 +53,7 @@ from ..marlin.shapes import check_convertible
 from ..quant_weight import QuantWeight, Tensor
 from .base import LayerPlan, Source, SourcePlan, TensorInfo
 
-__all__ = ["MAX_NDIM", "TinyloopSource", "sniff", "unpack_codes"]
+__all__ = ["CHANNEL_REASONS", "EXACT_INT4_REASON", "MAX_NDIM", "TinyloopSource", "sniff", "unpack_codes"]
 
 #: Implementation limit on tensor rank (numpy's own limit is 32 or 64 by version).
 MAX_NDIM = 32
@@ -62,6 +64,7 @@ CHANNEL_REASONS = {
     ch: f"{ch}: TinyLoop stochastic-rounding channel; Marlin ignores it" for ch in TINYLOOP_EXTRA_CHANNELS
 }
 _SHA_CHUNK = 8 * 1024 * 1024
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _MiB = 1024 * 1024
 _LINEAR_INT_FIELDS = ("bits", "in_features", "out_features", "group_size")
 _LINEAR_REQUIRED_TENSORS = ("qweight", "scale", "zero")
@@ -175,10 +178,6 @@ def _capped_numel(shape: tuple[int, ...], cap: int) -> int | None:
     return n
 
 
-class _DuplicateKey(ValueError):
-    pass
-
-
 class TinyloopSource(Source):
     """A ``.tinyloop`` v1 file, validated on open and read through a read-only mmap.
 
@@ -198,6 +197,9 @@ class TinyloopSource(Source):
         self.path = Path(path)
         self._mm: mmap.mmap | None = None
         try:
+            # A FIFO or device would block or lie about its length: regular files only.
+            if not stat.S_ISREG(os.stat(self.path).st_mode):
+                self._fail("not a regular file")
             with open(self.path, "rb") as fh:
                 size = os.fstat(fh.fileno()).st_size
                 self._size = size
@@ -253,8 +255,10 @@ class TinyloopSource(Source):
         ``sign_bit`` channels are not part of the converted layer: they go to
         ``SourcePlan.tensors`` and are carried over unchanged, with their reason in
         ``passthrough_reasons``.  A linear that does not convert keeps all its tensors
-        (channels included) in ``LayerPlan.source_tensors``, each with the layer's
-        reason in ``passthrough_reasons``.  ``symmetric`` is derived from the data:
+        (channels included) in ``LayerPlan.source_tensors``, and each of them (bias
+        included) gets ``"layer <name> not converted: <reason>"`` in
+        ``passthrough_reasons``.  As for every reader, ``source_tensors`` leaves out the
+        bias, which is ``LayerPlan.bias``.  ``symmetric`` is derived from the data:
         ``delta = zero + 8 * scale`` (spec, "Relation to Marlin") is 0 everywhere.
 
         Returns:
@@ -275,15 +279,16 @@ class TinyloopSource(Source):
                 ok, reason = False, EXACT_INT4_REASON
             else:
                 ok, reason = check_convertible(lin.size_k, lin.size_n, lin.group_size)
+            # As in every reader, source_tensors leaves the bias out: it is LayerPlan.bias.
             if ok:
-                source_tensors = (lin.qweight, lin.scale, lin.zero) + ((lin.bias,) if lin.bias else ())
+                source_tensors: tuple[str, ...] = (lin.qweight, lin.scale, lin.zero)
                 for ch, tname in lin.channels.items():
                     reasons[tname] = CHANNEL_REASONS[ch]
                     channel_infos.append(self._info(tname))
             else:
-                source_tensors = lin.tensors()
-                for tname in source_tensors:
-                    reasons[tname] = reason
+                source_tensors = (lin.qweight, lin.scale, lin.zero, *lin.channels.values())
+                for tname in lin.tensors():
+                    reasons[tname] = f"layer {lin.name} not converted: {reason}"
             layers.append(
                 LayerPlan(
                     name=lin.name,
@@ -414,7 +419,8 @@ class TinyloopSource(Source):
             return arr
         if self._mm is None:
             raise ConverterError("source is closed", path=self.path, tensor=name)
-        flat = np.frombuffer(self._mm, dtype=dtype, count=e.nbytes // dtype.itemsize, offset=self._data_start + e.offset)
+        count, start = e.nbytes // dtype.itemsize, self._data_start + e.offset
+        flat = np.frombuffer(self._mm, dtype=dtype, count=count, offset=start)
         return flat.reshape(e.shape)
 
     @staticmethod
@@ -505,6 +511,12 @@ class TinyloopSource(Source):
             self._fail("header is not valid JSON: nested too deeply", "header")
         except ValueError as exc:  # JSONDecodeError, our hooks, int digit limits
             self._fail(f"header is not valid JSON: {str(exc)[:200]}", "header")
+        if _SURROGATE_ESCAPE.search(text):
+            try:
+                json.dumps(header, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError as exc:
+                # A "\\ud800" escape decodes to a lone surrogate: not a UTF-8 string.
+                self._fail(f"header JSON escapes a lone UTF-16 surrogate: {exc.object[exc.start:exc.end]!a}", "header")
         if not isinstance(header, dict):
             self._fail(f"header must be a JSON object, found a JSON {_json_type(header)}", "header")
         if duplicates:

@@ -1,0 +1,18 @@
+"""GPU path: our own Marlin-layout kernels (``kernels/*.cu``) loaded through CuPy.
+
+This is the only package that imports CuPy, and it does so lazily: importing
+``converter.gpu`` (or :mod:`converter.gpu.reference`, the NumPy twins) never needs a GPU.
+Anything that does need one raises :class:`converter.errors.GpuUnavailableError` with a
+one-line message when CuPy or a suitable GPU (compute capability 8.0+) is missing.
+
+Modules:
+    runtime:   CuPy import on demand, device checks.
+    kernels:   one NVRTC ``RawModule`` per ``.cu`` file and checked launchers.
+    reference: NumPy twins of every launcher, same signatures.
+    verify:    :func:`verify_layer_gpu` for ``marlin-verify --gpu``.
+    api:       :func:`load_artifact_gpu`, :class:`MarlinLinear`, ``MarlinLinearModule``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["api", "kernels", "reference", "runtime", "verify"]

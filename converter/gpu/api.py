@@ -1,0 +1,175 @@
+"""Run converted layers on the GPU: per-layer callables and a ``torch.nn.Module``.
+
+``load_artifact_gpu(path)`` reads an artifact through ``converter.artifact.reader``
+(``open_artifact(path) -> Artifact`` with ``.layers`` and ``.tensor(name)``), copies
+each layer's Marlin tensors to the current GPU once, and returns a
+:class:`MarlinLinear` per layer. Nothing here imports CuPy or torch at module import.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..constants import Suffix
+from ..errors import KernelError
+from . import kernels, runtime
+
+
+def _bias_to_f16(raw: np.ndarray) -> np.ndarray:
+    """Artifact bias (float16, float32, or bf16 stored as raw uint16) as float16."""
+    if raw.dtype == np.uint16:  # bf16 bits: the top half of a float32
+        return (raw.astype(np.uint32) << 16).view(np.float32).astype(np.float16)
+    return np.asarray(raw).astype(np.float16)
+
+
+class MarlinLinear:
+    """One converted linear layer resident on the GPU: ``y = x @ W + bias``.
+
+    ``W`` is the artifact's weight including the asymmetric correction (fused into the
+    GEMM when ``marlin_delta`` is non-zero) and ``bias`` is added in the GEMM's epilogue.
+
+    Attributes:
+        name: layer prefix in the artifact.
+        size_k, size_n, group_size: the layer's sizes (group_size == size_k: per-channel).
+    """
+
+    def __init__(self, name: str, size_k: int, size_n: int, group_size: int, B: np.ndarray,
+                 scales: np.ndarray, delta: np.ndarray | None, perm: np.ndarray | None,
+                 bias: np.ndarray | None) -> None:
+        """Copy the layer's tensors to the current GPU.
+
+        Args:
+            name: layer prefix.
+            size_k, size_n, group_size: sizes as in the artifact's layer record.
+            B: int32 ``(K/16, 2N)``; scales: float16 ``(G, N)`` Marlin-permuted;
+            delta: float32 ``(G, N)`` or None; perm: int32 ``(K,)`` or None;
+            bias: float16 ``(N,)`` or None.
+
+        Raises:
+            GpuUnavailableError: no CuPy / GPU / sm_80+.
+            KernelError: the sizes are outside what the kernels support.
+        """
+        cp = runtime.cupy_module()
+        self.name = name
+        self.size_k, self.size_n, self.group_size = size_k, size_n, group_size
+        kernels.gemm_plan(1, size_k, size_n, group_size)  # fail early on unsupported sizes
+        self._B = cp.asarray(np.ascontiguousarray(B, dtype=np.int32))
+        self._scales = cp.asarray(np.ascontiguousarray(scales, dtype=np.float16))
+        use_delta = delta is not None and bool(np.any(delta))
+        self._delta = cp.asarray(np.ascontiguousarray(delta, dtype=np.float32)) if use_delta else None
+        self._perm = None if perm is None else cp.asarray(np.ascontiguousarray(perm, dtype=np.int32))
+        self._bias = None if bias is None else cp.asarray(np.ascontiguousarray(bias, dtype=np.float16))
+
+    def __call__(self, x: Any) -> Any:
+        """Apply the layer.
+
+        Args:
+            x: float16 ``(..., size_k)`` CuPy array or any DLPack-exporting GPU array
+                (e.g. a CUDA torch tensor); leading dims are flattened into M.
+
+        Returns:
+            float16 CuPy array ``(..., size_n)``.
+
+        Raises:
+            KernelError: wrong dtype, shape or device. GpuUnavailableError: no GPU.
+        """
+        cp = runtime.cupy_module()
+        if not isinstance(x, cp.ndarray):
+            if not hasattr(x, "__dlpack__"):
+                raise KernelError(f"{self.name}: input must be a CuPy or DLPack array", tensor=self.name)
+            x = cp.from_dlpack(x)
+        if x.ndim < 1 or x.shape[-1] != self.size_k:
+            raise KernelError(f"input last dim must be {self.size_k}, got shape {tuple(x.shape)}",
+                              tensor=self.name)
+        lead = tuple(x.shape[:-1])
+        x2 = cp.ascontiguousarray(x.reshape(-1, self.size_k))
+        y = kernels.marlin_gemm(x2, self._B, self._scales, size_k=self.size_k, size_n=self.size_n,
+                                group_size=self.group_size, delta=self._delta, perm=self._perm,
+                                bias=self._bias)
+        return y.reshape(*lead, self.size_n)
+
+
+def load_artifact_gpu(path: str | Path) -> dict[str, MarlinLinear]:
+    """Load every converted layer of an artifact onto the current GPU.
+
+    Args:
+        path: the artifact file (``marlin-convert`` output).
+
+    Returns:
+        ``{layer prefix: MarlinLinear}``.
+
+    Raises:
+        ArtifactError (and subclasses): unreadable artifact (from the reader).
+        GpuUnavailableError: no CuPy / GPU / sm_80+ (one-line message).
+        KernelError: a layer the kernels cannot run (e.g. bits != 4).
+    """
+    runtime.cupy_module()  # fail fast, before reading gigabytes
+    from ..artifact.reader import open_artifact
+
+    art = open_artifact(path)
+    layers: dict[str, MarlinLinear] = {}
+    for name, rec in art.layers.items():
+        t = lambda suffix: art.tensor(f"{name}.{suffix.value}")  # noqa: E731
+        delta = None if rec.symmetric else t(Suffix.DELTA)
+        perm = t(Suffix.PERM) if rec.act_order else None
+        bias = _bias_to_f16(t(Suffix.BIAS)) if rec.has_bias else None
+        layers[name] = MarlinLinear(name, rec.size_k, rec.size_n, rec.group_size,
+                                    t(Suffix.B), t(Suffix.SCALES), delta, perm, bias)
+    return layers
+
+
+_module_class: Any = None
+
+
+def _make_module_class() -> Any:
+    """Build ``MarlinLinearModule`` on first access, so torch is imported lazily."""
+    global _module_class
+    if _module_class is not None:
+        return _module_class
+    try:
+        import torch
+    except Exception as exc:
+        from ..errors import GpuUnavailableError
+
+        raise GpuUnavailableError(f"torch is not available ({type(exc).__name__})") from None
+
+    class MarlinLinearModule(torch.nn.Module):
+        """``torch.nn.Module`` running a :class:`MarlinLinear` through DLPack.
+
+        ``forward(x)``: float16 CUDA tensor ``(..., K)`` -> float16 CUDA tensor
+        ``(..., N)``, computed by our kernel on torch's current CUDA stream. The layer's
+        GPU buffers are CuPy arrays, not torch parameters (inference only).
+
+        Raises (forward): KernelError for a non-fp16 or non-CUDA input.
+        """
+
+        def __init__(self, layer: MarlinLinear) -> None:
+            super().__init__()
+            self.layer = layer
+            self.in_features, self.out_features = layer.size_k, layer.size_n
+
+        def forward(self, x: "torch.Tensor") -> "torch.Tensor":
+            if x.dtype != torch.float16 or not x.is_cuda:
+                raise KernelError(f"{self.layer.name}: expected a float16 CUDA tensor, got "
+                                  f"{x.dtype} on {x.device}", tensor=self.layer.name)
+            cp = runtime.cupy_module()
+            with cp.cuda.ExternalStream(torch.cuda.current_stream(x.device).cuda_stream):
+                y = self.layer(x.contiguous())
+            return torch.from_dlpack(y)
+
+        def extra_repr(self) -> str:
+            return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                    f"group_size={self.layer.group_size}")
+
+    _module_class = MarlinLinearModule
+    return _module_class
+
+
+def __getattr__(name: str) -> Any:
+    """``MarlinLinearModule`` is created on first access (imports torch then)."""
+    if name == "MarlinLinearModule":
+        return _make_module_class()
+    raise AttributeError(name)

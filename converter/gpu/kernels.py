@@ -1,0 +1,462 @@
+"""NVRTC modules for ``kernels/*.cu`` and their checked launchers.
+
+One CuPy ``RawModule`` per ``.cu`` file and device architecture, built on first use and
+kept for the life of the process (CuPy also caches the cubin on disk). Templates are
+reached through ``name_expressions``. A compile failure is raised as
+:class:`KernelError` carrying NVRTC's log (``err.nvrtc_log``) and the same error object
+is raised again on later calls instead of recompiling.
+
+Every launcher checks dtype, shape, contiguity and alignment of its arguments before it
+launches anything, and raises :class:`KernelError` naming the argument. Launchers take
+CuPy arrays (NumPy arrays are copied to the device; dtypes are never converted
+silently) and run on CuPy's current stream. Their NumPy twins, with the same
+signatures, are in :mod:`converter.gpu.reference`.
+
+Kernel sources are found by :func:`kernel_dir`: ``converter/_kernels`` inside an
+installed wheel, else the repository's top-level ``kernels/``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import GpuUnavailableError, KernelError
+from . import runtime
+
+_SOURCES = ("marlin_gemm.cu", "dequant.cu", "asym_correction.cu", "marlin_common.cuh")
+
+#: (MT, U, GPI) instantiations of marlin_gemm: MT 16-row m-tiles per warp, U k-tiles
+#: per load step, GPI group slots per step. U shrinks as MT grows to stay in registers.
+GEMM_VARIANTS = ((1, 8, 1), (1, 8, 2), (1, 8, 4), (2, 4, 1), (2, 4, 2), (4, 2, 1))
+#: Resident warps per multiprocessor the K split aims for (latency hiding at small M).
+_WARPS_PER_SM = 16
+
+
+def _gemm_name(mt: int, u: int, gpi: int, delta: bool) -> str:
+    return f"marlin_gemm<{mt}, {u}, {gpi}, {'true' if delta else 'false'}>"
+
+
+_NAMES = {
+    "marlin_gemm.cu": [_gemm_name(*v, d) for v in GEMM_VARIANTS for d in (False, True)]
+    + ["gather_columns"],
+    "dequant.cu": ["marlin_dequant<false>", "marlin_dequant<true>"],
+    "asym_correction.cu": ["group_sums", "add_correction"],
+}
+
+
+def kernel_dir() -> Path:
+    """Folder holding the ``.cu`` sources.
+
+    Looks first at ``converter/_kernels`` (where the wheel's force-include puts them),
+    then at ``<repo>/kernels`` (a source checkout).
+
+    Raises:
+        KernelError: neither folder holds ``marlin_gemm.cu``.
+    """
+    here = Path(__file__).resolve().parent
+    candidates = (here.parent / "_kernels", here.parents[1] / "kernels")
+    for c in candidates:
+        if all((c / s).is_file() for s in _SOURCES):
+            return c
+    raise KernelError(
+        "kernel sources not found; looked in " + ", ".join(str(c) for c in candidates)
+    )
+
+
+_lock = threading.Lock()
+_modules: dict[tuple[str, int], Any] = {}
+_failures: dict[tuple[str, int], KernelError] = {}
+
+
+def module(source: str) -> Any:
+    """The compiled ``RawModule`` for ``source`` (e.g. ``"marlin_gemm.cu"``) on this device.
+
+    Raises:
+        GpuUnavailableError: no CuPy / GPU / sm_80+.
+        KernelError: NVRTC failed; ``err.nvrtc_log`` holds the full log. Raised once
+            per process per file and device, then re-raised without recompiling.
+    """
+    cp = runtime.cupy_module()
+    info = runtime.device_info()
+    key = (source, info.index)
+    with _lock:
+        if key in _modules:
+            return _modules[key]
+        if key in _failures:
+            raise _failures[key]
+        folder = kernel_dir()
+        code = (folder / source).read_text(encoding="utf-8")
+        options = ("-std=c++17", f"--gpu-architecture={info.arch}", f"-I{folder}")
+        try:
+            mod = cp.RawModule(code=code, options=options, name_expressions=_NAMES[source])
+            for name in _NAMES[source]:
+                mod.get_function(name)  # forces the compile now, not at first launch
+        except Exception as exc:  # cupy.cuda.compiler.CompileException and driver errors
+            log = str(exc)
+            first = next((ln.strip() for ln in log.splitlines() if "error" in ln), log.strip()[:200])
+            err = KernelError(f"NVRTC could not build {source} for {info.arch}: {first}",
+                              path=folder / source)
+            err.nvrtc_log = log  # type: ignore[attr-defined]
+            _failures[key] = err
+            raise err from None
+        _modules[key] = mod
+        return mod
+
+
+def _fn(source: str, name: str) -> Any:
+    return module(source).get_function(name)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _dev(x: Any, name: str, dtype: Any, shape: tuple[int, ...] | None) -> Any:
+    """Check one argument (before any launch) and return it as a CuPy array."""
+    cp = runtime.cupy_module()
+    if x is None:
+        raise KernelError(f"{name} is required", tensor=name)
+    if isinstance(x, np.ndarray):
+        if x.dtype != np.dtype(dtype):
+            raise KernelError(f"{name} must be {np.dtype(dtype)}, got {x.dtype}", tensor=name)
+        x = cp.asarray(np.ascontiguousarray(x))
+    elif not isinstance(x, cp.ndarray):
+        if hasattr(x, "__dlpack__"):
+            x = cp.from_dlpack(x)
+        else:
+            raise KernelError(f"{name} must be a CuPy/NumPy/DLPack array, got {type(x).__name__}",
+                              tensor=name)
+    if x.dtype != np.dtype(dtype):
+        raise KernelError(f"{name} must be {np.dtype(dtype)}, got {x.dtype}", tensor=name)
+    if shape is not None and tuple(x.shape) != tuple(shape):
+        raise KernelError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}", tensor=name)
+    if not x.flags.c_contiguous:
+        raise KernelError(f"{name} must be C-contiguous", tensor=name)
+    if x.data.ptr % 16 and x.size:
+        raise KernelError(f"{name} must be 16-byte aligned (got address {x.data.ptr:#x})", tensor=name)
+    if x.data.device_id != runtime.device_info().index:
+        raise KernelError(f"{name} is on device {x.data.device_id}, not the current device",
+                          tensor=name)
+    return x
+
+
+def _layer_sizes(size_k: int, size_n: int, group_size: int) -> tuple[int, int, bool]:
+    """(group_size, num_groups, per_channel) after checking the kernel's limits."""
+    if size_k <= 0 or size_n <= 0 or size_k % 16 or size_n % 64:
+        raise KernelError(f"need size_k % 16 == 0 and size_n % 64 == 0, got K={size_k}, N={size_n}")
+    per_channel = group_size in (-1, size_k)
+    gs = size_k if per_channel else group_size
+    if gs <= 0 or gs % 16 or size_k % gs:
+        raise KernelError(f"group_size {group_size} must be a multiple of 16 dividing K={size_k}")
+    return gs, size_k // gs, per_channel
+
+
+_NULL = np.uint64(0)
+
+
+def _ptr_or_null(x: Any) -> Any:
+    return _NULL if x is None else x
+
+
+# ----------------------------------------------------------------------------- workspace
+
+
+_workspaces: dict[tuple[int, int], dict[str, Any]] = {}
+
+
+def _workspace(ws_floats: int, n_locks: int) -> tuple[Any, Any]:
+    """Per (device, stream) fp32 partials and zeroed lock counters, grown on demand.
+
+    The GEMM's last warp per output tile resets its counter, so the counters are zero
+    again after every completed launch; launches on one stream never overlap.
+    """
+    cp = runtime.cupy_module()
+    key = (runtime.device_info().index, cp.cuda.get_current_stream().ptr)
+    ws = _workspaces.setdefault(key, {})
+    if ws.get("ws") is None or ws["ws"].size < ws_floats:
+        ws["ws"] = cp.empty(max(ws_floats, 1), dtype=cp.float32)
+    if ws.get("locks") is None or ws["locks"].size < n_locks:
+        ws["locks"] = cp.zeros(max(n_locks, 1), dtype=cp.int32)
+    return ws["ws"], ws["locks"]
+
+
+# ----------------------------------------------------------------------------- launch plans
+
+
+def gemm_plan(m: int, size_k: int, size_n: int, group_size: int) -> dict[str, int]:
+    """Tile variant and K split the GEMM launcher uses for one call.
+
+    Returns:
+        dict with ``mt, u, gpi`` (template), ``m_chunks, splits, tiles_per_split,
+        warps, blocks``.
+
+    Raises:
+        KernelError: no compiled variant fits (K/16 odd, or a group size that is an odd
+            multiple of 16 such as 16 or 48).
+    """
+    gs, _, per_channel = _layer_sizes(size_k, size_n, group_size)
+    kt = size_k // 16
+    gt = kt if per_channel else gs // 16
+    if m <= 16 and kt % 8 == 0:
+        mt, u = 1, 8
+    elif m <= 32 and kt % 4 == 0:
+        mt, u = 2, 4
+    else:
+        mt, u = 4, 2
+    if kt % u:
+        raise KernelError(f"size_k={size_k}: K/16 must be even for this kernel")
+    gpi = u // math.gcd(gt, u)
+    if (mt, u, gpi) not in GEMM_VARIANTS:
+        raise KernelError(f"group_size {group_size} is not supported by the GEMM "
+                          "(multiples of 32 and per-channel are)")
+    info = runtime.device_info()
+    m_chunks = -(-m // (16 * mt))
+    units = m_chunks * (size_n // 64)
+    splits = max(1, min(kt // u, -(-info.sm_count * _WARPS_PER_SM // units)))
+    tps = -(-kt // splits)
+    tps = -(-tps // u) * u
+    splits = -(-kt // tps)
+    warps = units * splits
+    return {"mt": mt, "u": u, "gpi": gpi, "m_chunks": m_chunks, "splits": splits,
+            "tiles_per_split": tps, "warps": warps, "blocks": -(-warps // 4)}
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def gather_columns(A: Any, perm: Any, *, out: Any = None) -> Any:
+    """``A[:, perm]`` on the GPU (act-order gather). Twin: ``reference.gather_columns``.
+
+    Args:
+        A: float16 ``(M, K)``, source channel order.
+        perm: int32 ``(K,)``, Marlin row k = source channel ``perm[k]``.
+        out: optional float16 ``(M, K)`` destination.
+
+    Returns:
+        float16 ``(M, K)`` CuPy array in Marlin order.
+
+    Raises:
+        KernelError: bad dtype/shape/contiguity. GpuUnavailableError: no GPU.
+    """
+    cp = runtime.cupy_module()
+    if A is None or getattr(A, "ndim", 0) != 2:
+        raise KernelError("A must be 2-D (M, K)", tensor="A")
+    m, k = A.shape
+    A = _dev(A, "A", np.float16, (m, k))
+    perm = _dev(perm, "perm", np.int32, (k,))
+    out = cp.empty((m, k), dtype=cp.float16) if out is None else _dev(out, "out", np.float16, (m, k))
+    total = m * k
+    if total:
+        _fn("marlin_gemm.cu", "gather_columns")(((total + 255) // 256,), (256,),
+                                                (A, perm, out, np.int32(m), np.int32(k)))
+    return out
+
+
+def marlin_gemm(
+    A: Any,
+    B: Any,
+    scales: Any,
+    *,
+    size_k: int,
+    size_n: int,
+    group_size: int,
+    delta: Any = None,
+    perm: Any = None,
+    bias: Any = None,
+    out: Any = None,
+) -> Any:
+    """INT4 x FP16 GEMM on Marlin tensors; fused asymmetric correction when ``delta`` given.
+
+    Computes ``C = A[:, perm] @ W (+ bias)`` with ``W = fp16((q - 8) * s)``, or
+    ``fp16((q - 8) * s + fp16(delta))`` when ``delta`` is given, dequantized in
+    registers (``kernels/marlin_gemm.cu``), fp32 accumulation, one fp16 rounding.
+
+    Args:
+        A: float16 ``(M, size_k)``, M >= 1, SOURCE channel order.
+        B: int32 ``(size_k // 16, 2 * size_n)``, Marlin tile order (artifact ``marlin_B``).
+        scales: float16 ``(G, size_n)``, Marlin-permuted (artifact ``marlin_scales``).
+        size_k, size_n: K (multiple of 64; 128 fastest) and N (multiple of 64).
+        group_size: 32, 64, 128, ... (multiples of 32), or -1 / size_k for per-channel.
+        delta: float32 ``(G, size_n)`` natural order (artifact ``marlin_delta``) or None.
+        perm: int32 ``(size_k,)`` act-order permutation (artifact ``marlin_perm``) or None.
+        bias: float16 ``(size_n,)`` or None.
+        out: optional float16 ``(M, size_n)`` destination.
+
+    Returns:
+        float16 ``(M, size_n)`` CuPy array. Bitwise deterministic for fixed inputs.
+
+    Raises:
+        KernelError: wrong dtype/shape/contiguity/alignment, unsupported sizes, or NVRTC
+            failure. GpuUnavailableError: no CuPy / GPU / sm_80+.
+    """
+    cp = runtime.cupy_module()
+    gs, g, per_channel = _layer_sizes(size_k, size_n, group_size)
+    if A is None or getattr(A, "ndim", 0) != 2 or A.shape[1] != size_k or A.shape[0] < 1:
+        raise KernelError(f"A must be (M >= 1, {size_k}), got {getattr(A, 'shape', None)}", tensor="A")
+    m = int(A.shape[0])
+    A = _dev(A, "A", np.float16, (m, size_k))
+    B = _dev(B, "B", np.int32, (size_k // 16, 2 * size_n))
+    scales = _dev(scales, "scales", np.float16, (g, size_n))
+    if delta is not None:
+        delta = _dev(delta, "delta", np.float32, (g, size_n))
+    if bias is not None:
+        bias = _dev(bias, "bias", np.float16, (size_n,))
+    if perm is not None:
+        perm = _dev(perm, "perm", np.int32, (size_k,))
+    out = cp.empty((m, size_n), dtype=cp.float16) if out is None else _dev(out, "out", np.float16, (m, size_n))
+    plan = gemm_plan(m, size_k, size_n, group_size)
+    if perm is not None:
+        A = gather_columns(A, perm)
+    ws, locks = _workspace(plan["splits"] * m * size_n if plan["splits"] > 1 else 0,
+                           plan["m_chunks"] * (size_n // 64))
+    fn = _fn("marlin_gemm.cu", _gemm_name(plan["mt"], plan["u"], plan["gpi"], delta is not None))
+    gt = size_k // 16 if per_channel else gs // 16
+    fn((plan["blocks"],), (128,), (
+        A, B, scales, _ptr_or_null(delta), _ptr_or_null(bias), out, ws, locks,
+        np.int32(m), np.int32(size_k), np.int32(size_n), np.int32(gt),
+        np.int32(1 if per_channel else 0), np.int32(plan["splits"]),
+        np.int32(plan["tiles_per_split"]),
+    ))
+    return out
+
+
+def dequant(
+    B: Any,
+    scales: Any,
+    *,
+    size_k: int,
+    size_n: int,
+    group_size: int,
+    delta: Any = None,
+    out: Any = None,
+) -> Any:
+    """Marlin tensors to the fp16 weight ``(size_k, size_n)`` (``kernels/dequant.cu``).
+
+    Args:
+        B, scales, size_k, size_n, group_size, delta: as :func:`marlin_gemm`.
+        out: optional float16 ``(size_k, size_n)`` destination.
+
+    Returns:
+        float16 ``(size_k, size_n)`` CuPy array, rows in Marlin order, bit-identical to
+        ``reference.dequant`` and to the weight the GEMM multiplies by.
+
+    Raises:
+        KernelError, GpuUnavailableError: as :func:`marlin_gemm`.
+    """
+    cp = runtime.cupy_module()
+    gs, g, per_channel = _layer_sizes(size_k, size_n, group_size)
+    B = _dev(B, "B", np.int32, (size_k // 16, 2 * size_n))
+    scales = _dev(scales, "scales", np.float16, (g, size_n))
+    if delta is not None:
+        delta = _dev(delta, "delta", np.float32, (g, size_n))
+    if size_k // 16 > 65535:
+        raise KernelError(f"size_k={size_k} too large for dequant's grid (K/16 <= 65535)")
+    out = cp.empty((size_k, size_n), dtype=cp.float16) if out is None else _dev(
+        out, "out", np.float16, (size_k, size_n))
+    name = "marlin_dequant<true>" if delta is not None else "marlin_dequant<false>"
+    _fn("dequant.cu", name)((size_n // 64, size_k // 16), (128,), (
+        B, scales, _ptr_or_null(delta), out, np.int32(size_k), np.int32(size_n),
+        np.int32(gs), np.int32(1 if per_channel else 0)))
+    return out
+
+
+def group_sums(A: Any, *, group_size: int, out: Any = None) -> Any:
+    """Per-group row sums ``xsum[m, g]`` (fp32) of A in Marlin order (``asym_correction.cu``).
+
+    Args:
+        A: float16 ``(M, K)`` after any act-order gather.
+        group_size: rows per group (even), or -1 / K for one group.
+        out: optional float32 ``(M, K // group_size)`` destination.
+
+    Returns:
+        float32 ``(M, G)`` CuPy array (deterministic lane order).
+
+    Raises:
+        KernelError, GpuUnavailableError.
+    """
+    cp = runtime.cupy_module()
+    if A is None or getattr(A, "ndim", 0) != 2:
+        raise KernelError("A must be 2-D (M, K)", tensor="A")
+    m, k = (int(s) for s in A.shape)
+    gs = k if group_size in (-1, k) else group_size
+    if gs <= 0 or gs % 2 or k % gs:
+        raise KernelError(f"group_size {group_size} must be even and divide K={k}")
+    A = _dev(A, "A", np.float16, (m, k))
+    g = k // gs
+    out = cp.empty((m, g), dtype=cp.float32) if out is None else _dev(out, "out", np.float32, (m, g))
+    if m * g:
+        _fn("asym_correction.cu", "group_sums")((-(-m * g // 4),), (128,),
+                                                (A, out, np.int32(m), np.int32(k), np.int32(gs)))
+    return out
+
+
+def add_correction(C: Any, xsum: Any, delta: Any) -> Any:
+    """In place ``C = fp16(C + xsum @ delta)`` (``asym_correction.cu``); returns ``C``.
+
+    Args:
+        C: float16 ``(M, N)``, N % 64 == 0, updated in place.
+        xsum: float32 ``(M, G)``.
+        delta: float32 ``(G, N)``, natural column order.
+
+    Raises:
+        KernelError, GpuUnavailableError.
+    """
+    if C is None or getattr(C, "ndim", 0) != 2 or getattr(xsum, "ndim", 0) != 2:
+        raise KernelError("C and xsum must be 2-D")
+    m, n = (int(s) for s in C.shape)
+    g = int(xsum.shape[1])
+    C = _dev(C, "C", np.float16, (m, n))
+    xsum = _dev(xsum, "xsum", np.float32, (m, g))
+    delta = _dev(delta, "delta", np.float32, (g, n))
+    if n % 64:
+        raise KernelError(f"N={n} must be a multiple of 64", tensor="C")
+    if m:
+        _fn("asym_correction.cu", "add_correction")((-(-n // 128), -(-m // 8)), (128,),
+                                                    (C, xsum, delta, np.int32(m), np.int32(n), np.int32(g)))
+    return C
+
+
+def marlin_gemm_two_kernel(
+    A: Any,
+    B: Any,
+    scales: Any,
+    *,
+    size_k: int,
+    size_n: int,
+    group_size: int,
+    delta: Any,
+    perm: Any = None,
+    bias: Any = None,
+    out: Any = None,
+) -> Any:
+    """The two-kernel asymmetric path: symmetric GEMM, ``group_sums``, ``add_correction``.
+
+    Same arguments and result shape as :func:`marlin_gemm` (``delta`` required); one
+    more rounding to fp16 than the fused path. Twin: ``reference.marlin_gemm_two_kernel``.
+    """
+    cp = runtime.cupy_module()
+    if delta is None:
+        raise KernelError("delta is required for the two-kernel path", tensor="delta")
+    gs, g, _ = _layer_sizes(size_k, size_n, group_size)
+    delta = _dev(delta, "delta", np.float32, (g, size_n))
+    a = _dev(A, "A", np.float16, (int(A.shape[0]), size_k)) if getattr(A, "ndim", 0) == 2 else A
+    if perm is not None:
+        a = gather_columns(a, perm)
+    c = marlin_gemm(a, B, scales, size_k=size_k, size_n=size_n, group_size=group_size,
+                    bias=bias, out=out)
+    return add_correction(c, group_sums(a, group_size=gs), delta)
+
+
+def synchronize() -> None:
+    """Wait for the current stream; surfaces asynchronous launch errors as KernelError."""
+    cp = runtime.cupy_module()
+    try:
+        cp.cuda.get_current_stream().synchronize()
+    except GpuUnavailableError:
+        raise
+    except Exception as exc:
+        raise KernelError(f"CUDA error after launch: {exc}") from None

@@ -1,0 +1,243 @@
+"""NumPy twins of the GPU kernels, with the launchers' signatures (no GPU needed).
+
+Each twin computes what its kernel computes, from the same artifact tensors:
+
+* :func:`dequant` reproduces ``kernels/dequant.cu`` bit for bit. The kernel forms
+  ``q - 8`` exactly (fp16 exponent trick) and then does one fp16 ``mul.rn`` (or
+  ``fma.rn`` with ``fp16(delta)``); in float64 that product-plus-addend is exact
+  (at most 4 + 11 significant bits over an exponent span under 53 bits), so one
+  round-to-nearest-even to float16 gives the same bits.
+* :func:`marlin_gemm` uses that same fp16 weight, multiplies in float64 and rounds once
+  to float16. The kernel accumulates exact fp16 products in fp32 in a different order,
+  so the two differ by at most the bound in :func:`gemm_error_bound`.
+* :func:`group_sums`, :func:`add_correction`, :func:`gather_columns` mirror
+  ``kernels/asym_correction.cu`` and the gather in ``kernels/marlin_gemm.cu``.
+
+Conventions (checkpoint-formats.md section 4): ``B`` int32 ``(K/16, 2N)`` Marlin tile
+order; ``scales`` float16 ``(G, N)`` Marlin-permuted (8x8 transpose per 64 columns, or
+the 32-entry list when ``G == 1``); ``delta`` float32 ``(G, N)`` natural order; ``perm``
+int32 ``(K,)`` with Marlin row k = source channel ``perm[k]``; A rows are ``(M, K)``
+float16 in SOURCE channel order for :func:`marlin_gemm` (it gathers), Marlin order for
+:func:`group_sums`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..marlin.layout import unpack_b, unpermute_scales
+
+
+def _groups(size_k: int, group_size: int) -> tuple[int, int]:
+    """(group_size, num_groups) with -1 / size_k meaning per-channel."""
+    gs = size_k if group_size in (-1, size_k) else group_size
+    if gs <= 0 or size_k % gs:
+        raise ValueError(f"group_size {group_size} does not divide size_k {size_k}")
+    return gs, size_k // gs
+
+
+def dequant(
+    B: np.ndarray,
+    scales: np.ndarray,
+    *,
+    size_k: int,
+    size_n: int,
+    group_size: int,
+    delta: np.ndarray | None = None,
+) -> np.ndarray:
+    """Twin of ``kernels/dequant.cu``: the fp16 weight the GEMM multiplies by.
+
+    Args:
+        B: int32 ``(size_k // 16, 2 * size_n)``, Marlin tile order.
+        scales: float16 ``(G, size_n)``, Marlin-permuted.
+        size_k, size_n: K (in-features) and N (out-features).
+        group_size: rows per group; ``-1`` or ``size_k`` for per-channel.
+        delta: float32 ``(G, size_n)`` natural order, or None (symmetric).
+
+    Returns:
+        float16 ``(size_k, size_n)``, rows in Marlin order:
+        ``fp16((q - 8) * s)`` or ``fp16((q - 8) * s + fp16(delta))``, single rounding.
+
+    Raises:
+        ValueError: shapes or group size inconsistent.
+    """
+    gs, g = _groups(size_k, group_size)
+    if scales.shape != (g, size_n):
+        raise ValueError(f"scales shape {scales.shape} != {(g, size_n)}")
+    q = unpack_b(np.asarray(B), size_n).astype(np.float64) - 8.0
+    s = unpermute_scales(np.asarray(scales, dtype=np.float16)).astype(np.float64)
+    rows = np.arange(size_k) // gs
+    w = q * s[rows]
+    if delta is not None:
+        if delta.shape != (g, size_n):
+            raise ValueError(f"delta shape {delta.shape} != {(g, size_n)}")
+        w = w + np.asarray(delta, dtype=np.float32).astype(np.float16).astype(np.float64)[rows]
+    return w.astype(np.float16)
+
+
+def gather_columns(A: np.ndarray, perm: np.ndarray) -> np.ndarray:
+    """Twin of ``gather_columns``: ``A[:, perm]`` (exact).
+
+    Args:
+        A: float16 ``(M, K)``, source channel order.
+        perm: int32 ``(K,)``, Marlin row k = source channel ``perm[k]``.
+
+    Returns:
+        float16 ``(M, K)`` in Marlin order.
+    """
+    return np.ascontiguousarray(np.asarray(A)[:, np.asarray(perm, dtype=np.intp)])
+
+
+def marlin_gemm(
+    A: np.ndarray,
+    B: np.ndarray,
+    scales: np.ndarray,
+    *,
+    size_k: int,
+    size_n: int,
+    group_size: int,
+    delta: np.ndarray | None = None,
+    perm: np.ndarray | None = None,
+    bias: np.ndarray | None = None,
+) -> np.ndarray:
+    """Twin of ``marlin_gemm`` (symmetric, or fused-asymmetric when ``delta`` is given).
+
+    Args:
+        A: float16 ``(M, size_k)``, source channel order (gathered by ``perm`` first).
+        B, scales, size_k, size_n, group_size, delta: as :func:`dequant`.
+        perm: int32 ``(size_k,)`` or None.
+        bias: float16 ``(size_n,)`` or None, added before the final rounding.
+
+    Returns:
+        float16 ``(M, size_n)`` = ``fp16(A_marlin @ W16 + bias)`` with the product in
+        float64 and one rounding.
+    """
+    a = gather_columns(A, perm) if perm is not None else np.asarray(A)
+    w = dequant(B, scales, size_k=size_k, size_n=size_n, group_size=group_size, delta=delta)
+    acc = a.astype(np.float64) @ w.astype(np.float64)
+    if bias is not None:
+        acc = acc + np.asarray(bias, dtype=np.float16).astype(np.float64)
+    return acc.astype(np.float16)
+
+
+def gemm_error_bound(
+    A: np.ndarray,
+    B: np.ndarray,
+    scales: np.ndarray,
+    *,
+    size_k: int,
+    size_n: int,
+    group_size: int,
+    delta: np.ndarray | None = None,
+    perm: np.ndarray | None = None,
+    bias: np.ndarray | None = None,
+    splits: int = 1,
+) -> np.ndarray:
+    """Elementwise bound on ``|kernel - twin|`` for :func:`marlin_gemm`, float64 ``(M, N)``.
+
+    Both sides use the same fp16 weights and exact fp16 products; they differ only in
+    the fp32 summation and the final fp16 rounding:
+
+    * fp32 sums of K products (in any order, ``splits`` partial sums added last):
+      ``|err| <= (K + splits + 1) * 2**-24 * (|A| @ |W| + |bias|)`` (Higham's
+      recursive-summation bound with unit roundoff 2**-24, first order);
+    * both results are rounded to fp16: up to one fp16 ulp of the larger magnitude
+      (``2**-10 * |x|``, and ``2**-24`` for subnormals).
+
+    Returns:
+        The bound, to compare with ``abs(kernel.astype(f64) - twin.astype(f64))``.
+    """
+    a = gather_columns(A, perm) if perm is not None else np.asarray(A)
+    w = dequant(B, scales, size_k=size_k, size_n=size_n, group_size=group_size, delta=delta)
+    mag = np.abs(a.astype(np.float64)) @ np.abs(w.astype(np.float64))
+    exact = a.astype(np.float64) @ w.astype(np.float64)
+    if bias is not None:
+        b = np.abs(np.asarray(bias, dtype=np.float16).astype(np.float64))
+        mag = mag + b
+        exact = exact + np.asarray(bias, dtype=np.float16).astype(np.float64)
+    sum_err = (size_k + splits + 1) * 2.0**-24 * mag
+    return sum_err + 2.0**-10 * (np.abs(exact) + sum_err) + 2.0**-24
+
+
+def group_sums(A: np.ndarray, *, group_size: int) -> np.ndarray:
+    """Twin of ``group_sums``: per-group row sums of A.
+
+    Args:
+        A: float16 ``(M, K)`` in Marlin order (after any act-order gather).
+        group_size: rows per group; ``-1`` or ``K`` for one group.
+
+    Returns:
+        float32 ``(M, K // group_size)``, summed in float64 then rounded once.
+    """
+    a = np.asarray(A)
+    m, k = a.shape
+    gs, g = _groups(k, group_size)
+    return a.astype(np.float64).reshape(m, g, gs).sum(axis=2).astype(np.float32)
+
+
+def add_correction(C: np.ndarray, xsum: np.ndarray, delta: np.ndarray) -> np.ndarray:
+    """Twin of ``add_correction``: ``fp16(C + xsum @ delta)`` (a new array).
+
+    Args:
+        C: float16 ``(M, N)``.
+        xsum: float32 ``(M, G)`` from :func:`group_sums`.
+        delta: float32 ``(G, N)`` natural column order.
+
+    Returns:
+        float16 ``(M, N)``, the sum formed in float64 and rounded once.
+    """
+    acc = np.asarray(C).astype(np.float64) + np.asarray(xsum, np.float64) @ np.asarray(delta, np.float64)
+    return acc.astype(np.float16)
+
+
+def marlin_gemm_two_kernel(
+    A: np.ndarray,
+    B: np.ndarray,
+    scales: np.ndarray,
+    *,
+    size_k: int,
+    size_n: int,
+    group_size: int,
+    delta: np.ndarray,
+    perm: np.ndarray | None = None,
+    bias: np.ndarray | None = None,
+) -> np.ndarray:
+    """Twin of the two-kernel path: symmetric GEMM (with bias), then ``C += xsum @ delta``.
+
+    Args and returns as :func:`marlin_gemm`; ``delta`` is required.
+    """
+    c = marlin_gemm(A, B, scales, size_k=size_k, size_n=size_n, group_size=group_size,
+                    perm=perm, bias=bias)
+    a = gather_columns(A, perm) if perm is not None else np.asarray(A)
+    return add_correction(c, group_sums(a, group_size=group_size), delta)
+
+
+def reference_weight(
+    B: np.ndarray,
+    scales: np.ndarray,
+    delta: np.ndarray | None,
+    perm: np.ndarray | None,
+    *,
+    size_k: int,
+    size_n: int,
+    group_size: int,
+) -> np.ndarray:
+    """The artifact's exact weight in SOURCE input-channel order, float32 ``(K, N)``.
+
+    ``W[perm[k], n] = (q[k, n] - 8) * s[g(k), n] + delta[g(k), n]`` formed in float64
+    (no fp16 rounding) and rounded once to float32. Use it as ``w_ref_f32`` for
+    :func:`converter.gpu.verify.verify_layer_gpu` when no source checkpoint is given.
+    """
+    gs, _ = _groups(size_k, group_size)
+    q = unpack_b(np.asarray(B), size_n).astype(np.float64) - 8.0
+    s = unpermute_scales(np.asarray(scales, dtype=np.float16)).astype(np.float64)
+    rows = np.arange(size_k) // gs
+    w = q * s[rows]
+    if delta is not None:
+        w += np.asarray(delta, dtype=np.float64)[rows]
+    out = np.empty((size_k, size_n), dtype=np.float32)
+    if perm is None:
+        out[:] = w
+    else:
+        out[np.asarray(perm, dtype=np.intp)] = w
+    return out

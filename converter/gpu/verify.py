@@ -1,0 +1,116 @@
+"""GPU check of one converted layer: kernel output against an fp32 reference.
+
+Used by ``marlin-verify --gpu``. The check runs the fused path (GEMM with the delta
+folded into the dequantized weight) and the two-kernel path (symmetric GEMM, then
+``C += xsum @ delta``) on random fp16 activations and compares both with
+``A.astype(float32) @ w_ref_f32`` over all N columns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import KernelError
+from . import kernels, runtime
+
+#: Issue 3: a layer fails when the mean relative error is above this.
+MEAN_REL_ERR_LIMIT = 1e-3
+
+
+def _errors(c: Any, ref: Any) -> tuple[float, float]:
+    """(mean |c - ref| / mean |ref|, max |c - ref| / mean |ref|); NaN/inf give inf."""
+    cp = runtime.cupy_module()
+    c32 = c.astype(cp.float32)
+    if not bool(cp.isfinite(c32).all()):
+        return float("inf"), float("inf")
+    diff = cp.abs(c32 - ref)
+    scale = float(cp.abs(ref).mean())
+    scale = scale if scale > 0 else 1.0
+    return float(diff.mean()) / scale, float(diff.max()) / scale
+
+
+def verify_layer_gpu(
+    B: Any,
+    scales: Any,
+    delta: Any,
+    perm: Any,
+    size_k: int,
+    size_n: int,
+    group_size: int,
+    w_ref_f32: Any,
+    *,
+    ms: tuple[int, ...] = (1, 16, 17, 64, 128),
+    repeats: int = 10,
+    seed: int = 0,
+) -> dict[Any, Any]:
+    """Run one layer's kernels on the GPU and measure their error.
+
+    Args:
+        B: int32 ``(size_k // 16, 2 * size_n)`` artifact ``marlin_B`` (NumPy or CuPy).
+        scales: float16 ``(G, size_n)`` artifact ``marlin_scales``.
+        delta: float32 ``(G, size_n)`` artifact ``marlin_delta``, or None (symmetric).
+        perm: int32 ``(size_k,)`` artifact ``marlin_perm``, or None.
+        size_k, size_n, group_size: the layer's sizes (``group_size == size_k`` or -1
+            means per-channel).
+        w_ref_f32: float32 ``(size_k, size_n)`` reference weight in SOURCE input-channel
+            order (the source checkpoint's dequantized weight, or
+            :func:`converter.gpu.reference.reference_weight` when there is none).
+        ms: batch sizes M to test.
+        repeats: calls per path and M; all must be bitwise identical (a race shows as
+            a moving result).
+        seed: seed of the random activations, ``A ~ N(0, 1)`` rounded to fp16.
+
+    Returns:
+        ``{M: {"mean_rel_err", "max_rel_err", "deterministic",
+        "two_kernel_mean_rel_err", "two_kernel_max_rel_err",
+        "two_kernel_deterministic"}, ..., "ok": bool}``. Relative errors are
+        ``mean|C - ref| / mean|ref|`` and ``max|C - ref| / mean|ref|`` over all M x N
+        outputs (inf when any output is NaN/inf). ``ok`` holds when, for every M and
+        both paths, the mean relative error is at most 1e-3 and all repeats agree.
+        With ``delta`` None only the symmetric GEMM runs and the two-kernel keys are
+        absent.
+
+    Raises:
+        GpuUnavailableError: no CuPy / GPU / sm_80+.
+        KernelError: shapes or dtypes do not match the layer's sizes.
+    """
+    cp = runtime.cupy_module()
+    rng = np.random.default_rng(seed)
+    dev = {
+        "B": cp.asarray(B), "scales": cp.asarray(scales),
+        "delta": None if delta is None else cp.asarray(delta),
+        "perm": None if perm is None else cp.asarray(perm),
+    }
+    w_ref = cp.asarray(np.asarray(w_ref_f32, dtype=np.float32) if isinstance(w_ref_f32, np.ndarray)
+                       else w_ref_f32.astype(cp.float32))
+    if tuple(w_ref.shape) != (size_k, size_n):
+        raise KernelError(f"w_ref_f32 must be ({size_k}, {size_n}), got {tuple(w_ref.shape)}")
+    kw = dict(size_k=size_k, size_n=size_n, group_size=group_size, perm=dev["perm"])
+    result: dict[Any, Any] = {}
+    ok = True
+    for m in ms:
+        a_host = rng.standard_normal((m, size_k), dtype=np.float32).astype(np.float16)
+        a = cp.asarray(a_host)
+        ref = a.astype(cp.float32) @ w_ref
+        paths = {"": lambda: kernels.marlin_gemm(a, dev["B"], dev["scales"], delta=dev["delta"], **kw)}
+        if dev["delta"] is not None:
+            paths["two_kernel_"] = lambda: kernels.marlin_gemm_two_kernel(
+                a, dev["B"], dev["scales"], delta=dev["delta"], **kw)
+        entry: dict[str, Any] = {}
+        for prefix, run in paths.items():
+            first = run()
+            same = True
+            for _ in range(repeats - 1):
+                again = run()
+                same &= bool((again.view(cp.uint16) == first.view(cp.uint16)).all())
+            kernels.synchronize()
+            mean_err, max_err = _errors(first, ref)
+            entry[prefix + "mean_rel_err"] = mean_err
+            entry[prefix + "max_rel_err"] = max_err
+            entry[prefix + "deterministic"] = same
+            ok &= same and mean_err <= MEAN_REL_ERR_LIMIT
+        result[m] = entry
+    result["ok"] = bool(ok)
+    return result

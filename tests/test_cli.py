@@ -1,0 +1,159 @@
+"""The two commands as a user runs them: help, main paths, JSON, exit codes, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from clirun import run_cli
+
+AUTOROUND = "llama-tiny/autoround-gptq-w4g128-asym"
+
+
+@pytest.fixture()
+def gptq_copy(realinput: Path, tmp_path: Path) -> Path:
+    """A writable copy of a real GPTQ checkpoint (the original is never touched)."""
+    dst = tmp_path / "ckpt"
+    shutil.copytree(realinput / AUTOROUND, dst)
+    return dst
+
+
+@pytest.mark.parametrize("tool,words", [
+    ("marlin-convert", ["--force", "--dry-run", "--json", "Exit codes"]),
+    ("marlin-verify", ["--shapes", "--against", "--gpu", "--cpu", "--json", "Exit codes"]),
+])
+def test_help(tool: str, words: list[str]) -> None:
+    res = run_cli(tool, "--help")
+    assert res.returncode == 0, res.stderr
+    for w in words:
+        assert w in res.stdout
+
+
+def test_convert_then_verify_json(realinput: Path, tmp_path: Path) -> None:
+    out = tmp_path / "a.safetensors"
+    res = run_cli("marlin-convert", realinput / AUTOROUND, out, "--json")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["ok"] and not doc["dry_run"] and doc["source_format"] == "gptq"
+    assert len(doc["converted"]) == 7 and out.is_file()
+    res = run_cli("marlin-verify", out, "--shapes", "--against", realinput / AUTOROUND, "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    rep = json.loads(res.stdout)
+    assert rep["ok"] and rep["problems"] == [] and rep["checked"]["checksums"] is True
+    assert all(row["codes_exact"] for row in rep["layers"])
+    res = run_cli("marlin-verify", out, "--cpu", "--json")
+    rep = json.loads(res.stdout)
+    assert res.returncode == 0 and all(row["cpu_rel_err"] < 1e-5 for row in rep["layers"])
+
+
+def test_convert_human_output(realinput: Path, tmp_path: Path) -> None:
+    out = tmp_path / "a.safetensors"
+    res = run_cli("marlin-convert", realinput / AUTOROUND, out)
+    assert res.returncode == 0
+    assert res.stdout == ""  # results and progress go to stderr unless --json
+    assert "7 layers converted, 4 tensors passed through" in res.stderr
+    assert "model.layers.0.mlp.down_proj" in res.stderr
+    res = run_cli("marlin-verify", out, "--shapes")
+    assert res.returncode == 0
+    assert "OK: 7 layers, 25 tensors; checked shapes, checksums" in res.stdout
+
+
+def test_dry_run(realinput: Path, tmp_path: Path) -> None:
+    out = tmp_path / "a.safetensors"
+    res = run_cli("marlin-convert", realinput / AUTOROUND, out, "--dry-run")
+    assert res.returncode == 0 and not out.exists()
+    assert "would write" in res.stderr
+
+
+def test_existing_output_needs_force(realinput: Path, tmp_path: Path) -> None:
+    out = tmp_path / "a.safetensors"
+    out.write_bytes(b"precious")
+    res = run_cli("marlin-convert", realinput / AUTOROUND, out)
+    assert res.returncode == 2
+    assert res.stderr.strip() == f"error: {out}: output exists; pass --force to overwrite it"
+    assert out.read_bytes() == b"precious"
+    res = run_cli("marlin-convert", realinput / AUTOROUND, out, "--force", "-q")
+    assert res.returncode == 0 and out.stat().st_size > 1_000_000
+
+
+def test_missing_input(tmp_path: Path) -> None:
+    res = run_cli("marlin-convert", tmp_path / "nope.tinyloop", tmp_path / "o.safetensors")
+    assert res.returncode == 2
+    assert "nope.tinyloop: no such file or directory" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_wrong_magic_safetensors(tmp_path: Path) -> None:
+    bad = tmp_path / "model.safetensors"
+    bad.write_bytes(b"\xff" * 64)
+    res = run_cli("marlin-convert", bad, tmp_path / "o.safetensors")
+    assert res.returncode == 2
+    assert "header length 18446744073709551615 exceeds the 100000000-byte limit" in res.stderr
+
+
+def test_truncated_checkpoint(gptq_copy: Path, tmp_path: Path) -> None:
+    f = gptq_copy / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[:-100])
+    res = run_cli("marlin-convert", gptq_copy, tmp_path / "o.safetensors")
+    assert res.returncode == 2
+    assert "is past the end of the data buffer" in res.stderr and "file truncated?" in res.stderr
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_unsupported_bits(gptq_copy: Path, tmp_path: Path) -> None:
+    cfg = gptq_copy / "quantization_config.json"
+    qc = json.loads(cfg.read_text())
+    qc["bits"] = 5
+    cfg.write_text(json.dumps(qc))
+    res = run_cli("marlin-convert", gptq_copy, tmp_path / "o.safetensors")
+    assert res.returncode == 2
+    assert "quantization_config.json: bits: 5-bit GPTQ is not supported" in res.stderr
+
+
+def test_config_group_size_contradicting_tensors(gptq_copy: Path, tmp_path: Path) -> None:
+    # group 96 does not divide K = 1024; the config then implies ceil(1024/96) = 11
+    # scale rows, but the file holds 8: a contradiction, reported before any write.
+    from converter.convert import convert
+    from converter.errors import SourceFormatError
+
+    cfg = gptq_copy / "quantization_config.json"
+    qc = json.loads(cfg.read_text())
+    qc["group_size"] = 96
+    cfg.write_text(json.dumps(qc))
+    with pytest.raises(SourceFormatError, match=r"down_proj.scales: shape \[8, 512\] disagrees with K, N and group_size \(expected \[11, 512\]\)"):
+        convert(gptq_copy, tmp_path / "o.safetensors")
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_verify_reports_every_problem(realinput: Path, tmp_path: Path) -> None:
+    from converter.convert import convert
+
+    out = tmp_path / "a.safetensors"
+    convert(realinput / AUTOROUND, out)
+    data = bytearray(out.read_bytes())
+    # Flip one byte in the last tensor's data and one in the first.
+    data[-1] ^= 0xFF
+    header_len = int.from_bytes(data[:8], "little")
+    data[8 + header_len] ^= 0xFF
+    out.write_bytes(bytes(data))
+    res = run_cli("marlin-verify", out, "--shapes", "--json")
+    assert res.returncode == 1
+    rep = json.loads(res.stdout)
+    codes = [p["code"] for p in rep["problems"]]
+    assert codes == ["checksum_mismatch", "checksum_mismatch"]
+
+
+def test_gpu_and_cpu_flags_conflict(tmp_path: Path) -> None:
+    res = run_cli("marlin-verify", tmp_path / "x.safetensors", "--gpu", "--cpu")
+    assert res.returncode == 2 and "contradict" in res.stderr
+
+
+def test_verify_not_an_artifact(realinput: Path) -> None:
+    res = run_cli("marlin-verify", realinput / AUTOROUND / "model.safetensors", "--shapes")
+    assert res.returncode == 2
+    assert "not a marlin-convert artifact" in res.stderr
