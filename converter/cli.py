@@ -24,8 +24,8 @@ from rich.table import Table
 from . import __version__
 from .errors import ConverterError
 
-err_console = Console(stderr=True, highlight=False)
 # Piped output (logs, CI) gets wide tables instead of 80-column wrapping.
+err_console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
 out_console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 
 InPath = Annotated[Path, typer.Argument(help="Input: a .tinyloop file, or a GPTQ checkpoint folder / .safetensors / index.json.", show_default=False)]
@@ -110,9 +110,8 @@ def convert_cmd(
     if quiet:
         return
     table = Table(title=("plan (dry run)" if dry_run else f"wrote {output}"), title_justify="left")
-    table.add_column("layer", overflow="fold")
-    for col in ("K", "N", "group", "bits", "sym", "zeros", "upstream"):
-        table.add_column(col)
+    for col in ("layer", "K", "N", "group", "bits", "sym", "zeros", "upstream"):
+        table.add_column(col, overflow="fold")
     for lay in report.converted:
         table.add_row(escape(lay["name"]), str(lay["size_k"]), str(lay["size_n"]),
                       "chan" if lay["group_size"] == lay["size_k"] else str(lay["group_size"]),
