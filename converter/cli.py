@@ -52,7 +52,7 @@ def _errors_to_exit(debug: bool, as_json: bool) -> Iterator[None]:
     except ConverterError as exc:
         if debug or os.environ.get("MARLIN_DEBUG"):
             raise
-        err_console.print(f"[bold red]error:[/] {escape(str(exc))}")
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
         if as_json:
             print(json.dumps({"ok": False, "error": {"type": type(exc).__name__, "message": str(exc), "file": exc.path, "tensor": exc.tensor}}))
         raise typer.Exit(exc.exit_code) from None

@@ -210,9 +210,8 @@ def verify(
 
 def _gpu_numerics(art: Artifact, report: Report, rows: dict[str, dict[str, Any]], source_layers: dict[str, QuantWeight], *, forced: bool, progress) -> None:
     try:
-        from .gpu.verify import verify_layer_gpu
-
         from .gpu.runtime import require_gpu
+        from .gpu.verify import verify_layer_gpu
 
         require_gpu()
     except (GpuUnavailableError, ImportError) as exc:
@@ -225,6 +224,10 @@ def _gpu_numerics(art: Artifact, report: Report, rows: dict[str, dict[str, Any]]
     if progress:
         progress("GPU numerics", len(art.layers))
     for name, rec in art.layers.items():
+        if not rec.raw.get("kernel_compatible", False):
+            rows[name]["gpu"] = "skipped: layer is outside our kernel's limits (K % 128, N % 64, group 32/64/128 or per-channel)"
+            report.add("gpu_skipped", f"layer {name}: {rows[name]['gpu']}", name, severity="warning")
+            continue
         u = unpack_layer(art, rec)
         w_ref = _source_weight(source_layers[name]) if name in source_layers else artifact_weight(u, rec)
         p = name + "."

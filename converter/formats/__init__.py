@@ -23,8 +23,24 @@ def _gptq(ckpt: HFCheckpoint) -> Source:
     return GptqSource(ckpt)
 
 
+def _awq(ckpt: HFCheckpoint) -> Source:
+    from .awq import AwqSource
+
+    return AwqSource(ckpt)
+
+
+def _compressed_tensors(ckpt: HFCheckpoint) -> Source:
+    from .compressed_tensors import CompressedTensorsSource
+
+    return CompressedTensorsSource(ckpt)
+
+
 #: quant_method (lower-case) -> reader factory for HF-style checkpoints.
-HF_READERS: dict[str, Callable[[HFCheckpoint], Source]] = {"gptq": _gptq}
+HF_READERS: dict[str, Callable[[HFCheckpoint], Source]] = {
+    "gptq": _gptq,
+    "awq": _awq,
+    "compressed-tensors": _compressed_tensors,
+}
 
 
 def open_source(path: str | Path) -> Source:

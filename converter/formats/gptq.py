@@ -1,15 +1,34 @@
 """GPTQ checkpoints (AutoGPTQ, GPTQModel, optimum, auto-round) in safetensors.
 
-Per layer ``<prefix>``: ``qweight`` int32 ``(K*b/32, N)`` packed down K, ``qzeros``
-int32 ``(G, N*b/32)`` packed along N, ``scales`` ``(G, N)``, optional ``g_idx`` int32
-``(K,)`` and ``bias`` ``(N,)`` (checkpoint-formats.md section 1).  ``W = s * (q - z)``
-with ``z = stored + 1`` for v1 (``checkpoint_format`` absent or ``gptq``; decoded by a
-whole-word add that undoes GPTQModel's borrows, section 1.5) and ``z = stored`` for
-v2 (``gptq_v2``).
+Per layer ``<prefix>`` (checkpoint-formats.md section 1): ``qweight`` int32
+``(K*b/32, N)`` packed down K, ``qzeros`` int32 ``(G, N*b/32)`` packed along N,
+``scales`` ``(G, N)`` (fp16, sometimes bf16 or f32), optional ``g_idx`` int32 ``(K,)``
+and ``bias`` ``(N,)``.  ``W = s * (q - z)`` with ``z = stored + 1`` for v1
+(``checkpoint_format``/``format`` absent or ``gptq``) and ``z = stored`` for v2
+(``gptq_v2``); see :func:`~converter.formats.packing.decode_gptq_zeros`.
+
+What the data decides rather than the config (spec 1.6, 1.8, section 2):
+
+* the act-order permutation comes from the actual ``g_idx`` (``static_groups`` files
+  say ``desc_act: true`` with a trivial ``g_idx``);
+* for a layer whose stored zeros are all the symmetric value of one convention
+  (all 7s = v1, all 8s = v2 for 4-bit; 1/2 for 2-bit; 3/4 for 3-bit; 127/128 for
+  8-bit), that convention is used, with a layer warning when it contradicts the
+  config (vLLM PR 38966 reports ``gptq``-labelled files with v2 zeros);
+* ``sym: true`` with varying zeros converts with ``delta`` and a warning;
+* ``K`` from ``qweight`` and ``bits`` must agree with the length of ``g_idx``.
+
+Per-module configuration: GPTQModel's ``dynamic`` map (regex keys; ``-:`` excludes
+matching modules from quantization, ``+:`` or a bare key overrides ``bits``,
+``group_size``, ``sym``, ``desc_act`` for them; first match wins, as in GPTQModel's
+``dynamic_get``), HF's ``modules_to_not_convert`` (substring match, as in
+transformers) and GPTQModel's ``lm_head`` flag.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +39,30 @@ from ..errors import ConfigError, SourceFormatError, UnsupportedQuantError
 from ..marlin.shapes import check_convertible
 from ..quant_weight import QuantWeight
 from .base import LayerPlan, Source, SourcePlan, TensorInfo
-from .hf import HFCheckpoint, config_field
-from .packing import field_ones, unpack_words
+from .hf import HFCheckpoint, as_f32, config_field, not_convert_match, string_list, tag_excluded
+from .packing import (
+    act_order_perm,
+    decode_gptq_zeros,
+    field_ones,
+    gather_rows,
+    packed_len,
+    symmetric_zero,
+    unpack_words,
+    unpacked_len,
+)
 from .scales import scales_to_fp16
 
 GPTQ_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "bias")
-#: Bit widths whose codes convert to Marlin 4-bit losslessly.
-CONVERTIBLE_BITS = (2, 4)
+#: Bit widths whose codes convert to Marlin 4-bit losslessly: a b-bit code is a valid
+#: 4-bit code and ``delta`` absorbs the offset (issue 4, "Bit widths").
+CONVERTIBLE_BITS = (2, 3, 4)
 PASSTHROUGH_BITS = (8,)
+#: ``checkpoint_format`` values that mean "already Marlin-packed" (spec 5.1).
+MARLIN_FORMATS = ("marlin",)
+#: Keys a ``dynamic`` override may set that change how we read a layer.
+DYNAMIC_KEYS = ("bits", "group_size", "sym", "desc_act")
+FLOAT_DTYPES = ("F16", "BF16", "F32")
+LM_HEAD = "lm_head"
 
 
 def _is_gptq_config(qc: dict[str, Any]) -> bool:
@@ -42,6 +77,21 @@ def sniff(ckpt: HFCheckpoint) -> bool:
     return any(n.endswith(".qweight") for n in ckpt.infos) and any(n.endswith(".g_idx") for n in ckpt.infos)
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerConfig:
+    """The quantization settings that apply to one module after ``dynamic`` overrides.
+
+    ``skip`` is the reason a config excludes the module from quantization ("" if not).
+    """
+
+    bits: int
+    group_size: int
+    sym: bool
+    desc_act: bool
+    skip: str = ""
+    rule: str = ""
+
+
 class GptqSource(Source):
     """Reader for HF GPTQ checkpoints; see the module docstring for the conventions.
 
@@ -49,7 +99,9 @@ class GptqSource(Source):
         ckpt: an opened checkpoint folder.
 
     Raises:
-        ConfigError: missing or mistyped config fields, ``pack_dtype`` other than int32.
+        ConfigError: missing or mistyped config fields, a bad ``dynamic`` regex.
+        UnsupportedQuantError: ``pack_dtype`` other than int32, an already
+            Marlin-packed or planar (``gptq_p``) format, or bits outside 2/3/4/8.
     """
 
     format = SourceFormat.GPTQ
@@ -70,21 +122,81 @@ class GptqSource(Source):
         self.group_size = config_field(qc, "group_size", int, None, path=cfg_path, required=True)
         self.sym = config_field(qc, "sym", bool, True, path=cfg_path)
         self.desc_act = config_field(qc, "desc_act", bool, False, path=cfg_path)
+        if config_field(qc, "is_marlin_format", bool, False, path=cfg_path):
+            raise UnsupportedQuantError(_ALREADY_MARLIN, path=cfg_path, tensor="is_marlin_format")
         fmt = config_field(qc, "checkpoint_format", str, None, path=cfg_path)
-        fmt = config_field(qc, "format", str, fmt or "gptq", path=cfg_path) if fmt is None else fmt
+        fmt = config_field(qc, "format", str, "gptq", path=cfg_path) if fmt is None else fmt
+        fmt = fmt.lower()
         pack_dtype = config_field(qc, "pack_dtype", str, "int32", path=cfg_path)
         if pack_dtype not in ("int32", "torch.int32"):
-            raise UnsupportedQuantError(f"pack_dtype {pack_dtype!r} is not supported; only int32 packing is", path=cfg_path, tensor="pack_dtype")
+            raise UnsupportedQuantError(
+                f"pack_dtype {pack_dtype!r} is not supported: only int32 words are read "
+                "(GPTQModel pack_dtype int8/int16/int64 change the word size; spec 1.1)",
+                path=cfg_path, tensor="pack_dtype",
+            )
+        if fmt in MARLIN_FORMATS:
+            raise UnsupportedQuantError(_ALREADY_MARLIN, path=cfg_path, tensor="checkpoint_format")
         if fmt not in ("gptq", "gptq_v2"):
             raise UnsupportedQuantError(
-                f"checkpoint_format {fmt!r} is not a GPTQ zero convention this tool reads (gptq or gptq_v2)",
+                f"checkpoint_format {fmt!r} is not a GPTQ layout this tool reads (expected gptq or gptq_v2)",
                 path=cfg_path, tensor="checkpoint_format",
             )
         if self.group_size != -1 and self.group_size <= 0:
             raise ConfigError(f"must be -1 or positive, found {self.group_size}", path=cfg_path, tensor="group_size")
         if self.bits not in (*CONVERTIBLE_BITS, *PASSTHROUGH_BITS):
-            raise UnsupportedQuantError(f"{self.bits}-bit GPTQ is not supported (supported: 2, 4; 8 passes through)", path=cfg_path, tensor="bits")
+            raise UnsupportedQuantError(
+                f"{self.bits}-bit GPTQ is not supported (supported: 2, 3, 4; 8 passes through)",
+                path=cfg_path, tensor="bits",
+            )
         self.convention = ZeroConvention.GPTQ_V2 if fmt == "gptq_v2" else ZeroConvention.GPTQ_V1
+        self.lm_head = config_field(qc, "lm_head", bool, None, path=cfg_path)
+        self.not_convert = string_list(qc, "modules_to_not_convert", path=cfg_path)
+        self.dynamic = self._parse_dynamic(qc.get("dynamic"))
+
+    def _parse_dynamic(self, dyn: Any) -> list[tuple[str, re.Pattern[str], dict[str, Any]]]:
+        if dyn is None:
+            return []
+        if not isinstance(dyn, dict):
+            raise ConfigError(f"expected an object of regex -> overrides, found {type(dyn).__name__}", path=self.cfg_path, tensor="dynamic")
+        rules = []
+        for key, overrides in dyn.items():
+            pattern = key[2:] if key.startswith(("-:", "+:")) else key
+            try:
+                rx = re.compile(pattern)
+            except re.error as exc:
+                raise ConfigError(f"key {key!r} is not a valid regular expression ({exc})", path=self.cfg_path, tensor="dynamic") from None
+            if not isinstance(overrides, dict):
+                raise ConfigError(f"value of {key!r} must be an object of overrides, found {overrides!r}", path=self.cfg_path, tensor="dynamic")
+            for k in DYNAMIC_KEYS:
+                if k in overrides:
+                    want = bool if k in ("sym", "desc_act") else int
+                    config_field(overrides, k, want, None, path=self.cfg_path)
+            rules.append((key, rx, overrides))
+        return rules
+
+    def layer_config(self, module: str) -> LayerConfig:
+        """The settings for ``module`` after ``dynamic`` and ``modules_to_not_convert``.
+
+        ``dynamic`` follows GPTQModel's ``dynamic_get``: keys are tried in order with
+        ``re.match``; the first match wins; ``-:`` means "not quantized".
+        """
+        base = LayerConfig(self.bits, self.group_size, self.sym, self.desc_act)
+        entry = not_convert_match(module, self.not_convert)
+        if entry is not None:
+            return dataclasses.replace(base, skip=f"module matches modules_to_not_convert entry {entry!r}", rule=entry)
+        for key, rx, overrides in self.dynamic:
+            if not rx.match(module):
+                continue
+            if key.startswith("-:"):
+                return dataclasses.replace(base, skip=f"excluded from quantization by dynamic rule {key!r}", rule=key)
+            return LayerConfig(
+                bits=overrides.get("bits", base.bits),
+                group_size=overrides.get("group_size", base.group_size),
+                sym=overrides.get("sym", base.sym),
+                desc_act=overrides.get("desc_act", base.desc_act),
+                rule=key,
+            )
+        return base
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -110,7 +222,16 @@ class GptqSource(Source):
                 for t in layer.source_tensors + ((layer.bias.name,) if layer.bias else ()):
                     reasons[t] = f"layer {prefix} not converted: {layer.reason}"
         tensors = [i for n, i in infos.items() if n not in owned]
+        tag_excluded(tensors, reasons, self._plain_reason)
         return SourcePlan(layers, tensors, reasons)
+
+    def _plain_reason(self, module: str) -> str | None:
+        cfg = self.layer_config(module)
+        if cfg.skip:
+            return f"kept unquantized by the producer: {cfg.skip}"
+        if module.split(".")[-1] == LM_HEAD and self.lm_head:
+            return "config says lm_head: true but the checkpoint stores lm_head unquantized; carried over as stored"
+        return None
 
     def _need(self, prefix: str, suffix: str, dtypes: tuple[str, ...], shape: tuple[int, ...]) -> TensorInfo:
         name = f"{prefix}.{suffix}"
@@ -122,39 +243,74 @@ class GptqSource(Source):
             raise SourceFormatError(f"dtype {info.dtype}, expected {' or '.join(dtypes)}", path=path, tensor=name)
         if info.shape != shape:
             raise SourceFormatError(
-                f"shape {list(info.shape)} disagrees with K, N and group_size (expected {list(shape)})",
+                f"shape {list(info.shape)} disagrees with K, N, bits and group_size (expected {list(shape)})",
                 path=path, tensor=name,
             )
         return info
 
     def _plan_layer(self, prefix: str) -> LayerPlan:
-        b = self.bits
+        cfg = self.layer_config(prefix)
+        b = cfg.bits
+        warnings: list[str] = []
+        if cfg.skip:
+            # The config says this module is not quantized, yet it has a qweight: the
+            # data wins; read it with the global settings and say so.
+            warnings.append(f"config says this module is not quantized ({cfg.skip}) but it has a qweight; converted by the data")
+            cfg = dataclasses.replace(cfg, skip="")
+        if prefix.split(".")[-1] == LM_HEAD and self.lm_head is False:
+            warnings.append("config says lm_head: false but lm_head is quantized; converted by the data")
         qw = self.ckpt.info(f"{prefix}.qweight")
         qw_path = self.ckpt.file_of(qw.name)
         if qw.dtype != "I32" or len(qw.shape) != 2:
             raise SourceFormatError(f"expected 2-D I32, found {qw.dtype} {list(qw.shape)}", path=qw_path, tensor=qw.name)
-        size_k, size_n = qw.shape[0] * 32 // b, qw.shape[1]
-        g = size_k if self.group_size == -1 else self.group_size
+        size_n = qw.shape[1]
+        where = f" (dynamic rule {cfg.rule!r})" if cfg.rule else ""
+        if b not in (*CONVERTIBLE_BITS, *PASSTHROUGH_BITS):
+            return self._unreadable(prefix, qw, f"{b}-bit GPTQ{where} is not supported (2, 3, 4 convert; 8 passes through)", warnings)
+        size_k = unpacked_len(qw.shape[0], b)
+        if size_k is None:
+            raise SourceFormatError(
+                f"{qw.shape[0]} rows cannot hold 3-bit codes: 3-bit packs 32 codes into every 3 rows (spec 1.2)",
+                path=qw_path, tensor=qw.name,
+            )
+        gi_name = f"{prefix}.g_idx"
+        if gi_name in self.ckpt:
+            gi = self.ckpt.info(gi_name)
+            if len(gi.shape) == 1 and gi.shape[0] != size_k:
+                fits = [c for c in (2, 3, 4, 8) if unpacked_len(qw.shape[0], c) == gi.shape[0]]
+                hint = f"; bits={fits[0]} would fit" if fits else ""
+                raise ConfigError(
+                    f"bits={b}{where} gives K = {size_k} from qweight's {qw.shape[0]} rows, "
+                    f"but g_idx has {gi.shape[0]} entries{hint}",
+                    path=self.cfg_path, tensor=f"{prefix} bits",
+                )
+        g = size_k if cfg.group_size == -1 else cfg.group_size
+        if g <= 0:
+            raise ConfigError(f"group_size must be -1 or positive, found {g}", path=self.cfg_path, tensor=f"{prefix} group_size")
         num_groups = -(-size_k // g) if size_k else 0
-        scales = self._need(prefix, "scales", ("F16", "BF16", "F32"), (num_groups, size_n))
-        if size_n * b % 32:
-            raise SourceFormatError(f"size_n = {size_n} cannot be packed {32 // b} per word", path=qw_path, tensor=f"{prefix}.qzeros")
-        qzeros = self._need(prefix, "qzeros", ("I32",), (num_groups, size_n * b // 32))
+        scales = self._need(prefix, "scales", FLOAT_DTYPES, (num_groups, size_n))
+        zeros_width = packed_len(size_n, b)
+        if zeros_width is None:
+            raise SourceFormatError(f"size_n = {size_n} cannot be packed into whole {b}-bit qzeros words", path=qw_path, tensor=f"{prefix}.qzeros")
+        qzeros = self._need(prefix, "qzeros", ("I32",), (num_groups, zeros_width))
         owned = [qw.name, qzeros.name, scales.name]
         bias = None
         if f"{prefix}.bias" in self.ckpt:
-            bias = self._need(prefix, "bias", ("F16", "BF16", "F32"), (size_n,))
+            bias = self._need(prefix, "bias", FLOAT_DTYPES, (size_n,))
         perm = None
-        if f"{prefix}.g_idx" in self.ckpt:
+        if gi_name in self.ckpt:
             gi = self._need(prefix, "g_idx", ("I32",), (size_k,))
             owned.append(gi.name)
-            perm = self._perm_from_g_idx(prefix, self.ckpt.array(gi.name), g, num_groups)
-        self._check_finite(scales.name)
+            perm = act_order_perm(self.ckpt.array(gi.name), g, num_groups, path=self.ckpt.file_of(gi.name), tensor=gi.name)
+        # Range check now, so a bad bf16 scale fails before anything is written.
+        scales_to_fp16(as_f32(self.ckpt.array(scales.name), scales.dtype), path=self.ckpt.file_of(scales.name), tensor=scales.name)
+        convention, zwarn = self._layer_convention(prefix, b)
+        warnings += zwarn
         layer = LayerPlan(
             name=prefix, size_k=size_k, size_n=size_n, group_size=g, bits=b,
-            zero_convention=self.convention, symmetric=False, act_order=perm is not None,
-            source_tensors=tuple(owned), bias=bias,
-            extra={"checkpoint_format": "gptq_v2" if self.convention is ZeroConvention.GPTQ_V2 else "gptq"},
+            zero_convention=convention, symmetric=False, act_order=perm is not None,
+            source_tensors=tuple(owned), bias=bias, warnings=warnings,
+            extra={"checkpoint_format": "gptq_v2" if convention is ZeroConvention.GPTQ_V2 else "gptq"},
         )
         if b in PASSTHROUGH_BITS:
             layer.convertible, layer.reason = False, f"{b}-bit codes do not fit Marlin's 4-bit layout"
@@ -163,78 +319,98 @@ class GptqSource(Source):
         if not ok:
             layer.convertible, layer.reason = False, reason
             return layer
-        z = self._decode_zeros(prefix)
+        z = self._decode_zeros(prefix, b, convention)
+        # "symmetric" in the manifest means delta == 0, i.e. z == 8 (a 2- or 3-bit
+        # symmetric layer has z = 2 or 4 and a non-zero delta).
         layer.symmetric = bool(np.all(z == MARLIN_ZERO))
-        stored = unpack_words(self.ckpt.array(qzeros.name), b, axis=1)
-        if self.convention is ZeroConvention.GPTQ_V1 and np.any(stored == (1 << b) - 1):
+        if cfg.sym and not bool(np.all(z == symmetric_zero(b))):
+            n_bad = int(np.count_nonzero(z != symmetric_zero(b)))
             layer.warnings.append(
-                "v1 zeros contain the all-ones field, which decodes as a borrow from a true zero of 0 "
-                "(GPTQModel); a producer that wrapped per field would need a different reading"
+                f"config says sym: true but {n_bad} of {z.size} zero points differ from {symmetric_zero(b)}; "
+                "converted with delta (data wins)"
             )
-        if self.sym and not layer.symmetric:
-            layer.warnings.append("config says sym: true but the zero points vary; converted with delta (data wins)")
         return layer
 
-    def _perm_from_g_idx(self, prefix: str, g_idx: np.ndarray, g: int, num_groups: int) -> np.ndarray | None:
-        name = f"{prefix}.g_idx"
-        path = self.ckpt.file_of(name)
-        if g_idx.size and (int(g_idx.min()) < 0 or int(g_idx.max()) >= num_groups):
-            raise SourceFormatError(
-                f"values must lie in [0, {num_groups}), found [{int(g_idx.min())}, {int(g_idx.max())}]",
-                path=path, tensor=name,
-            )
-        trivial = np.arange(g_idx.size) // g
-        if np.array_equal(g_idx, trivial):
-            return None
-        counts = np.bincount(g_idx, minlength=num_groups)
-        full = np.full(num_groups, g)
-        full[-1] = g_idx.size - g * (num_groups - 1)
-        if not np.array_equal(counts, full):
-            bad = int(np.flatnonzero(counts != full)[0])
-            raise SourceFormatError(
-                f"act-order groups must each have group_size={g} members; group {bad} has {int(counts[bad])}",
-                path=path, tensor=name,
-            )
-        return np.argsort(g_idx, kind="stable").astype(np.int32)
+    def _unreadable(self, prefix: str, qw: TensorInfo, reason: str, warnings: list[str]) -> LayerPlan:
+        owned = [n for n in (f"{prefix}.{s}" for s in GPTQ_SUFFIXES if s != "bias") if n in self.ckpt]
+        bias = self.ckpt.info(f"{prefix}.bias") if f"{prefix}.bias" in self.ckpt else None
+        return LayerPlan(
+            name=prefix, size_k=0, size_n=qw.shape[1], group_size=1, bits=self.bits, zero_convention=self.convention,
+            symmetric=False, act_order=False, source_tensors=tuple(owned), bias=bias, convertible=False,
+            reason=reason, warnings=warnings,
+        )
 
-    def _check_finite(self, name: str) -> None:
-        arr = self.ckpt.array(name)
-        info = self.ckpt.info(name)
-        vals = _as_f32(arr, info.dtype)
-        if not np.all(np.isfinite(vals)):
-            bad = int(np.count_nonzero(~np.isfinite(vals)))
-            raise SourceFormatError(f"{bad} NaN or Inf values in scales", path=self.ckpt.file_of(name), tensor=name)
+    def _layer_convention(self, prefix: str, bits: int) -> tuple[ZeroConvention, list[str]]:
+        """The zero convention of one layer: the config's, unless the stored zeros are
+        all the symmetric value of the other convention (spec 1.6 table and trap)."""
+        name = f"{prefix}.qzeros"
+        stored = unpack_words(np.asarray(self.ckpt.array(name)), bits, axis=1)
+        warnings: list[str] = []
+        sym = symmetric_zero(bits)
+        if stored.size and np.all(stored == stored.flat[0]):
+            value = int(stored.flat[0])
+            data = {sym - 1: ZeroConvention.GPTQ_V1, sym: ZeroConvention.GPTQ_V2}.get(value)
+            if data is not None and data is not self.convention:
+                label = {ZeroConvention.GPTQ_V1: "gptq (v1: stored = z - 1)", ZeroConvention.GPTQ_V2: "gptq_v2 (stored = z)"}
+                warnings.append(
+                    f"config says checkpoint_format {label[self.convention]} but every stored zero is {value}, "
+                    f"the symmetric value of {label[data]}; decoded as {data.value} (data wins)"
+                )
+                return data, warnings
+        convention = self.convention
+        if convention is ZeroConvention.GPTQ_V1:
+            wrapped = int(np.count_nonzero(stored == (1 << bits) - 1))
+            if wrapped:
+                how = (
+                    "decoded per field as (stored + 1) mod 8 (GPTQModel's 3-bit rule)"
+                    if bits == 3
+                    else f"decoded by the whole-word add of 0x{int(_ones(bits)):08X}, which undoes GPTQModel's borrow"
+                )
+                warnings.append(
+                    f"{wrapped} v1 zero field(s) store {(1 << bits) - 1}, i.e. z - 1 = -1: a true zero of 0 that "
+                    f"decodes out of range per field; {how}; a producer that clamped or wrapped it otherwise "
+                    "would need a different reading"
+                )
+        return convention, warnings
 
-    def _decode_zeros(self, prefix: str, g0: int = 0, g1: int | None = None) -> np.ndarray:
-        words = np.array(self.ckpt.array(f"{prefix}.qzeros")[g0:g1]).view(np.uint32)
-        if self.convention is ZeroConvention.GPTQ_V1:
-            # Whole-word add with carries: undoes GPTQModel's whole-word subtract with
-            # borrows exactly, and equals "+1 per field" wherever no borrow happened.
-            words = words + field_ones(self.bits)
-        return unpack_words(words, self.bits, axis=1)
+    def _decode_zeros(self, prefix: str, bits: int, convention: ZeroConvention, g0: int = 0, g1: int | None = None) -> np.ndarray:
+        words = np.asarray(self.ckpt.array(f"{prefix}.qzeros")[g0:g1])
+        return decode_gptq_zeros(words, bits, v1=convention is ZeroConvention.GPTQ_V1)
 
     # -- loading ---------------------------------------------------------------------
     def load_layer(self, layer: LayerPlan, k_start: int = 0, k_stop: int | None = None) -> QuantWeight:
+        """Read Marlin rows ``[k_start, k_stop)`` of a convertible layer.
+
+        ``k_start``/``k_stop`` are multiples of the group size (or of 32 for a
+        per-channel layer, so 3-bit blocks are never split).  Returns codes uint8
+        ``(rows, N)`` in Marlin row order (act-order rows gathered by ``perm``),
+        fp16 scales, true zeros uint8, ``delta = (8 - z) * s`` in float32 from the
+        scales as stored (spec 4.6).
+
+        Raises:
+            SourceFormatError: a scale overflows fp16 (bf16 sources) or is not finite.
+        """
         k_stop = layer.size_k if k_stop is None else k_stop
         g = layer.group_size
         b = layer.bits
-        per = 32 // b
         qweight = self.ckpt.array(f"{layer.name}.qweight")
+        perm = None
         if layer.act_order:
-            perm = self._perm_from_g_idx(layer.name, self.ckpt.array(f"{layer.name}.g_idx"), g, layer.num_groups)
+            gi = f"{layer.name}.g_idx"
+            perm = act_order_perm(self.ckpt.array(gi), g, layer.num_groups, path=self.ckpt.file_of(gi), tensor=gi)
             assert perm is not None
-            rows = perm[k_start:k_stop]
-            words = np.asarray(qweight[rows // per]).view(np.uint32)
-            shift = (rows % per).astype(np.uint32)[:, None] * np.uint32(b)
-            q = ((words >> shift) & np.uint32((1 << b) - 1)).astype(np.uint8)
+            q = gather_rows(qweight, perm[k_start:k_stop], b)
         else:
-            perm = None
-            q = unpack_words(np.asarray(qweight[k_start // per : k_stop // per]), b, axis=0)
+            w0, w1 = packed_len(k_start, b), packed_len(k_stop, b)
+            if w0 is None or w1 is None:
+                q = gather_rows(qweight, np.arange(k_start, k_stop), b)
+            else:
+                q = unpack_words(np.asarray(qweight[w0:w1]), b, axis=0)
         g0, g1 = k_start // g, -(-k_stop // g)
-        z = self._decode_zeros(layer.name, g0, g1)
+        z = self._decode_zeros(layer.name, b, layer.zero_convention, g0, g1)
         sname = f"{layer.name}.scales"
         sinfo = self.ckpt.info(sname)
-        s_src = _as_f32(self.ckpt.array(sname)[g0:g1], sinfo.dtype)
+        s_src = as_f32(self.ckpt.array(sname)[g0:g1], sinfo.dtype)
         s16 = scales_to_fp16(s_src, path=self.ckpt.file_of(sname), tensor=sname)
         delta = (np.float32(MARLIN_ZERO) - z.astype(np.float32)) * s_src
         return QuantWeight(
@@ -252,11 +428,20 @@ class GptqSource(Source):
         self.ckpt.close()
 
 
+_ALREADY_MARLIN = (
+    "checkpoint is already Marlin-packed (AutoGPTQ checkpoint_format 'marlin': tensors B and s, "
+    "symmetric only, spec 5.1); marlin-convert reads GPTQ qweight/qzeros and never packs twice: "
+    "use the file as it is, or convert from the original GPTQ checkpoint"
+)
+
+
+def _ones(bits: int) -> int:
+    return int(field_ones(bits))
+
+
 def _as_f32(arr: np.ndarray, dtype: str) -> np.ndarray:
-    """float32 copy of an F16/BF16/F32 array (BF16 stored as raw uint16 bits)."""
-    if dtype == "BF16":
-        return (np.asarray(arr, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
-    return np.asarray(arr, dtype=np.float32)
+    """Backward-compatible alias of :func:`converter.formats.hf.as_f32`."""
+    return as_f32(arr, dtype)
 
 
 def open_gptq(path: Path) -> GptqSource:

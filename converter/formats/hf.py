@@ -209,3 +209,60 @@ def config_field(cfg: dict[str, Any], key: str, types: type | tuple[type, ...], 
         want = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
         raise ConfigError(f"expected {want}, found {json.dumps(value)}", path=path, tensor=key)
     return value
+
+
+def module_of(tensor_name: str) -> str:
+    """The module prefix of a tensor name: ``a.b.weight`` -> ``a.b``."""
+    return tensor_name.rsplit(".", 1)[0] if "." in tensor_name else tensor_name
+
+
+def not_convert_match(module: str, entries: list[str]) -> str | None:
+    """The ``modules_to_not_convert`` entry that excludes ``module``, or None.
+
+    transformers' AWQ/GPTQ integrations skip a module when any entry is a substring
+    of its dotted name (``replace_with_awq_linear``), so we match the same way.
+    """
+    for entry in entries:
+        if entry and entry in module:
+            return entry
+    return None
+
+
+def string_list(cfg: dict[str, Any], key: str, *, path: Path) -> list[str]:
+    """A config field that must be a list of strings (None or absent: empty).
+
+    Raises:
+        ConfigError: any other type, naming the field and the value found.
+    """
+    value = cfg.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"expected a list of strings, found {json.dumps(value)[:200]}", path=path, tensor=key)
+    return list(value)
+
+
+def tag_excluded(plain: list[TensorInfo], reasons: dict[str, str], rule: Any) -> None:
+    """Give every plain tensor whose module a config excludes from quantization its reason.
+
+    Args:
+        plain: tensors no quantized layer owns.
+        reasons: ``{tensor name: reason}``, filled in place (existing entries kept).
+        rule: ``rule(module) -> reason or None``.
+    """
+    for info in plain:
+        if info.name in reasons:
+            continue
+        why = rule(module_of(info.name))
+        if why:
+            reasons[info.name] = why
+
+
+def as_f32(arr: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 copy of an F16/BF16/F32 array (BF16 stored as raw uint16 bits).
+
+    bf16 -> f32 is exact: the bf16 bits are the top half of the f32 bits.
+    """
+    if dtype == "BF16":
+        return (np.asarray(arr, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return np.asarray(arr, dtype=np.float32)

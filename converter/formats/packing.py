@@ -239,3 +239,34 @@ def gather_rows(packed: np.ndarray, rows: np.ndarray, bits: int) -> np.ndarray:
     words = np.asarray(packed[rows // per]).view(np.uint32)
     shift = (rows % per).astype(np.uint32)[:, None] * np.uint32(bits)
     return ((words >> shift) & np.uint32((1 << bits) - 1)).astype(np.uint8)
+
+
+#: AutoAWQ GEMM interleave: nibble i of word c holds output column 8c + AWQ_ORDER[i]
+#: (``awq/utils/packing_utils.py AWQ_ORDER``; spec section 3).
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+#: Column 8c + j lives in nibble AWQ_REVERSE_ORDER[j].
+AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
+_AWQ_REV = np.asarray(AWQ_REVERSE_ORDER, dtype=np.intp)
+_AWQ_ORD = np.asarray(AWQ_ORDER, dtype=np.intp)
+
+
+def unpack_awq(words: np.ndarray) -> np.ndarray:
+    """Unpack AutoAWQ GEMM words, packed along N with the interleave, into codes.
+
+    Args:
+        words: int32 ``(R, N/8)`` (``qweight`` with R = K, or ``qzeros`` with R = G).
+
+    Returns:
+        uint8 ``(R, N)`` in natural column order: ``out[r, 8c + AWQ_ORDER[i]]`` is
+        nibble i of ``words[r, c]``.
+    """
+    nib = unpack_words(words, 4, axis=1)
+    rows, n = nib.shape
+    return np.ascontiguousarray(nib.reshape(rows, n // 8, 8)[:, :, _AWQ_REV].reshape(rows, n))
+
+
+def pack_awq(codes: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`unpack_awq`: uint8 ``(R, N)`` -> int32 ``(R, N/8)`` (writers, fixtures)."""
+    rows, n = codes.shape
+    inter = np.ascontiguousarray(codes.reshape(rows, n // 8, 8)[:, :, _AWQ_ORD].reshape(rows, n))
+    return pack_words(inter, 4, axis=1)

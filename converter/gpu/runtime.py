@@ -103,3 +103,19 @@ def device_info() -> DeviceInfo:
     if count == 0:
         raise GpuUnavailableError("no CUDA device is visible (CuPy found 0 devices)")
     return _device_info(index)
+
+
+def require_gpu() -> DeviceInfo:
+    """Check that the GPU path can run here and describe the device.
+
+    Used by the test suite's skip hook and by ``marlin-verify`` to decide GPU mode.
+
+    Returns:
+        :class:`DeviceInfo` of the current device.
+
+    Raises:
+        GpuUnavailableError: no CuPy, no visible CUDA device, or compute capability
+            below 8.0 (one-line message).
+    """
+    _import_cupy()
+    return device_info()

@@ -1,0 +1,216 @@
+"""AutoAWQ GEMM checkpoints (``quant_method: awq``, ``version: gemm``) in safetensors.
+
+Per layer ``<prefix>`` (checkpoint-formats.md section 3, AutoAWQ ``WQLinear_GEMM``):
+``qweight`` int32 ``(K, N/8)`` packed along **N** with the interleave
+``[0,2,4,6,1,3,5,7]``; ``qzeros`` int32 ``(G, N/8)``, same packing, zeros stored
+as they are (no -1); ``scales`` ``(G, N)``; optional ``bias`` ``(N,)``.  No
+``g_idx``.  ``W = (q - z) * s``, so ``delta = (8 - z) * s`` (spec 4.6).  AWQ GEMM
+is 4-bit only; ``group_size: -1`` means one group of K.
+
+Refused with a message, never converted:
+
+* ``version: marlin`` (AutoAWQ ``WQLinear_Marlin``): already upstream-Marlin
+  packed, symmetric, under the names ``qweight`` ``(K/16, 2N)`` and ``scales``
+  (permuted); repacking would pack twice.  A file labelled ``gemm`` whose
+  ``qweight`` has Marlin's ``(K/16, 2N)`` shape is refused the same way.
+* ``gemv``/``gemv_fast`` and any other version: different packings.
+
+``modules_to_not_convert`` (transformers substring match) is honoured: those
+modules are stored unquantized and pass through with that reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..constants import MARLIN_ZERO, SourceFormat, ZeroConvention
+from ..errors import ConfigError, SourceFormatError, UnsupportedQuantError
+from ..marlin.shapes import check_convertible
+from ..quant_weight import QuantWeight, Tensor
+from .base import LayerPlan, Source, SourcePlan, TensorInfo
+from .hf import HFCheckpoint, as_f32, config_field, not_convert_match, string_list, tag_excluded
+from .packing import unpack_awq
+from .scales import scales_to_fp16
+
+AWQ_BITS = 4
+FLOAT_DTYPES = ("F16", "BF16", "F32")
+READ_VERSIONS = ("gemm",)
+
+
+class AwqSource(Source):
+    """Reader for AutoAWQ GEMM checkpoints; conventions in the module docstring.
+
+    Args:
+        ckpt: an opened checkpoint folder.
+
+    Raises:
+        ConfigError: a missing or mistyped config field.
+        UnsupportedQuantError: ``version`` other than ``gemm`` (``marlin`` with its
+            own message), bits other than 4.
+    """
+
+    format = SourceFormat.AWQ
+
+    def __init__(self, ckpt: HFCheckpoint) -> None:
+        self.ckpt = ckpt
+        self.path = ckpt.folder
+        qc = ckpt.quant_config
+        self.cfg_path = cfg_path = ckpt.folder / (ckpt.quant_config_file or "config.json")
+        # AutoAWQ's own quant_config.json spells them w_bit / q_group_size (spec section 3).
+        bits_key = "bits" if "bits" in qc else "w_bit"
+        group_key = "group_size" if "group_size" in qc else "q_group_size"
+        self.bits = config_field(qc, bits_key, int, AWQ_BITS, path=cfg_path)
+        self.group_size = config_field(qc, group_key, int, 128, path=cfg_path)
+        self.version = str(config_field(qc, "version", str, "gemm", path=cfg_path)).lower()
+        self.zero_point = config_field(qc, "zero_point", bool, True, path=cfg_path)
+        self.not_convert = string_list(qc, "modules_to_not_convert", path=cfg_path)
+        if self.version == "marlin":
+            raise UnsupportedQuantError(ALREADY_MARLIN, path=cfg_path, tensor="version")
+        if self.version not in READ_VERSIONS:
+            raise UnsupportedQuantError(
+                f"AWQ version {self.version!r} is not supported: only 'gemm' (qweight [K, N/8] packed along N) "
+                "is read; gemv/gemv_fast store other packings; re-export the model as AWQ GEMM",
+                path=cfg_path, tensor="version",
+            )
+        if self.bits != AWQ_BITS:
+            raise UnsupportedQuantError(f"{self.bits}-bit AWQ is not supported (AWQ GEMM is 4-bit only)", path=cfg_path, tensor=bits_key)
+        if self.group_size != -1 and self.group_size <= 0:
+            raise ConfigError(f"must be -1 or positive, found {self.group_size}", path=cfg_path, tensor=group_key)
+
+    def describe(self) -> dict[str, Any]:
+        return {"format": self.format.value, "files": self.ckpt.describe_files(), "quant_config": self.ckpt.quant_config}
+
+    # -- planning --------------------------------------------------------------------
+    def plan(self) -> SourcePlan:
+        """Plan every ``*.qweight`` layer; reads qzeros and scales (small) only.
+
+        Raises:
+            SourceFormatError: a missing companion tensor, a wrong dtype or shape,
+                NaN/Inf or fp16-overflowing scales.
+            UnsupportedQuantError: a Marlin-packed ``qweight`` under a gemm label.
+        """
+        infos = self.ckpt.infos
+        layers: list[LayerPlan] = []
+        owned: set[str] = set()
+        reasons: dict[str, str] = {}
+        for name in infos:
+            if not name.endswith(".qweight"):
+                continue
+            layer = self._plan_layer(name[: -len(".qweight")])
+            layers.append(layer)
+            owned.update(layer.source_tensors)
+            if layer.bias:
+                owned.add(layer.bias.name)
+            if not layer.convertible:
+                for t in layer.source_tensors + ((layer.bias.name,) if layer.bias else ()):
+                    reasons[t] = f"layer {layer.name} not converted: {layer.reason}"
+        tensors = [i for n, i in infos.items() if n not in owned]
+        tag_excluded(tensors, reasons, self._plain_reason)
+        return SourcePlan(layers, tensors, reasons)
+
+    def _plain_reason(self, module: str) -> str | None:
+        entry = not_convert_match(module, self.not_convert)
+        return f"kept unquantized by the producer: module matches modules_to_not_convert entry {entry!r}" if entry else None
+
+    def _need(self, prefix: str, suffix: str, dtypes: tuple[str, ...], shape: tuple[int, ...] | None = None) -> TensorInfo:
+        name = f"{prefix}.{suffix}"
+        if name not in self.ckpt:
+            raise SourceFormatError(f"layer {prefix} has qweight but no {suffix} (AWQ GEMM always stores zeros and scales)", path=self.ckpt.folder, tensor=name)
+        info = self.ckpt.info(name)
+        path = self.ckpt.file_of(name)
+        if info.dtype not in dtypes:
+            raise SourceFormatError(f"dtype {info.dtype}, expected {' or '.join(dtypes)}", path=path, tensor=name)
+        if len(info.shape) != (len(shape) if shape else 2):
+            raise SourceFormatError(f"expected a {len(shape) if shape else 2}-D tensor, found shape {list(info.shape)}", path=path, tensor=name)
+        if shape is not None and info.shape != shape:
+            raise SourceFormatError(f"shape {list(info.shape)} disagrees with K, N and group_size (expected {list(shape)})", path=path, tensor=name)
+        return info
+
+    def _plan_layer(self, prefix: str) -> LayerPlan:
+        qw = self._need(prefix, "qweight", ("I32",))
+        qw_path = self.ckpt.file_of(qw.name)
+        scales = self._need(prefix, "scales", FLOAT_DTYPES)
+        num_groups, size_n = scales.shape
+        size_k = qw.shape[0]
+        if qw.shape[1] != size_n // 8 or size_n % 8:
+            if qw.shape[1] == 2 * size_n:
+                # Marlin's B is (K/16, 2N): the file is Marlin-packed whatever its label says.
+                raise UnsupportedQuantError(
+                    f"qweight shape {list(qw.shape)} is Marlin's (K/16, 2N) for N = {size_n}, not AWQ GEMM's (K, N/8): "
+                    + ALREADY_MARLIN, path=qw_path, tensor=qw.name,
+                )
+            raise SourceFormatError(
+                f"shape {list(qw.shape)} is not AWQ GEMM's (K, N/8) for N = {size_n} taken from {scales.name}",
+                path=qw_path, tensor=qw.name,
+            )
+        g = size_k if self.group_size == -1 else self.group_size
+        expect_groups = -(-size_k // g) if size_k else 0
+        if num_groups != expect_groups:
+            raise SourceFormatError(
+                f"shape {list(scales.shape)} has {num_groups} groups, expected {expect_groups} for K = {size_k} "
+                f"and group_size = {self.group_size}", path=self.ckpt.file_of(scales.name), tensor=scales.name,
+            )
+        qzeros = self._need(prefix, "qzeros", ("I32",), (num_groups, size_n // 8))
+        bias = self._need(prefix, "bias", FLOAT_DTYPES, (size_n,)) if f"{prefix}.bias" in self.ckpt else None
+        scales_to_fp16(as_f32(self.ckpt.array(scales.name), scales.dtype), path=self.ckpt.file_of(scales.name), tensor=scales.name)
+        warnings = []
+        entry = not_convert_match(prefix, self.not_convert)
+        if entry:
+            warnings.append(f"config lists this module in modules_to_not_convert ({entry!r}) but it is quantized; converted by the data")
+        layer = LayerPlan(
+            name=prefix, size_k=size_k, size_n=size_n, group_size=g, bits=AWQ_BITS,
+            zero_convention=ZeroConvention.AWQ, symmetric=False, act_order=False,
+            source_tensors=(qw.name, qzeros.name, scales.name), bias=bias, warnings=warnings,
+            extra={"version": self.version},
+        )
+        ok, reason = check_convertible(size_k, size_n, g)
+        if not ok:
+            layer.convertible, layer.reason = False, reason
+            return layer
+        z = unpack_awq(np.asarray(self.ckpt.array(qzeros.name)))
+        layer.symmetric = bool(np.all(z == MARLIN_ZERO))
+        return layer
+
+    # -- loading ---------------------------------------------------------------------
+    def load_layer(self, layer: LayerPlan, k_start: int = 0, k_stop: int | None = None) -> QuantWeight:
+        """Read input rows ``[k_start, k_stop)`` (multiples of the group size, or any
+        16-row boundary when per-channel).
+
+        Returns codes uint8 ``(rows, N)`` de-interleaved, fp16 scales, true zeros
+        uint8 ``(groups, N)``, ``delta = (8 - z) * s`` float32 from the scales as stored.
+
+        Raises:
+            SourceFormatError: a scale overflows fp16 or is not finite.
+        """
+        k_stop = layer.size_k if k_stop is None else k_stop
+        g = layer.group_size
+        q = unpack_awq(np.asarray(self.ckpt.array(f"{layer.name}.qweight")[k_start:k_stop]))
+        g0, g1 = k_start // g, -(-k_stop // g)
+        z = unpack_awq(np.asarray(self.ckpt.array(f"{layer.name}.qzeros")[g0:g1]))
+        sname = f"{layer.name}.scales"
+        sinfo = self.ckpt.info(sname)
+        s_src = as_f32(self.ckpt.array(sname)[g0:g1], sinfo.dtype)
+        s16 = scales_to_fp16(s_src, path=self.ckpt.file_of(sname), tensor=sname)
+        delta = (np.float32(MARLIN_ZERO) - z.astype(np.float32)) * s_src
+        return QuantWeight(
+            name=layer.name, q=q, scales=s16, zeros=z, delta=delta, group_size=g, bits=AWQ_BITS,
+            zero_convention=ZeroConvention.AWQ,
+            bias=self.ckpt.tensor(layer.bias.name) if layer.bias else None,
+            k_offset=k_start, size_k=layer.size_k, source_scales_dtype=sinfo.dtype,
+            source_scales=None if sinfo.dtype == "F16" else s_src,
+        )
+
+    def load_tensor(self, name: str) -> Tensor:
+        return self.ckpt.tensor(name)
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+
+ALREADY_MARLIN = (
+    "AutoAWQ 'marlin' checkpoints are already upstream-Marlin packed and symmetric (qweight is Marlin B "
+    "[K/16, 2N], scales are Marlin-permuted; spec section 3); marlin-convert never packs twice: serve the "
+    "file as it is, or convert from the AWQ GEMM checkpoint"
+)

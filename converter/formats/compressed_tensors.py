@@ -1,0 +1,375 @@
+"""compressed-tensors ``pack-quantized`` checkpoints (llm-compressor) in safetensors.
+
+Per Linear ``<prefix>`` (checkpoint-formats.md section 6, ``pack_quantized.py``):
+
+==========================  =======  ======================  ==========================================
+tensor                      dtype    shape                   notes
+==========================  =======  ======================  ==========================================
+``weight_packed``           int32    ``(N, ceil(K*b/32))``   nn.Linear orientation, packed along K,
+                                                             LSB-first, zero-padded
+``weight_scale``            float    ``(N, G)``              transposed against GPTQ
+``weight_zero_point``       int32    ``(ceil(N*b/32), G)``   asymmetric only; packed along **N**
+``weight_g_idx``            int32    ``(K,)``                optional (``actorder: group``)
+``weight_shape``            int      ``(2,)``                ``[N, K]``
+==========================  =======  ======================  ==========================================
+
+Values (zero_convention ``ct_offset8``): quantization produces signed codes in
+``[-2^(b-1), 2^(b-1) - 1]`` and packing adds ``2^(b-1)``, to the weights and to the
+zero points alike, so both stored values are unsigned and ``W = s * (q_u - z_u)``;
+a symmetric layer (no zero-point tensor) has ``z_u = 2^(b-1)``.  Hence
+``delta = (8 - z_u) * s``.  A ``weight_g_idx`` that is not ``k // group_size`` is
+act-order, handled exactly as for GPTQ (:func:`~converter.formats.packing.act_order_perm`).
+
+Config: ``config_groups`` map a group's ``targets`` (exact module names, ``re:``
+regexes, or a class name such as ``Linear``, which we take to mean every layer with a
+``weight_packed``) to its ``weights`` QuantizationArgs (``num_bits``, ``type``,
+``symmetric``, ``strategy``, ``group_size``, ``actorder``); ``ignore`` (exact names
+or ``re:`` regexes) lists modules kept unquantized, which pass through with that reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import numpy as np
+
+from ..constants import MARLIN_ZERO, SourceFormat, ZeroConvention
+from ..errors import ConfigError, SourceFormatError, UnsupportedQuantError
+from ..marlin.shapes import check_convertible
+from ..quant_weight import QuantWeight, Tensor
+from .base import LayerPlan, Source, SourcePlan, TensorInfo
+from .hf import HFCheckpoint, as_f32, tag_excluded
+from .packing import act_order_perm, codes_per_word, gather_rows, symmetric_zero, unpack_words
+from .scales import scales_to_fp16
+
+PACK_QUANTIZED = "pack-quantized"
+CONVERTIBLE_BITS = (2, 4)
+FLOAT_DTYPES = ("F16", "BF16", "F32")
+SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape")
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightArgs:
+    """The ``weights`` QuantizationArgs of the config group that targets a layer."""
+
+    group: str
+    num_bits: int
+    type: str
+    symmetric: bool
+    strategy: str
+    group_size: int | None
+    actorder: Any
+    format: str
+
+
+def _matches(target: str, name: str) -> bool:
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == name
+
+
+def _is_class_name(target: str) -> bool:
+    # compressed-tensors also matches targets against module class names; we only see
+    # tensors, so a class name ("Linear") is taken to cover every packed layer.
+    return not target.startswith("re:") and "." not in target and target[:1].isupper()
+
+
+class CompressedTensorsSource(Source):
+    """Reader for compressed-tensors ``pack-quantized`` checkpoints (module docstring).
+
+    Args:
+        ckpt: an opened checkpoint folder.
+
+    Raises:
+        ConfigError: a malformed ``config_groups``, ``ignore`` or regex.
+        UnsupportedQuantError: a format other than ``pack-quantized`` (e.g.
+            ``marlin-24``, ``float-quantized``) or a non-dense sparsity format.
+    """
+
+    format = SourceFormat.COMPRESSED_TENSORS
+
+    def __init__(self, ckpt: HFCheckpoint) -> None:
+        self.ckpt = ckpt
+        self.path = ckpt.folder
+        qc = ckpt.quant_config
+        self.cfg_path = ckpt.folder / (ckpt.quant_config_file or "config.json")
+        self.top_format = str(qc.get("format") or "")
+        groups = qc.get("config_groups")
+        if not isinstance(groups, dict) or not groups:
+            raise ConfigError("expected a non-empty object of quantization groups", path=self.cfg_path, tensor="config_groups")
+        self.groups: list[tuple[list[str], WeightArgs]] = []
+        for gname, group in groups.items():
+            self.groups.append(self._parse_group(gname, group))
+        formats = {a.format for _, a in self.groups}
+        if PACK_QUANTIZED not in formats:
+            raise UnsupportedQuantError(
+                f"compressed-tensors format {sorted(formats)} is not supported: only 'pack-quantized' "
+                "(int weights packed into int32) is read; 'marlin-24' is 2:4-sparse and already Marlin-packed",
+                path=self.cfg_path, tensor="format",
+            )
+        sparsity = qc.get("sparsity_config") or {}
+        if isinstance(sparsity, dict) and sparsity.get("format") not in (None, "dense"):
+            raise UnsupportedQuantError(
+                f"sparsity format {sparsity.get('format')!r} is not supported (only dense weights are read)",
+                path=self.cfg_path, tensor="sparsity_config.format",
+            )
+        self.status = qc.get("quantization_status")
+        ignore = qc.get("ignore") or []
+        if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
+            raise ConfigError(f"expected a list of strings, found {ignore!r}", path=self.cfg_path, tensor="ignore")
+        for entry in ignore:
+            self._check_regex(entry, "ignore")
+        self.ignore = ignore
+
+    def _check_regex(self, entry: str, field: str) -> None:
+        if entry.startswith("re:"):
+            try:
+                re.compile(entry[3:])
+            except re.error as exc:
+                raise ConfigError(f"{entry!r} is not a valid regular expression ({exc})", path=self.cfg_path, tensor=field) from None
+
+    def _parse_group(self, gname: str, group: Any) -> tuple[list[str], WeightArgs]:
+        field = f"config_groups.{gname}"
+        if not isinstance(group, dict):
+            raise ConfigError("expected an object", path=self.cfg_path, tensor=field)
+        targets = group.get("targets") or []
+        if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+            raise ConfigError(f"expected a list of strings, found {targets!r}", path=self.cfg_path, tensor=f"{field}.targets")
+        for t in targets:
+            self._check_regex(t, f"{field}.targets")
+        w = group.get("weights")
+        if not isinstance(w, dict):
+            raise ConfigError("expected the weights' QuantizationArgs object", path=self.cfg_path, tensor=f"{field}.weights")
+
+        def get(key: str, types: type | tuple[type, ...], default: Any) -> Any:
+            value = w.get(key, default)
+            if value is None:
+                return default
+            if not isinstance(value, types) or (isinstance(value, bool) and types is int):
+                raise ConfigError(f"expected {getattr(types, '__name__', types)}, found {value!r}", path=self.cfg_path, tensor=f"{field}.weights.{key}")
+            return value
+
+        # Defaults are QuantizationArgs' own (spec section 6): 8 bits, int, symmetric.
+        args = WeightArgs(
+            group=gname,
+            num_bits=get("num_bits", int, 8),
+            type=get("type", str, "int"),
+            symmetric=get("symmetric", bool, True),
+            strategy=get("strategy", str, ""),
+            group_size=get("group_size", int, None),
+            actorder=w.get("actorder"),
+            format=str(group.get("format") or self.top_format or "fakequant"),
+        )
+        return targets, args
+
+    def args_for(self, module: str) -> WeightArgs | None:
+        """The weights args of the first group whose targets name ``module`` (exact or
+        ``re:``), else of the first group with a class-name target; None if none."""
+        for targets, args in self.groups:
+            if any(not _is_class_name(t) and _matches(t, module) for t in targets):
+                return args
+        for targets, args in self.groups:
+            if any(_is_class_name(t) for t in targets):
+                return args
+        return None
+
+    def ignored(self, module: str) -> str | None:
+        """The ``ignore`` entry that names ``module``, or None."""
+        for entry in self.ignore:
+            if not _is_class_name(entry) and _matches(entry, module):
+                return entry
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        return {"format": self.format.value, "files": self.ckpt.describe_files(), "quant_config": self.ckpt.quant_config}
+
+    # -- planning --------------------------------------------------------------------
+    def plan(self) -> SourcePlan:
+        """Plan every ``*.weight_packed`` layer (reads the small tensors only).
+
+        Raises:
+            SourceFormatError: missing companions, wrong dtypes or shapes,
+                ``weight_shape`` disagreeing with ``weight_packed``, a bad ``g_idx``,
+                NaN/Inf or fp16-overflowing scales.
+            UnsupportedQuantError: no packed layer while ``quantization_status`` is
+                not ``compressed`` (weights still in float).
+        """
+        infos = self.ckpt.infos
+        layers: list[LayerPlan] = []
+        owned: set[str] = set()
+        reasons: dict[str, str] = {}
+        for name in infos:
+            if name.endswith(".weight_packed"):
+                layer = self._plan_layer(name[: -len(".weight_packed")])
+                layers.append(layer)
+                owned.update(layer.source_tensors)
+                if layer.bias:
+                    owned.add(layer.bias.name)
+                if not layer.convertible:
+                    for t in layer.source_tensors + ((layer.bias.name,) if layer.bias else ()):
+                        reasons[t] = f"layer {layer.name} not converted: {layer.reason}"
+        if not layers and self.status not in (None, "compressed"):
+            raise UnsupportedQuantError(
+                f"no weight_packed tensors and quantization_status is {self.status!r}, not 'compressed': "
+                "the weights were never packed", path=self.cfg_path, tensor="quantization_status",
+            )
+        tensors = [i for n, i in infos.items() if n not in owned]
+        tag_excluded(tensors, reasons, self._plain_reason)
+        return SourcePlan(layers, tensors, reasons)
+
+    def _plain_reason(self, module: str) -> str | None:
+        entry = self.ignored(module)
+        return f"kept unquantized by the producer: listed in quantization_config.ignore ({entry!r})" if entry else None
+
+    def _info(self, prefix: str, suffix: str, dtypes: tuple[str, ...], shape: tuple[int, ...] | None, ndim: int) -> TensorInfo:
+        name = f"{prefix}.{suffix}"
+        if name not in self.ckpt:
+            raise SourceFormatError(f"layer {prefix} has weight_packed but no {suffix}", path=self.ckpt.folder, tensor=name)
+        info = self.ckpt.info(name)
+        path = self.ckpt.file_of(name)
+        if info.dtype not in dtypes:
+            raise SourceFormatError(f"dtype {info.dtype}, expected {' or '.join(dtypes)}", path=path, tensor=name)
+        if len(info.shape) != ndim or (shape is not None and info.shape != shape):
+            want = list(shape) if shape is not None else f"{ndim}-D"
+            raise SourceFormatError(f"shape {list(info.shape)} disagrees with weight_shape, bits and group_size (expected {want})", path=path, tensor=name)
+        return info
+
+    def _plan_layer(self, prefix: str) -> LayerPlan:
+        packed = self._info(prefix, "weight_packed", ("I32",), None, 2)
+        shape_info = self._info(prefix, "weight_shape", ("I64", "I32"), (2,), 1)
+        size_n, size_k = (int(v) for v in np.asarray(self.ckpt.array(shape_info.name)))
+        owned = [packed.name, shape_info.name]
+        warnings: list[str] = []
+        args = self.args_for(prefix)
+        entry = self.ignored(prefix)
+        if entry:
+            warnings.append(f"config lists this module in ignore ({entry!r}) but it is packed; converted by the data")
+        base = dict(name=prefix, size_k=size_k, size_n=size_n, group_size=size_k, bits=args.num_bits if args else 0,
+                    zero_convention=ZeroConvention.CT_OFFSET8, symmetric=False, act_order=False, warnings=warnings)
+        bias = None
+        if f"{prefix}.bias" in self.ckpt:
+            bias = self._info(prefix, "bias", FLOAT_DTYPES, (size_n,), 1)
+        others = tuple(f"{prefix}.{s}" for s in SUFFIXES if f"{prefix}.{s}" in self.ckpt)
+
+        def passthrough(reason: str) -> LayerPlan:
+            return LayerPlan(**base, source_tensors=others, bias=bias, convertible=False, reason=reason)
+
+        if args is None:
+            return passthrough("no config_groups entry targets this layer, so its quantization is unknown")
+        b = args.num_bits
+        if args.type != "int":
+            return passthrough(f"weights type {args.type!r} (config group {args.group}) is not integer")
+        if b not in CONVERTIBLE_BITS:
+            return passthrough(f"{b}-bit codes (config group {args.group}) do not convert to Marlin's 4-bit layout")
+        if args.format != PACK_QUANTIZED:
+            return passthrough(f"config group {args.group} has format {args.format!r}, not pack-quantized")
+        per = codes_per_word(b)
+        exp_packed = (size_n, -(-size_k // per))
+        if packed.shape != exp_packed:
+            raise SourceFormatError(
+                f"shape {list(packed.shape)} disagrees with weight_shape [N, K] = [{size_n}, {size_k}] at {b} bits "
+                f"(expected {list(exp_packed)})", path=self.ckpt.file_of(packed.name), tensor=packed.name,
+            )
+        strategy = args.strategy or ("group" if args.group_size else "channel")
+        if strategy == "group":
+            if not args.group_size or args.group_size <= 0:
+                raise ConfigError(f"strategy 'group' needs a positive group_size, found {args.group_size!r}", path=self.cfg_path, tensor=f"config_groups.{args.group}.weights.group_size")
+            g = args.group_size
+        elif strategy == "channel":
+            g = size_k
+        else:
+            return passthrough(f"strategy {strategy!r} (config group {args.group}) is not group or channel")
+        num_groups = -(-size_k // g)
+        scale = self._info(prefix, "weight_scale", FLOAT_DTYPES, (size_n, num_groups), 2)
+        owned.append(scale.name)
+        zp_name = f"{prefix}.weight_zero_point"
+        has_zp = zp_name in self.ckpt
+        if has_zp:
+            self._info(prefix, "weight_zero_point", ("I32",), (-(-size_n // per), num_groups), 2)
+            owned.append(zp_name)
+        elif not args.symmetric:
+            raise SourceFormatError(f"config group {args.group} is asymmetric but the layer has no weight_zero_point", path=self.ckpt.folder, tensor=zp_name)
+        perm = None
+        gi_name = f"{prefix}.weight_g_idx"
+        if gi_name in self.ckpt:
+            gi = self._info(prefix, "weight_g_idx", ("I32", "I64"), (size_k,), 1)
+            owned.append(gi.name)
+            perm = act_order_perm(np.asarray(self.ckpt.array(gi.name)), g, num_groups, path=self.ckpt.file_of(gi.name), tensor=gi.name)
+        scales_to_fp16(as_f32(self.ckpt.array(scale.name), scale.dtype), path=self.ckpt.file_of(scale.name), tensor=scale.name)
+        layer = LayerPlan(
+            name=prefix, size_k=size_k, size_n=size_n, group_size=g, bits=b,
+            zero_convention=ZeroConvention.CT_OFFSET8, symmetric=False, act_order=perm is not None,
+            source_tensors=tuple(owned), bias=bias, warnings=warnings,
+            extra={"config_group": args.group, "actorder": args.actorder, "strategy": strategy},
+        )
+        ok, reason = check_convertible(size_k, size_n, g)
+        if not ok:
+            layer.convertible, layer.reason = False, reason
+            return layer
+        z = self._zeros(layer)
+        layer.symmetric = bool(np.all(z == MARLIN_ZERO))
+        if args.symmetric and has_zp and not bool(np.all(z == symmetric_zero(b))):
+            layer.warnings.append(
+                f"config group {args.group} says symmetric but weight_zero_point varies; converted with delta (data wins)"
+            )
+        return layer
+
+    def _zeros(self, layer: LayerPlan, g0: int = 0, g1: int | None = None) -> np.ndarray:
+        """Unsigned zeros ``z_u`` uint8 ``(groups, N)``: the stored values, or ``2^(b-1)`` when symmetric."""
+        name = f"{layer.name}.weight_zero_point"
+        if name not in self.ckpt:
+            g1 = layer.num_groups if g1 is None else g1
+            return np.full((g1 - g0, layer.size_n), symmetric_zero(layer.bits), dtype=np.uint8)
+        words = np.asarray(self.ckpt.array(name)[:, g0:g1])
+        return np.ascontiguousarray(unpack_words(words, layer.bits, axis=0)[: layer.size_n].T)
+
+    # -- loading ---------------------------------------------------------------------
+    def load_layer(self, layer: LayerPlan, k_start: int = 0, k_stop: int | None = None) -> QuantWeight:
+        """Read Marlin rows ``[k_start, k_stop)`` (group multiples; act-order rows via ``perm``).
+
+        Returns codes uint8 ``(rows, N)`` (``weight_packed`` unpacked along K and
+        transposed to ``(K, N)``), fp16 scales ``(groups, N)`` (``weight_scale``
+        transposed), unsigned zeros ``z_u``, ``delta = (8 - z_u) * s`` float32.
+
+        Raises:
+            SourceFormatError: a scale overflows fp16 or is not finite.
+        """
+        k_stop = layer.size_k if k_stop is None else k_stop
+        g, b = layer.group_size, layer.bits
+        per = codes_per_word(b)
+        packed = self.ckpt.array(f"{layer.name}.weight_packed")
+        perm = None
+        if layer.act_order:
+            gi = f"{layer.name}.weight_g_idx"
+            perm = act_order_perm(np.asarray(self.ckpt.array(gi)), g, layer.num_groups, path=self.ckpt.file_of(gi), tensor=gi)
+            assert perm is not None
+            # The transposed view makes K the packed row axis, as in GPTQ's qweight.
+            q = gather_rows(packed.T, perm[k_start:k_stop], b)
+        elif k_start % per == 0:
+            w1 = -(-k_stop // per)
+            codes = unpack_words(np.asarray(packed[:, k_start // per : w1]), b, axis=1)
+            q = np.ascontiguousarray(codes[:, : k_stop - k_start].T)
+        else:
+            q = gather_rows(packed.T, np.arange(k_start, k_stop), b)
+        g0, g1 = k_start // g, -(-k_stop // g)
+        z = self._zeros(layer, g0, g1)
+        sname = f"{layer.name}.weight_scale"
+        sinfo = self.ckpt.info(sname)
+        s_src = np.ascontiguousarray(as_f32(self.ckpt.array(sname)[:, g0:g1], sinfo.dtype).T)
+        s16 = scales_to_fp16(s_src, path=self.ckpt.file_of(sname), tensor=sname)
+        delta = (np.float32(MARLIN_ZERO) - z.astype(np.float32)) * s_src
+        return QuantWeight(
+            name=layer.name, q=q, scales=s16, zeros=z, delta=delta, group_size=g, bits=b,
+            zero_convention=ZeroConvention.CT_OFFSET8,
+            bias=self.ckpt.tensor(layer.bias.name) if layer.bias else None,
+            perm=perm, k_offset=k_start, size_k=layer.size_k, source_scales_dtype=sinfo.dtype,
+            source_scales=None if sinfo.dtype == "F16" else s_src,
+        )
+
+    def load_tensor(self, name: str) -> Tensor:
+        return self.ckpt.tensor(name)
+
+    def close(self) -> None:
+        self.ckpt.close()

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# compute-sanitizer (memcheck, racecheck, synccheck) over a small set of kernel cases.
+# Run on the GPU machine from the repo root: bash scripts/gpu_sanitize.sh [OUTDIR]
+# Each tool's full log goes to OUTDIR/sanitizer_<tool>.log; the summary lines are printed.
+set -u
+out=${1:-${OUT:-/tmp}}
+export PYTHONPATH=$PWD
+cat > /tmp/sanitize_cases.py <<'PY'
+import numpy as np, cupy as cp
+from converter.gpu import kernels, reference as ref
+from converter.marlin.layout import pack_b, permute_scales
+rng = np.random.default_rng(0)
+def layer(k, n, gs):
+    g = k // gs
+    q = rng.integers(0, 16, (k, n), dtype=np.uint8)
+    s = (rng.uniform(0.5, 2, (g, n)) / 32).astype(np.float16)
+    d = rng.normal(0, 0.05, (g, n)).astype(np.float32)
+    return cp.asarray(pack_b(q)), cp.asarray(permute_scales(s)), cp.asarray(d)
+for (m, k, n, gs, act) in [(1, 1024, 256, 128, False), (17, 1024, 256, 32, True), (65, 512, 128, 64, False),
+                           (16, 256, 64, 256, False), (128, 384, 192, 128, True), (5, 192, 64, 64, False)]:
+    B, S, D = layer(k, n, gs)
+    a = cp.asarray(rng.standard_normal((m, k)).astype(np.float16))
+    perm = cp.asarray(rng.permutation(k).astype(np.int32)) if act else None
+    bias = cp.asarray(rng.standard_normal(n).astype(np.float16))
+    kw = dict(size_k=k, size_n=n, group_size=gs, perm=perm)
+    for _ in range(2):
+        kernels.marlin_gemm(a, B, S, delta=D, bias=bias, **kw)
+        kernels.marlin_gemm(a, B, S, **kw)
+        kernels.marlin_gemm_two_kernel(a, B, S, delta=D, **kw)
+    kernels.dequant(B, S, delta=D, size_k=k, size_n=n, group_size=gs)
+    kernels.dequant(B, S, size_k=k, size_n=n, group_size=gs)
+    kernels.synchronize()
+    print("case", m, k, n, gs, act, "plan", kernels.gemm_plan(m, k, n, gs), flush=True)
+print("sanitize cases done")
+PY
+python3 /tmp/sanitize_cases.py >/dev/null || { echo "cases fail outside the sanitizer"; exit 1; }
+for tool in memcheck racecheck synccheck; do
+  compute-sanitizer --tool "$tool" --print-limit 50 --error-exitcode 9 python3 /tmp/sanitize_cases.py \
+     > "$out/sanitizer_$tool.log" 2>&1
+  rc=$?
+  echo "== $tool rc=$rc: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|hazard' "$out/sanitizer_$tool.log" | tail -2 | tr '\n' ' ')"
+done

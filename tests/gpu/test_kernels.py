@@ -1,0 +1,187 @@
+"""GPU kernels against their NumPy twins (converter.gpu.reference).
+
+Bounds: dequant must match bit for bit. GEMMs must satisfy
+``|gpu - twin| <= reference.gemm_error_bound(...)`` elementwise: fp32 summation error
+``(K + splits + 1) * 2**-24 * (|A| @ |W| + |bias|)`` plus one fp16 rounding of each side
+(``2**-10 * |x| + 2**-24``). The two-kernel path adds the correction's own bound
+(``(G + 2) * 2**-24 * |xsum| @ |delta|`` + group-sum error + one more fp16 rounding).
+Outputs are poisoned with NaN before every run; fresh random data per case.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from converter.gpu import kernels
+from converter.gpu import reference as ref
+from converter.marlin.layout import pack_b, permute_scales
+
+pytestmark = pytest.mark.gpu
+
+Ms = (1, 15, 16, 17, 33, 64, 65, 128)
+# (K, N, group_size, act_order, asym): every group size, per-channel, act-order, K 128..8192, N 64..8192
+SHAPES = [
+    (128, 64, 32, False, True), (128, 64, -1, False, False), (256, 128, 64, True, True),
+    (512, 192, 128, False, True), (1024, 256, 32, True, False), (1024, 512, -1, True, True),
+    (2048, 1024, 128, True, True), (4096, 320, 64, False, True), (8192, 128, 128, False, False),
+    (640, 8192, 128, False, True), (8192, 8192, 128, True, True), (3072, 4096, -1, False, True),
+    (192, 64, 64, False, True),  # K % 128 != 0 (K % 64 bonus)
+]
+CASES = [(m,) + s for i, s in enumerate(SHAPES) for m in (Ms if i < 4 else (Ms[i % 8], Ms[(i + 3) % 8]))]
+
+
+def make_layer(rng, k, n, group_size, act_order, asym):
+    gs = k if group_size in (-1, k) else group_size
+    g = k // gs
+    q = rng.integers(0, 16, size=(k, n), dtype=np.uint8)
+    s = (rng.uniform(0.5, 2.0, size=(g, n)) * rng.choice([-1, 1], size=(g, n)) / 32).astype(np.float16)
+    z = rng.integers(0, 16, size=(g, n))
+    delta = (s.astype(np.float32) * (8 - z) + rng.normal(0, 1e-3, (g, n))).astype(np.float32) if asym else None
+    perm = rng.permutation(k).astype(np.int32) if act_order else None
+    bias = rng.standard_normal(n).astype(np.float16) if rng.random() < 0.5 else None
+    return dict(B=pack_b(q), S=permute_scales(s), delta=delta, perm=perm, bias=bias)
+
+
+def poisoned(cp, shape):
+    return cp.full(shape, cp.nan, dtype=cp.float16)
+
+
+def _dev(cp, x):
+    return None if x is None else cp.asarray(x)
+
+
+@pytest.mark.parametrize("m,k,n,group_size,act_order,asym", CASES)
+def test_gemm_matches_twin(cp, m, k, n, group_size, act_order, asym):
+    rng = np.random.default_rng([m, k, n, group_size % 997, act_order, asym])
+    L = make_layer(rng, k, n, group_size, act_order, asym)
+    a = rng.standard_normal((m, k), dtype=np.float32).astype(np.float16)
+    kw = dict(size_k=k, size_n=n, group_size=group_size)
+    args = dict(delta=_dev(cp, L["delta"]), perm=_dev(cp, L["perm"]), bias=_dev(cp, L["bias"]))
+    out = poisoned(cp, (m, n))
+    c = kernels.marlin_gemm(cp.asarray(a), cp.asarray(L["B"]), cp.asarray(L["S"]), out=out, **kw, **args)
+    again = kernels.marlin_gemm(cp.asarray(a), cp.asarray(L["B"]), cp.asarray(L["S"]),
+                                out=poisoned(cp, (m, n)), **kw, **args)
+    kernels.synchronize()
+    got = cp.asnumpy(c).astype(np.float64)
+    assert np.isfinite(got).all(), "unwritten (NaN) outputs"
+    assert np.array_equal(cp.asnumpy(c).view(np.uint16), cp.asnumpy(again).view(np.uint16)), "not deterministic"
+    host = dict(delta=L["delta"], perm=L["perm"], bias=L["bias"])
+    twin = ref.marlin_gemm(a, L["B"], L["S"], **kw, **host).astype(np.float64)
+    splits = kernels.gemm_plan(m, k, n, group_size)["splits"]
+    bound = ref.gemm_error_bound(a, L["B"], L["S"], **kw, **host, splits=splits)
+    bad = np.abs(got - twin) > bound
+    assert not bad.any(), f"{bad.sum()} outputs out of bound; worst {np.abs(got - twin).max():.3g}"
+
+    if asym:  # two-kernel path
+        c2 = kernels.marlin_gemm_two_kernel(cp.asarray(a), cp.asarray(L["B"]), cp.asarray(L["S"]),
+                                            out=poisoned(cp, (m, n)), **kw, **args)
+        got2 = cp.asnumpy(c2).astype(np.float64)
+        assert np.isfinite(got2).all()
+        twin2 = ref.marlin_gemm_two_kernel(a, L["B"], L["S"], **kw, **host).astype(np.float64)
+        a_m = a[:, L["perm"]] if act_order else a
+        gs = k if group_size == -1 else group_size
+        xs_mag = np.abs(a_m.astype(np.float64)).reshape(m, -1, gs).sum(-1)
+        corr = (gs + k // gs + 4) * 2.0**-24 * (xs_mag @ np.abs(L["delta"].astype(np.float64)))
+        sym_bound = ref.gemm_error_bound(a, L["B"], L["S"], **kw, perm=L["perm"], bias=L["bias"], splits=splits)
+        bound2 = sym_bound + corr + 2.0**-10 * (np.abs(twin2) + corr) + 2.0**-24
+        bad2 = np.abs(got2 - twin2) > bound2
+        assert not bad2.any(), f"two-kernel: {bad2.sum()} out of bound"
+
+
+@pytest.mark.parametrize("k,n,group_size,asym", [
+    (128, 64, 32, True), (256, 128, -1, False), (1024, 512, 64, True), (8192, 8192, 128, True),
+    (4096, 256, -1, True), (512, 1024, 128, False), (2048, 64, 32, False),
+])
+def test_dequant_exact(cp, k, n, group_size, asym):
+    rng = np.random.default_rng([k, n, group_size % 997, asym])
+    L = make_layer(rng, k, n, group_size, False, asym)
+    kw = dict(size_k=k, size_n=n, group_size=group_size)
+    out = poisoned(cp, (k, n))
+    w = kernels.dequant(cp.asarray(L["B"]), cp.asarray(L["S"]), delta=_dev(cp, L["delta"]), out=out, **kw)
+    twin = ref.dequant(L["B"], L["S"], delta=L["delta"], **kw)
+    got = cp.asnumpy(w)
+    assert np.array_equal(got.view(np.uint16), twin.view(np.uint16)), \
+        f"{(got.view(np.uint16) != twin.view(np.uint16)).sum()} codes differ"
+
+
+@pytest.mark.parametrize("m,k,group_size", [(1, 128, 32), (17, 1024, 128), (65, 4096, -1), (128, 8192, 64)])
+def test_group_sums_and_add_correction(cp, m, k, group_size):
+    rng = np.random.default_rng([m, k])
+    a = rng.standard_normal((m, k), dtype=np.float32).astype(np.float16)
+    xs = cp.asnumpy(kernels.group_sums(cp.asarray(a), group_size=group_size)).astype(np.float64)
+    twin = ref.group_sums(a, group_size=group_size).astype(np.float64)
+    gs = k if group_size == -1 else group_size
+    mag = np.abs(a.astype(np.float64)).reshape(m, -1, gs).sum(-1)
+    assert np.all(np.abs(xs - twin) <= (gs + 2) * 2.0**-24 * mag + 2.0**-24 * np.abs(twin))
+    n = 192
+    g = k // gs
+    c = rng.standard_normal((m, n)).astype(np.float16)
+    d = rng.standard_normal((g, n)).astype(np.float32)
+    xs32 = ref.group_sums(a, group_size=group_size)
+    out = kernels.add_correction(cp.asarray(c), cp.asarray(xs32), cp.asarray(d))
+    twin_c = ref.add_correction(c, xs32, d).astype(np.float64)
+    corr = (g + 2) * 2.0**-24 * (np.abs(xs32.astype(np.float64)) @ np.abs(d.astype(np.float64)))
+    assert np.all(np.abs(cp.asnumpy(out).astype(np.float64) - twin_c) <= corr + 2.0**-10 * (np.abs(twin_c) + corr) + 2.0**-24)
+
+
+def test_gather_columns_exact(cp):
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((17, 384)).astype(np.float16)
+    perm = rng.permutation(384).astype(np.int32)
+    got = cp.asnumpy(kernels.gather_columns(cp.asarray(a), cp.asarray(perm)))
+    assert np.array_equal(got, ref.gather_columns(a, perm))
+
+
+def test_launcher_checks_before_launch(cp):
+    from converter.errors import KernelError
+
+    a = cp.zeros((4, 128), cp.float16)
+    b = cp.zeros((8, 128), cp.int32)
+    s = cp.zeros((1, 64), cp.float16)
+    kw = dict(size_k=128, size_n=64, group_size=-1)
+    with pytest.raises(KernelError, match="float16"):
+        kernels.marlin_gemm(a.astype(cp.float32), b, s, **kw)
+    with pytest.raises(KernelError, match="shape"):
+        kernels.marlin_gemm(a, b[:4], s, **kw)
+    with pytest.raises(KernelError, match="contiguous"):
+        kernels.marlin_gemm(cp.zeros((128, 4), cp.float16).T, b, s, **kw)
+    with pytest.raises(KernelError, match="group_size"):
+        kernels.marlin_gemm(a, b, s, size_k=128, size_n=64, group_size=48)
+
+
+def test_verify_layer_gpu(cp):
+    from converter.gpu.verify import verify_layer_gpu
+
+    rng = np.random.default_rng(2)
+    k, n = 1024, 256
+    L = make_layer(rng, k, n, 128, True, True)
+    w = ref.reference_weight(L["B"], L["S"], L["delta"], L["perm"], size_k=k, size_n=n, group_size=128)
+    res = verify_layer_gpu(L["B"], L["S"], L["delta"], L["perm"], k, n, 128, w, repeats=3)
+    assert res["ok"], res
+    assert set(res) == {1, 16, 17, 64, 128, "ok"}
+    assert res[17]["deterministic"] and res[17]["two_kernel_deterministic"]
+
+
+def test_api_module_roundtrip(cp):
+    from converter.gpu.api import MarlinLinear
+
+    rng = np.random.default_rng(4)
+    k, n = 512, 128
+    L = make_layer(rng, k, n, 64, True, True)
+    layer = MarlinLinear("x", k, n, 64, L["B"], L["S"], L["delta"], L["perm"], L["bias"])
+    a = rng.standard_normal((2, 3, k)).astype(np.float16)
+    y = cp.asnumpy(layer(cp.asarray(a)))
+    twin = ref.marlin_gemm(a.reshape(6, k), L["B"], L["S"], size_k=k, size_n=n, group_size=64,
+                           delta=L["delta"], perm=L["perm"], bias=L["bias"])
+    assert y.shape == (2, 3, n)
+    assert np.abs(y.reshape(6, n).astype(np.float64) - twin).max() <= 0.05 * np.abs(twin).max()
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    from converter.gpu.api import MarlinLinearModule
+
+    mod = MarlinLinearModule(layer)
+    yt = mod(torch.from_numpy(a).cuda())
+    assert yt.dtype == torch.float16 and tuple(yt.shape) == (2, 3, n)
+    assert np.array_equal(yt.cpu().numpy().view(np.uint16), y.view(np.uint16))

@@ -1,0 +1,190 @@
+"""CPU tests of the NumPy twins in converter.gpu.reference and of the GPU loader's
+behaviour without CuPy (no GPU needed; no marker)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from converter.errors import GpuUnavailableError
+from converter.gpu import reference as ref
+from converter.marlin.layout import pack_b, permute_scales
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_layer(rng, k, n, group_size, *, asym=True, act_order=False):
+    """Random layer: codes, natural scales/delta, and the artifact tensors built from them."""
+    gs = k if group_size in (-1, k) else group_size
+    g = k // gs
+    q = rng.integers(0, 16, size=(k, n), dtype=np.uint8)
+    s = (rng.uniform(0.5, 2.0, size=(g, n)) * rng.choice([-1, 1], size=(g, n)) / 64).astype(np.float16)
+    z = rng.integers(0, 16, size=(g, n))
+    delta = (s.astype(np.float32) * (8 - z)).astype(np.float32) if asym else None
+    perm = rng.permutation(k).astype(np.int32) if act_order else None
+    return dict(q=q, s=s, delta=delta, perm=perm, B=pack_b(q), S=permute_scales(s), gs=gs)
+
+
+@pytest.mark.parametrize("k,n,group_size", [(128, 64, 32), (256, 128, 64), (256, 192, 128), (128, 64, -1), (256, 64, 256)])
+def test_dequant_symmetric_equals_fp16_product(k, n, group_size):
+    rng = np.random.default_rng(k + n)
+    L = make_layer(rng, k, n, group_size, asym=False)
+    w = ref.dequant(L["B"], L["S"], size_k=k, size_n=n, group_size=group_size)
+    rows = np.arange(k) // L["gs"]
+    # numpy multiplies float16 in float32 (exact for a 4-bit x 11-bit product), then rounds once
+    expect = (L["q"].astype(np.float16) - np.float16(8)) * L["s"][rows]
+    assert w.dtype == np.float16 and w.shape == (k, n)
+    assert np.array_equal(w.view(np.uint16), expect.astype(np.float16).view(np.uint16))
+
+
+@pytest.mark.parametrize("group_size", [32, 128, -1])
+def test_dequant_asymmetric_within_one_rounding(group_size):
+    k, n = 256, 128
+    rng = np.random.default_rng(7)
+    L = make_layer(rng, k, n, group_size)
+    w = ref.dequant(L["B"], L["S"], size_k=k, size_n=n, group_size=group_size, delta=L["delta"])
+    rows = np.arange(k) // L["gs"]
+    exact = (L["q"].astype(np.float64) - 8) * L["s"].astype(np.float64)[rows] + L["delta"].astype(np.float64)[rows]
+    # fp16(delta) then one fp16 rounding: at most half an ulp of each
+    d16_err = np.abs(L["delta"].astype(np.float16).astype(np.float64) - L["delta"].astype(np.float64))[rows]
+    tol = d16_err + 2.0**-11 * np.abs(exact) * 1.001 + 2.0**-25
+    assert np.all(np.abs(w.astype(np.float64) - exact) <= tol)
+
+
+def test_dequant_closed_form_spot():
+    # checkpoint-formats.md 4.3 worked example: q = 1 only at (8, 0) -> nibble 1 of B[0, 0]
+    q = np.zeros((16, 64), np.uint8)
+    q[8, 0] = 9
+    s = np.ones((1, 64), np.float16)
+    w = ref.dequant(pack_b(q), permute_scales(s), size_k=16, size_n=64, group_size=-1)
+    expect = np.full((16, 64), -8, np.float16)
+    expect[8, 0] = 1
+    assert np.array_equal(w, expect)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gemm_twin_matches_float64(act_order):
+    k, n, m = 512, 192, 5
+    rng = np.random.default_rng(3)
+    L = make_layer(rng, k, n, 64, act_order=act_order)
+    a = rng.standard_normal((m, k)).astype(np.float16)
+    bias = rng.standard_normal(n).astype(np.float16)
+    c = ref.marlin_gemm(a, L["B"], L["S"], size_k=k, size_n=n, group_size=64, delta=L["delta"],
+                        perm=L["perm"], bias=bias)
+    w_src = ref.reference_weight(L["B"], L["S"], L["delta"], L["perm"], size_k=k, size_n=n, group_size=64)
+    exact = a.astype(np.float64) @ w_src.astype(np.float64) + bias.astype(np.float64)
+    rel = np.abs(c.astype(np.float64) - exact).mean() / np.abs(exact).mean()
+    assert c.dtype == np.float16 and c.shape == (m, n)
+    assert rel < 1e-3
+    # the twin's own bound covers a float32 evaluation of the same product
+    w16 = ref.dequant(L["B"], L["S"], size_k=k, size_n=n, group_size=64, delta=L["delta"])
+    a_m = a[:, L["perm"]] if act_order else a
+    c32 = (a_m.astype(np.float32) @ w16.astype(np.float32) + bias.astype(np.float32)).astype(np.float16)
+    bound = ref.gemm_error_bound(a, L["B"], L["S"], size_k=k, size_n=n, group_size=64,
+                                 delta=L["delta"], perm=L["perm"], bias=bias)
+    assert np.all(np.abs(c32.astype(np.float64) - c.astype(np.float64)) <= bound)
+
+
+def test_reference_weight_orders_rows_by_perm():
+    k, n = 128, 64
+    rng = np.random.default_rng(11)
+    L = make_layer(rng, k, n, 32, act_order=True)
+    w_src = ref.reference_weight(L["B"], L["S"], L["delta"], L["perm"], size_k=k, size_n=n, group_size=32)
+    w_marlin = ref.reference_weight(L["B"], L["S"], L["delta"], None, size_k=k, size_n=n, group_size=32)
+    assert np.array_equal(w_src[L["perm"]], w_marlin)
+
+
+def test_group_sums_and_add_correction_twins():
+    rng = np.random.default_rng(5)
+    m, k, n, gs = 3, 256, 128, 64
+    a = rng.standard_normal((m, k)).astype(np.float16)
+    xs = ref.group_sums(a, group_size=gs)
+    loops = np.array([[sum(float(a[i, j]) for j in range(g * gs, (g + 1) * gs)) for g in range(k // gs)]
+                      for i in range(m)])
+    assert xs.dtype == np.float32 and np.allclose(xs, loops, rtol=1e-6, atol=1e-6)
+    c = rng.standard_normal((m, n)).astype(np.float16)
+    d = rng.standard_normal((k // gs, n)).astype(np.float32)
+    out = ref.add_correction(c, xs, d)
+    expect = c.astype(np.float64) + loops @ d.astype(np.float64)
+    assert np.all(np.abs(out.astype(np.float64) - expect) <= 2.0**-10 * np.abs(expect) + 1e-4)
+    assert np.array_equal(ref.group_sums(a, group_size=-1)[:, 0], a.astype(np.float64).sum(1).astype(np.float32))
+
+
+def test_two_kernel_twin_close_to_fused_twin():
+    k, n, m = 256, 128, 4
+    rng = np.random.default_rng(9)
+    L = make_layer(rng, k, n, 128)
+    a = rng.standard_normal((m, k)).astype(np.float16)
+    kw = dict(size_k=k, size_n=n, group_size=128, delta=L["delta"])
+    f = ref.marlin_gemm(a, L["B"], L["S"], **kw).astype(np.float64)
+    t = ref.marlin_gemm_two_kernel(a, L["B"], L["S"], **kw).astype(np.float64)
+    assert np.abs(f - t).mean() / np.abs(t).mean() < 2e-3
+
+
+def _without_cupy(monkeypatch):
+    from converter.gpu import runtime
+
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
+    runtime._import_cupy.cache_clear()
+    runtime._device_info.cache_clear()
+    return runtime
+
+
+def test_no_cupy_gives_one_line_error(monkeypatch):
+    runtime = _without_cupy(monkeypatch)
+    from converter.gpu import api, kernels
+
+    with pytest.raises(GpuUnavailableError) as exc:
+        kernels.marlin_gemm(np.zeros((1, 128), np.float16), np.zeros((8, 128), np.int32),
+                            np.zeros((1, 64), np.float16), size_k=128, size_n=64, group_size=-1)
+    assert "\n" not in str(exc.value) and "CuPy" in str(exc.value)
+    with pytest.raises(GpuUnavailableError):
+        api.load_artifact_gpu("does-not-matter.safetensors")
+    runtime._import_cupy.cache_clear()
+
+
+def test_package_imports_without_cupy(monkeypatch):
+    _without_cupy(monkeypatch)
+    code = "import converter.gpu, converter.gpu.api, converter.gpu.verify, converter.gpu.kernels; " \
+           "import sys; assert 'cupy' not in sys.modules and 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+def test_kernel_sources_found_and_headers_name_their_twins():
+    from converter.gpu import kernels
+
+    folder = kernels.kernel_dir()
+    for cu in ("marlin_gemm.cu", "dequant.cu", "asym_correction.cu"):
+        head = (folder / cu).read_text().split("#include")[0]
+        names = re.findall(r"converter\.gpu\.reference\.(\w+)", head)
+        names += re.findall(r"\.(\w+)\)?\.?$", head, flags=re.M)
+        assert any(hasattr(ref, n) for n in names), cu
+        assert "Launch geometry" in head and "Constraints" in head
+
+
+def test_kernels_ship_in_wheel(tmp_path):
+    """Build a wheel offline, install it elsewhere, and find the .cu files from there."""
+    if not (REPO / "pyproject.toml").is_file():
+        pytest.skip("no pyproject.toml yet")
+    pytest.importorskip("hatchling")
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                            "-w", str(tmp_path / "dist"), str(REPO)], capture_output=True, text=True)
+    if build.returncode:
+        pytest.skip("cannot build a wheel offline here: " + build.stderr.strip().splitlines()[-1][:200])
+    wheel = next((tmp_path / "dist").glob("*.whl"))
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+    for cu in ("marlin_gemm.cu", "dequant.cu", "asym_correction.cu", "marlin_common.cuh"):
+        assert f"converter/_kernels/{cu}" in names, sorted(n for n in names if "kernel" in n)
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target",
+                    str(target), str(wheel)], check=True, capture_output=True)
+    out = subprocess.run([sys.executable, "-c", "from converter.gpu.kernels import kernel_dir; print(kernel_dir())"],
+                         cwd=tmp_path, env={"PYTHONPATH": str(target)}, capture_output=True, text=True, check=True)
+    assert Path(out.stdout.strip()) == target / "converter" / "_kernels"
