@@ -20,7 +20,7 @@ import xxhash
 
 from .artifact.manifest import layer_entry, metadata_for, new_manifest
 from .constants import CHECKSUM_HEX_LEN, SAFETENSORS_DTYPES, Suffix
-from .errors import ConverterError, OutputExistsError
+from .errors import ConverterError, OutputExistsError, SourceFormatError
 from .formats import open_source
 from .formats.base import LayerPlan, Source, SourcePlan
 from .marlin.layout import pack_b, permute_scales
@@ -97,20 +97,13 @@ def build_layout(plan: SourcePlan, *, path: Path) -> tuple[list[tuple[str, str, 
     for info in plan.tensors:
         passthrough.append({"name": info.name, "reason": plan.passthrough_reasons.get(info.name, PLAIN_REASON)})
     known = {n for n, _, _ in layout}
-    dtypes = {i.name: i for i in plan.tensors}
-    for layer in plan.layers:
-        if not layer.convertible and layer.bias:
-            dtypes[layer.bias.name] = layer.bias
     for entry in passthrough:
-        name = entry["name"]
-        if name in known:
-            from .errors import SourceFormatError
-
+        if entry["name"] in known:
             raise SourceFormatError(
                 "tensor name collides with a converted layer's artifact tensor; rename it in the source",
-                path=path, tensor=name,
+                path=path, tensor=entry["name"],
             )
-        known.add(name)
+        known.add(entry["name"])
     return layout, layers, passthrough
 
 
