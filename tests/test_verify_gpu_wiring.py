@@ -1,0 +1,84 @@
+"""marlin-verify's GPU mode, wired to stand-in kernels so it runs without a GPU.
+
+The stand-in computes C with the NumPy reference of the kernel path, so the wiring
+(arguments, per-layer rows, the 1e-3 bar, skip and force behaviour) is exercised
+for real; the kernels themselves are tested in tests/gpu on a GPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from converter.convert import convert
+from converter.errors import GpuUnavailableError
+from converter.marlin.layout import unpack_b, unpermute_scales
+from converter.verify import verify
+
+SAMPLE = Path(__file__).parent / "data" / "sample.tinyloop"
+
+
+def _standin(scale_error: float):
+    def verify_layer_gpu(B, scales, delta, perm, size_k, size_n, group_size, w_ref_f32, **_):
+        q = unpack_b(B, size_n).astype(np.float32)
+        s = unpermute_scales(scales, single=scales.shape[0] == 1).astype(np.float32)
+        g = np.arange(size_k) // (size_k if group_size == -1 else group_size)
+        a = np.random.default_rng(0).standard_normal((17, size_k)).astype(np.float32)
+        ap = a[:, perm] if perm is not None else a
+        c = ap @ ((q - 8) * s[g]) + ap.reshape(17, -1, size_k // s.shape[0]).sum(2) @ delta
+        ref = a @ w_ref_f32
+        err = float(np.abs(c * (1 + scale_error) - ref).mean() / np.abs(ref).mean())
+        entry = {"mean_rel_err": err, "max_rel_err": err, "deterministic": True}
+        return {17: entry, "ok": err <= 1e-3}
+    return verify_layer_gpu
+
+
+@pytest.fixture()
+def artifact(tmp_path: Path) -> Path:
+    out = tmp_path / "s.safetensors"
+    convert(SAMPLE, out)
+    return out
+
+
+def _patch(monkeypatch: pytest.MonkeyPatch, scale_error: float) -> None:
+    import converter.gpu.runtime as runtime
+    import converter.gpu.verify as gverify
+
+    monkeypatch.setattr(runtime, "require_gpu", lambda: None)
+    monkeypatch.setattr(gverify, "verify_layer_gpu", _standin(scale_error))
+
+
+def test_gpu_mode_reports_per_layer_errors(monkeypatch: pytest.MonkeyPatch, artifact: Path) -> None:
+    _patch(monkeypatch, 0.0)
+    report = verify(artifact, against=SAMPLE, gpu=True)
+    assert report.ok, [p.message for p in report.problems if p.severity == "error"]
+    assert report.checked["gpu_numerics"] is True
+    rows = {r["name"]: r for r in report.layers}
+    assert rows["pre.0.mlp_down"]["gpu"]["mean_rel_err"] < 1e-5
+    assert rows["pre.0.mlp_down"]["gpu"]["per_m"]["17"]["deterministic"] is True
+    # K = 128 with group 128 fits the kernel; every sample layer does.
+    assert all(isinstance(r["gpu"], dict) for r in rows.values())
+
+
+def test_gpu_mode_fails_above_1e3(monkeypatch: pytest.MonkeyPatch, artifact: Path) -> None:
+    _patch(monkeypatch, 0.01)
+    report = verify(artifact, gpu=True)
+    assert not report.ok
+    problems = [p for p in report.problems if p.code == "gpu_numerics"]
+    assert len(problems) == 14
+    assert "GPU mean relative error 0.01 (limit 0.001)" in problems[0].message
+
+
+def test_forced_gpu_without_gpu_is_a_problem(monkeypatch: pytest.MonkeyPatch, artifact: Path) -> None:
+    import converter.gpu.runtime as runtime
+
+    def no_gpu():
+        raise GpuUnavailableError("no CUDA device found")
+
+    monkeypatch.setattr(runtime, "require_gpu", no_gpu)
+    report = verify(artifact, gpu=True)
+    assert [p.message for p in report.problems if p.code == "gpu"] == ["--gpu given but no CUDA device found"]
+    auto = verify(artifact, gpu=None)
+    assert auto.ok and auto.checked["gpu_numerics"] == "skipped: no CUDA device found"
