@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,20 +29,26 @@ from .errors import ConverterError
 err_console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
 out_console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 
-InPath = Annotated[Path, typer.Argument(help="Input: a .tinyloop file, or a GPTQ checkpoint folder / .safetensors / index.json.", show_default=False)]
-OutPath = Annotated[Path, typer.Argument(help="Output artifact (.safetensors).", show_default=False)]
-ArtPath = Annotated[Path, typer.Argument(help="Artifact to verify (.safetensors).", show_default=False)]
+InPath = Annotated[Path, typer.Argument(help="Input: a .tinyloop file, or a GPTQ / AWQ (gemm) / compressed-tensors (pack-quantized) checkpoint folder / .safetensors / index.json.", show_default=False)]
+# str, not Path: a trailing "/" (folder mode) must survive parsing.
+OutPath = Annotated[str, typer.Argument(help="Output artifact (.safetensors), or a folder (existing, or ending in '/') for model.safetensors + config.json + tokenizer files.", show_default=False)]
+ArtPath = Annotated[Path, typer.Argument(help="Artifact to verify: a .safetensors file, a sharded artifact's index.json, or its folder.", show_default=False)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")]
 
 
 def _version(value: bool) -> None:
     if value:
-        out_console.print(f"marlin-convert {__version__}")
+        out_console.print(f"{Path(sys.argv[0]).name or 'marlin-convert'} (marlin-convert {__version__})")
         raise typer.Exit(0)
 
 
 VersionOpt = Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")]
+
+
+def _one_line(text: str) -> str:
+    """Escape control characters (a tensor name may hold a newline) so the error stays one line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 @contextmanager
@@ -51,11 +58,24 @@ def _errors_to_exit(debug: bool, as_json: bool) -> Iterator[None]:
         yield
     except ConverterError as exc:
         if debug or os.environ.get("MARLIN_DEBUG"):
-            raise
-        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
+            traceback.print_exc()
+            raise typer.Exit(exc.exit_code) from None
+        err_console.print(f"[bold red]error:[/] {escape(_one_line(str(exc)))}", soft_wrap=True)
         if as_json:
             print(json.dumps({"ok": False, "error": {"type": type(exc).__name__, "message": str(exc), "file": exc.path, "tensor": exc.tensor}}))
         raise typer.Exit(exc.exit_code) from None
+    except OSError as exc:
+        # The environment, not the input's content (disk full, folder vanished): one
+        # line and exit 2 as well; the temporary output was already removed.
+        if debug or os.environ.get("MARLIN_DEBUG"):
+            traceback.print_exc()
+            raise typer.Exit(2) from None
+        where = f"{exc.filename}: " if exc.filename else ""
+        msg = _one_line(f"{where}{exc.strerror or exc}")
+        err_console.print(f"[bold red]error:[/] {escape(msg)}", soft_wrap=True)
+        if as_json:
+            print(json.dumps({"ok": False, "error": {"type": type(exc).__name__, "message": msg, "file": exc.filename, "tensor": None}}))
+        raise typer.Exit(2) from None
     except KeyboardInterrupt:
         err_console.print("[bold red]interrupted[/]; no output was written")
         raise typer.Exit(130) from None
@@ -86,10 +106,11 @@ def _show_progress(quiet: bool, as_json: bool) -> bool:
     return not (quiet or as_json) and err_console.is_terminal
 
 
-convert_app = typer.Typer(add_completion=False, rich_markup_mode=None)
+# Plain tracebacks (with --debug) that paste cleanly into a bug report.
+convert_app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False)
 
 
-@convert_app.command(help="Convert an asymmetric 4-bit checkpoint (.tinyloop, GPTQ) into a Marlin safetensors artifact.\n\nExit codes: 0 ok; 2 bad input or usage (nothing is written).", epilog="Example: marlin-convert model.tinyloop model.marlin.safetensors")
+@convert_app.command(help="Convert an asymmetric 4-bit checkpoint (.tinyloop, GPTQ, AWQ, compressed-tensors) into a Marlin safetensors artifact (one file, HF shards with --max-shard-size, or a model folder).\n\nExit codes: 0 ok; 2 bad input or usage (nothing is written).", epilog="Example: marlin-convert model.tinyloop model.marlin.safetensors")
 def convert_cmd(
     source: InPath,
     output: OutPath,
@@ -97,19 +118,20 @@ def convert_cmd(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; write nothing.")] = False,
     as_json: JsonOpt = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress or summary on stderr.")] = False,
+    max_shard_size: Annotated[str | None, typer.Option("--max-shard-size", help="Split the output into HF shards of at most this much tensor data (e.g. 5GB, 500MiB), plus an index.", show_default=False)] = None,
     debug: DebugOpt = False,
     version: VersionOpt = False,
 ) -> None:
     from .convert import convert
 
     with _errors_to_exit(debug, as_json), _progress(_show_progress(quiet, as_json)) as prog:
-        report = convert(source, output, force=force, dry_run=dry_run, progress=prog)
+        report = convert(source, output, force=force, dry_run=dry_run, progress=prog, max_shard_size=max_shard_size)
     if as_json:
         print(json.dumps(report.to_json()))
         return
     if quiet:
         return
-    table = Table(title=("plan (dry run)" if dry_run else f"wrote {output}"), title_justify="left")
+    table = Table(title=("plan (dry run)" if dry_run else f"wrote {report.output}"), title_justify="left")
     for col in ("layer", "K", "N", "group", "bits", "sym", "zeros", "upstream"):
         table.add_column(col, overflow="fold")
     for lay in report.converted:
@@ -123,15 +145,15 @@ def convert_cmd(
         reasons.setdefault(p["reason"], []).append(p["name"])
     for reason, names in reasons.items():
         shown = ", ".join(names[:4]) + (f", ... ({len(names)} tensors)" if len(names) > 4 else "")
-        err_console.print(f"pass-through: {escape(shown)}  [dim]({escape(reason)})[/]")
+        err_console.print(f"pass-through: {escape(shown)}  [dim]({escape(reason)})[/]", soft_wrap=True)
     for lay in report.converted:
         for w in lay["warnings"]:
-            err_console.print(f"[yellow]warning:[/] {escape(lay['name'])}: {escape(w)}")
+            err_console.print(f"[yellow]warning:[/] {escape(lay['name'])}: {escape(w)}", soft_wrap=True)
     verb = "would write" if dry_run else "wrote"
     err_console.print(f"{len(report.converted)} layers converted, {len(report.passthrough)} tensors passed through; {verb} {report.bytes_out / 1e6:.2f} MB of tensor data")
 
 
-verify_app = typer.Typer(add_completion=False, rich_markup_mode=None)
+verify_app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False)
 
 
 @verify_app.command(help="Verify a Marlin artifact: structure and checksums (--shapes, no GPU), exact agreement with its source (--against), and numerics on CPU and GPU.\n\nExit codes: 0 all good; 1 problems found; 2 unreadable input or bad usage.", epilog="Example: marlin-verify model.marlin.safetensors --shapes --against model.tinyloop")
@@ -167,27 +189,32 @@ def _jsonable(obj: Any) -> Any:
 
 
 def _render_verify(report: Any, quiet: bool) -> None:
-    bad_layers = {p.tensor.rsplit(".", 1)[0] for p in report.problems} | {p.tensor for p in report.problems}
+    errors = [p for p in report.problems if p.severity == "error"]
+    bad_layers = {p.tensor.rsplit(".", 1)[0] for p in errors} | {p.tensor for p in errors}
     if not quiet and report.layers:
+        with_gpu = any(isinstance(row.get("gpu"), dict) for row in report.layers)
         table = Table(title=f"{report.artifact}", title_justify="left")
-        for col in ("", "layer", "K", "N", "group", "sym", "exact", "cpu rel err", "gpu mean / max rel err"):
+        cols = ["", "layer", "K", "N", "group", "sym", "exact", "cpu rel err"] + (["gpu mean / max rel err"] if with_gpu else [])
+        for col in cols:
             table.add_column(col, overflow="fold")
         for row in report.layers:
             exact = [row[k] for k in ("codes_exact", "scales_exact", "delta_exact") if k in row]
             gpu = row.get("gpu")
-            gpu_txt = f"{gpu['mean_rel_err']:.2e} / {gpu['max_rel_err']:.2e}" if isinstance(gpu, dict) and "mean_rel_err" in gpu else ""
-            table.add_row("❌" if row["name"] in bad_layers else "✅", escape(row["name"]), str(row["size_k"]), str(row["size_n"]),
-                          "chan" if row["group_size"] == row["size_k"] else str(row["group_size"]),
-                          "yes" if row["symmetric"] else "no",
-                          ("yes" if all(exact) else "NO") if exact else "-",
-                          f"{row['cpu_rel_err']:.2e}" if "cpu_rel_err" in row else "-", gpu_txt or "-")
+            cells = ["❌" if row["name"] in bad_layers else "✅", escape(row["name"]), str(row["size_k"]), str(row["size_n"]),
+                     "chan" if row["group_size"] == row["size_k"] else str(row["group_size"]),
+                     "yes" if row["symmetric"] else "no",
+                     ("yes" if all(exact) else "NO") if exact else "-",
+                     f"{row['cpu_rel_err']:.2e}" if "cpu_rel_err" in row else "-"]
+            if with_gpu:
+                cells.append(f"{gpu['mean_rel_err']:.2e} / {gpu['max_rel_err']:.2e}" if isinstance(gpu, dict) else "skipped")
+            table.add_row(*cells)
         out_console.print(table)
     for p in report.problems:
         tag = "[red]problem[/]" if p.severity == "error" else "[yellow]warning[/]"
-        out_console.print(f"{tag} [{p.code}] {escape(p.message)}")
+        out_console.print(f"{tag} {escape(f'[{p.code}]')} {escape(p.message)}", soft_wrap=True)
     gpu_note = report.checked.get("gpu_numerics")
     if isinstance(gpu_note, str) and not quiet:
-        err_console.print(f"[dim]GPU numerics {escape(gpu_note)}[/]")
+        err_console.print(f"[dim]GPU numerics {escape(gpu_note)}[/]", soft_wrap=True)
     errors = sum(p.severity == "error" for p in report.problems)
     checked = report.checked
     what = ["shapes", "checksums"] + (["against source"] if "against" in checked else []) + (["CPU numerics"] if checked.get("cpu_numerics") else []) + (["GPU numerics"] if checked.get("gpu_numerics") is True else [])

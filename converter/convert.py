@@ -19,13 +19,14 @@ import numpy as np
 import xxhash
 
 from .artifact.manifest import layer_entry, metadata_for, new_manifest
+from .artifact.sharding import ArtifactWriter, OutputTarget, folder_extras, parse_size
 from .constants import CHECKSUM_HEX_LEN, SAFETENSORS_DTYPES, Suffix
 from .errors import ConverterError, OutputExistsError, SourceFormatError
 from .formats import open_source
 from .formats.base import LayerPlan, Source, SourcePlan
 from .marlin.layout import pack_b, permute_scales
 from .marlin.shapes import LayerShape, marlin_shapes
-from .safetensors_io import StreamingWriter, header_size_for
+from .safetensors_io import StreamingWriter, header_size_for, release_mapped_pages
 
 #: Bytes of uint8 codes unpacked at a time; bounds peak memory per layer.
 CHUNK_CODE_BYTES = 32 << 20
@@ -135,13 +136,18 @@ def convert(
     force: bool = False,
     dry_run: bool = False,
     progress: Progress | None = None,
+    max_shard_size: int | str | None = None,
 ) -> ConvertReport:
     """Convert a checkpoint into one Marlin safetensors artifact.
 
     Args:
         src_path: ``.tinyloop`` file, or HF GPTQ folder / ``.safetensors`` / index.
-        out_path: artifact path (``.safetensors``).
+        out_path: artifact path (``.safetensors``); an existing folder, or a path
+            ending in ``/``, selects folder mode (``model.safetensors`` plus
+            ``config.json`` and tokenizer files; see ``artifact/sharding.py``).
         force: overwrite an existing output.
+        max_shard_size: bytes (or ``"5GB"``) of tensor data per file; more data is
+            written as HF shards plus ``<stem>.safetensors.index.json``.
         dry_run: plan and report, write nothing.
         progress: called as ``progress(description, total_steps)`` once, then
             ``progress("", 1)`` per step.
@@ -153,6 +159,7 @@ def convert(
         ConverterError and subclasses: bad input (nothing is written), an existing
             output without ``force``, or an output that would overwrite the input.
     """
+    out_arg = out_path  # as given: Path() drops the trailing "/" that selects folder mode
     src_path, out_path = Path(src_path), Path(out_path)
     with open_source(src_path) as source:
         plan = source.plan()
@@ -166,14 +173,18 @@ def convert(
         )
         if dry_run:
             return report
-        _check_output(src_path, out_path, force)
+        max_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
+        target = OutputTarget(out_arg)
+        target.check(src_path, force)
         manifest = new_manifest(desc, layers, passthrough)
         manifest["checksums"]["tensors"] = {n: "0" * CHECKSUM_HEX_LEN for n, _, _ in layout}
-        reserve = header_size_for(layout, metadata_for(manifest))
         steps = sum(1 for lay in plan.layers if lay.convertible) + len(passthrough)
         if progress:
             progress(f"converting {src_path.name}", steps)
-        with StreamingWriter(out_path, layout, header_reserve=reserve) as writer:
+        with ArtifactWriter(target, layout, [lay["name"] for lay in layers], manifest, max_shard_bytes=max_bytes) as writer:
+            report.output = str(writer.artifact_path)
+            if target.directory:
+                writer.extra_files.update(folder_extras(source, desc, layers, writer.artifact_path.name))
             sums: dict[str, str] = {}
             for layer in plan.layers:
                 if layer.convertible:
@@ -186,7 +197,7 @@ def convert(
                 if progress:
                     progress("", 1)
             manifest["checksums"]["tensors"] = {n: sums[n] for n, _, _ in layout}
-            writer.finish(metadata_for(manifest))
+            writer.finish(manifest)
     return report
 
 
@@ -208,10 +219,15 @@ def _write_layer(source: Source, layer: LayerPlan, writer: StreamingWriter) -> d
     hashers = {suf: xxhash.xxh3_128() for suf in names}
     step = _chunk_rows(layer)
     groups_done = 0
+    fast = getattr(source, "load_packed", None)
     for k0 in range(0, layer.size_k, step):
         k1 = min(k0 + step, layer.size_k)
-        qw = source.load_layer(layer, k0, k1)
-        b = pack_b(qw.q)
+        packed = fast(layer, k0, k1) if fast is not None else None
+        if packed is None:
+            qw = source.load_layer(layer, k0, k1)
+            b = pack_b(qw.q)
+        else:  # same bits, without materialising the uint8 codes
+            b, qw = packed
         writer.write(names[Suffix.B], b, k0 // 16)
         hashers[Suffix.B].update(b)
         g0 = k0 // layer.group_size
@@ -225,6 +241,8 @@ def _write_layer(source: Source, layer: LayerPlan, writer: StreamingWriter) -> d
             hashers[Suffix.SCALES].update(s)
             hashers[Suffix.DELTA].update(delta)
             groups_done = g0 + qw.num_groups
+        # Drop the input pages this chunk touched: they would otherwise stay in RSS.
+        release_mapped_pages()
         if k0 == 0:
             if Suffix.PERM in names:
                 perm = np.ascontiguousarray(qw.perm, dtype=np.int32)
@@ -246,4 +264,6 @@ def _copy_tensor(writer: StreamingWriter, name: str, data: np.ndarray) -> str:
         part = np.ascontiguousarray(flat[i : i + step])
         writer.write_flat(name, part, i)
         h.update(part)
+        del part
+        release_mapped_pages()
     return h.hexdigest()

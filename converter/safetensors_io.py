@@ -10,12 +10,15 @@ that ``safetensors.safe_open`` reads what we write.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import mmap
 import os
 import struct
 import tempfile
+import time
+import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -88,6 +91,7 @@ class SafetensorsFile:
         except BaseException:
             self._fh.close()
             raise
+        _OPEN_FILES.add(self)
 
     # -- header ---------------------------------------------------------------------
     def _fail(self, message: str, tensor: str | None = None) -> None:
@@ -98,11 +102,14 @@ class SafetensorsFile:
             self._fail(f"not a safetensors file: {self.file_size} bytes, need at least 8 for the header length")
         (n,) = struct.unpack("<Q", self._fh.read(8))
         if n > SAFETENSORS_MAX_HEADER_BYTES:
-            self._fail(f"header length {n} exceeds the {SAFETENSORS_MAX_HEADER_BYTES}-byte limit")
+            self._fail(f"not a safetensors file: header length {n} exceeds the {SAFETENSORS_MAX_HEADER_BYTES}-byte limit")
         if 8 + n > self.file_size:
             self._fail(f"header length {n} runs past the end of the file ({self.file_size} bytes)")
         raw = self._fh.read(n)
         header = parse_json_object(raw, path=self.path, what="safetensors header", error=self._error)
+        #: Whitespace after the JSON object (writers pad with spaces to align the data).
+        #: Readers of our own artifacts treat anything but spaces here as corruption.
+        self.header_padding = raw[len(raw.rstrip(b" \t\r\n")) :]
         self.header_size = n
         self.data_start = 8 + n
         meta = header.pop(SAFETENSORS_METADATA_KEY, None)
@@ -188,6 +195,19 @@ class SafetensorsFile:
         info = self._infos[name]
         return Tensor(name, info.dtype, info.shape, self.array(name))
 
+    def release_pages(self) -> None:
+        """Drop this process's mapping of every page touched so far (``MADV_DONTNEED``).
+
+        File-backed pages a process has touched count in its RSS until unmapped, so a
+        streaming pass over a 2 GB input would otherwise end with 2 GB resident.  The
+        data stays valid: a later access faults the page back in from the page cache.
+        """
+        if self._mm is not None and hasattr(self._mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            try:
+                self._mm.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError):  # closed map, or a platform without it: only RSS is affected
+                pass
+
     def close(self) -> None:
         # Views may still reference the map; let garbage collection unmap it then.
         self._fh.close()
@@ -197,6 +217,16 @@ class SafetensorsFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: Every SafetensorsFile still alive, for :func:`release_mapped_pages`.
+_OPEN_FILES: weakref.WeakSet[SafetensorsFile] = weakref.WeakSet()
+
+
+def release_mapped_pages() -> None:
+    """Call :meth:`SafetensorsFile.release_pages` on every open file (bounds RSS while streaming)."""
+    for f in list(_OPEN_FILES):
+        f.release_pages()
 
 
 # -- writing ------------------------------------------------------------------------
@@ -217,7 +247,10 @@ class StreamingWriter:
     provided its length does not exceed ``header_reserve`` bytes.  Everything goes
     to a temporary file in the target folder, which is fsynced and renamed over
     ``path`` only by :meth:`finish`; :meth:`abort` (or leaving the ``with`` block
-    on an exception) deletes it, so no half-written output ever exists.
+    on an exception) deletes it, so no half-written output ever exists.  A writer
+    killed outright (SIGKILL, power loss) leaves its ``.<name>.*.incomplete`` file
+    behind, never a file at ``path``; the next writer to the same ``path`` deletes
+    such leftovers (:func:`remove_stale_temporaries`: unlocked means dead).
 
     Args:
         path: final output path.
@@ -247,14 +280,25 @@ class StreamingWriter:
         self.data_size = offset
         self.header_reserve = header_reserve + (-header_reserve % 8)
         self.data_start = 8 + self.header_reserve
+        remove_stale_temporaries(self.path)
         try:
-            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".incomplete", dir=self.path.parent)
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=TEMP_SUFFIX, dir=self.path.parent)
         except OSError as exc:
             raise ConverterError(f"cannot write to the output folder: {exc.strerror}", path=self.path.parent) from None
+        # Held until the file is renamed or deleted; the kernel drops it when this
+        # process dies, however it dies, which is how a later run tells stale files.
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # mkstemp creates 0600; give the artifact the mode a plain open() would
+        # (umask applied), or keep the mode of the file it replaces.
+        os.fchmod(fd, _target_mode(self.path))
         self.tmp_path = Path(tmp)
         self._fd = fd
         self._done = False
-        os.ftruncate(fd, self.data_start + self.data_size)
+        try:
+            os.ftruncate(fd, self.data_start + self.data_size)
+        except OSError as exc:
+            self.abort()
+            raise ConverterError(f"cannot size the output file: {exc.strerror}", path=self.path) from None
 
     def write(self, name: str, data: np.ndarray, row_start: int = 0) -> None:
         """Write ``data`` into tensor ``name`` starting at row ``row_start``.
@@ -306,8 +350,9 @@ class StreamingWriter:
             raise ValueError(f"header needs {len(raw)} bytes, only {self.header_reserve} reserved")
         os.pwrite(self._fd, struct.pack("<Q", len(raw)) + raw, 0)
         os.fsync(self._fd)
-        os.close(self._fd)
+        # Rename while still holding the lock, so no cleaner can take the file first.
         os.replace(self.tmp_path, self.path)
+        os.close(self._fd)
         _fsync_dir(self.path.parent)
         self._done = True
         return self.path
@@ -330,11 +375,90 @@ class StreamingWriter:
             self.abort()
 
 
+TEMP_SUFFIX = ".incomplete"
+STAGED_SUFFIX = ".staged"
+#: Staged files older than this process cannot be a live sibling's (see remove_stale_temporaries).
+_PROCESS_START = time.time()
+
+
+def remove_stale_temporaries(path: str | Path) -> list[Path]:
+    """Delete temporaries that killed writers left next to the output ``path``.
+
+    Two kinds exist: a :class:`StreamingWriter`'s ``.<name>.*.incomplete`` and an
+    ``ArtifactWriter``'s ``.<name>.*.staged`` placeholder (whose own writer temp is
+    ``..<name>.*.staged.*.incomplete``).  A writer holds an exclusive ``flock`` on
+    its ``.incomplete`` file for as long as it lives, and the kernel releases it when
+    the process exits, even on SIGKILL; so an ``.incomplete`` file whose lock can be
+    taken belongs to no live writer and is removed, and a locked one (a concurrent
+    conversion to the same name) is kept.  A ``.staged`` file is removed when no
+    locked ``.incomplete`` file belongs to it and it is older than this process.
+
+    Returns:
+        The files removed.
+    """
+    path = Path(path)
+    prefix = f".{path.name}."
+    removed: list[Path] = []
+    try:
+        entries = [e for e in os.scandir(path.parent) if e.name.startswith((prefix, "." + prefix))]
+    except OSError:
+        return removed
+    live: set[str] = set()
+    for entry in entries:
+        if entry.name.endswith(TEMP_SUFFIX) and entry.is_file(follow_symlinks=False):
+            fd = _lock_if_free(entry.path)
+            if fd is None:
+                live.add(entry.name)
+                continue
+            try:
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+    for entry in entries:
+        if not (entry.name.endswith(STAGED_SUFFIX) and entry.name.startswith(prefix)) or not entry.is_file(follow_symlinks=False):
+            continue
+        if any(n.startswith(f".{entry.name}.") for n in live):
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_mtime < _PROCESS_START:
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+        except OSError:
+            pass
+    return removed
+
+
+def _lock_if_free(path: str) -> int | None:
+    """An open fd holding the file's exclusive lock, or None if a live writer holds it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def header_size_for(entries_layout: Iterable[tuple[str, str, tuple[int, ...]]], metadata: Mapping[str, str]) -> int:
     """Bytes the header will take for this layout and metadata (offsets at worst-case width)."""
     big = 10**15
     entries = {n: {"dtype": d, "shape": list(s), "data_offsets": [big, big]} for n, d, s in entries_layout}
     return len(_header_bytes(entries, metadata))
+
+
+def _target_mode(path: Path) -> int:
+    try:
+        return path.stat().st_mode & 0o777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -9,30 +9,35 @@
 //   scales fp16  [G, N], Marlin-permuted (4.4): 8x8 transpose per 64 columns when
 //          G > 1, the 32-entry per-channel list when G == 1.
 //   delta  fp32  [G, N], natural column order (4.6); only read when HAS_DELTA.
-//   A      fp16  [M, K] row-major, rows already in Marlin K order (act-order callers
+//   A      fp16  [M, K] row-major, columns already in Marlin K order (act-order callers
 //          run gather_columns first, below).
 //   bias   fp16  [N] natural order or nullptr.
 //   C      fp16  [M, N] row-major.
 // Group g(k) = k / group_size; G == 1 means per-channel. The dequantized weight is
 // bit-identical to dequant.cu's output, and fp32 accumulation is exact per product.
 //
-// Launch geometry (converter/gpu/kernels.py picks it):
-//   block = 128 threads = 4 independent warps; grid.x = ceil(units / 4).
-//   A unit (one warp) = (m-chunk of 16*MT rows, 64-column block nb, K split). The
-//   warp streams its K range U k-tiles (16 rows each) at a time: one 16-byte B load
-//   per lane per k-tile, mma.sync.m16n8k16 (fp32 accumulate) into 8 n8 fragments per
-//   16-row m-tile. Units are numbered m-chunk fastest, then nb, then split, so the 4
-//   warps of a block read adjacent 512-byte pieces of B and share A through L1.
+// Launch geometry (converter/gpu/kernels.py, gemm_plan, picks it):
+//   block = 128 threads = 4 independent warps; grid.x = ceil(units * splits / 4);
+//   dynamic shared memory = 4 * NS * Ring<U, GPI>::STAGE bytes (below).
+//   A unit (one warp) = (16-row m-chunk, 64-column block nb, K split). The warp streams
+//   its K range U k-tiles (16 rows each) per step through its own NS-stage cp.async
+//   ring in shared memory (B, A and the step's scales/deltas), so NS - 1 steps are in
+//   flight while one is dequantized in registers and fed to mma.sync.m16n8k16
+//   (fp32 accumulate) as 8 n8 fragments. Units are numbered m-chunk fastest, then nb,
+//   then split: the 4 warps of a block read adjacent 512-byte pieces of B (or the same
+//   piece for 4 m-chunks, through L2).
 //   K splits > 1: each warp writes fp32 partials to `ws` [splits, M, N]; the last warp
 //   to arrive for (m-chunk, nb) (counter in `locks`, which it resets to 0) sums them
 //   in split order, so the result is bitwise deterministic whatever the arrival order.
-//   No shared memory, no block barrier.
-// Constraints: M >= 1; K % 16 == 0 with (K/16) % U == 0 (U = 8 for MT == 1, else 4:
-//   so K % 128 == 0 always works and K % 64 == 0 works through the U = 4 variants);
-//   N % 64 == 0; gcd(group_size/16, U) * GPI == U (group sizes that are multiples of
-//   32, and per-channel); 16-byte aligned B/scales, 4-byte aligned A;
-//   locks zeroed before first use and never shared by two launches in flight.
-// Valid on sm_80 and newer (mma.sync.m16n8k16.f16, ld.global.nc); no sm_90a feature.
+//   No block barrier: warps only synchronise within themselves (__syncwarp).
+// Template: U k-tiles per step (4 or 8), GPI group slots per step (U / gcd(group
+//   tiles, U)), NS ring stages, HAS_DELTA fused correction.
+// Constraints: M >= 1; K % (16 U) == 0 (K % 64 with U = 4); N % 64 == 0; group size a
+//   multiple of 16 with U / gcd(group_size / 16, U) compiled (multiples of 32, and
+//   per-channel); 16-byte aligned A/B/scales/delta; tiles_per_split % U == 0;
+//   `locks` zeroed before first use and never shared by two launches in flight.
+// Valid on sm_80 and newer (cp.async, ldmatrix, mma.sync.m16n8k16.f16); no sm_90a
+// feature, no L2 cache-policy hint.
 // NumPy reference: converter.gpu.reference.marlin_gemm (gather_columns for the gather).
 
 #include "marlin_common.cuh"
@@ -44,45 +49,124 @@ __device__ __forceinline__ void mma_16816(float c[4], const u32 a[4], u32 b0, u3
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Raw per-group operands of one lane: 8 scales for columns c0 + 8 jj (jj = 0..7) and,
-// when fused, the 8 deltas of the same columns.
-struct GroupRaw {
-    u16 s[8];
-    float d[8];
+// Shared-memory ring, per warp: NS stages, each holding one step of U k-tiles:
+//   B  U x 512 bytes   lane l's 16-byte B piece of tile u at u * 512 + 16 l
+//   A  U x 512 bytes   the 16 x 16 fp16 A tile u, row-major (32 bytes a row)
+//   S  GPI x 128 bytes the 64 permuted scales of each group slot (grouped layers)
+//   D  GPI x 256 bytes the 64 deltas of each group slot (HAS_DELTA)
+// Every byte is copied with 16-byte cp.async (the ring keeps NS - 1 steps in flight
+// without holding registers); lanes read pieces other lanes copied, so each step is
+// fenced by wait_group + __syncwarp, which also orders the reuse of a slot.
+template <int U, int GPI>
+struct Ring {
+    static constexpr int B_OFF = 0;
+    static constexpr int A_OFF = U * 512;
+    static constexpr int S_OFF = 2 * U * 512;
+    static constexpr int D_OFF = S_OFF + GPI * 128;
+    static constexpr int STAGE = D_OFF + GPI * 256;
 };
 
-template <bool HAS_DELTA>
-__device__ __forceinline__ void load_group(GroupRaw& r, const u16* __restrict__ S,
-                                           const float* __restrict__ D, int g, int N,
-                                           int nb, int c0, int per_channel) {
-    const int col0 = 64 * nb + c0;
-    if (per_channel) {
+template <int U, int GPI, bool HAS_DELTA>
+__device__ __forceinline__ void issue_stage(u32 st, int kt, int kt0, int lane, int M, int K, int N, int nb,
+                                            int mrow0, const u16* __restrict__ A,
+                                            const int4* __restrict__ bcol, size_t brow,
+                                            const u16* __restrict__ S, const float* __restrict__ D,
+                                            int group_tiles, int per_channel) {
+    using R = Ring<U, GPI>;
+    constexpr int SUB = U / GPI;
 #pragma unroll
-        for (int jj = 0; jj < 8; ++jj) r.s[jj] = ldg_u16(S + scale_pos(col0 + 8 * jj, 1));
-    } else {
-        // The 8x8 transpose puts exactly this lane's 8 columns in one 16-byte vector.
-        const int4 v = ldg_v4(reinterpret_cast<const int4*>(S + (size_t)g * N + 64 * nb + 8 * c0));
-        const u32 w[4] = {(u32)v.x, (u32)v.y, (u32)v.z, (u32)v.w};
+    for (int u = 0; u < U; ++u) cp_async16(st + R::B_OFF + u * 512 + 16 * lane, bcol + (size_t)(kt + u) * brow);
+    // A: lane l copies 8 halves of row l / 2 (columns 8 (l % 2) ..); rows past M are zeros.
+    const int arow = mrow0 + (lane >> 1);
 #pragma unroll
-        for (int jj = 0; jj < 8; ++jj) r.s[jj] = (u16)(w[jj >> 1] >> (16 * (jj & 1)));
+    for (int u = 0; u < U; ++u) {
+        const u32 dst = st + R::A_OFF + u * 512 + 16 * lane;
+        if (arow < M)
+            cp_async16(dst, A + (size_t)arow * K + (kt + u) * 16 + 8 * (lane & 1));
+        else
+            sts_zero16(dst);
     }
-    if (HAS_DELTA) {
-        const float* drow = D + (size_t)g * N + col0;
+    if (!per_channel) {
 #pragma unroll
-        for (int jj = 0; jj < 8; ++jj) r.d[jj] = ldg_f32(drow + 8 * jj);
+        for (int gi = 0; gi < GPI; ++gi) {
+            const int t = kt + gi * SUB;
+            const int g = t / group_tiles;
+            if (t == kt0 || g != (t - 1) / group_tiles) {
+                if (lane < 8)
+                    cp_async16(st + R::S_OFF + gi * 128 + 16 * lane, S + (size_t)g * N + 64 * nb + 8 * lane);
+                else if (HAS_DELTA && lane < 24)
+                    cp_async16(st + R::D_OFF + gi * 256 + 16 * (lane - 8),
+                               D + (size_t)g * N + 64 * nb + 4 * (lane - 8));
+            }
+        }
     }
 }
 
-template <int MT, int U, int GPI, bool HAS_DELTA>
+template <int U, int GPI, bool HAS_DELTA>
+__device__ __forceinline__ void compute_stage(u32 st, int kt, int kt0, int lane, int group_tiles, int per_channel,
+                                              u32 (&s2)[8], u32 (&d2)[8], float (&acc)[8][4]) {
+    using R = Ring<U, GPI>;
+    constexpr int SUB = U / GPI;
+    const int c0 = lane >> 2;
+    // ldmatrix row address of this lane: matrix q = lane / 8 is (rows 8 (q % 2) .., k 8 (q / 2) ..).
+    const int q = lane >> 3;
+    const u32 a_lane = st + R::A_OFF + ((lane & 7) + 8 * (q & 1)) * 32 + 16 * (q >> 1);
+#pragma unroll
+    for (int gi = 0; gi < GPI; ++gi) {
+        const int t = kt + gi * SUB;
+        if (!per_channel && (t == kt0 || t / group_tiles != (t - 1) / group_tiles)) {
+            const int4 v = lds_v4(st + R::S_OFF + gi * 128 + 16 * c0);
+            const u32 w[4] = {(u32)v.x, (u32)v.y, (u32)v.z, (u32)v.w};
+#pragma unroll
+            for (int jj = 0; jj < 8; ++jj) s2[jj] = h_splat((u16)(w[jj >> 1] >> (16 * (jj & 1))));
+            if (HAS_DELTA) {
+#pragma unroll
+                for (int jj = 0; jj < 8; ++jj)
+                    d2[jj] = h_splat(f32_to_h(lds_f32(st + R::D_OFF + gi * 256 + 4 * (c0 + 8 * jj))));
+            }
+        }
+#pragma unroll
+        for (int uu = 0; uu < SUB; ++uu) {
+            const int u = gi * SUB + uu;
+            const int4 bv = lds_v4(st + R::B_OFF + u * 512 + 16 * lane);
+            u32 af[4];
+            ldmatrix_x4(af, a_lane + u * 512);
+            const u32 w[4] = {(u32)bv.x, (u32)bv.y, (u32)bv.z, (u32)bv.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                u32 m[4];
+                codes_minus8(w[j], m);
+                u32 b[4];
+                // m[0], m[1]: columns c0 + 16 j (slot jj = 2 j); m[2], m[3]: + 8.
+                if (HAS_DELTA) {
+                    b[0] = h2_fma(m[0], s2[2 * j], d2[2 * j]);
+                    b[1] = h2_fma(m[1], s2[2 * j], d2[2 * j]);
+                    b[2] = h2_fma(m[2], s2[2 * j + 1], d2[2 * j + 1]);
+                    b[3] = h2_fma(m[3], s2[2 * j + 1], d2[2 * j + 1]);
+                } else {
+                    b[0] = h2_mul(m[0], s2[2 * j]);
+                    b[1] = h2_mul(m[1], s2[2 * j]);
+                    b[2] = h2_mul(m[2], s2[2 * j + 1]);
+                    b[3] = h2_mul(m[3], s2[2 * j + 1]);
+                }
+                mma_16816(acc[2 * j], af, b[0], b[1]);
+                mma_16816(acc[2 * j + 1], af, b[2], b[3]);
+            }
+        }
+    }
+}
+
+template <int U, int GPI, int NS, bool HAS_DELTA>
 __global__ void __launch_bounds__(128)
 marlin_gemm(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __restrict__ S,
             const float* __restrict__ D, const u16* __restrict__ bias, u16* __restrict__ C,
             float* __restrict__ ws, int* __restrict__ locks, int M, int K, int N,
             int group_tiles, int per_channel, int splits, int tiles_per_split) {
-    constexpr int SUB = U / GPI;  // k-tiles per group slot; a slot never straddles groups
+    extern __shared__ __align__(16) unsigned char smem[];
+    using R = Ring<U, GPI>;
     const int lane = threadIdx.x & 31;
     const int nblk = N >> 6;
-    const int m_chunks = (M + 16 * MT - 1) / (16 * MT);
+    const int m_chunks = (M + 15) >> 4;
     const long long unit = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
     if (unit >= (long long)m_chunks * nblk * splits) return;
     const int mc = (int)(unit % m_chunks);
@@ -93,102 +177,48 @@ marlin_gemm(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __
     const int KT = K >> 4;
     const int kt0 = split * tiles_per_split;
     const int kt1 = min(kt0 + tiles_per_split, KT);
+    const int mrow0 = 16 * mc;
 
-    float acc[MT][8][4];
+    float acc[8][4];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int f = 0; f < 8; ++f)
 #pragma unroll
-        for (int f = 0; f < 8; ++f)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mt][f][e] = 0.f;
+        for (int e = 0; e < 4; ++e) acc[f][e] = 0.f;
 
-    // Row pointers of this lane's two A rows per m-tile; rows past M read as zero.
-    const u16* arow[MT][2];
-    bool aok[MT][2];
+    u32 s2[8], d2[8];  // current group's scales / deltas as fp16x2 splats
+    if (per_channel) {  // one group for all of K: read once, straight to registers
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = mc * 16 * MT + 16 * mt + g4 + 8 * h;
-            aok[mt][h] = r < M;
-            arow[mt][h] = A + (size_t)(aok[mt][h] ? r : 0) * K + 2 * t4;
+        for (int jj = 0; jj < 8; ++jj) {
+            const int col = 64 * nb + g4 + 8 * jj;
+            s2[jj] = h_splat(ldg_u16(S + scale_pos(col, 1)));
+            d2[jj] = HAS_DELTA ? h_splat(f32_to_h(ldg_f32(D + col))) : 0u;
         }
+    }
 
     const int4* bcol = B + 32 * nb + lane;  // int4 index of (kt = 0, nb, lane)
     const size_t brow = (size_t)(N >> 1);   // int4 per B row
+    const u32 ring = smem_addr(smem) + (threadIdx.x >> 5) * NS * R::STAGE;
 
-    u32 s2[8], d2[8];  // current group's scales / deltas as fp16x2 splats
-    int cur_g = -1;
-
-    for (int kt = kt0; kt < kt1; kt += U) {
-        // ---- issue every load of this step before any use ----
-        int4 bq[U];
+#define ISSUE(slot, kt) issue_stage<U, GPI, HAS_DELTA>(ring + (slot) * R::STAGE, kt, kt0, lane, M, K, N, nb, \
+                                                        mrow0, A, bcol, brow, S, D, group_tiles, per_channel)
 #pragma unroll
-        for (int u = 0; u < U; ++u) bq[u] = ldg_v4(bcol + (size_t)(kt + u) * brow);
-
-        int gs[GPI];
-        bool need[GPI];
-        GroupRaw raw[GPI];
-#pragma unroll
-        for (int gi = 0; gi < GPI; ++gi) {
-            gs[gi] = (kt + gi * SUB) / group_tiles;
-            need[gi] = gs[gi] != (gi ? gs[gi - 1] : cur_g);
-            if (need[gi]) load_group<HAS_DELTA>(raw[gi], S, D, gs[gi], N, nb, g4, per_channel);
-        }
-
-        u32 af[U][MT][4];
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                const int k = (kt + u) * 16;
-                af[u][mt][0] = aok[mt][0] ? ldg_u32(arow[mt][0] + k) : 0u;
-                af[u][mt][1] = aok[mt][1] ? ldg_u32(arow[mt][1] + k) : 0u;
-                af[u][mt][2] = aok[mt][0] ? ldg_u32(arow[mt][0] + k + 8) : 0u;
-                af[u][mt][3] = aok[mt][1] ? ldg_u32(arow[mt][1] + k + 8) : 0u;
-            }
-
-        // ---- dequantize in registers and multiply ----
-#pragma unroll
-        for (int gi = 0; gi < GPI; ++gi) {
-            if (need[gi]) {
-#pragma unroll
-                for (int jj = 0; jj < 8; ++jj) {
-                    s2[jj] = h_splat(raw[gi].s[jj]);
-                    d2[jj] = HAS_DELTA ? h_splat(f32_to_h(raw[gi].d[jj])) : 0u;
-                }
-            }
-#pragma unroll
-            for (int uu = 0; uu < SUB; ++uu) {
-                const int u = gi * SUB + uu;
-                const u32 w[4] = {(u32)bq[u].x, (u32)bq[u].y, (u32)bq[u].z, (u32)bq[u].w};
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    u32 m[4];
-                    codes_minus8(w[j], m);
-                    u32 b[4];
-                    // m[0], m[1]: columns c0 + 16 j (slot jj = 2 j); m[2], m[3]: + 8.
-                    if (HAS_DELTA) {
-                        b[0] = h2_fma(m[0], s2[2 * j], d2[2 * j]);
-                        b[1] = h2_fma(m[1], s2[2 * j], d2[2 * j]);
-                        b[2] = h2_fma(m[2], s2[2 * j + 1], d2[2 * j + 1]);
-                        b[3] = h2_fma(m[3], s2[2 * j + 1], d2[2 * j + 1]);
-                    } else {
-                        b[0] = h2_mul(m[0], s2[2 * j]);
-                        b[1] = h2_mul(m[1], s2[2 * j]);
-                        b[2] = h2_mul(m[2], s2[2 * j + 1]);
-                        b[3] = h2_mul(m[3], s2[2 * j + 1]);
-                    }
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        mma_16816(acc[mt][2 * j], af[u][mt], b[0], b[1]);
-                        mma_16816(acc[mt][2 * j + 1], af[u][mt], b[2], b[3]);
-                    }
-                }
-            }
-        }
-        cur_g = gs[GPI - 1];
+    for (int s = 0; s < NS - 1; ++s) {
+        if (kt0 + s * U < kt1) ISSUE(s, kt0 + s * U);
+        cp_async_commit();
     }
+    int slot = 0;
+    for (int kt = kt0; kt < kt1; kt += U) {
+        cp_async_wait<NS - 2>();  // this lane's copies of step `kt` have landed ...
+        __syncwarp();             // ... and every lane's; also: all lanes are done with slot - 1
+        const int kn = kt + (NS - 1) * U;
+        if (kn < kt1) ISSUE((slot + NS - 1) % NS, kn);
+        cp_async_commit();
+        compute_stage<U, GPI, HAS_DELTA>(ring + slot * R::STAGE, kt, kt0, lane, group_tiles, per_channel,
+                                         s2, d2, acc);
+        slot = slot + 1 == NS ? 0 : slot + 1;
+    }
+#undef ISSUE
+    cp_async_wait<0>();
 
     // ---- epilogue ----
     // Fragment f covers columns 64 nb + 8 f + 2 t4 + {0, 1}; c[0..1] row g4, c[2..3] row g4 + 8.
@@ -196,69 +226,74 @@ marlin_gemm(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __
     if (splits > 1) {
         float* wp = ws + (size_t)split * M * N;
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+        for (int h = 0; h < 2; ++h) {
+            const int r = mrow0 + g4 + 8 * h;
+            if (r < M) {
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int r = mc * 16 * MT + 16 * mt + g4 + 8 * h;
-                if (r < M) {
-#pragma unroll
-                    for (int f = 0; f < 8; ++f)
-                        *reinterpret_cast<float2*>(wp + (size_t)r * N + colbase + 8 * f) =
-                            float2{acc[mt][f][2 * h], acc[mt][f][2 * h + 1]};
-                }
+                for (int f = 0; f < 8; ++f)
+                    *reinterpret_cast<float2*>(wp + (size_t)r * N + colbase + 8 * f) =
+                        float2{acc[f][2 * h], acc[f][2 * h + 1]};
             }
+        }
         __threadfence();  // partials visible device-wide before the counter moves
         int prev = 0;
         if (lane == 0) prev = atomicAdd(locks + (size_t)mc * nblk + nb, 1);
         prev = __shfl_sync(0xffffffffu, prev, 0);
         if (prev != splits - 1) return;
         __threadfence();
-        // Last to arrive: sum all partials in split order (deterministic).
+        // Last to arrive: sum all partials in split order (deterministic). The loads of
+        // RB splits are issued before any add, so RB L2 round trips overlap.
+        constexpr int RB = 4;
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+        for (int h = 0; h < 2; ++h) {
+            const int r = mrow0 + g4 + 8 * h;
+            if (r >= M) continue;
+            const float* rowp = ws + (size_t)r * N + colbase;
+            float2 sum[8];
 #pragma unroll
-            for (int f = 0; f < 8; ++f)
+            for (int f = 0; f < 8; ++f) sum[f] = float2{0.f, 0.f};
+            for (int s0 = 0; s0 < splits; s0 += RB) {
+                float2 v[RB][8];
 #pragma unroll
-                for (int e = 0; e < 4; ++e) acc[mt][f][e] = 0.f;
-        for (int s = 0; s < splits; ++s) {
-            const float* sp = ws + (size_t)s * M * N;
+                for (int b = 0; b < RB; ++b)
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
+                    for (int f = 0; f < 8; ++f)
+                        v[b][f] = s0 + b < splits ? ldcg_f2(reinterpret_cast<const float2*>(
+                                                        rowp + (size_t)(s0 + b) * M * N + 8 * f))
+                                                  : float2{0.f, 0.f};
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int r = mc * 16 * MT + 16 * mt + g4 + 8 * h;
-                    if (r < M) {
+                for (int b = 0; b < RB; ++b)
 #pragma unroll
-                        for (int f = 0; f < 8; ++f) {
-                            const float2 v = ldcg_f2(reinterpret_cast<const float2*>(
-                                sp + (size_t)r * N + colbase + 8 * f));
-                            acc[mt][f][2 * h] += v.x;
-                            acc[mt][f][2 * h + 1] += v.y;
-                        }
+                    for (int f = 0; f < 8; ++f) {
+                        sum[f].x += v[b][f].x;
+                        sum[f].y += v[b][f].y;
                     }
-                }
+            }
+#pragma unroll
+            for (int f = 0; f < 8; ++f) {
+                acc[f][2 * h] = sum[f].x;
+                acc[f][2 * h + 1] = sum[f].y;
+            }
         }
         if (lane == 0) locks[(size_t)mc * nblk + nb] = 0;  // ready for the next launch
     }
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int h = 0; h < 2; ++h) {
+        const int r = mrow0 + g4 + 8 * h;
+        if (r < M) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = mc * 16 * MT + 16 * mt + g4 + 8 * h;
-            if (r < M) {
-#pragma unroll
-                for (int f = 0; f < 8; ++f) {
-                    const int col = colbase + 8 * f;
-                    float x0 = acc[mt][f][2 * h], x1 = acc[mt][f][2 * h + 1];
-                    if (bias != nullptr) {
-                        x0 += h_to_f32(ldg_u16(bias + col));
-                        x1 += h_to_f32(ldg_u16(bias + col + 1));
-                    }
-                    const u32 packed = (u32)f32_to_h(x0) | ((u32)f32_to_h(x1) << 16);
-                    *reinterpret_cast<u32*>(C + (size_t)r * N + col) = packed;
+            for (int f = 0; f < 8; ++f) {
+                const int col = colbase + 8 * f;
+                float x0 = acc[f][2 * h], x1 = acc[f][2 * h + 1];
+                if (bias != nullptr) {
+                    x0 += h_to_f32(ldg_u16(bias + col));
+                    x1 += h_to_f32(ldg_u16(bias + col + 1));
                 }
+                const u32 packed = (u32)f32_to_h(x0) | ((u32)f32_to_h(x1) << 16);
+                *reinterpret_cast<u32*>(C + (size_t)r * N + col) = packed;
             }
         }
+    }
 }
 
 // Act-order: out[m, k] = A[m, perm[k]] (fp16 bits, [M, K] row-major both). perm is the

@@ -86,10 +86,9 @@ def timed_torch_graph(torch, calls, reps):
 def ceilings(cp, torch):
     """Measured copy bandwidth (bytes/s, read + write) and fp16 matmul rate (FLOP/s)."""
     n = 2 * 2**30
-    a = cp.empty(n // 4, dtype=cp.float32)
-    b = cp.empty_like(a)
-    a.fill(1.0)
-    t = timed_graph(cp, [lambda: b.__setitem__(Ellipsis, a)] * 5, 5)
+    a = torch.ones(n // 4, device="cuda", dtype=torch.float32)
+    b = torch.empty_like(a)
+    t = timed_torch_graph(torch, [lambda: b.copy_(a)] * 5, 5)
     bw = 2 * n / (t * 1e-6)
     x = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
     y = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
@@ -106,6 +105,8 @@ def main() -> int:
     ap.add_argument("--ms", default=None, help="e.g. 1,16,64")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--calls", type=int, default=24, help="launches per graph (at least the copy count)")
+    ap.add_argument("--sweep", default=None,
+                    help="extra our-kernel variants to time, e.g. 4x4w1,8x3w2 (U x NS, w = waves target)")
     args = ap.parse_args()
 
     import cupy as cp
@@ -167,6 +168,19 @@ def main() -> int:
                 (lambda i=i: kernels.marlin_gemm_two_kernel(a, Bs[i % copies], Ss[i % copies],
                                                             delta=Ds[i % copies], out=out, **kw))
                 for i in range(calls)], args.reps)
+            for spec in (args.sweep.split(",") if args.sweep else []):
+                pipe_s, w = spec.split("w")
+                pipe = tuple(int(v) for v in pipe_s.split("x"))
+                old_w, kernels.WAVES = kernels.WAVES, int(w)
+                try:
+                    row[f"sym_{spec}"] = safe(timed_graph, cp, [
+                        (lambda i=i: kernels.marlin_gemm(a, Bs[i % copies], Ss[i % copies], out=out, pipe=pipe, **kw))
+                        for i in range(calls)], args.reps)
+                    row[f"fused_{spec}"] = safe(timed_graph, cp, [
+                        (lambda i=i: kernels.marlin_gemm(a, Bs[i % copies], Ss[i % copies], delta=Ds[i % copies],
+                                                         out=out, pipe=pipe, **kw)) for i in range(calls)], args.reps)
+                finally:
+                    kernels.WAVES = old_w
             at = torch.randn(m, k, device="cuda", dtype=torch.float16)
             fc = max(args.calls, f16_copies)
             row["fp16"] = timed_torch_graph(torch, [(lambda i=i: torch.matmul(at, Ws[i % f16_copies]))
@@ -193,7 +207,8 @@ def main() -> int:
                   f"2k {row['ours_2k']:8.1f} fp16 {row['fp16']:8.1f} int4 {i4} | "
                   f"x{row['fp16'] / row['ours_sym']:5.2f} x{row['fp16'] / row['ours_fused']:5.2f} "
                   f"fused+{100 * (row['ours_fused'] / row['ours_sym'] - 1):5.1f}% "
-                  f"floor {row['floor_sym_us']:7.1f} splits {row['plan']['splits']}", flush=True)
+                  f"floor {row['floor_sym_us']:7.1f} splits {row['plan']['splits']}"
+                  + "".join(f" {key[4:]}:{v:.1f}" for key, v in row.items() if key.startswith("sym_")), flush=True)
         del Bs, Ss, Ds, Ws, packed, sz
         cp.get_default_memory_pool().free_all_blocks()
         torch.cuda.empty_cache()

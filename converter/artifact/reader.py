@@ -49,7 +49,9 @@ class Artifact:
 
     Attributes:
         path: the file.
-        file: the underlying :class:`SafetensorsFile`.
+        file: the underlying :class:`SafetensorsFile`, or for a sharded artifact (an
+            index or a folder) a :class:`~converter.artifact.sharding.ShardedFile`
+            presenting all shards as one (its ``shard_problems`` list inconsistencies).
         manifest: the parsed manifest dict.
         notes: non-fatal findings from parsing (manifest checksum mismatch).
         layers: ``{prefix: LayerRecord}`` (empty if the manifest's layer list is malformed;
@@ -62,7 +64,9 @@ class Artifact:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.file = SafetensorsFile(self.path, error=ArtifactError)
+        from .sharding import open_artifact_file
+
+        self.file = open_artifact_file(self.path)
         try:
             self.manifest, self.notes = parse_metadata(self.file.metadata, path=self.path)
         except BaseException:
@@ -104,6 +108,10 @@ def open_artifact(path: str | Path) -> Artifact:
         ArtifactError, SchemaVersionError: see :class:`Artifact`.
     """
     path = Path(path)
-    if not path.is_file():
+    if not path.is_file() and not (path.is_dir() or path.name.endswith(".index.json")):
         raise ConverterError("no such file" if not path.exists() else "not a file", path=path)
+    from ..formats.tinyloop import sniff
+
+    if sniff(path):
+        raise ArtifactError("this is a .tinyloop source, not an artifact (to compare with it, use --against)", path=path)
     return Artifact(path)

@@ -11,9 +11,10 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import xxhash
 
-from ..constants import Suffix
+from ..constants import META_FORMAT, META_FORMAT_VALUE, META_MANIFEST, META_MANIFEST_CHECKSUM, META_SCHEMA_VERSION, Suffix
 from ..marlin.shapes import LayerShape, marlin_shapes
 from .manifest import schema_errors
 from .reader import Artifact, LayerRecord, open_artifact
@@ -105,6 +106,10 @@ def validate_artifact(path: str | Path, *, checksums: bool = True) -> tuple[Repo
     report = Report(str(path), schema_version=art.manifest.get("schema_version"))
     for note in art.notes:
         report.add("manifest_checksum", note, "marlin.manifest")
+    # Sharded artifacts: inconsistencies between the index and the shards.
+    for code, message, tensor in getattr(art.file, "shard_problems", ()):
+        report.add(code, message, tensor)
+    _check_header_extras(art, report)
     errors = schema_errors(art.manifest)
     if errors is None:
         report.add("schema_unchecked", "jsonschema is not installed; manifest not validated against the schema", severity="warning")
@@ -154,5 +159,52 @@ def validate_artifact(path: str | Path, *, checksums: bool = True) -> tuple[Repo
             got = xxhash.xxh3_128_hexdigest(art.file.raw(name))
             if got != want:
                 report.add("checksum_mismatch", f"{name}: xxh3-128 {got} does not match the manifest's {want} (corrupted bytes)", name, want, got)
+            art.file.release_pages()  # keep RSS bounded on multi-GB artifacts
+    _check_finite(art, report)
     report.checked = {"layers": len(art.layers), "tensors": len(infos), "checksums": checksums}
     return report, art
+
+
+#: Layer tensors whose values must be finite (a NaN scale or delta poisons every output).
+FINITE_SUFFIXES = (Suffix.SCALES, Suffix.DELTA)
+
+
+def _check_finite(art: Artifact, report: Report) -> None:
+    """Report NaN/Inf in every layer's scales and delta, even when checksums agree
+    (a producer that wrote them would also have hashed them)."""
+    for rec in art.layers.values():
+        for suffix in FINITE_SUFFIXES:
+            name = f"{rec.name}.{suffix.value}"
+            info = art.file.infos.get(name)
+            if info is None or info.dtype not in ("F16", "F32"):
+                continue  # reported as missing / dtype_mismatch already
+            values = art.file.array(name)
+            bad = int(values.size - np.count_nonzero(np.isfinite(values)))
+            if bad:
+                what = suffix.value.removeprefix("marlin_")
+                report.add("non_finite", f"{name}: {bad} NaN or Inf value(s); {what} must be finite", name, 0, bad)
+        art.file.release_pages()
+
+
+#: The ``__metadata__`` keys every artifact file carries (manifest.metadata_for).
+METADATA_KEYS = (META_FORMAT, META_SCHEMA_VERSION, META_MANIFEST, META_MANIFEST_CHECKSUM)
+
+
+def _check_header_extras(art: Artifact, report: Report) -> None:
+    """The header bytes no checksum covers: ``__metadata__`` keys and values outside the
+    manifest, and the padding after the JSON.  With these checks a flipped byte
+    anywhere in an artifact is reported (tests/test_corruption.py)."""
+    for f in getattr(art.file, "shards", None) or [art.file]:
+        where = Path(f.path).name
+        padding = getattr(f, "header_padding", b"")
+        odd = len(padding) - padding.count(b" ")
+        if odd:
+            report.add("header_padding", f"{where}: {odd} header padding byte(s) are not spaces (corrupted header)", "__metadata__", 0, odd)
+        meta = f.metadata
+        for key in METADATA_KEYS:
+            if key not in meta:
+                report.add("metadata", f"{where}: __metadata__ lacks {key!r}", "__metadata__", key, None)
+        if META_FORMAT in meta and meta[META_FORMAT] != META_FORMAT_VALUE:
+            report.add("metadata", f"{where}: __metadata__[{META_FORMAT!r}] is {meta[META_FORMAT]!r}, expected {META_FORMAT_VALUE!r}", "__metadata__", META_FORMAT_VALUE, meta[META_FORMAT])
+        for key in sorted(meta.keys() - set(METADATA_KEYS)):
+            report.add("metadata", f"{where}: unknown __metadata__ key {key!r}", "__metadata__", None, key, severity="warning")

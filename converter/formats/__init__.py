@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from ..constants import META_SCHEMA_VERSION
 from ..errors import ConverterError, UnsupportedQuantError
 from .base import LayerPlan, Source, SourcePlan, TensorInfo
 from .hf import HFCheckpoint
@@ -35,12 +36,46 @@ def _compressed_tensors(ckpt: HFCheckpoint) -> Source:
     return CompressedTensorsSource(ckpt)
 
 
+def _already_marlin(ckpt: HFCheckpoint) -> Source:
+    # AutoGPTQ's legacy ``quant_method: marlin`` (spec 5.1, 5.3): B and s are stored
+    # already Marlin-packed and symmetric; say so instead of "not supported".
+    raise UnsupportedQuantError(
+        "quant_method 'marlin' checkpoints are already Marlin-packed (tensors B and s, symmetric only; "
+        "spec 5.1); marlin-convert never packs twice: use the file as it is, or convert from the "
+        "original GPTQ checkpoint",
+        path=ckpt.folder / (ckpt.quant_config_file or "config.json"), tensor="quant_method",
+    )
+
+
 #: quant_method (lower-case) -> reader factory for HF-style checkpoints.
 HF_READERS: dict[str, Callable[[HFCheckpoint], Source]] = {
     "gptq": _gptq,
     "awq": _awq,
     "compressed-tensors": _compressed_tensors,
+    "marlin": _already_marlin,
 }
+#: The methods that actually convert (HF_READERS also has refusals with a message).
+READABLE_METHODS = ("gptq", "awq", "compressed-tensors")
+
+
+def _sniff_method(ckpt: HFCheckpoint) -> str:
+    """The quant method of a config that does not name one.
+
+    AutoAWQ's legacy ``quant_config.json`` has ``w_bit``/``q_group_size``/``version``
+    and no ``quant_method`` (spec section 3); a sidecar file may also shadow a
+    ``config.json`` whose ``quantization_config`` does name the method.
+    """
+    qc = ckpt.quant_config
+    if "w_bit" in qc or ("version" in qc and "zero_point" in qc):
+        return "awq"
+    inner = ckpt.config.get("quantization_config")
+    if isinstance(inner, dict):
+        named = str(inner.get("quant_method", inner.get("method", ""))).lower()
+        if named:
+            return named
+    from .gptq import sniff
+
+    return "gptq" if sniff(ckpt) else ""
 
 
 def open_source(path: str | Path) -> Source:
@@ -71,14 +106,21 @@ def open_source(path: str | Path) -> Source:
         qc = ckpt.quant_config
         method = str(qc.get("quant_method", qc.get("method", ""))).lower() if qc else ""
         if not method:
-            from .gptq import sniff
-
-            method = "gptq" if sniff(ckpt) else ""
+            method = _sniff_method(ckpt)
+        if not method and any(META_SCHEMA_VERSION in f.metadata for f in ckpt.shards):
+            raise UnsupportedQuantError(
+                "this is already a marlin-convert artifact; check it with marlin-verify", path=path
+            )
+        if not method:
+            raise UnsupportedQuantError(
+                "no quantization config found (looked for quantize_config.json, quantization_config.json, "
+                "quant_config.json and config.json[quantization_config]); is this a quantized checkpoint?",
+                path=ckpt.folder,
+            )
         if method not in HF_READERS:
             where = ckpt.quant_config_file or "config.json"
-            found = repr(method) if method else "no quantization config"
             raise UnsupportedQuantError(
-                f"{found} is not supported (supported: {', '.join(sorted(HF_READERS))})",
+                f"{method!r} is not supported (supported: {', '.join(sorted(READABLE_METHODS))})",
                 path=ckpt.folder / where, tensor="quant_method",
             )
         return HF_READERS[method](ckpt)

@@ -36,6 +36,7 @@ import numpy as np
 
 from ..constants import MARLIN_ZERO, SourceFormat, ZeroConvention
 from ..errors import ConfigError, SourceFormatError, UnsupportedQuantError
+from ..marlin.layout import pack_b_from_gptq4
 from ..marlin.shapes import check_convertible
 from ..quant_weight import QuantWeight
 from .base import LayerPlan, Source, SourcePlan, TensorInfo
@@ -378,7 +379,7 @@ class GptqSource(Source):
         return decode_gptq_zeros(words, bits, v1=convention is ZeroConvention.GPTQ_V1)
 
     # -- loading ---------------------------------------------------------------------
-    def load_layer(self, layer: LayerPlan, k_start: int = 0, k_stop: int | None = None) -> QuantWeight:
+    def load_layer(self, layer: LayerPlan, k_start: int = 0, k_stop: int | None = None, *, codes: bool = True) -> QuantWeight:
         """Read Marlin rows ``[k_start, k_stop)`` of a convertible layer.
 
         ``k_start``/``k_stop`` are multiples of the group size (or of 32 for a
@@ -399,7 +400,9 @@ class GptqSource(Source):
             gi = f"{layer.name}.g_idx"
             perm = act_order_perm(self.ckpt.array(gi), g, layer.num_groups, path=self.ckpt.file_of(gi), tensor=gi)
             assert perm is not None
-            q = gather_rows(qweight, perm[k_start:k_stop], b)
+            q = gather_rows(qweight, perm[k_start:k_stop], b) if codes else np.zeros((0, layer.size_n), np.uint8)
+        elif not codes:  # load_packed: B is made from the words directly
+            q = np.zeros((0, layer.size_n), np.uint8)
         else:
             w0, w1 = packed_len(k_start, b), packed_len(k_stop, b)
             if w0 is None or w1 is None:
@@ -420,6 +423,18 @@ class GptqSource(Source):
             perm=perm, k_offset=k_start, size_k=layer.size_k, source_scales_dtype=sinfo.dtype,
             source_scales=None if sinfo.dtype == "F16" else s_src,
         )
+
+    def load_packed(self, layer: LayerPlan, k_start: int = 0, k_stop: int | None = None) -> tuple[np.ndarray, QuantWeight] | None:
+        """Conversion fast path: Marlin ``B`` for rows ``[k_start, k_stop)`` made straight
+        from the 4-bit ``qweight`` words, plus the chunk's scales and delta (its ``q`` is
+        empty).  None where it does not apply (not 4-bit, act-order), and the caller
+        uses ``pack_b(load_layer(...).q)``, which gives the same bits.
+        """
+        k_stop = layer.size_k if k_stop is None else k_stop
+        if layer.bits != 4 or layer.act_order or k_start % 16 or k_stop % 16:
+            return None
+        words = np.asarray(self.ckpt.array(f"{layer.name}.qweight")[k_start // 8 : k_stop // 8])
+        return pack_b_from_gptq4(words), self.load_layer(layer, k_start, k_stop, codes=False)
 
     def load_tensor(self, name: str):
         return self.ckpt.tensor(name)

@@ -162,6 +162,11 @@ class HFCheckpoint:
         """Every tensor in every shard: ``{name: TensorInfo}``."""
         return {n: s.infos[n] for n, s in self._where.items()}
 
+    @property
+    def shards(self) -> list[SafetensorsFile]:
+        """The opened weight files, in shard order."""
+        return list(self._shards)
+
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
@@ -181,7 +186,7 @@ class HFCheckpoint:
     def describe_files(self) -> list[dict[str, Any]]:
         """``[{"name", "bytes", "sha256"}]`` for the weight files and configs read."""
         paths = list(self.files)
-        for extra in ("config.json", self.quant_config_file):
+        for extra in (HF_INDEX_NAME if getattr(self, "index_map", None) is not None else None, "config.json", self.quant_config_file):
             if extra and (self.folder / extra).is_file() and self.folder / extra not in paths:
                 paths.append(self.folder / extra)
         return [{"name": p.name, "bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in paths]

@@ -18,6 +18,7 @@ installed wheel, else the repository's top-level ``kernels/``.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from pathlib import Path
@@ -30,20 +31,30 @@ from . import runtime
 
 _SOURCES = ("marlin_gemm.cu", "dequant.cu", "asym_correction.cu", "marlin_common.cuh")
 
-#: (MT, U, GPI) instantiations of marlin_gemm: MT 16-row m-tiles per warp, U k-tiles
-#: per load step, GPI group slots per step. U shrinks as MT grows to stay in registers.
-GEMM_VARIANTS = ((1, 8, 1), (1, 8, 2), (1, 8, 4), (2, 4, 1), (2, 4, 2), (4, 2, 1))
-#: Resident warps per multiprocessor the K split aims for (latency hiding at small M).
-_WARPS_PER_SM = 16
+#: (U, NS) pipeline shapes of marlin_gemm: U k-tiles per step, NS shared-memory stages
+#: per warp; each is compiled for GPI (group slots per step) in 1, 2, 4 and with and
+#: without the fused delta.
+GEMM_PIPES = ((4, 3), (4, 4), (8, 3))
+GEMM_GPIS = (1, 2, 4)
+#: The pipeline the launcher uses; scripts/bench_gemm.py --pipes compares the others.
+DEFAULT_PIPE = (4, 3)
+#: Target number of full waves of resident warps for the K split (tuned on an H200).
+WAVES = 1
 
 
-def _gemm_name(mt: int, u: int, gpi: int, delta: bool) -> str:
-    return f"marlin_gemm<{mt}, {u}, {gpi}, {'true' if delta else 'false'}>"
+def _gemm_name(u: int, gpi: int, ns: int, delta: bool) -> str:
+    return f"marlin_gemm<{u}, {gpi}, {ns}, {'true' if delta else 'false'}>"
+
+
+def _gemm_smem(u: int, gpi: int, ns: int, delta: bool) -> int:
+    """Dynamic shared memory of one 4-warp block (kernels/marlin_gemm.cu, struct Ring)."""
+    stage = 2 * u * 512 + gpi * 128 + gpi * 256
+    return 4 * ns * stage
 
 
 _NAMES = {
-    "marlin_gemm.cu": [_gemm_name(*v, d) for v in GEMM_VARIANTS for d in (False, True)]
-    + ["gather_columns"],
+    "marlin_gemm.cu": [_gemm_name(u, gpi, ns, d) for (u, ns) in GEMM_PIPES for gpi in GEMM_GPIS
+                       for d in (False, True)] + ["gather_columns"],
     "dequant.cu": ["marlin_dequant<false>", "marlin_dequant<true>"],
     "asym_correction.cu": ["group_sums", "add_correction"],
 }
@@ -187,42 +198,69 @@ def _workspace(ws_floats: int, n_locks: int) -> tuple[Any, Any]:
 # ----------------------------------------------------------------------------- launch plans
 
 
-def gemm_plan(m: int, size_k: int, size_n: int, group_size: int) -> dict[str, int]:
-    """Tile variant and K split the GEMM launcher uses for one call.
+def gemm_plan(m: int, size_k: int, size_n: int, group_size: int, *, delta: bool = False,
+              pipe: tuple[int, int] | None = None) -> dict[str, int]:
+    """Kernel variant and K split the GEMM launcher uses for one call.
+
+    The work is ``m_chunks x N/64`` warp units (16 rows x 64 columns each), each split
+    into ``splits`` contiguous K ranges. The split is chosen to fill whole waves of
+    resident warps: with ``R`` warps resident on the device, it minimises
+    ``ceil(units * splits / R) * tiles_per_split`` (time of the slowest wave) plus a
+    small charge per split for the partial-sum reduction.
+
+    Args:
+        m, size_k, size_n, group_size: the problem (group_size -1 / size_k: per-channel).
+        delta: fused asymmetric variant (more shared memory per stage).
+        pipe: ``(U, NS)`` override of :data:`DEFAULT_PIPE`.
 
     Returns:
-        dict with ``mt, u, gpi`` (template), ``m_chunks, splits, tiles_per_split,
-        warps, blocks``.
+        dict with ``u, gpi, ns, smem, m_chunks, splits, tiles_per_split, warps, blocks,
+        resident_warps``.
 
     Raises:
-        KernelError: no compiled variant fits (K/16 odd, or a group size that is an odd
-            multiple of 16 such as 16 or 48).
+        KernelError: K/16 not a multiple of U (K % 64 != 0 for U = 4), or a group size
+            whose tile count is odd (16, 48, ...) with U = 8 and no variant fits.
     """
+    _layer_sizes(size_k, size_n, group_size)
+    return dict(_plan(m, size_k, size_n, group_size, delta, tuple(pipe or DEFAULT_PIPE), WAVES,
+                      runtime.device_info()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(m: int, size_k: int, size_n: int, group_size: int, delta: bool, pipe: tuple[int, int],
+          waves_target: int, info: runtime.DeviceInfo) -> dict[str, int]:
     gs, _, per_channel = _layer_sizes(size_k, size_n, group_size)
     kt = size_k // 16
-    gt = kt if per_channel else gs // 16
-    if m <= 16 and kt % 8 == 0:
-        mt, u = 1, 8
-    elif m <= 32 and kt % 4 == 0:
-        mt, u = 2, 4
-    else:
-        mt, u = 4, 2
+    u, ns = pipe
     if kt % u:
-        raise KernelError(f"size_k={size_k}: K/16 must be even for this kernel")
-    gpi = u // math.gcd(gt, u)
-    if (mt, u, gpi) not in GEMM_VARIANTS:
+        raise KernelError(f"size_k={size_k}: K must be a multiple of {16 * u} for this kernel")
+    gt = kt if per_channel else gs // 16
+    gpi = 1 if per_channel else u // math.gcd(gt, u)
+    if gpi not in GEMM_GPIS:
         raise KernelError(f"group_size {group_size} is not supported by the GEMM "
-                          "(multiples of 32 and per-channel are)")
-    info = runtime.device_info()
-    m_chunks = -(-m // (16 * mt))
+                          "(multiples of 32, and per-channel, are)")
+    smem = _gemm_smem(u, gpi, ns, delta)
+    # 128 registers per thread (ptxas report) and 228 KB of shared memory per SM on
+    # sm_90 (227 KB usable per block): resident 4-warp blocks per multiprocessor.
+    blocks_per_sm = max(1, min(65536 // (128 * 128), (228 * 1024) // (smem + 1024)))
+    resident = info.sm_count * blocks_per_sm * 4
+    m_chunks = -(-m // 16)
     units = m_chunks * (size_n // 64)
-    splits = max(1, min(kt // u, -(-info.sm_count * _WARPS_PER_SM // units)))
-    tps = -(-kt // splits)
-    tps = -(-tps // u) * u
-    splits = -(-kt // tps)
+    best = None
+    for splits in range(1, kt // u + 1):
+        tps = -(-(-(-kt // splits)) // u) * u
+        real = -(-kt // tps)
+        if real != splits:
+            continue
+        waves = -(-units * splits // (resident * waves_target))
+        cost = waves * tps + 0.5 * splits * m_chunks
+        if best is None or cost < best[0]:
+            best = (cost, splits, tps)
+    _, splits, tps = best
     warps = units * splits
-    return {"mt": mt, "u": u, "gpi": gpi, "m_chunks": m_chunks, "splits": splits,
-            "tiles_per_split": tps, "warps": warps, "blocks": -(-warps // 4)}
+    return {"u": u, "gpi": gpi, "ns": ns, "smem": smem, "m_chunks": m_chunks, "splits": splits,
+            "tiles_per_split": tps, "warps": warps, "blocks": -(-warps // 4),
+            "resident_warps": resident}
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -268,6 +306,7 @@ def marlin_gemm(
     perm: Any = None,
     bias: Any = None,
     out: Any = None,
+    pipe: tuple[int, int] | None = None,
 ) -> Any:
     """INT4 x FP16 GEMM on Marlin tensors; fused asymmetric correction when ``delta`` given.
 
@@ -279,15 +318,17 @@ def marlin_gemm(
         A: float16 ``(M, size_k)``, M >= 1, SOURCE channel order.
         B: int32 ``(size_k // 16, 2 * size_n)``, Marlin tile order (artifact ``marlin_B``).
         scales: float16 ``(G, size_n)``, Marlin-permuted (artifact ``marlin_scales``).
-        size_k, size_n: K (multiple of 64; 128 fastest) and N (multiple of 64).
+        size_k, size_n: K (multiple of 64) and N (multiple of 64).
         group_size: 32, 64, 128, ... (multiples of 32), or -1 / size_k for per-channel.
         delta: float32 ``(G, size_n)`` natural order (artifact ``marlin_delta``) or None.
         perm: int32 ``(size_k,)`` act-order permutation (artifact ``marlin_perm``) or None.
         bias: float16 ``(size_n,)`` or None.
         out: optional float16 ``(M, size_n)`` destination.
+        pipe: ``(U, NS)`` pipeline override (benchmarking); default :data:`DEFAULT_PIPE`.
 
     Returns:
-        float16 ``(M, size_n)`` CuPy array. Bitwise deterministic for fixed inputs.
+        float16 ``(M, size_n)`` CuPy array. Bitwise deterministic for fixed inputs
+        and a fixed device (the K split depends on the multiprocessor count).
 
     Raises:
         KernelError: wrong dtype/shape/contiguity/alignment, unsupported sizes, or NVRTC
@@ -308,19 +349,21 @@ def marlin_gemm(
     if perm is not None:
         perm = _dev(perm, "perm", np.int32, (size_k,))
     out = cp.empty((m, size_n), dtype=cp.float16) if out is None else _dev(out, "out", np.float16, (m, size_n))
-    plan = gemm_plan(m, size_k, size_n, group_size)
+    plan = gemm_plan(m, size_k, size_n, group_size, delta=delta is not None, pipe=pipe)
     if perm is not None:
         A = gather_columns(A, perm)
     ws, locks = _workspace(plan["splits"] * m * size_n if plan["splits"] > 1 else 0,
                            plan["m_chunks"] * (size_n // 64))
-    fn = _fn("marlin_gemm.cu", _gemm_name(plan["mt"], plan["u"], plan["gpi"], delta is not None))
+    fn = _fn("marlin_gemm.cu", _gemm_name(plan["u"], plan["gpi"], plan["ns"], delta is not None))
+    if plan["smem"] > 48 * 1024 and fn.max_dynamic_shared_size_bytes < plan["smem"]:
+        fn.max_dynamic_shared_size_bytes = plan["smem"]  # opt in above the 48 KB default
     gt = size_k // 16 if per_channel else gs // 16
     fn((plan["blocks"],), (128,), (
         A, B, scales, _ptr_or_null(delta), _ptr_or_null(bias), out, ws, locks,
         np.int32(m), np.int32(size_k), np.int32(size_n), np.int32(gt),
         np.int32(1 if per_channel else 0), np.int32(plan["splits"]),
         np.int32(plan["tiles_per_split"]),
-    ))
+    ), shared_mem=plan["smem"])
     return out
 
 

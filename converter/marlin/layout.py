@@ -67,10 +67,53 @@ def pack_b(q: np.ndarray) -> np.ndarray:
     if q.size and int(q.max()) > 15:
         raise ValueError(f"codes must be in [0, 15], found {int(q.max())}")
     kt, nb = size_k // MARLIN_TILE, size_n // 64
-    v = q.reshape(kt, 2, 4, 2, nb, 4, 2, 8).transpose(_PACK_AXES)
-    v = v.reshape(kt, 2 * size_n, MARLIN_PACK_FACTOR).astype(np.uint32)
-    words = np.bitwise_or.reduce(v << _NIBBLE_SHIFTS, axis=-1)
-    return words.view(np.int32)
+    # Nibble = 4*rl + 2*ch + rh: byte 2*rl + ch of the little-endian word holds rh=0
+    # in its low and rh=1 in its high nibble.  Combine the two rh halves bytewise in
+    # source order, then one byte transpose to (kt, nb, cl, rp, j | rl, ch); this is
+    # ~10x faster than widening to uint32 and OR-reducing, and the same bits.
+    v = q.reshape(kt, 2, 4, 2, nb, 4, 2, 8)
+    both = v[:, 0] | (v[:, 1] << np.uint8(4))  # (kt, rp, rl, nb, j, ch, cl)
+    out = np.ascontiguousarray(both.transpose(0, 3, 6, 1, 4, 2, 5))
+    return out.reshape(kt, 2 * size_n * 4).view("<i4").astype(np.int32, copy=False)
+
+
+def pack_b_from_gptq4(words: np.ndarray) -> np.ndarray:
+    """Marlin ``B`` straight from 4-bit GPTQ ``qweight`` words, without unpacking codes.
+
+    Equal, bit for bit, to ``pack_b(unpack_words(words, 4, axis=0))`` (a test checks
+    it), and about 7x faster: it never materialises the uint8 codes.  A GPTQ word at
+    (row ``2*kt + rh``, column ``n``) holds rows ``16*kt + 8*rh + 2*rp + rl`` in byte
+    ``rp``, low nibble ``rl = 0``.  Marlin's word byte ``2*rl + ch`` holds ``rh = 0``
+    low and ``rh = 1`` high (see the module docstring), so each output byte is two
+    source nibbles combined bytewise, and one byte transpose puts them in tile order.
+
+    Args:
+        words: int32 ``(size_k // 8, size_n)``, codes LSB-first down K (GPTQ
+            ``qweight``, no act-order gather); ``size_k % 16 == 0``, ``size_n % 64 == 0``.
+
+    Returns:
+        int32 ``(size_k // 16, 2 * size_n)``.
+
+    Raises:
+        ValueError: not 2-D 32-bit, or a shape Marlin cannot tile.
+    """
+    if words.ndim != 2 or words.dtype.itemsize != 4 or words.dtype.kind not in "iu":
+        raise ValueError(f"qweight must be 2-D int32, got {words.dtype} {words.shape}")
+    rows, size_n = words.shape
+    _check_codes_shape(rows * MARLIN_PACK_FACTOR, size_n)
+    kt, nb = rows // 2, size_n // 64
+    src = np.ascontiguousarray(words).view(np.uint8).reshape(kt, 2, nb, 4, 2, 8, 4)  # kt rh nb j ch cl rp
+    out = np.empty((kt, nb, 8, 4, 4, 2, 2), dtype=np.uint8)  # kt nb cl rp j rl ch
+    # Blocks of ~1 MB keep the byte transpose in cache (2-3x faster than one pass).
+    step = max(1, min(kt, (1 << 20) // max(8 * size_n, 1)))
+    both = np.empty((step, nb, 4, 2, 8, 4, 2), dtype=np.uint8)  # kt nb j ch cl rp rl
+    for t0 in range(0, kt, step):
+        t1 = min(t0 + step, kt)
+        a, b, tmp = src[t0:t1, 0], src[t0:t1, 1], both[: t1 - t0]
+        np.bitwise_or(a & np.uint8(0x0F), b << np.uint8(4), out=tmp[..., 0])  # rl = 0
+        np.bitwise_or(a >> np.uint8(4), b & np.uint8(0xF0), out=tmp[..., 1])  # rl = 1
+        out[t0:t1] = tmp.transpose(0, 1, 4, 5, 2, 6, 3)
+    return out.reshape(kt, 2 * size_n * 4).view("<i4").astype(np.int32, copy=False)
 
 
 def unpack_b(b: np.ndarray, size_n: int | None = None) -> np.ndarray:

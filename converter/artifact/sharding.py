@@ -1,0 +1,656 @@
+"""Sharded artifacts and output folders: writing, and reading them back as one.
+
+Writing (``marlin-convert IN OUT [--max-shard-size 5GB]``):
+
+* Tensors are grouped into units (all tensors of one converted layer form one unit,
+  so a layer's ``B``, scales, ``delta``, ``perm`` and bias are always in the same
+  shard; every pass-through tensor is its own unit) and packed greedily in layout
+  order into shards of at most ``max_shard_size`` bytes of tensor data; a unit larger
+  than the limit gets a shard of its own, as Hugging Face's ``save_pretrained`` does.
+* One shard: a single file at the output path, no index.  More: files
+  ``<stem>-0000i-of-0000n.safetensors`` beside an HF index
+  ``<stem>.safetensors.index.json`` (``{"metadata": {"total_size": bytes},
+  "weight_map": {tensor: file}}``; spec section 7).
+* Every shard carries the whole-model manifest (``layers``, ``passthrough`` and
+  ``checksums`` describe the whole model) plus ``shard: {index, count}`` (schema v1).
+* Atomicity: every shard (and, in folder mode, ``config.json`` and the tokenizer
+  files) is first written under a temporary name in the output folder; only when all
+  of them are complete and fsynced are they renamed onto their final names, the index
+  last.  A failure before that point leaves the output folder as it was.
+
+Folder mode: OUT is an existing directory or ends with ``/``.  The artifact is
+``OUT/model.safetensors`` (or its shards), plus ``config.json`` (the source's, or a
+minimal one built from a ``.tinyloop`` header's model dict) whose
+``quantization_config`` describes the artifact, plus the source's tokenizer files.
+
+Reading: :class:`ShardedFile` presents the shards of an index (or of a folder) as one
+:class:`~converter.safetensors_io.SafetensorsFile`-like object, and lists what is
+inconsistent between them in ``shard_problems`` for ``marlin-verify`` to report.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import __version__
+from ..constants import ARTIFACT_SCHEMA_VERSION, HF_INDEX_NAME, PRODUCER_NAME, SAFETENSORS_DTYPES, Suffix
+from ..errors import ArtifactError, ConverterError, OutputExistsError
+from ..quant_weight import Tensor, TensorInfo
+from ..safetensors_io import SafetensorsFile, StreamingWriter, _fsync_dir, header_size_for, remove_stale_temporaries
+from .manifest import dump_manifest, metadata_for, parse_metadata
+
+Layout = list[tuple[str, str, tuple[int, ...]]]
+
+#: The artifact's file name in folder mode (HF's single-file name).
+DIR_MODE_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+#: Decimal and binary units, as ``huggingface_hub``'s ``parse_size_to_int`` reads them.
+_SIZE_UNITS = {
+    "": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}  # fmt: skip
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*$", re.IGNORECASE)
+_SHARD_RE = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.safetensors$")
+
+
+# --------------------------------------------------------------------------- sizes, names
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from a size such as ``5GB`` (10^9), ``500MiB`` (2^20) or ``1000000``.
+
+    Raises:
+        ConverterError: not a positive size (names the option and the value).
+    """
+    if isinstance(text, int):
+        value = text
+    else:
+        m = _SIZE_RE.match(text)
+        if not m:
+            raise ConverterError(
+                f"{text!r} is not a size (expected a number with an optional unit: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)",
+                tensor="--max-shard-size",
+            )
+        value = int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").upper()])
+    if value <= 0:
+        raise ConverterError(f"must be positive, found {text!r}", tensor="--max-shard-size")
+    return value
+
+
+def shard_name(stem: str, index: int, count: int) -> str:
+    """``<stem>-0000i-of-0000n.safetensors`` (1-based ``index``), the HF convention."""
+    return f"{stem}-{index:05d}-of-{count:05d}.safetensors"
+
+
+def index_name_for(path: Path) -> Path:
+    """The index beside an artifact path: ``model.safetensors`` -> ``model.safetensors.index.json``."""
+    return path.with_name(path.name + ".index.json") if path.suffix == ".safetensors" else path.with_name(path.name + ".safetensors.index.json")
+
+
+def _stem(path: Path) -> str:
+    return path.name[: -len(".safetensors")] if path.name.endswith(".safetensors") else path.name
+
+
+def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * np.dtype(SAFETENSORS_DTYPES[dtype]).itemsize
+
+
+def plan_shards(layout: Layout, layer_names: list[str], max_bytes: int | None) -> list[Layout]:
+    """Split the artifact's tensors into shards.
+
+    Args:
+        layout: ``[(name, dtype, shape)]`` of every artifact tensor, in write order.
+        layer_names: the converted layers' prefixes; every tensor named
+            ``<prefix>.<marlin suffix or bias>`` belongs to that layer's unit.
+        max_bytes: the most tensor-data bytes per shard, or None for one shard.
+
+    Returns:
+        The shards' layouts, in order; never empty (one empty shard for an empty layout).
+    """
+    suffixes = {s.value for s in Suffix}
+    layers = set(layer_names)
+    units: dict[str, Layout] = {}
+    for entry in layout:
+        name = entry[0]
+        prefix, _, suffix = name.rpartition(".")
+        key = f"layer:{prefix}" if prefix in layers and suffix in suffixes else f"tensor:{name}"
+        units.setdefault(key, []).append(entry)
+    if max_bytes is None:
+        return [list(layout)]
+    shards: list[Layout] = []
+    current: Layout = []
+    size = 0
+    for unit in units.values():
+        ubytes = sum(_nbytes(d, s) for _, d, s in unit)
+        if current and size + ubytes > max_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current += unit
+        size += ubytes
+    shards.append(current)
+    return shards
+
+
+# --------------------------------------------------------------------------- output target
+
+
+class OutputTarget:
+    """Where an artifact goes.
+
+    Attributes:
+        path: the single-file artifact path (``OUT`` or ``OUT/model.safetensors``).
+        folder: the folder everything is written into.
+        directory: folder mode (also write ``config.json`` and tokenizer files).
+        index: the index path used when the output is sharded.
+    """
+
+    def __init__(self, out: str | Path) -> None:
+        text = str(out)
+        out = Path(out)
+        self.directory = out.is_dir() or text.endswith(("/", os.sep))
+        self.path = out / DIR_MODE_NAME if self.directory else out
+        self.folder = self.path.parent
+        self.index = index_name_for(self.path)
+        #: True when :meth:`check` created the folder (removed again if the write fails).
+        self.created = False
+
+    def existing(self) -> list[Path]:
+        """Output files that already exist and would be replaced."""
+        paths = [self.path, self.index]
+        if self.directory:
+            paths.append(self.folder / CONFIG_NAME)
+        return [p for p in paths if p.exists()]
+
+    def check(self, src: Path, force: bool) -> None:
+        """Refuse to write over the input, or over an existing output without ``force``.
+
+        Raises:
+            ConverterError: the folder is missing, OUT is a folder without folder
+                mode, or the output would overwrite an input file.
+            OutputExistsError: an output file exists and ``force`` is False.
+        """
+        if self.directory and not self.folder.exists():
+            try:
+                self.folder.mkdir(parents=False)
+                self.created = True
+            except OSError as exc:
+                raise ConverterError(f"cannot create the output folder: {exc.strerror}", path=self.folder) from None
+        if not self.folder.is_dir():
+            raise ConverterError("output folder does not exist", path=self.folder)
+        if self.path.is_dir():
+            raise ConverterError("output is a directory; give a .safetensors file name, or end OUT with '/'", path=self.path)
+        src_files = [src] if src.is_file() else (list(src.iterdir()) if src.is_dir() else [])
+        src_folder = src if src.is_dir() else src.parent
+        if self.directory and src_folder.exists() and os.path.samefile(src_folder, self.folder):
+            # Folder mode writes config.json and tokenizer files: never into the source's folder.
+            raise ConverterError("output folder is the input's folder; choose another folder", path=self.folder)
+        for out in self.existing():
+            if any(f.exists() and os.path.samefile(f, out) for f in src_files):
+                raise ConverterError("output would overwrite the input; choose another path", path=out)
+            if not force:
+                raise OutputExistsError("output exists; pass --force to overwrite it", path=out)
+
+
+def artifact_config(source_config: Mapping[str, Any] | None, model: Mapping[str, Any] | None, *,
+                    source_format: str, layers: list[dict[str, Any]], weight_file: str,
+                    source_quant_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``config.json`` written in folder mode.
+
+    The source's ``config.json`` with ``quantization_config`` replaced by a
+    description of the artifact; for a ``.tinyloop`` source (no config), a minimal
+    config built from the header's ``model`` dict.
+    """
+    cfg: dict[str, Any] = dict(source_config) if source_config else {"model_type": "tinyloop", **dict(model or {})}
+    groups = sorted({int(lay["group_size"]) for lay in layers})
+    cfg["quantization_config"] = {
+        "quant_method": PRODUCER_NAME,
+        "producer_version": __version__,
+        "schema_version": ARTIFACT_SCHEMA_VERSION,
+        "bits": 4,
+        "zero_correction": "delta",
+        "weight_dtype": "uint4b8",
+        "scale_dtype": "float16",
+        "delta_dtype": "float32",
+        "group_sizes": groups,
+        "act_order": any(lay.get("act_order", False) for lay in layers),
+        "source_bits": sorted({int(lay["bits"]) for lay in layers}),
+        "tensor_suffixes": {s.name.lower(): s.value for s in Suffix},
+        "weight_file": weight_file,
+        "converted_layers": len(layers),
+        "source_format": source_format,
+        "source_quantization_config": dict(source_quant_config),
+    }
+    return cfg
+
+
+# --------------------------------------------------------------------------- writer
+
+
+class ArtifactWriter:
+    """Writes an artifact as one file or as shards, plus folder-mode extras, atomically.
+
+    Same ``write``/``write_flat`` interface as :class:`StreamingWriter`; tensors are
+    routed to their shard by name.  :meth:`finish` takes the manifest (it adds the
+    ``shard`` object per file) and commits everything.
+
+    Args:
+        target: where to write.
+        layout: every artifact tensor.
+        layer_names: converted layer prefixes (kept whole within a shard).
+        manifest: the manifest with placeholder checksums of final length (sizes the headers).
+        max_shard_bytes: tensor-data bytes per shard, or None for a single file.
+        extra_files: folder-mode files ``{name: bytes or source Path}`` committed with the shards.
+
+    Raises:
+        ConverterError: the folder is not writable.
+    """
+
+    def __init__(self, target: OutputTarget, layout: Layout, layer_names: list[str], manifest: dict[str, Any],
+                 *, max_shard_bytes: int | None = None, extra_files: Mapping[str, bytes | Path] | None = None) -> None:
+        self.target = target
+        self.shards = plan_shards(layout, layer_names, max_shard_bytes)
+        count = len(self.shards)
+        self.names = [target.path.name] if count == 1 else [shard_name(_stem(target.path), i + 1, count) for i in range(count)]
+        self.extra_files = dict(extra_files or {})
+        self.total_size = sum(_nbytes(d, s) for _, d, s in layout)
+        self._route: dict[str, StreamingWriter] = {}
+        self._writers: list[StreamingWriter] = []
+        #: every staged file (deleted by abort), and (staged, final) pairs to commit.
+        self._temps: list[Path] = []
+        self._commit: list[tuple[Path, Path]] = []
+        self._done = False
+        for name in [*self.names, target.index.name]:
+            remove_stale_temporaries(target.folder / name)  # left by a killed earlier run
+        try:
+            for i, (shard, name) in enumerate(zip(self.shards, self.names)):
+                meta = metadata_for(self._shard_manifest(manifest, i))
+                staged = self._stage_path(name)
+                writer = StreamingWriter(staged, shard, header_reserve=header_size_for(shard, meta))
+                self._writers.append(writer)
+                self._commit.append((staged, target.folder / name))
+                for entry in shard:
+                    self._route[entry[0]] = writer
+        except BaseException:
+            self.abort()
+            raise
+
+    @property
+    def artifact_path(self) -> Path:
+        """What to open the artifact by: the file, or the index when sharded."""
+        return self.target.path if len(self.shards) == 1 else self.target.index
+
+    def _stage_path(self, name: str) -> Path:
+        # A placeholder in the output folder (same filesystem, so the final rename is
+        # atomic); the hidden name keeps loaders from picking it up.
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".staged", dir=self.target.folder)
+        os.close(fd)
+        self._temps.append(Path(tmp))
+        return Path(tmp)
+
+    def _shard_manifest(self, manifest: dict[str, Any], i: int) -> dict[str, Any]:
+        if len(self.shards) == 1:
+            return manifest
+        return {**manifest, "shard": {"index": i + 1, "count": len(self.shards)}}
+
+    def write(self, name: str, data: np.ndarray, row_start: int = 0) -> None:
+        """See :meth:`StreamingWriter.write`."""
+        self._route[name].write(name, data, row_start)
+
+    def write_flat(self, name: str, data: np.ndarray, elem_start: int) -> None:
+        """See :meth:`StreamingWriter.write_flat`."""
+        self._route[name].write_flat(name, data, elem_start)
+
+    def finish(self, manifest: dict[str, Any]) -> list[Path]:
+        """Write every header, stage the index and extra files, then rename all of
+        them onto their final names (the index last).
+
+        Returns:
+            The final paths, in commit order.
+
+        Raises:
+            ValueError: a header outgrew its reserve (nothing is renamed then).
+            ConverterError: an extra file cannot be staged (nothing is renamed then).
+        """
+        try:
+            for i, writer in enumerate(self._writers):
+                writer.finish(metadata_for(self._shard_manifest(manifest, i)))
+            for name, content in self.extra_files.items():
+                remove_stale_temporaries(self.target.folder / name)
+                tmp = self._stage_bytes(name, content) if isinstance(content, bytes) else self._stage_copy(name, content)
+                self._commit.append((tmp, self.target.folder / name))
+            if len(self.shards) > 1:
+                index = {
+                    "metadata": {"total_size": self.total_size},
+                    "weight_map": {n: self.names[i] for i, shard in enumerate(self.shards) for n, _, _ in shard},
+                }
+                text = json.dumps(index, indent=2, sort_keys=True).encode("utf-8") + b"\n"
+                self._commit.append((self._stage_bytes(self.target.index.name, text), self.target.index))
+            stale = self._stale_files()
+        except BaseException:
+            self.abort()
+            raise
+        # Commit: every file is complete and fsynced; rename them, the index last.
+        # Temporary files are created 0600; give the results the usual umask mode.
+        mode = _default_mode()
+        for tmp, final in self._commit:
+            os.chmod(tmp, mode)
+            os.replace(tmp, final)
+        _fsync_dir(self.target.folder)
+        for old in stale:
+            old.unlink(missing_ok=True)
+        self._done = True
+        return [final for _, final in self._commit]
+
+    def _stage_bytes(self, name: str, content: bytes) -> Path:
+        tmp = self._stage_path(name)
+        with open(tmp, "wb") as fh:
+            fh.write(content)
+            fh.flush()
+            os.fsync(fh.fileno())
+        return tmp
+
+    def _stage_copy(self, name: str, src: Path) -> Path:
+        tmp = self._stage_path(name)
+        try:
+            shutil.copyfile(src, tmp)
+        except OSError as exc:
+            raise ConverterError(f"cannot copy into the output folder: {exc.strerror}", path=src) from None
+        return tmp
+
+    def _stale_files(self) -> list[Path]:
+        """Files of a previous artifact at the same path that this write leaves orphaned:
+        old shards not overwritten, an old index when the new artifact is one file, and
+        an old single file when the new one is sharded (either would shadow the new
+        artifact for some loader)."""
+        finals = {final for _, final in self._commit}
+        out: list[Path] = []
+        if self.target.index.is_file():
+            try:
+                old = json.loads(self.target.index.read_text("utf-8"))
+                files = {str(f) for f in old.get("weight_map", {}).values()}
+            except (OSError, ValueError, AttributeError):
+                files = set()
+            for f in sorted(files):
+                p = self.target.folder / f
+                if Path(f).name == f and _SHARD_RE.match(f) and p not in finals:
+                    out.append(p)
+            if len(self.shards) == 1:
+                out.append(self.target.index)
+        if len(self.shards) > 1 and self.target.path.is_file():
+            out.append(self.target.path)  # loaders prefer a single file over an index
+        return out
+
+    def abort(self) -> None:
+        """Delete every temporary and staged file; the output folder is left as it was."""
+        if self._done:
+            return
+        self._done = True
+        for writer in self._writers:
+            writer.abort()
+        for tmp in self._temps:
+            tmp.unlink(missing_ok=True)
+        if self.target.created:
+            try:
+                self.target.folder.rmdir()  # only succeeds while empty
+            except OSError:
+                pass
+
+    def __enter__(self) -> ArtifactWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if not self._done:
+            self.abort()
+
+
+def _default_mode() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+# --------------------------------------------------------------------------- reader
+
+
+def _strip_shard(manifest: dict[str, Any]) -> str:
+    return dump_manifest({k: v for k, v in manifest.items() if k != "shard"})
+
+
+def resolve_artifact(path: Path) -> tuple[Path | None, list[Path]]:
+    """``(index or None, shard files)`` of an artifact path: a file, an index, or a folder.
+
+    A folder is read through its ``model.safetensors.index.json`` if present, else
+    its ``model.safetensors``, else its only ``*.safetensors`` file.
+
+    Raises:
+        ArtifactError: a folder with no artifact, or a malformed index.
+        ConverterError: the path does not exist.
+    """
+    if not path.exists():
+        raise ConverterError("no such file or directory", path=path)
+    if path.is_dir():
+        if (path / HF_INDEX_NAME).is_file():
+            path = path / HF_INDEX_NAME
+        elif (path / DIR_MODE_NAME).is_file():
+            return None, [path / DIR_MODE_NAME]
+        else:
+            files = sorted(path.glob("*.safetensors"))
+            if len(files) != 1:
+                raise ArtifactError(
+                    f"folder holds {len(files)} .safetensors files and no {HF_INDEX_NAME} or {DIR_MODE_NAME}; "
+                    "give the artifact file or its index", path=path,
+                )
+            return None, files
+    if not path.name.endswith(".index.json"):
+        return None, [path]
+    try:
+        index = json.loads(path.read_text("utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ArtifactError(f"index is not readable JSON ({exc})", path=path) from None
+    wmap = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wmap, dict) or not all(isinstance(v, str) and Path(v).name == v for v in wmap.values()):
+        raise ArtifactError("weight_map must map tensor names to shard file names in the same folder", path=path, tensor="weight_map")
+    return path, [path.parent / f for f in sorted(set(wmap.values()))]
+
+
+class ShardedFile:
+    """The shards of a sharded artifact, read as one file.
+
+    Same read interface as :class:`SafetensorsFile` (``infos``, ``in``, ``array``,
+    ``raw``, ``tensor``, ``metadata``, ``close``); ``metadata`` is the first readable
+    shard's.  Each shard is opened and validated as a container on its own
+    (``ArtifactError`` if one is malformed).
+
+    Attributes:
+        path: the index (or folder).
+        shards: the opened shard files, in name order.
+        shard_problems: ``[(code, message, tensor)]``: a shard listed but missing, a
+            tensor in two shards or in a shard the index does not name, index
+            entries without a tensor, ``total_size`` wrong, a shard whose manifest
+            differs from the others or whose ``shard`` object is wrong.
+
+    Raises:
+        ArtifactError: no shard could be opened, or a shard's container is malformed.
+    """
+
+    def __init__(self, index: Path, files: list[Path]) -> None:
+        self.path = index
+        self.shards: list[SafetensorsFile] = []
+        self.shard_problems: list[tuple[str, str, str]] = []
+        self._where: dict[str, SafetensorsFile] = {}
+        data = json.loads(index.read_text("utf-8"))
+        wmap = data.get("weight_map", {})
+        meta = data.get("metadata")
+        total = meta.get("total_size") if isinstance(meta, dict) else None
+        try:
+            for f in files:
+                if not f.is_file():
+                    self.shard_problems.append(("missing_shard", f"{f.name}: shard listed in {index.name} is missing", f.name))
+                    continue
+                shard = SafetensorsFile(f, error=ArtifactError)
+                self.shards.append(shard)
+                for name in shard.infos:
+                    if name in self._where:
+                        self.shard_problems.append(("duplicate_tensor", f"{name}: in two shards ({self._where[name].path.name} and {f.name})", name))
+                        continue
+                    self._where[name] = shard
+                    if wmap.get(name) != f.name:
+                        self.shard_problems.append(("index_mismatch", f"{name}: stored in {f.name} but the index says {wmap.get(name)}", name))
+        except BaseException:
+            self.close()
+            raise
+        if not self.shards:
+            raise ArtifactError("none of the shards named by the index exists", path=index)
+        for name, fname in wmap.items():
+            if name not in self._where and (index.parent / fname).is_file():
+                self.shard_problems.append(("index_mismatch", f"{name}: the index places it in {fname}, which does not hold it", name))
+        size = sum(s.byte_range(n)[1] - s.byte_range(n)[0] for n, s in self._where.items())
+        if total is not None and total != size and not any(p[0] == "missing_shard" for p in self.shard_problems):
+            self.shard_problems.append(("index_mismatch", f"metadata.total_size is {total}, the shards hold {size} bytes of tensor data", "metadata.total_size"))
+        self.metadata = self.shards[0].metadata
+        self._check_manifests(len(files))
+
+    def _check_manifests(self, count: int) -> None:
+        ref = None
+        for i, shard in enumerate(self.shards):
+            try:
+                manifest, _ = parse_metadata(shard.metadata, path=shard.path)
+            except ArtifactError as exc:
+                self.shard_problems.append(("shard_manifest", f"{shard.path.name}: {exc.rule}", shard.path.name))
+                continue
+            m = _SHARD_RE.match(shard.path.name)
+            want = {"index": int(m.group("i")), "count": int(m.group("n"))} if m else None
+            got = manifest.get("shard")
+            if want is not None and got != want:
+                self.shard_problems.append(("shard_manifest", f"{shard.path.name}: manifest shard is {got}, expected {want} from the file name", shard.path.name))
+            if want is not None and want["count"] != count:
+                self.shard_problems.append(("shard_manifest", f"{shard.path.name}: name says {want['count']} shards, the index lists {count}", shard.path.name))
+            text = _strip_shard(manifest)
+            if ref is None:
+                ref = (shard.path.name, text)
+            elif text != ref[1]:
+                self.shard_problems.append(("shard_manifest", f"{shard.path.name}: manifest differs from {ref[0]}'s (shards of different conversions?)", shard.path.name))
+
+    @property
+    def infos(self) -> dict[str, TensorInfo]:
+        return {n: s.infos[n] for n, s in self._where.items()}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def file_of(self, name: str) -> Path:
+        return self._where[name].path
+
+    def array(self, name: str) -> np.ndarray:
+        return self._where[name].array(name)
+
+    def raw(self, name: str) -> memoryview:
+        return self._where[name].raw(name)
+
+    def tensor(self, name: str) -> Tensor:
+        return self._where[name].tensor(name)
+
+    def byte_range(self, name: str) -> tuple[int, int]:
+        """Absolute ``[begin, end)`` offsets of a tensor's bytes within its own shard."""
+        return self._where[name].byte_range(name)
+
+    def release_pages(self) -> None:
+        """Forwarded to every shard (see ``SafetensorsFile.release_pages``)."""
+        for s in self.shards:
+            release = getattr(s, "release_pages", None)
+            if release is not None:
+                release()
+
+    def close(self) -> None:
+        for s in self.shards:
+            s.close()
+
+    def __enter__(self) -> ShardedFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_artifact_file(path: str | Path) -> SafetensorsFile | ShardedFile:
+    """Open an artifact path (file, index or folder) as one readable file.
+
+    Raises:
+        ConverterError: the path does not exist.
+        ArtifactError: see :func:`resolve_artifact` and :class:`ShardedFile`.
+    """
+    index, files = resolve_artifact(Path(path))
+    if index is None:
+        if not files[0].is_file():
+            raise ConverterError("not a file", path=files[0])
+        single = SafetensorsFile(files[0], error=ArtifactError)
+        try:
+            _refuse_lone_shard(single)
+        except BaseException:
+            single.close()
+            raise
+        return single
+    return ShardedFile(index, files)
+
+
+def _refuse_lone_shard(file: SafetensorsFile) -> None:
+    """A shard opened on its own would report most of the model as missing: say why instead."""
+    try:
+        manifest, _ = parse_metadata(file.metadata, path=file.path)
+    except ArtifactError:
+        return  # not an artifact at all: the caller reports that
+    shard = manifest.get("shard")
+    if isinstance(shard, dict) and shard.get("count", 1) != 1:
+        index = index_name_for(file.path.with_name(_stem_of_shard(file.path.name) + ".safetensors"))
+        raise ArtifactError(
+            f"this file is shard {shard.get('index')} of {shard.get('count')} of a sharded artifact; "
+            f"verify its index ({index.name}) or its folder", path=file.path, tensor="shard",
+        )
+
+
+def _stem_of_shard(name: str) -> str:
+    m = _SHARD_RE.match(name)
+    return m.group("stem") if m else _stem(Path(name))
+
+
+def folder_extras(source: Any, description: Mapping[str, Any], layers: list[dict[str, Any]], weight_file: str) -> dict[str, bytes | Path]:
+    """The extra files of folder mode: ``config.json`` and the source's tokenizer files.
+
+    Args:
+        source: the opened source; HF readers expose ``ckpt`` (an ``HFCheckpoint``
+            with ``config`` and ``folder``), a ``.tinyloop`` source has neither.
+        description: ``source.describe()`` (its ``quant_config``; for ``.tinyloop``
+            ``{"model": {...}}``).
+        layers: the manifest's layer records.
+        weight_file: the artifact's file name or index name, recorded in the config.
+
+    Returns:
+        ``{file name: bytes to write or source path to copy}``.
+    """
+    from ..formats.hf import TOKENIZER_FILES
+
+    ckpt = getattr(source, "ckpt", None)
+    quant = description.get("quant_config", {}) or {}
+    if ckpt is not None:
+        cfg = artifact_config(ckpt.config or {"model_type": "unknown"}, None, source_format=description["format"],
+                              layers=layers, weight_file=weight_file, source_quant_config=quant)
+        folder = ckpt.folder
+    else:
+        cfg = artifact_config(None, quant.get("model", {}), source_format=description["format"], layers=layers,
+                              weight_file=weight_file, source_quant_config=quant)
+        folder = Path(getattr(source, "path", ".")).parent
+    extras: dict[str, bytes | Path] = {CONFIG_NAME: json.dumps(cfg, indent=2, sort_keys=False).encode("utf-8") + b"\n"}
+    for name in TOKENIZER_FILES:
+        if (folder / name).is_file():
+            extras[name] = folder / name
+    return extras

@@ -1,0 +1,195 @@
+"""Atomic output (issue 5, item 3).
+
+The converter writes to ``.<name>.<random>.incomplete`` in the target folder, fsyncs,
+then renames.  Killed with SIGKILL in the middle of a large write, it leaves no file
+at the target and a pre-existing output byte-identical; the leftover temporary is
+removed by the next run to the same target (it is unlocked: its writer is dead).
+It never writes into its input.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from converter.convert import convert
+from converter.errors import ConverterError, OutputExistsError
+from converter.formats.gptq import GptqSource
+from converter.safetensors_io import StreamingWriter, remove_stale_temporaries
+from clirun import run_cli
+from test_bad_input import REPO, small_gptq
+
+OLD = b"previous artifact, must survive\n" * 1000
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _tree(folder: Path) -> dict[str, str]:
+    return {p.name: _sha(p) for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def _temporaries(out: Path) -> list[Path]:
+    """Hidden temporaries of ``out``: ``.<name>.*.staged`` and ``..<name>.*.staged.*.incomplete``."""
+    return sorted(p for p in out.parent.iterdir() if p.name.startswith((f".{out.name}.", f"..{out.name}.")))
+
+
+def _writing(out: Path) -> list[Path]:
+    return [p for p in _temporaries(out) if p.name.endswith(".incomplete")]
+
+
+def _kill_mid_write(src: Path, out: Path, *, min_written: float = 0.05, timeout: float = 120) -> Path:
+    """Start marlin-convert, wait until its temporary holds real data, SIGKILL it.
+
+    Returns:
+        The temporary file it left behind.
+    """
+    code = "import sys; from converter.cli import main_convert; sys.argv[0] = 'marlin-convert'; main_convert()"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(src), str(out), "--force", "--quiet"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            assert proc.poll() is None, f"converter finished before it could be killed: {proc.stderr.read()!r}"
+            assert time.monotonic() < deadline, "no temporary file appeared"
+            tmps = _writing(out)
+            if tmps:
+                st = tmps[0].stat()
+                # The file is sized up front (sparse); allocated blocks show real writes.
+                if st.st_size and st.st_blocks * 512 >= min_written * st.st_size:
+                    break
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    (tmp,) = _writing(out)
+    return tmp
+
+
+def _check_kill(tmp_path: Path, src: Path) -> None:
+    out = tmp_path / "out" / "model.marlin.safetensors"
+    out.parent.mkdir()
+    out.write_bytes(OLD)
+    before_src = _tree(src)
+    tmp = _kill_mid_write(src, out)
+    # No partial artifact at the target: the old file is intact, byte for byte.
+    assert out.read_bytes() == OLD
+    assert sorted(p.name for p in out.parent.iterdir()) == sorted([out.name, *(t.name for t in _temporaries(out))])
+    assert tmp in _temporaries(out)
+    assert tmp.stat().st_size > len(OLD)  # it really was in the middle of a big write
+    assert _tree(src) == before_src
+    # The next run (a new process) removes the dead writer's temporaries and completes.
+    r = run_cli("marlin-convert", src, out, "--force", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in out.parent.iterdir()) == [out.name]
+    assert out.read_bytes()[:8] != OLD[:8]
+    assert _tree(src) == before_src
+
+
+def test_sigkill_mid_write_leaves_old_output_untouched(tmp_path: Path) -> None:
+    """Small real version (~40 MB input) for the default run."""
+    src = small_gptq(tmp_path / "src", hidden=1024, intermediate=4096, kv=256, blocks=2, vocab=4096, shards=2, group_size=128)
+    _check_kill(tmp_path, src)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_write_300mb(tmp_path: Path) -> None:
+    src = small_gptq(tmp_path / "src", hidden=4096, intermediate=14336, kv=1024, blocks=2, vocab=8192, shards=3, group_size=128)
+    assert sum(p.stat().st_size for p in src.glob("*.safetensors")) > 300e6
+    _check_kill(tmp_path, src)
+
+
+def test_failure_mid_write_removes_temporary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception after some layers were written: temp deleted, old output intact."""
+    src = small_gptq(tmp_path / "src")
+    out = tmp_path / "model.marlin.safetensors"
+    out.write_bytes(OLD)
+    calls = []
+    real = GptqSource.load_packed
+
+    def flaky(self, layer, k0=0, k1=None):
+        calls.append(layer.name)
+        if len(calls) == 3:
+            assert _temporaries(out), "the temporary should exist while writing"
+            raise ConverterError("injected failure", path=self.path, tensor=layer.name)
+        return real(self, layer, k0, k1)
+
+    monkeypatch.setattr(GptqSource, "load_packed", flaky)
+    with pytest.raises(ConverterError, match="injected failure"):
+        convert(src, out, force=True)
+    assert out.read_bytes() == OLD
+    assert _temporaries(out) == []
+
+
+def test_existing_output_needs_force(tmp_path: Path) -> None:
+    src = small_gptq(tmp_path / "src")
+    out = tmp_path / "model.marlin.safetensors"
+    out.write_bytes(OLD)
+    with pytest.raises(OutputExistsError, match=r"model.marlin.safetensors: output exists; pass --force to overwrite it"):
+        convert(src, out)
+    assert out.read_bytes() == OLD
+
+
+@pytest.mark.parametrize("how", ["same_path", "symlink", "hardlink"])
+def test_never_writes_into_the_input(tmp_path: Path, how: str) -> None:
+    src = small_gptq(tmp_path / "src")
+    shard = next(src.glob("*.safetensors"))
+    before = _tree(src)
+    if how == "same_path":
+        out = shard
+    elif how == "symlink":
+        out = tmp_path / "link.safetensors"
+        out.symlink_to(shard)
+    else:
+        out = tmp_path / "hard.safetensors"
+        os.link(shard, out)
+    with pytest.raises(ConverterError, match=r"output would overwrite the input; choose another path"):
+        convert(src, out, force=True)
+    assert _tree(src) == before
+    assert _temporaries(out) == [] and not list(src.glob("*.incomplete"))
+
+
+def test_never_writes_into_a_tinyloop_input(tmp_path: Path) -> None:
+    sample = REPO / "tests" / "data" / "sample.tinyloop"
+    src = tmp_path / "m.tinyloop"
+    src.write_bytes(sample.read_bytes())
+    before = _sha(src)
+    with pytest.raises(ConverterError, match=r"output would overwrite the input"):
+        convert(src, src, force=True)
+    assert _sha(src) == before
+
+
+def test_stale_temporary_removed_but_live_one_kept(tmp_path: Path) -> None:
+    out = tmp_path / "a.safetensors"
+    stale = tmp_path / ".a.safetensors.dead1234.incomplete"
+    stale.write_bytes(b"x" * 100)
+    other = tmp_path / ".b.safetensors.dead1234.incomplete"  # another target's: not ours to touch
+    other.write_bytes(b"y")
+    with StreamingWriter(out, [("t", "U8", (4,))], header_reserve=256) as live:
+        # A second writer to the same target starts while the first is alive.
+        assert remove_stale_temporaries(out) == []  # the live one is locked
+        assert live.tmp_path.exists() and not stale.exists()
+        assert other.exists()
+        live.write("t", __import__("numpy").arange(4, dtype="u1"))
+        live.finish({"format": "pt"})
+    assert out.exists() and not live.tmp_path.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([out.name, other.name])
+
+
+def test_output_folder_missing(tmp_path: Path) -> None:
+    src = small_gptq(tmp_path / "src")
+    with pytest.raises(ConverterError, match=r"nodir: output folder does not exist"):
+        convert(src, tmp_path / "nodir" / "out.safetensors")
