@@ -89,12 +89,19 @@ __device__ __forceinline__ float2 ldcg_f2(const float2* p) {
 // (r0+9,c0) (r0+1,c0+8) (r0+9,c0+8). Out: q - 8 as fp16x2 for the mma B fragments:
 //   m[0] = {r0, r0+1} at c0      m[1] = {r0+8, r0+9} at c0
 //   m[2] = {r0, r0+1} at c0+8    m[3] = {r0+8, r0+9} at c0+8
+__device__ __forceinline__ u32 lop3_and_or(u32 a, u32 mask, u32 bits) {
+    // (a & mask) | bits in one LOP3 (ptxas splits it in two when both are immediates).
+    u32 d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(mask), "r"(bits));
+    return d;
+}
 __device__ __forceinline__ void codes_minus8(u32 w, u32 m[4]) {
     const u32 hi = w >> 8;
-    m[0] = h2_sub((w & 0x000F000Fu) | FP16_EXP_BITS, FP16_1032);
-    m[1] = h2_fma((w & 0x00F000F0u) | FP16_EXP_BITS, FP16_ONE_16TH, FP16_MINUS_72);
-    m[2] = h2_sub((hi & 0x000F000Fu) | FP16_EXP_BITS, FP16_1032);
-    m[3] = h2_fma((hi & 0x00F000F0u) | FP16_EXP_BITS, FP16_ONE_16TH, FP16_MINUS_72);
+    const u32 lo_mask = 0x000F000Fu, hi_mask = 0x00F000F0u, ex = FP16_EXP_BITS;
+    m[0] = h2_sub(lop3_and_or(w, lo_mask, ex), FP16_1032);
+    m[1] = h2_fma(lop3_and_or(w, hi_mask, ex), FP16_ONE_16TH, FP16_MINUS_72);
+    m[2] = h2_sub(lop3_and_or(hi, lo_mask, ex), FP16_1032);
+    m[3] = h2_fma(lop3_and_or(hi, hi_mask, ex), FP16_ONE_16TH, FP16_MINUS_72);
 }
 
 // Position of natural column n inside a row of Marlin-permuted scales.

@@ -18,24 +18,24 @@
 //
 // Launch geometry (converter/gpu/kernels.py, gemm_plan, picks it):
 //   block = 128 threads = 4 independent warps; grid.x = ceil(units * splits / 4);
-//   dynamic shared memory = 4 * NS * Ring<U, GPI>::STAGE bytes (below).
-//   A unit (one warp) = (16-row m-chunk, 64-column block nb, K split). The warp streams
-//   its K range U k-tiles (16 rows each) per step through its own NS-stage cp.async
-//   ring in shared memory (B, A and the step's scales/deltas), so NS - 1 steps are in
-//   flight while one is dequantized in registers and fed to mma.sync.m16n8k16
-//   (fp32 accumulate) as 8 n8 fragments. Units are numbered m-chunk fastest, then nb,
-//   then split: the 4 warps of a block read adjacent 512-byte pieces of B (or the same
-//   piece for 4 m-chunks, through L2).
+//   dynamic shared memory = 4 * NS * Ring<MT, U, GPI>::STAGE bytes (below).
+//   A unit (one warp) = (m-chunk of 16 MT rows, 64-column block nb, K split). The warp
+//   streams its K range U k-tiles (16 rows each) per step through its own NS-stage
+//   cp.async ring in shared memory (B, A and the step's scales/deltas), so NS - 1
+//   steps are in flight while one is dequantized in registers (once per B fragment,
+//   used by MT m-tiles) and fed to mma.sync.m16n8k16 (fp32 accumulate) as 8 n8
+//   fragments per m-tile. Units are numbered m-chunk fastest, then nb, then split: the
+//   4 warps of a block read adjacent 512-byte pieces of B (or one piece for 4 m-chunks).
 //   K splits > 1: each warp writes fp32 partials to `ws` [splits, M, N]; the last warp
 //   to arrive for (m-chunk, nb) (counter in `locks`, which it resets to 0) sums them
 //   in split order, so the result is bitwise deterministic whatever the arrival order.
 //   No block barrier: warps only synchronise within themselves (__syncwarp).
-// Template: U k-tiles per step (4 or 8), GPI group slots per step (U / gcd(group
-//   tiles, U)), NS ring stages, HAS_DELTA fused correction.
-// Constraints: M >= 1; K % (16 U) == 0 (K % 64 with U = 4); N % 64 == 0; group size a
-//   multiple of 16 with U / gcd(group_size / 16, U) compiled (multiples of 32, and
-//   per-channel); 16-byte aligned A/B/scales/delta; tiles_per_split % U == 0;
-//   `locks` zeroed before first use and never shared by two launches in flight.
+// Template: MT m-tiles per warp (1, 2, 4), U k-tiles per step (4, or 2 for MT = 4),
+//   GPI = U / gcd(group tiles, U) group slots per step, NS ring stages, HAS_DELTA.
+// Constraints: M >= 1; K % (16 U) == 0 (K % 64 always works); N % 64 == 0; group size
+//   any multiple of 16 dividing K, or per-channel; 16-byte aligned A/B/scales/delta;
+//   tiles_per_split % U == 0; `locks` zeroed before first use and never shared by two
+//   launches in flight.
 // Valid on sm_80 and newer (cp.async, ldmatrix, mma.sync.m16n8k16.f16); no sm_90a
 // feature, no L2 cache-policy hint.
 // NumPy reference: converter.gpu.reference.marlin_gemm (gather_columns for the gather).
@@ -50,62 +50,84 @@ __device__ __forceinline__ void mma_16816(float c[4], const u32 a[4], u32 b0, u3
 }
 
 // Shared-memory ring, per warp: NS stages, each holding one step of U k-tiles:
-//   B  U x 512 bytes   lane l's 16-byte B piece of tile u at u * 512 + 16 l
-//   A  U x 512 bytes   the 16 x 16 fp16 A tile u, row-major (32 bytes a row)
-//   S  GPI x 128 bytes the 64 permuted scales of each group slot (grouped layers)
-//   D  GPI x 256 bytes the 64 deltas of each group slot (HAS_DELTA)
+//   B  U x 512 bytes        lane l's 16-byte B piece of tile u at u * 512 + 16 l
+//   A  U x MT x 512 bytes   the 16 x 16 fp16 A tile (u, mt), row-major (32 bytes a row)
+//   S  GPI x 128 bytes      the 64 permuted scales of each group slot (grouped layers)
+//   D  GPI x 256 bytes      the 64 deltas of each group slot (HAS_DELTA)
 // Every byte is copied with 16-byte cp.async (the ring keeps NS - 1 steps in flight
 // without holding registers); lanes read pieces other lanes copied, so each step is
 // fenced by wait_group + __syncwarp, which also orders the reuse of a slot.
-template <int U, int GPI>
+template <int MT, int U, int GPI>
 struct Ring {
     static constexpr int B_OFF = 0;
     static constexpr int A_OFF = U * 512;
-    static constexpr int S_OFF = 2 * U * 512;
+    static constexpr int S_OFF = A_OFF + U * MT * 512;
     static constexpr int D_OFF = S_OFF + GPI * 128;
     static constexpr int STAGE = D_OFF + GPI * 256;
 };
 
-template <int U, int GPI, bool HAS_DELTA>
-__device__ __forceinline__ void issue_stage(u32 st, int kt, int kt0, int lane, int M, int K, int N, int nb,
-                                            int mrow0, const u16* __restrict__ A,
-                                            const int4* __restrict__ bcol, size_t brow,
-                                            const u16* __restrict__ S, const float* __restrict__ D,
-                                            int group_tiles, int per_channel) {
-    using R = Ring<U, GPI>;
+// Walks the group boundaries of one warp's K range without dividing: slots start at
+// increasing tiles, SUB (which divides the group's tile count) apart, so a slot starts
+// a new group exactly when it reaches `next`, and then crosses one boundary only.
+struct GroupWalk {
+    int g, next, first;
+    __device__ __forceinline__ void init(int kt0, int group_tiles) {
+        g = kt0 / group_tiles;
+        next = (g + 1) * group_tiles;
+        first = kt0;
+    }
+    __device__ __forceinline__ bool step(int t, int group_tiles) {
+        if (t == first) return true;
+        if (t < next) return false;
+        ++g;
+        next += group_tiles;
+        return true;
+    }
+};
+
+template <int MT, int U, int GPI, bool HAS_DELTA>
+__device__ __forceinline__ void issue_stage(u32 st, int kt, int lane, bool (&arow_ok)[MT], const u16* (&aptr)[MT],
+                                            const int4*& bptr, size_t brow, GroupWalk& walk,
+                                            const u16* __restrict__ S, const float* __restrict__ D, int N,
+                                            int nb, int group_tiles, int per_channel) {
+    using R = Ring<MT, U, GPI>;
     constexpr int SUB = U / GPI;
 #pragma unroll
-    for (int u = 0; u < U; ++u) cp_async16(st + R::B_OFF + u * 512 + 16 * lane, bcol + (size_t)(kt + u) * brow);
-    // A: lane l copies 8 halves of row l / 2 (columns 8 (l % 2) ..); rows past M are zeros.
-    const int arow = mrow0 + (lane >> 1);
+    for (int u = 0; u < U; ++u) cp_async16(st + R::B_OFF + u * 512 + 16 * lane, bptr + u * brow);
+    bptr += U * brow;
+    // A: lane l copies 8 halves of row l / 2 of each m-tile (columns 8 (l % 2) ..);
+    // rows past M are written as zeros.
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-        const u32 dst = st + R::A_OFF + u * 512 + 16 * lane;
-        if (arow < M)
-            cp_async16(dst, A + (size_t)arow * K + (kt + u) * 16 + 8 * (lane & 1));
-        else
-            sts_zero16(dst);
-    }
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const u32 dst = st + R::A_OFF + (u * MT + mt) * 512 + 16 * lane;
+            if (arow_ok[mt])
+                cp_async16(dst, aptr[mt] + u * 16);
+            else
+                sts_zero16(dst);
+        }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) aptr[mt] += U * 16;
     if (!per_channel) {
 #pragma unroll
         for (int gi = 0; gi < GPI; ++gi) {
-            const int t = kt + gi * SUB;
-            const int g = t / group_tiles;
-            if (t == kt0 || g != (t - 1) / group_tiles) {
+            if (walk.step(kt + gi * SUB, group_tiles)) {
+                const size_t off = (size_t)walk.g * N + 64 * nb;
                 if (lane < 8)
-                    cp_async16(st + R::S_OFF + gi * 128 + 16 * lane, S + (size_t)g * N + 64 * nb + 8 * lane);
+                    cp_async16(st + R::S_OFF + gi * 128 + 16 * lane, S + off + 8 * lane);
                 else if (HAS_DELTA && lane < 24)
-                    cp_async16(st + R::D_OFF + gi * 256 + 16 * (lane - 8),
-                               D + (size_t)g * N + 64 * nb + 4 * (lane - 8));
+                    cp_async16(st + R::D_OFF + gi * 256 + 16 * (lane - 8), D + off + 4 * (lane - 8));
             }
         }
     }
 }
 
-template <int U, int GPI, bool HAS_DELTA>
-__device__ __forceinline__ void compute_stage(u32 st, int kt, int kt0, int lane, int group_tiles, int per_channel,
-                                              u32 (&s2)[8], u32 (&d2)[8], float (&acc)[8][4]) {
-    using R = Ring<U, GPI>;
+template <int MT, int U, int GPI, bool HAS_DELTA>
+__device__ __forceinline__ void compute_stage(u32 st, int kt, int lane, GroupWalk& walk, int group_tiles,
+                                              int per_channel, u32 (&s2)[8], u32 (&d2)[8],
+                                              float (&acc)[MT][8][4]) {
+    using R = Ring<MT, U, GPI>;
     constexpr int SUB = U / GPI;
     const int c0 = lane >> 2;
     // ldmatrix row address of this lane: matrix q = lane / 8 is (rows 8 (q % 2) .., k 8 (q / 2) ..).
@@ -113,8 +135,7 @@ __device__ __forceinline__ void compute_stage(u32 st, int kt, int kt0, int lane,
     const u32 a_lane = st + R::A_OFF + ((lane & 7) + 8 * (q & 1)) * 32 + 16 * (q >> 1);
 #pragma unroll
     for (int gi = 0; gi < GPI; ++gi) {
-        const int t = kt + gi * SUB;
-        if (!per_channel && (t == kt0 || t / group_tiles != (t - 1) / group_tiles)) {
+        if (!per_channel && walk.step(kt + gi * SUB, group_tiles)) {
             const int4 v = lds_v4(st + R::S_OFF + gi * 128 + 16 * c0);
             const u32 w[4] = {(u32)v.x, (u32)v.y, (u32)v.z, (u32)v.w};
 #pragma unroll
@@ -129,8 +150,9 @@ __device__ __forceinline__ void compute_stage(u32 st, int kt, int kt0, int lane,
         for (int uu = 0; uu < SUB; ++uu) {
             const int u = gi * SUB + uu;
             const int4 bv = lds_v4(st + R::B_OFF + u * 512 + 16 * lane);
-            u32 af[4];
-            ldmatrix_x4(af, a_lane + u * 512);
+            u32 af[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(af[mt], a_lane + (u * MT + mt) * 512);
             const u32 w[4] = {(u32)bv.x, (u32)bv.y, (u32)bv.z, (u32)bv.w};
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
@@ -149,24 +171,27 @@ __device__ __forceinline__ void compute_stage(u32 st, int kt, int kt0, int lane,
                     b[2] = h2_mul(m[2], s2[2 * j + 1]);
                     b[3] = h2_mul(m[3], s2[2 * j + 1]);
                 }
-                mma_16816(acc[2 * j], af, b[0], b[1]);
-                mma_16816(acc[2 * j + 1], af, b[2], b[3]);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    mma_16816(acc[mt][2 * j], af[mt], b[0], b[1]);
+                    mma_16816(acc[mt][2 * j + 1], af[mt], b[2], b[3]);
+                }
             }
         }
     }
 }
 
-template <int U, int GPI, int NS, bool HAS_DELTA>
+template <int MT, int U, int GPI, int NS, bool HAS_DELTA>
 __global__ void __launch_bounds__(128)
 marlin_gemm(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __restrict__ S,
             const float* __restrict__ D, const u16* __restrict__ bias, u16* __restrict__ C,
             float* __restrict__ ws, int* __restrict__ locks, int M, int K, int N,
             int group_tiles, int per_channel, int splits, int tiles_per_split) {
     extern __shared__ __align__(16) unsigned char smem[];
-    using R = Ring<U, GPI>;
+    using R = Ring<MT, U, GPI>;
     const int lane = threadIdx.x & 31;
     const int nblk = N >> 6;
-    const int m_chunks = (M + 15) >> 4;
+    const int m_chunks = (M + 16 * MT - 1) / (16 * MT);
     const long long unit = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
     if (unit >= (long long)m_chunks * nblk * splits) return;
     const int mc = (int)(unit % m_chunks);
@@ -177,13 +202,15 @@ marlin_gemm(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __
     const int KT = K >> 4;
     const int kt0 = split * tiles_per_split;
     const int kt1 = min(kt0 + tiles_per_split, KT);
-    const int mrow0 = 16 * mc;
+    const int mrow0 = 16 * MT * mc;
 
-    float acc[8][4];
+    float acc[MT][8][4];
 #pragma unroll
-    for (int f = 0; f < 8; ++f)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[f][e] = 0.f;
+        for (int f = 0; f < 8; ++f)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][f][e] = 0.f;
 
     u32 s2[8], d2[8];  // current group's scales / deltas as fp16x2 splats
     if (per_channel) {  // one group for all of K: read once, straight to registers
@@ -195,27 +222,44 @@ marlin_gemm(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __
         }
     }
 
-    const int4* bcol = B + 32 * nb + lane;  // int4 index of (kt = 0, nb, lane)
-    const size_t brow = (size_t)(N >> 1);   // int4 per B row
-    const u32 ring = smem_addr(smem) + (threadIdx.x >> 5) * NS * R::STAGE;
+    // Per-lane running source pointers of the copies (advanced by one step per issue).
+    const size_t brow = (size_t)(N >> 1);  // int4 per B row
+    const int4* bptr = B + (size_t)kt0 * brow + 32 * nb + lane;
+    bool arow_ok[MT];
+    const u16* aptr[MT];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        const int r = mrow0 + 16 * mt + (lane >> 1);
+        arow_ok[mt] = r < M;
+        aptr[mt] = A + (size_t)(arow_ok[mt] ? r : 0) * K + kt0 * 16 + 8 * (lane & 1);
+    }
+    GroupWalk issue_walk, compute_walk;
+    issue_walk.init(kt0, group_tiles);
+    compute_walk.init(kt0, group_tiles);
 
-#define ISSUE(slot, kt) issue_stage<U, GPI, HAS_DELTA>(ring + (slot) * R::STAGE, kt, kt0, lane, M, K, N, nb, \
-                                                        mrow0, A, bcol, brow, S, D, group_tiles, per_channel)
+    const u32 ring = smem_addr(smem) + (threadIdx.x >> 5) * NS * R::STAGE;
+    const u32 ring_end = ring + NS * R::STAGE;
+    u32 issue_slot = ring;
+#define ISSUE(kt)                                                                                          \
+    do {                                                                                                   \
+        issue_stage<MT, U, GPI, HAS_DELTA>(issue_slot, kt, lane, arow_ok, aptr, bptr, brow, issue_walk, S, \
+                                           D, N, nb, group_tiles, per_channel);                            \
+        issue_slot = issue_slot + R::STAGE == ring_end ? ring : issue_slot + R::STAGE;                     \
+    } while (0)
 #pragma unroll
     for (int s = 0; s < NS - 1; ++s) {
-        if (kt0 + s * U < kt1) ISSUE(s, kt0 + s * U);
+        if (kt0 + s * U < kt1) ISSUE(kt0 + s * U);
         cp_async_commit();
     }
-    int slot = 0;
+    u32 slot = ring;
     for (int kt = kt0; kt < kt1; kt += U) {
         cp_async_wait<NS - 2>();  // this lane's copies of step `kt` have landed ...
         __syncwarp();             // ... and every lane's; also: all lanes are done with slot - 1
-        const int kn = kt + (NS - 1) * U;
-        if (kn < kt1) ISSUE((slot + NS - 1) % NS, kn);
+        if (kt + (NS - 1) * U < kt1) ISSUE(kt + (NS - 1) * U);
         cp_async_commit();
-        compute_stage<U, GPI, HAS_DELTA>(ring + slot * R::STAGE, kt, kt0, lane, group_tiles, per_channel,
-                                         s2, d2, acc);
-        slot = slot + 1 == NS ? 0 : slot + 1;
+        compute_stage<MT, U, GPI, HAS_DELTA>(slot, kt, lane, compute_walk, group_tiles, per_channel, s2, d2,
+                                             acc);
+        slot = slot + R::STAGE == ring_end ? ring : slot + R::STAGE;
     }
 #undef ISSUE
     cp_async_wait<0>();
@@ -226,15 +270,17 @@ marlin_gemm(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __
     if (splits > 1) {
         float* wp = ws + (size_t)split * M * N;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = mrow0 + g4 + 8 * h;
-            if (r < M) {
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                for (int f = 0; f < 8; ++f)
-                    *reinterpret_cast<float2*>(wp + (size_t)r * N + colbase + 8 * f) =
-                        float2{acc[f][2 * h], acc[f][2 * h + 1]};
+            for (int h = 0; h < 2; ++h) {
+                const int r = mrow0 + 16 * mt + g4 + 8 * h;
+                if (r < M) {
+#pragma unroll
+                    for (int f = 0; f < 8; ++f)
+                        *reinterpret_cast<float2*>(wp + (size_t)r * N + colbase + 8 * f) =
+                            float2{acc[mt][f][2 * h], acc[mt][f][2 * h + 1]};
+                }
             }
-        }
         __threadfence();  // partials visible device-wide before the counter moves
         int prev = 0;
         if (lane == 0) prev = atomicAdd(locks + (size_t)mc * nblk + nb, 1);
@@ -245,55 +291,59 @@ marlin_gemm(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __
         // RB splits are issued before any add, so RB L2 round trips overlap.
         constexpr int RB = 4;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = mrow0 + g4 + 8 * h;
-            if (r >= M) continue;
-            const float* rowp = ws + (size_t)r * N + colbase;
-            float2 sum[8];
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int f = 0; f < 8; ++f) sum[f] = float2{0.f, 0.f};
-            for (int s0 = 0; s0 < splits; s0 += RB) {
-                float2 v[RB][8];
+            for (int h = 0; h < 2; ++h) {
+                const int r = mrow0 + 16 * mt + g4 + 8 * h;
+                if (r >= M) continue;
+                const float* rowp = ws + (size_t)r * N + colbase;
+                float2 sum[8];
 #pragma unroll
-                for (int b = 0; b < RB; ++b)
+                for (int f = 0; f < 8; ++f) sum[f] = float2{0.f, 0.f};
+                for (int s0 = 0; s0 < splits; s0 += RB) {
+                    float2 v[RB][8];
 #pragma unroll
-                    for (int f = 0; f < 8; ++f)
-                        v[b][f] = s0 + b < splits ? ldcg_f2(reinterpret_cast<const float2*>(
-                                                        rowp + (size_t)(s0 + b) * M * N + 8 * f))
-                                                  : float2{0.f, 0.f};
+                    for (int b = 0; b < RB; ++b)
 #pragma unroll
-                for (int b = 0; b < RB; ++b)
+                        for (int f = 0; f < 8; ++f)
+                            v[b][f] = s0 + b < splits ? ldcg_f2(reinterpret_cast<const float2*>(
+                                                            rowp + (size_t)(s0 + b) * M * N + 8 * f))
+                                                      : float2{0.f, 0.f};
 #pragma unroll
-                    for (int f = 0; f < 8; ++f) {
-                        sum[f].x += v[b][f].x;
-                        sum[f].y += v[b][f].y;
-                    }
+                    for (int b = 0; b < RB; ++b)
+#pragma unroll
+                        for (int f = 0; f < 8; ++f) {
+                            sum[f].x += v[b][f].x;
+                            sum[f].y += v[b][f].y;
+                        }
+                }
+#pragma unroll
+                for (int f = 0; f < 8; ++f) {
+                    acc[mt][f][2 * h] = sum[f].x;
+                    acc[mt][f][2 * h + 1] = sum[f].y;
+                }
             }
-#pragma unroll
-            for (int f = 0; f < 8; ++f) {
-                acc[f][2 * h] = sum[f].x;
-                acc[f][2 * h + 1] = sum[f].y;
-            }
-        }
         if (lane == 0) locks[(size_t)mc * nblk + nb] = 0;  // ready for the next launch
     }
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int r = mrow0 + g4 + 8 * h;
-        if (r < M) {
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int f = 0; f < 8; ++f) {
-                const int col = colbase + 8 * f;
-                float x0 = acc[f][2 * h], x1 = acc[f][2 * h + 1];
-                if (bias != nullptr) {
-                    x0 += h_to_f32(ldg_u16(bias + col));
-                    x1 += h_to_f32(ldg_u16(bias + col + 1));
+        for (int h = 0; h < 2; ++h) {
+            const int r = mrow0 + 16 * mt + g4 + 8 * h;
+            if (r < M) {
+#pragma unroll
+                for (int f = 0; f < 8; ++f) {
+                    const int col = colbase + 8 * f;
+                    float x0 = acc[mt][f][2 * h], x1 = acc[mt][f][2 * h + 1];
+                    if (bias != nullptr) {
+                        x0 += h_to_f32(ldg_u16(bias + col));
+                        x1 += h_to_f32(ldg_u16(bias + col + 1));
+                    }
+                    const u32 packed = (u32)f32_to_h(x0) | ((u32)f32_to_h(x1) << 16);
+                    *reinterpret_cast<u32*>(C + (size_t)r * N + col) = packed;
                 }
-                const u32 packed = (u32)f32_to_h(x0) | ((u32)f32_to_h(x1) << 16);
-                *reinterpret_cast<u32*>(C + (size_t)r * N + col) = packed;
             }
         }
-    }
 }
 
 // Act-order: out[m, k] = A[m, perm[k]] (fp16 bits, [M, K] row-major both). perm is the

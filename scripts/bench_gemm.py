@@ -106,7 +106,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--calls", type=int, default=24, help="launches per graph (at least the copy count)")
     ap.add_argument("--sweep", default=None,
-                    help="extra our-kernel variants to time, e.g. 4x4w1,8x3w2 (U x NS, w = waves target)")
+                    help="extra our-kernel variants to time, e.g. 1x4x3w1,2x4x3w2 (MT x U x NS, w = waves target)")
     args = ap.parse_args()
 
     import cupy as cp
@@ -170,7 +170,7 @@ def main() -> int:
                 for i in range(calls)], args.reps)
             for spec in (args.sweep.split(",") if args.sweep else []):
                 pipe_s, w = spec.split("w")
-                pipe = tuple(int(v) for v in pipe_s.split("x"))
+                pipe = tuple(int(v) for v in pipe_s.split("x"))  # MT x U x NS
                 old_w, kernels.WAVES = kernels.WAVES, int(w)
                 try:
                     row[f"sym_{spec}"] = safe(timed_graph, cp, [

@@ -117,12 +117,14 @@ def parse_metadata(metadata: dict[str, str], *, path: Path) -> tuple[dict[str, A
     text = metadata[META_MANIFEST]
     notes = []
     stored = metadata.get(META_MANIFEST_CHECKSUM)
-    actual = checksum(text.encode("utf-8"))
+    # surrogatepass: a lone surrogate escape (\ud800) in a corrupted manifest must give
+    # a checksum mismatch, not a UnicodeEncodeError.
+    actual = checksum(text.encode("utf-8", "surrogatepass"))
     if stored != actual:
         notes.append(f"manifest checksum mismatch: stored {stored}, computed {actual}")
     try:
         manifest = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
         raise ArtifactError(f"manifest is not valid JSON: {exc}", path=path, tensor=META_MANIFEST) from None
     if not isinstance(manifest, dict):
         raise ArtifactError("manifest must be a JSON object", path=path, tensor=META_MANIFEST)

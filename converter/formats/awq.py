@@ -80,6 +80,7 @@ class AwqSource(Source):
             raise ConfigError(f"must be -1 or positive, found {self.group_size}", path=cfg_path, tensor=group_key)
 
     def describe(self) -> dict[str, Any]:
+        """The manifest's ``source``: format, files (weights, index, configs with sha256), quant config."""
         return {"format": self.format.value, "files": self.ckpt.describe_files(), "quant_config": self.ckpt.quant_config}
 
     # -- planning --------------------------------------------------------------------

@@ -183,6 +183,7 @@ class CompressedTensorsSource(Source):
         return None
 
     def describe(self) -> dict[str, Any]:
+        """The manifest's ``source``: format, files (weights, index, configs with sha256), quant config."""
         return {"format": self.format.value, "files": self.ckpt.describe_files(), "quant_config": self.ckpt.quant_config}
 
     # -- planning --------------------------------------------------------------------

@@ -200,6 +200,7 @@ class GptqSource(Source):
         return base
 
     def describe(self) -> dict[str, Any]:
+        """The manifest's ``source``: format, files (weights, index, configs with sha256), quant config."""
         return {
             "format": self.format.value,
             "files": self.ckpt.describe_files(),
@@ -208,6 +209,15 @@ class GptqSource(Source):
 
     # -- planning --------------------------------------------------------------------
     def plan(self) -> SourcePlan:
+        """Plan every ``*.qweight`` layer from headers, configs and the small tensors
+        (qzeros, scales, g_idx); the checks that can fail on the input all run here.
+
+        Raises:
+            SourceFormatError: a missing companion tensor, a wrong dtype or shape,
+                3-bit rows not in whole 3-word blocks, a bad ``g_idx``, NaN/Inf or
+                fp16-overflowing scales (named by tensor).
+            ConfigError: ``bits`` contradicting ``qweight`` and ``g_idx``.
+        """
         infos = self.ckpt.infos
         prefixes = [n[: -len(".qweight")] for n in infos if n.endswith(".qweight")]
         owned: set[str] = set()

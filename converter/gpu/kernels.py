@@ -31,29 +31,37 @@ from . import runtime
 
 _SOURCES = ("marlin_gemm.cu", "dequant.cu", "asym_correction.cu", "marlin_common.cuh")
 
-#: (U, NS) pipeline shapes of marlin_gemm: U k-tiles per step, NS shared-memory stages
-#: per warp; each is compiled for GPI (group slots per step) in 1, 2, 4 and with and
-#: without the fused delta.
-GEMM_PIPES = ((4, 3), (4, 4), (8, 3))
-GEMM_GPIS = (1, 2, 4)
-#: The pipeline the launcher uses; scripts/bench_gemm.py --pipes compares the others.
-DEFAULT_PIPE = (4, 3)
+#: marlin_gemm instantiations: (MT, U, NS) = 16-row m-tiles per warp, k-tiles per
+#: step, shared-memory ring stages; each for GPI (group slots per step) in GEMM_GPIS[U]
+#: and with and without the fused delta.
+GEMM_PIPES = ((1, 4, 3), (2, 4, 3), (4, 2, 3))
+GEMM_GPIS = {4: (1, 2, 4), 2: (1, 2)}
 #: Target number of full waves of resident warps for the K split (tuned on an H200).
 WAVES = 1
 
 
-def _gemm_name(u: int, gpi: int, ns: int, delta: bool) -> str:
-    return f"marlin_gemm<{u}, {gpi}, {ns}, {'true' if delta else 'false'}>"
+def default_pipe(m: int) -> tuple[int, int, int]:
+    """(MT, U, NS) for batch size m: more m-tiles per warp as M grows, so that one
+    dequantized B fragment feeds more mma instructions (registers permitting)."""
+    if m <= 16:
+        return GEMM_PIPES[0]
+    if m <= 32:
+        return GEMM_PIPES[1]
+    return GEMM_PIPES[2]
 
 
-def _gemm_smem(u: int, gpi: int, ns: int, delta: bool) -> int:
+def _gemm_name(mt: int, u: int, gpi: int, ns: int, delta: bool) -> str:
+    return f"marlin_gemm<{mt}, {u}, {gpi}, {ns}, {'true' if delta else 'false'}>"
+
+
+def _gemm_smem(mt: int, u: int, gpi: int, ns: int) -> int:
     """Dynamic shared memory of one 4-warp block (kernels/marlin_gemm.cu, struct Ring)."""
-    stage = 2 * u * 512 + gpi * 128 + gpi * 256
+    stage = u * 512 + u * mt * 512 + gpi * 128 + gpi * 256
     return 4 * ns * stage
 
 
 _NAMES = {
-    "marlin_gemm.cu": [_gemm_name(u, gpi, ns, d) for (u, ns) in GEMM_PIPES for gpi in GEMM_GPIS
+    "marlin_gemm.cu": [_gemm_name(mt, u, gpi, ns, d) for (mt, u, ns) in GEMM_PIPES for gpi in GEMM_GPIS[u]
                        for d in (False, True)] + ["gather_columns"],
     "dequant.cu": ["marlin_dequant<false>", "marlin_dequant<true>"],
     "asym_correction.cu": ["group_sums", "add_correction"],
@@ -199,67 +207,67 @@ def _workspace(ws_floats: int, n_locks: int) -> tuple[Any, Any]:
 
 
 def gemm_plan(m: int, size_k: int, size_n: int, group_size: int, *, delta: bool = False,
-              pipe: tuple[int, int] | None = None) -> dict[str, int]:
+              pipe: tuple[int, int, int] | None = None) -> dict[str, int]:
     """Kernel variant and K split the GEMM launcher uses for one call.
 
-    The work is ``m_chunks x N/64`` warp units (16 rows x 64 columns each), each split
-    into ``splits`` contiguous K ranges. The split is chosen to fill whole waves of
-    resident warps: with ``R`` warps resident on the device, it minimises
-    ``ceil(units * splits / R) * tiles_per_split`` (time of the slowest wave) plus a
-    small charge per split for the partial-sum reduction.
+    The work is ``m_chunks x N/64`` warp units (16 MT rows x 64 columns each), each
+    split into ``splits`` contiguous K ranges. With ``R`` warps resident on the device
+    (from the variant's registers and shared memory), the split minimises
+    ``ceil(units * splits / R) * tiles_per_split`` (the slowest wave) plus a small
+    charge per split for the partial-sum reduction.
 
     Args:
         m, size_k, size_n, group_size: the problem (group_size -1 / size_k: per-channel).
-        delta: fused asymmetric variant (more shared memory per stage).
-        pipe: ``(U, NS)`` override of :data:`DEFAULT_PIPE`.
+        delta: fused asymmetric variant.
+        pipe: ``(MT, U, NS)`` override of :func:`default_pipe` (benchmarking).
 
     Returns:
-        dict with ``u, gpi, ns, smem, m_chunks, splits, tiles_per_split, warps, blocks,
-        resident_warps``.
+        dict with ``mt, u, gpi, ns, smem, m_chunks, splits, tiles_per_split, warps,
+        blocks, resident_warps``.
 
     Raises:
-        KernelError: K/16 not a multiple of U (K % 64 != 0 for U = 4), or a group size
-            whose tile count is odd (16, 48, ...) with U = 8 and no variant fits.
+        KernelError: K not a multiple of 16 U (64 for M <= 32, else 32).
+        GpuUnavailableError: no CuPy / GPU.
     """
     _layer_sizes(size_k, size_n, group_size)
-    return dict(_plan(m, size_k, size_n, group_size, delta, tuple(pipe or DEFAULT_PIPE), WAVES,
+    return dict(_plan(m, size_k, size_n, group_size, delta, tuple(pipe or default_pipe(m)), WAVES,
                       runtime.device_info()))
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(m: int, size_k: int, size_n: int, group_size: int, delta: bool, pipe: tuple[int, int],
+def _plan(m: int, size_k: int, size_n: int, group_size: int, delta: bool, pipe: tuple[int, int, int],
           waves_target: int, info: runtime.DeviceInfo) -> dict[str, int]:
     gs, _, per_channel = _layer_sizes(size_k, size_n, group_size)
     kt = size_k // 16
-    u, ns = pipe
+    mt, u, ns = pipe
     if kt % u:
         raise KernelError(f"size_k={size_k}: K must be a multiple of {16 * u} for this kernel")
     gt = kt if per_channel else gs // 16
     gpi = 1 if per_channel else u // math.gcd(gt, u)
-    if gpi not in GEMM_GPIS:
+    if (mt, u, ns) not in GEMM_PIPES or gpi not in GEMM_GPIS[u]:
         raise KernelError(f"group_size {group_size} is not supported by the GEMM "
                           "(multiples of 32, and per-channel, are)")
-    smem = _gemm_smem(u, gpi, ns, delta)
-    # 128 registers per thread (ptxas report) and 228 KB of shared memory per SM on
-    # sm_90 (227 KB usable per block): resident 4-warp blocks per multiprocessor.
-    blocks_per_sm = max(1, min(65536 // (128 * 128), (228 * 1024) // (smem + 1024)))
+    smem = _gemm_smem(mt, u, gpi, ns)
+    regs = int(_fn("marlin_gemm.cu", _gemm_name(mt, u, gpi, ns, delta)).num_regs)
+    # Registers (64 K per SM) and shared memory (228 KB per SM, 1 KB reserved per
+    # block on sm_90) bound the resident 4-warp blocks per multiprocessor.
+    blocks_per_sm = max(1, min(65536 // (max(regs, 1) * 128), (228 * 1024) // (smem + 1024)))
     resident = info.sm_count * blocks_per_sm * 4
-    m_chunks = -(-m // 16)
+    m_chunks = -(-m // (16 * mt))
     units = m_chunks * (size_n // 64)
     best = None
     for splits in range(1, kt // u + 1):
         tps = -(-(-(-kt // splits)) // u) * u
-        real = -(-kt // tps)
-        if real != splits:
+        if -(-kt // tps) != splits:
             continue
         waves = -(-units * splits // (resident * waves_target))
-        cost = waves * tps + 0.5 * splits * m_chunks
+        cost = waves * tps + 0.5 * splits * m_chunks * mt
         if best is None or cost < best[0]:
             best = (cost, splits, tps)
     _, splits, tps = best
     warps = units * splits
-    return {"u": u, "gpi": gpi, "ns": ns, "smem": smem, "m_chunks": m_chunks, "splits": splits,
-            "tiles_per_split": tps, "warps": warps, "blocks": -(-warps // 4),
+    return {"mt": mt, "u": u, "gpi": gpi, "ns": ns, "smem": smem, "regs": regs, "m_chunks": m_chunks,
+            "splits": splits, "tiles_per_split": tps, "warps": warps, "blocks": -(-warps // 4),
             "resident_warps": resident}
 
 
@@ -306,7 +314,7 @@ def marlin_gemm(
     perm: Any = None,
     bias: Any = None,
     out: Any = None,
-    pipe: tuple[int, int] | None = None,
+    pipe: tuple[int, int, int] | None = None,
 ) -> Any:
     """INT4 x FP16 GEMM on Marlin tensors; fused asymmetric correction when ``delta`` given.
 
@@ -319,12 +327,13 @@ def marlin_gemm(
         B: int32 ``(size_k // 16, 2 * size_n)``, Marlin tile order (artifact ``marlin_B``).
         scales: float16 ``(G, size_n)``, Marlin-permuted (artifact ``marlin_scales``).
         size_k, size_n: K (multiple of 64) and N (multiple of 64).
-        group_size: 32, 64, 128, ... (multiples of 32), or -1 / size_k for per-channel.
+        group_size: any multiple of 16 dividing K (32, 64, 128, ...), or -1 / size_k
+            for per-channel.
         delta: float32 ``(G, size_n)`` natural order (artifact ``marlin_delta``) or None.
         perm: int32 ``(size_k,)`` act-order permutation (artifact ``marlin_perm``) or None.
         bias: float16 ``(size_n,)`` or None.
         out: optional float16 ``(M, size_n)`` destination.
-        pipe: ``(U, NS)`` pipeline override (benchmarking); default :data:`DEFAULT_PIPE`.
+        pipe: ``(MT, U, NS)`` variant override (benchmarking); default :func:`default_pipe`.
 
     Returns:
         float16 ``(M, size_n)`` CuPy array. Bitwise deterministic for fixed inputs
@@ -354,7 +363,7 @@ def marlin_gemm(
         A = gather_columns(A, perm)
     ws, locks = _workspace(plan["splits"] * m * size_n if plan["splits"] > 1 else 0,
                            plan["m_chunks"] * (size_n // 64))
-    fn = _fn("marlin_gemm.cu", _gemm_name(plan["u"], plan["gpi"], plan["ns"], delta is not None))
+    fn = _fn("marlin_gemm.cu", _gemm_name(plan["mt"], plan["u"], plan["gpi"], plan["ns"], delta is not None))
     if plan["smem"] > 48 * 1024 and fn.max_dynamic_shared_size_bytes < plan["smem"]:
         fn.max_dynamic_shared_size_bytes = plan["smem"]  # opt in above the 48 KB default
     gt = size_k // 16 if per_channel else gs // 16

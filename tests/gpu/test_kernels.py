@@ -27,6 +27,7 @@ SHAPES = [
     (2048, 1024, 128, True, True), (4096, 320, 64, False, True), (8192, 128, 128, False, False),
     (640, 8192, 128, False, True), (8192, 8192, 128, True, True), (3072, 4096, -1, False, True),
     (192, 64, 64, False, True),  # K % 128 != 0 (K % 64 bonus)
+    (768, 128, 16, True, True), (768, 192, 48, False, True),  # odd group tile counts
 ]
 CASES = [(m,) + s for i, s in enumerate(SHAPES) for m in (Ms if i < 4 else (Ms[i % 8], Ms[(i + 3) % 8]))]
 
@@ -147,7 +148,7 @@ def test_launcher_checks_before_launch(cp):
     with pytest.raises(KernelError, match="contiguous"):
         kernels.marlin_gemm(cp.zeros((128, 4), cp.float16).T, b, s, **kw)
     with pytest.raises(KernelError, match="group_size"):
-        kernels.marlin_gemm(a, b, s, size_k=128, size_n=64, group_size=48)
+        kernels.marlin_gemm(a, b, s, size_k=128, size_n=64, group_size=40)
 
 
 def test_verify_layer_gpu(cp):
