@@ -168,14 +168,14 @@ def convert(
         desc = source.describe()
         bytes_out = sum(math.prod(s) * np.dtype(SAFETENSORS_DTYPES[d]).itemsize for _, d, s in layout)
         report = ConvertReport(
-            str(src_path), None if dry_run else str(out_path), source.format.value,
-            layers, passthrough, layout, bytes_out, dry_run,
+            str(src_path), str(out_path), source.format.value, layers, passthrough, layout, bytes_out, dry_run,
         )
-        if dry_run:
-            return report
         max_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
         target = OutputTarget(out_arg)
-        target.check(src_path, force)
+        # A dry run checks the output too, so it fails exactly when the real run would.
+        target.check(src_path, force, create=not dry_run)
+        if dry_run:
+            return report
         manifest = new_manifest(desc, layers, passthrough)
         manifest["checksums"]["tensors"] = {n: "0" * CHECKSUM_HEX_LEN for n, _, _ in layout}
         steps = sum(1 for lay in plan.layers if lay.convertible) + len(passthrough)
@@ -201,17 +201,8 @@ def convert(
     return report
 
 
-def _check_output(src: Path, out: Path, force: bool) -> None:
-    if out.is_dir():
-        raise ConverterError("output is a directory; give a .safetensors file name", path=out)
-    if not out.parent.is_dir():
-        raise ConverterError("output folder does not exist", path=out.parent)
-    if out.exists():
-        src_files = [src] if src.is_file() else list(src.iterdir())
-        if any(f.exists() and os.path.samefile(f, out) for f in src_files):
-            raise ConverterError("output would overwrite the input; choose another path", path=out)
-        if not force:
-            raise OutputExistsError("output exists; pass --force to overwrite it", path=out)
+def _nothing() -> None:
+    return None
 
 
 def _write_layer(source: Source, layer: LayerPlan, writer: StreamingWriter) -> dict[str, str]:
@@ -243,6 +234,7 @@ def _write_layer(source: Source, layer: LayerPlan, writer: StreamingWriter) -> d
             groups_done = g0 + qw.num_groups
         # Drop the input pages this chunk touched: they would otherwise stay in RSS.
         release_mapped_pages()
+        getattr(source, "release_pages", _nothing)()  # readers with their own maps (.tinyloop)
         if k0 == 0:
             if Suffix.PERM in names:
                 perm = np.ascontiguousarray(qw.perm, dtype=np.int32)

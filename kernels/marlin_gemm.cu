@@ -17,19 +17,19 @@
 // bit-identical to dequant.cu's output, and fp32 accumulation is exact per product.
 //
 // Launch geometry (converter/gpu/kernels.py, gemm_plan, picks it):
-//   block = 128 threads = 4 independent warps; grid.x = ceil(units * splits / 4);
+//   block = 128 threads = 4 warps; grid.x = m_chunks * (N / 64) * splits blocks;
 //   dynamic shared memory = 4 * NS * Ring<MT, U, GPI>::STAGE bytes (below).
-//   A unit (one warp) = (m-chunk of 16 MT rows, 64-column block nb, K split). The warp
-//   streams its K range U k-tiles (16 rows each) per step through its own NS-stage
+//   A block owns (m-chunk of 16 MT rows, 64-column block nb, K split of
+//   tiles_per_split 16-row k-tiles); its 4 warps take contiguous quarters of that K
+//   range. Each warp streams its quarter U k-tiles per step through its own NS-stage
 //   cp.async ring in shared memory (B, A and the step's scales/deltas), so NS - 1
 //   steps are in flight while one is dequantized in registers (once per B fragment,
 //   used by MT m-tiles) and fed to mma.sync.m16n8k16 (fp32 accumulate) as 8 n8
-//   fragments per m-tile. Units are numbered m-chunk fastest, then nb, then split: the
-//   4 warps of a block read adjacent 512-byte pieces of B (or one piece for 4 m-chunks).
-//   K splits > 1: each warp writes fp32 partials to `ws` [splits, M, N]; the last warp
+//   fragments per m-tile. Blocks are numbered m-chunk fastest, then nb, then split.
+//   The 4 warps' sums meet in shared memory (added in warp order by warp 0).
+//   K splits > 1: warp 0 writes fp32 partials to `ws` [splits, M, N]; the last block
 //   to arrive for (m-chunk, nb) (counter in `locks`, which it resets to 0) sums them
 //   in split order, so the result is bitwise deterministic whatever the arrival order.
-//   No block barrier: warps only synchronise within themselves (__syncwarp).
 // Template: MT m-tiles per warp (1, 2, 4), U k-tiles per step (4, or 2 for MT = 4),
 //   GPI = U / gcd(group tiles, U) group slots per step, NS ring stages, HAS_DELTA.
 // Constraints: M >= 1; K % (16 U) == 0 (K % 64 always works); N % 64 == 0; group size
@@ -65,6 +65,7 @@ struct Ring {
     static constexpr int D_OFF = S_OFF + GPI * 128;
     static constexpr int STAGE = D_OFF + GPI * 256;
 };
+
 
 // Walks the group boundaries of one warp's K range without dividing: slots start at
 // increasing tiles, SUB (which divides the group's tile count) apart, so a slot starts
@@ -182,26 +183,28 @@ __device__ __forceinline__ void compute_stage(u32 st, int kt, int lane, GroupWal
 }
 
 template <int MT, int U, int GPI, int NS, bool HAS_DELTA>
-__global__ void __launch_bounds__(128)
+__global__ void __launch_bounds__(128, MT == 1 ? 4 : (MT == 2 ? 3 : 2))
 marlin_gemm(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __restrict__ S,
             const float* __restrict__ D, const u16* __restrict__ bias, u16* __restrict__ C,
             float* __restrict__ ws, int* __restrict__ locks, int M, int K, int N,
             int group_tiles, int per_channel, int splits, int tiles_per_split) {
     extern __shared__ __align__(16) unsigned char smem[];
     using R = Ring<MT, U, GPI>;
-    const int lane = threadIdx.x & 31;
+    static_assert(MT * 4096 <= NS * R::STAGE, "a warp's sums must fit in its ring");
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nblk = N >> 6;
     const int m_chunks = (M + 16 * MT - 1) / (16 * MT);
-    const long long unit = (long long)blockIdx.x * 4 + (threadIdx.x >> 5);
-    if (unit >= (long long)m_chunks * nblk * splits) return;
-    const int mc = (int)(unit % m_chunks);
-    const int nb = (int)((unit / m_chunks) % nblk);
-    const int split = (int)(unit / ((long long)m_chunks * nblk));
+    const int mc = (int)(blockIdx.x % m_chunks);
+    const int nb = (int)((blockIdx.x / m_chunks) % nblk);
+    const int split = (int)(blockIdx.x / (m_chunks * nblk));
 
     const int g4 = lane >> 2, t4 = lane & 3;
     const int KT = K >> 4;
-    const int kt0 = split * tiles_per_split;
-    const int kt1 = min(kt0 + tiles_per_split, KT);
+    // The block's K range is split again into 4 contiguous quarters, one per warp;
+    // the warps' sums are combined through shared memory in warp order at the end.
+    const int tpw = tiles_per_split >> 2;
+    const int kt0 = min(split * tiles_per_split + warp * tpw, KT);
+    const int kt1 = min(kt0 + tpw, KT);
     const int mrow0 = 16 * MT * mc;
 
     float acc[MT][8][4];
@@ -237,7 +240,7 @@ marlin_gemm(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __
     issue_walk.init(kt0, group_tiles);
     compute_walk.init(kt0, group_tiles);
 
-    const u32 ring = smem_addr(smem) + (threadIdx.x >> 5) * NS * R::STAGE;
+    const u32 ring = smem_addr(smem) + warp * NS * R::STAGE;
     const u32 ring_end = ring + NS * R::STAGE;
     u32 issue_slot = ring;
 #define ISSUE(kt)                                                                                          \
@@ -263,6 +266,31 @@ marlin_gemm(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __
     }
 #undef ISSUE
     cp_async_wait<0>();
+    __syncwarp();
+
+    // ---- in-block reduction: warps 1..3 park their sums in their own (now idle) ring,
+    // warp 0 adds them in warp order. MT * 4 KB per warp fits in its ring. ----
+    if (warp != 0) {
+        float* park = reinterpret_cast<float*>(smem + warp * NS * R::STAGE);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int f = 0; f < 8; ++f)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) park[((mt * 8 + f) * 4 + e) * 32 + lane] = acc[mt][f][e];
+    }
+    __syncthreads();
+    if (warp != 0) return;
+#pragma unroll 1
+    for (int w = 1; w < 4; ++w) {
+        const float* park = reinterpret_cast<const float*>(smem + w * NS * R::STAGE);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int f = 0; f < 8; ++f)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[mt][f][e] += park[((mt * 8 + f) * 4 + e) * 32 + lane];
+    }
 
     // ---- epilogue ----
     // Fragment f covers columns 64 nb + 8 f + 2 t4 + {0, 1}; c[0..1] row g4, c[2..3] row g4 + 8.

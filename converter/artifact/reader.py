@@ -77,7 +77,7 @@ class Artifact:
             for entry in self.manifest.get("layers", []):
                 rec = LayerRecord.from_manifest(entry)
                 self.layers[rec.name] = rec
-        except (KeyError, TypeError, ValueError, AttributeError):
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError):  # e.g. int(Infinity)
             self.layers = {}
 
     def tensor(self, name: str) -> np.ndarray:

@@ -171,14 +171,20 @@ class OutputTarget:
             paths.append(self.folder / CONFIG_NAME)
         return [p for p in paths if p.exists()]
 
-    def check(self, src: Path, force: bool) -> None:
+    def check(self, src: Path, force: bool, *, create: bool = True) -> None:
         """Refuse to write over the input, or over an existing output without ``force``.
+
+        ``create=False`` (dry runs) checks without creating a folder-mode folder.
 
         Raises:
             ConverterError: the folder is missing, OUT is a folder without folder
                 mode, or the output would overwrite an input file.
             OutputExistsError: an output file exists and ``force`` is False.
         """
+        if self.directory and not self.folder.exists() and not create:
+            if not self.folder.parent.is_dir():
+                raise ConverterError("output folder's parent does not exist", path=self.folder.parent)
+            return
         if self.directory and not self.folder.exists():
             try:
                 self.folder.mkdir(parents=False)
@@ -197,6 +203,11 @@ class OutputTarget:
         for out in self.existing():
             if any(f.exists() and os.path.samefile(f, out) for f in src_files):
                 raise ConverterError("output would overwrite the input; choose another path", path=out)
+        if not self.directory and self.path.suffix != ".safetensors":
+            raise ConverterError(
+                "output must be a .safetensors file, or a folder (existing, or ending in '/')", path=self.path
+            )
+        for out in self.existing():
             if not force:
                 raise OutputExistsError("output exists; pass --force to overwrite it", path=out)
 

@@ -210,10 +210,11 @@ def gemm_plan(m: int, size_k: int, size_n: int, group_size: int, *, delta: bool 
               pipe: tuple[int, int, int] | None = None) -> dict[str, int]:
     """Kernel variant and K split the GEMM launcher uses for one call.
 
-    The work is ``m_chunks x N/64`` warp units (16 MT rows x 64 columns each), each
-    split into ``splits`` contiguous K ranges. With ``R`` warps resident on the device
-    (from the variant's registers and shared memory), the split minimises
-    ``ceil(units * splits / R) * tiles_per_split`` (the slowest wave) plus a small
+    The work is ``m_chunks x N/64`` units (16 MT rows x 64 columns each), each split
+    into ``splits`` contiguous K ranges, one 4-warp block per (unit, split) and one
+    quarter of the range per warp. With ``R`` blocks resident on the device (from the
+    variant's registers and shared memory), the split minimises
+    ``ceil(units * splits / R) * tiles_per_split / 4`` (the slowest wave) plus a small
     charge per split for the partial-sum reduction.
 
     Args:
@@ -252,23 +253,27 @@ def _plan(m: int, size_k: int, size_n: int, group_size: int, delta: bool, pipe: 
     # Registers (64 K per SM) and shared memory (228 KB per SM, 1 KB reserved per
     # block on sm_90) bound the resident 4-warp blocks per multiprocessor.
     blocks_per_sm = max(1, min(65536 // (max(regs, 1) * 128), (228 * 1024) // (smem + 1024)))
-    resident = info.sm_count * blocks_per_sm * 4
+    resident = info.sm_count * blocks_per_sm
     m_chunks = -(-m // (16 * mt))
     units = m_chunks * (size_n // 64)
+    rows = min(m, 16 * mt)
     best = None
-    for splits in range(1, kt // u + 1):
-        tps = -(-(-(-kt // splits)) // u) * u
-        if -(-kt // tps) != splits:
+    quantum = 4 * u  # a block's K range splits into 4 warp quarters of whole steps
+    for splits in range(1, -(-kt // quantum) + 1):
+        tpb = -(-(-(-kt // splits)) // quantum) * quantum
+        if -(-kt // tpb) != splits:
             continue
         waves = -(-units * splits // (resident * waves_target))
-        cost = waves * tps + 0.5 * splits * m_chunks * mt
+        # slowest wave's per-warp tiles + the final reduction's reads, about a quarter
+        # of a tile's time per split and 8 output rows
+        cost = waves * tpb // 4 + 0.25 * (splits - 1) * -(-rows // 8)
         if best is None or cost < best[0]:
-            best = (cost, splits, tps)
-    _, splits, tps = best
-    warps = units * splits
+            best = (cost, splits, tpb)
+    _, splits, tpb = best
+    blocks = units * splits
     return {"mt": mt, "u": u, "gpi": gpi, "ns": ns, "smem": smem, "regs": regs, "m_chunks": m_chunks,
-            "splits": splits, "tiles_per_split": tps, "warps": warps, "blocks": -(-warps // 4),
-            "resident_warps": resident}
+            "splits": splits, "tiles_per_split": tpb, "warps": 4 * blocks, "blocks": blocks,
+            "resident_warps": 4 * resident}
 
 
 # ----------------------------------------------------------------------------- launchers
