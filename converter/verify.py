@@ -58,10 +58,15 @@ def _to_source_order(w: np.ndarray, perm: np.ndarray | None) -> np.ndarray:
     return out
 
 
+def _bits(a: np.ndarray) -> np.ndarray:
+    # Bitwise comparison for floats: -0.0 vs 0.0 and NaN payloads count as different.
+    return a.view(f"u{a.dtype.itemsize}") if a.dtype.kind == "f" else a
+
+
 def _first_diff(a: np.ndarray, b: np.ndarray) -> str:
-    bad = np.argwhere(a != b)
+    bad = np.argwhere(_bits(a) != _bits(b))
     idx = tuple(int(i) for i in bad[0])
-    return f"{len(bad)} of {a.size} differ; first at {list(idx)}: {a[idx]!r} vs source {b[idx]!r}"
+    return f"{len(bad)} of {a.size} differ; first at {list(idx)}: {a[idx].item()} vs source {b[idx].item()}"
 
 
 def compare_against(art: Artifact, source: Source, report: Report, layer_rows: dict[str, dict[str, Any]]) -> dict[str, QuantWeight]:
@@ -73,6 +78,13 @@ def compare_against(art: Artifact, source: Source, report: Report, layer_rows: d
     Returns:
         ``{layer name: QuantWeight}`` of the source layers (for numerics).
     """
+    recorded = {f["name"]: f["sha256"] for f in art.manifest["source"]["files"]}
+    actual = {f["name"]: f["sha256"] for f in source.describe()["files"]}
+    changed = sorted(n for n in recorded.keys() & actual.keys() if recorded[n] != actual[n])
+    if changed or not recorded.keys() & actual.keys():
+        what = ", ".join(changed) if changed else "no file names in common"
+        report.add("source_differs", f"the source is not the one this artifact was converted from (sha256 differs: {what}); "
+                   "the comparisons below will show where", str(getattr(source, "path", "")))
     plan = source.plan()
     loaded: dict[str, QuantWeight] = {}
     src_layers = {lay.name: lay for lay in plan.layers if lay.convertible}
@@ -88,8 +100,8 @@ def compare_against(art: Artifact, source: Source, report: Report, layer_rows: d
         u = unpack_layer(art, rec)
         checks = {
             "codes": (u["q"], qw.q),
-            "scales": (u["scales"].view(np.uint16), np.ascontiguousarray(qw.scales, dtype=np.float16).view(np.uint16)),
-            "delta": (u["delta"].view(np.uint32), np.ascontiguousarray(qw.delta, dtype=np.float32).view(np.uint32)),
+            "scales": (u["scales"], np.ascontiguousarray(qw.scales, dtype=np.float16)),
+            "delta": (u["delta"], np.ascontiguousarray(qw.delta, dtype=np.float32)),
         }
         if (u["perm"] is None) != (qw.perm is None):
             report.add("source_mismatch", f"layer {name}: act-order permutation present in only one of artifact and source", name)
@@ -100,7 +112,7 @@ def compare_against(art: Artifact, source: Source, report: Report, layer_rows: d
             if mine.shape != theirs.shape:
                 report.add("source_mismatch", f"layer {name}: {what} shape {list(mine.shape)} vs source {list(theirs.shape)}", name)
                 row[f"{what}_exact"] = False
-            elif not np.array_equal(mine, theirs):
+            elif not np.array_equal(_bits(mine), _bits(theirs)):
                 report.add("source_mismatch", f"layer {name}: {what} not bit-identical to the source: {_first_diff(mine, theirs)}", name)
                 row[f"{what}_exact"] = False
             else:

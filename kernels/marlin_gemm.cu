@@ -17,19 +17,20 @@
 // bit-identical to dequant.cu's output, and fp32 accumulation is exact per product.
 //
 // Launch geometry (converter/gpu/kernels.py, gemm_plan, picks it):
-//   block = 128 threads = 4 warps; grid.x = m_chunks * (N / 64) * splits blocks;
-//   dynamic shared memory = 4 * NS * Ring<MT, U, GPI>::STAGE bytes (below).
-//   A block owns (m-chunk of 16 MT rows, 64-column block nb, K split of
-//   tiles_per_split 16-row k-tiles); its 4 warps take contiguous quarters of that K
-//   range. Each warp streams its quarter U k-tiles per step through its own NS-stage
+//   block = 128 threads = 4 warps; grid.x = m_chunks * ceil(N / 64 / (4 / wk)) * splits
+//   blocks; dynamic shared memory = 4 * NS * Ring<MT, U, GPI>::STAGE bytes (below).
+//   A block owns an m-chunk of 16 MT rows, a K split of tiles_per_split 16-row k-tiles
+//   and 4 / wk 64-column blocks; wk warps share each column block and take contiguous
+//   parts of the K range (wk = 4 when N is too narrow to fill the device, else 1).
+//   Each warp streams its K range U k-tiles per step through its own NS-stage
 //   cp.async ring in shared memory (B, A and the step's scales/deltas), so NS - 1
 //   steps are in flight while one is dequantized in registers (once per B fragment,
 //   used by MT m-tiles) and fed to mma.sync.m16n8k16 (fp32 accumulate) as 8 n8
-//   fragments per m-tile. Blocks are numbered m-chunk fastest, then nb, then split.
-//   The 4 warps' sums meet in shared memory (added in warp order by warp 0).
-//   K splits > 1: warp 0 writes fp32 partials to `ws` [splits, M, N]; the last block
-//   to arrive for (m-chunk, nb) (counter in `locks`, which it resets to 0) sums them
-//   in split order, so the result is bitwise deterministic whatever the arrival order.
+//   fragments per m-tile. Blocks are numbered m-chunk fastest, then N, then split.
+//   With wk > 1 the warps' sums meet in shared memory (added in warp order).
+//   K splits > 1: one warp per (m-chunk, column block) writes fp32 partials to `ws`
+//   [splits, M, N]; the last to arrive (counter in `locks`, which it resets to 0) sums
+//   them in split order, so the result is bitwise deterministic whatever the order.
 // Template: MT m-tiles per warp (1, 2, 4), U k-tiles per step (4, or 2 for MT = 4),
 //   GPI = U / gcd(group tiles, U) group slots per step, NS ring stages, HAS_DELTA.
 // Constraints: M >= 1; K % (16 U) == 0 (K % 64 always works); N % 64 == 0; group size
@@ -96,17 +97,13 @@ __device__ __forceinline__ void issue_stage(u32 st, int kt, int lane, bool (&aro
 #pragma unroll
     for (int u = 0; u < U; ++u) cp_async16(st + R::B_OFF + u * 512 + 16 * lane, bptr + u * brow);
     bptr += U * brow;
-    // A: lane l copies 8 halves of row l / 2 of each m-tile (columns 8 (l % 2) ..);
-    // rows past M are written as zeros.
+    // A: lane l copies 8 halves of row l / 2 of each m-tile (columns 8 (l % 2) ..).
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-            const u32 dst = st + R::A_OFF + (u * MT + mt) * 512 + 16 * lane;
-            if (arow_ok[mt])
-                cp_async16(dst, aptr[mt] + u * 16);
-            else
-                sts_zero16(dst);
+            // rows past M were zeroed once for every stage and are never copied
+            if (arow_ok[mt]) cp_async16(st + R::A_OFF + (u * MT + mt) * 512 + 16 * lane, aptr[mt] + u * 16);
         }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) aptr[mt] += U * 16;
@@ -187,23 +184,27 @@ __global__ void __launch_bounds__(128, MT == 1 ? 4 : (MT == 2 ? 3 : 2))
 marlin_gemm(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __restrict__ S,
             const float* __restrict__ D, const u16* __restrict__ bias, u16* __restrict__ C,
             float* __restrict__ ws, int* __restrict__ locks, int M, int K, int N,
-            int group_tiles, int per_channel, int splits, int tiles_per_split) {
+            int group_tiles, int per_channel, int splits, int tiles_per_split, int wk) {
     extern __shared__ __align__(16) unsigned char smem[];
     using R = Ring<MT, U, GPI>;
     static_assert(MT * 4096 <= NS * R::STAGE, "a warp's sums must fit in its ring");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nblk = N >> 6;
     const int m_chunks = (M + 16 * MT - 1) / (16 * MT);
+    // wk warps share one 64-column block and split its K range (wk = 4), or the 4
+    // warps take 4 adjacent column blocks with the whole range each (wk = 1).
+    const int wn = 4 / wk;
+    const int nbb = (nblk + wn - 1) / wn;
     const int mc = (int)(blockIdx.x % m_chunks);
-    const int nb = (int)((blockIdx.x / m_chunks) % nblk);
-    const int split = (int)(blockIdx.x / (m_chunks * nblk));
+    const int nb = (int)((blockIdx.x / m_chunks) % nbb) * wn + warp / wk;
+    const int split = (int)(blockIdx.x / (m_chunks * nbb));
+    const int kq = warp % wk;
+    const bool live = nb < nblk;  // a last block of a ragged N has idle warps
 
     const int g4 = lane >> 2, t4 = lane & 3;
     const int KT = K >> 4;
-    // The block's K range is split again into 4 contiguous quarters, one per warp;
-    // the warps' sums are combined through shared memory in warp order at the end.
-    const int tpw = tiles_per_split >> 2;
-    const int kt0 = min(split * tiles_per_split + warp * tpw, KT);
+    const int tpw = tiles_per_split / wk;
+    const int kt0 = live ? min(split * tiles_per_split + kq * tpw, KT) : KT;
     const int kt1 = min(kt0 + tpw, KT);
     const int mrow0 = 16 * MT * mc;
 
@@ -216,7 +217,7 @@ marlin_gemm(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __
             for (int e = 0; e < 4; ++e) acc[mt][f][e] = 0.f;
 
     u32 s2[8], d2[8];  // current group's scales / deltas as fp16x2 splats
-    if (per_channel) {  // one group for all of K: read once, straight to registers
+    if (per_channel && live) {  // one group for all of K: read once, straight to registers
 #pragma unroll
         for (int jj = 0; jj < 8; ++jj) {
             const int col = 64 * nb + g4 + 8 * jj;
@@ -242,6 +243,11 @@ marlin_gemm(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __
 
     const u32 ring = smem_addr(smem) + warp * NS * R::STAGE;
     const u32 ring_end = ring + NS * R::STAGE;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+        if (!arow_ok[mt])
+            for (int t = 0; t < NS * U; ++t)
+                sts_zero16(ring + (t / U) * R::STAGE + R::A_OFF + ((t % U) * MT + mt) * 512 + 16 * lane);
     u32 issue_slot = ring;
 #define ISSUE(kt)                                                                                          \
     do {                                                                                                   \
@@ -268,29 +274,32 @@ marlin_gemm(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __
     cp_async_wait<0>();
     __syncwarp();
 
-    // ---- in-block reduction: warps 1..3 park their sums in their own (now idle) ring,
-    // warp 0 adds them in warp order. MT * 4 KB per warp fits in its ring. ----
-    if (warp != 0) {
-        float* park = reinterpret_cast<float*>(smem + warp * NS * R::STAGE);
+    // ---- in-block reduction (wk > 1): the K-quarter warps 1..3 park their sums in their
+    // own (now idle) ring, warp 0 adds them in warp order. MT * 4 KB fits in a ring. ----
+    if (wk > 1) {
+        if (kq != 0) {
+            float* park = reinterpret_cast<float*>(smem + warp * NS * R::STAGE);
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int f = 0; f < 8; ++f)
+                for (int f = 0; f < 8; ++f)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) park[((mt * 8 + f) * 4 + e) * 32 + lane] = acc[mt][f][e];
-    }
-    __syncthreads();
-    if (warp != 0) return;
+                    for (int e = 0; e < 4; ++e) park[((mt * 8 + f) * 4 + e) * 32 + lane] = acc[mt][f][e];
+        }
+        __syncthreads();
+        if (kq != 0) return;
 #pragma unroll 1
-    for (int w = 1; w < 4; ++w) {
-        const float* park = reinterpret_cast<const float*>(smem + w * NS * R::STAGE);
+        for (int w = warp + 1; w < warp + wk; ++w) {
+            const float* park = reinterpret_cast<const float*>(smem + w * NS * R::STAGE);
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+            for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int f = 0; f < 8; ++f)
+                for (int f = 0; f < 8; ++f)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) acc[mt][f][e] += park[((mt * 8 + f) * 4 + e) * 32 + lane];
+                    for (int e = 0; e < 4; ++e) acc[mt][f][e] += park[((mt * 8 + f) * 4 + e) * 32 + lane];
+        }
     }
+    if (!live) return;
 
     // ---- epilogue ----
     // Fragment f covers columns 64 nb + 8 f + 2 t4 + {0, 1}; c[0..1] row g4, c[2..3] row g4 + 8.

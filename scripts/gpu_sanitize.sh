@@ -16,8 +16,10 @@ def layer(k, n, gs):
     s = (rng.uniform(0.5, 2, (g, n)) / 32).astype(np.float16)
     d = rng.normal(0, 0.05, (g, n)).astype(np.float32)
     return cp.asarray(pack_b(q)), cp.asarray(permute_scales(s)), cp.asarray(d)
-for (m, k, n, gs, act) in [(1, 1024, 256, 128, False), (17, 1024, 256, 32, True), (65, 512, 128, 64, False),
-                           (16, 256, 64, 256, False), (128, 384, 192, 128, True), (5, 192, 64, 64, False)]:
+for (m, k, n, gs, act, wk) in [(1, 1024, 256, 128, False, None), (17, 1024, 256, 32, True, 4),
+                               (65, 512, 128, 64, False, 1), (16, 256, 64, 256, False, None),
+                               (128, 384, 192, 128, True, 1), (5, 192, 320, 64, False, 1), (33, 1536, 320, 48, True, 4)]:
+    kernels.FORCE_WK = wk
     B, S, D = layer(k, n, gs)
     a = cp.asarray(rng.standard_normal((m, k)).astype(np.float16))
     perm = cp.asarray(rng.permutation(k).astype(np.int32)) if act else None

@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from clirun import run_cli
@@ -157,3 +158,18 @@ def test_verify_not_an_artifact(realinput: Path) -> None:
     res = run_cli("marlin-verify", realinput / AUTOROUND / "model.safetensors", "--shapes")
     assert res.returncode == 2
     assert "not a marlin-convert artifact" in res.stderr
+
+
+def test_layer_without_qweight_is_refused(gptq_copy: Path, tmp_path: Path) -> None:
+    from safetensors.numpy import save_file
+
+    from converter.safetensors_io import SafetensorsFile
+
+    f = gptq_copy / "model.safetensors"
+    with SafetensorsFile(f) as st:
+        tensors = {n: np.array(st.array(n)) for n in st.infos if n != "model.layers.0.self_attn.q_proj.qweight"}
+    save_file(tensors, f)
+    res = run_cli("marlin-convert", gptq_copy, tmp_path / "o.safetensors")
+    assert res.returncode == 2
+    assert "model.layers.0.self_attn.q_proj.g_idx: layer model.layers.0.self_attn.q_proj has g_idx but no qweight" in res.stderr
+    assert not (tmp_path / "o.safetensors").exists()

@@ -233,6 +233,14 @@ class GptqSource(Source):
                 for t in layer.source_tensors + ((layer.bias.name,) if layer.bias else ()):
                     reasons[t] = f"layer {prefix} not converted: {layer.reason}"
         tensors = [i for n, i in infos.items() if n not in owned]
+        for info in tensors:
+            prefix, _, suffix = info.name.rpartition(".")
+            if suffix in ("qzeros", "g_idx"):
+                # Carrying these over as plain tensors would silently drop a layer.
+                hint = "; a single shard given alone? pass the index or the folder" if len(self.ckpt.files) == 1 else ""
+                raise SourceFormatError(
+                    f"layer {prefix} has {suffix} but no qweight{hint}", path=self.ckpt.file_of(info.name), tensor=info.name
+                )
         tag_excluded(tensors, reasons, self._plain_reason)
         return SourcePlan(layers, tensors, reasons)
 

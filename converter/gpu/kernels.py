@@ -34,10 +34,14 @@ _SOURCES = ("marlin_gemm.cu", "dequant.cu", "asym_correction.cu", "marlin_common
 #: marlin_gemm instantiations: (MT, U, NS) = 16-row m-tiles per warp, k-tiles per
 #: step, shared-memory ring stages; each for GPI (group slots per step) in GEMM_GPIS[U]
 #: and with and without the fused delta.
-GEMM_PIPES = ((1, 4, 3), (2, 4, 3), (4, 2, 3))
-GEMM_GPIS = {4: (1, 2, 4), 2: (1, 2)}
+GEMM_PIPES = ((1, 4, 3), (2, 4, 3), (4, 2, 3), (1, 8, 3), (1, 4, 4))
+GEMM_GPIS = {8: (1, 2, 4), 4: (1, 2, 4), 2: (1, 2)}
 #: Target number of full waves of resident warps for the K split (tuned on an H200).
 WAVES = 1
+#: A block's pipeline fill, in k-tile times, charged per wave by the split's cost model.
+LATENCY_TILES = 6
+#: Tests set this to 1 or 4 to force a block shape; None lets the cost model choose.
+FORCE_WK: int | None = None
 
 
 def default_pipe(m: int) -> tuple[int, int, int]:
@@ -211,11 +215,12 @@ def gemm_plan(m: int, size_k: int, size_n: int, group_size: int, *, delta: bool 
     """Kernel variant and K split the GEMM launcher uses for one call.
 
     The work is ``m_chunks x N/64`` units (16 MT rows x 64 columns each), each split
-    into ``splits`` contiguous K ranges, one 4-warp block per (unit, split) and one
-    quarter of the range per warp. With ``R`` blocks resident on the device (from the
-    variant's registers and shared memory), the split minimises
-    ``ceil(units * splits / R) * tiles_per_split / 4`` (the slowest wave) plus a small
-    charge per split for the partial-sum reduction.
+    into ``splits`` contiguous K ranges; a 4-warp block takes either 4 units with the
+    whole range (``wk = 1``) or one unit with a quarter of the range per warp
+    (``wk = 4``). With ``R`` blocks resident on the device (from the variant's
+    registers and shared memory), the plan minimises
+    ``ceil(blocks / R) * (tiles per warp + LATENCY_TILES)`` (the slowest wave plus its
+    pipeline fill) plus a small charge per split for the partial-sum reduction.
 
     Args:
         m, size_k, size_n, group_size: the problem (group_size -1 / size_k: per-channel).
@@ -223,8 +228,8 @@ def gemm_plan(m: int, size_k: int, size_n: int, group_size: int, *, delta: bool 
         pipe: ``(MT, U, NS)`` override of :func:`default_pipe` (benchmarking).
 
     Returns:
-        dict with ``mt, u, gpi, ns, smem, m_chunks, splits, tiles_per_split, warps,
-        blocks, resident_warps``.
+        dict with ``mt, u, gpi, ns, smem, regs, m_chunks, wk, splits,
+        tiles_per_split, warps, blocks, resident_warps``.
 
     Raises:
         KernelError: K not a multiple of 16 U (64 for M <= 32, else 32).
@@ -232,12 +237,12 @@ def gemm_plan(m: int, size_k: int, size_n: int, group_size: int, *, delta: bool 
     """
     _layer_sizes(size_k, size_n, group_size)
     return dict(_plan(m, size_k, size_n, group_size, delta, tuple(pipe or default_pipe(m)), WAVES,
-                      runtime.device_info()))
+                      FORCE_WK, runtime.device_info()))
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, size_k: int, size_n: int, group_size: int, delta: bool, pipe: tuple[int, int, int],
-          waves_target: int, info: runtime.DeviceInfo) -> dict[str, int]:
+          waves_target: int, force_wk: int | None, info: runtime.DeviceInfo) -> dict[str, int]:
     gs, _, per_channel = _layer_sizes(size_k, size_n, group_size)
     kt = size_k // 16
     mt, u, ns = pipe
@@ -255,24 +260,25 @@ def _plan(m: int, size_k: int, size_n: int, group_size: int, delta: bool, pipe: 
     blocks_per_sm = max(1, min(65536 // (max(regs, 1) * 128), (228 * 1024) // (smem + 1024)))
     resident = info.sm_count * blocks_per_sm
     m_chunks = -(-m // (16 * mt))
-    units = m_chunks * (size_n // 64)
+    nblk = size_n // 64
     rows = min(m, 16 * mt)
     best = None
-    quantum = 4 * u  # a block's K range splits into 4 warp quarters of whole steps
-    for splits in range(1, -(-kt // quantum) + 1):
-        tpb = -(-(-(-kt // splits)) // quantum) * quantum
-        if -(-kt // tpb) != splits:
-            continue
-        waves = -(-units * splits // (resident * waves_target))
-        # slowest wave's per-warp tiles + the final reduction's reads, about a quarter
-        # of a tile's time per split and 8 output rows
-        cost = waves * tpb // 4 + 0.25 * (splits - 1) * -(-rows // 8)
-        if best is None or cost < best[0]:
-            best = (cost, splits, tpb)
-    _, splits, tpb = best
-    blocks = units * splits
+    for wk in (force_wk,) if force_wk else (1, 4):
+        blocks_n = m_chunks * -(-nblk // (4 // wk))
+        quantum = wk * u  # each warp's share of a K split is whole steps
+        for splits in range(1, -(-kt // quantum) + 1):
+            tps = -(-(-(-kt // splits)) // quantum) * quantum
+            if -(-kt // tps) != splits:
+                continue
+            waves = -(-blocks_n * splits // (resident * waves_target))
+            # slowest wave: per-warp tiles plus the pipeline fill (about LATENCY_TILES),
+            # then the final reduction's reads (about a quarter tile per split and 8 rows)
+            cost = waves * (tps // wk + LATENCY_TILES) + 0.25 * (splits - 1) * -(-rows // 8)
+            if best is None or cost < best[0]:
+                best = (cost, wk, splits, tps, blocks_n * splits)
+    _, wk, splits, tps, blocks = best
     return {"mt": mt, "u": u, "gpi": gpi, "ns": ns, "smem": smem, "regs": regs, "m_chunks": m_chunks,
-            "splits": splits, "tiles_per_split": tpb, "warps": 4 * blocks, "blocks": blocks,
+            "wk": wk, "splits": splits, "tiles_per_split": tps, "warps": 4 * blocks, "blocks": blocks,
             "resident_warps": 4 * resident}
 
 
@@ -376,7 +382,7 @@ def marlin_gemm(
         A, B, scales, _ptr_or_null(delta), _ptr_or_null(bias), out, ws, locks,
         np.int32(m), np.int32(size_k), np.int32(size_n), np.int32(gt),
         np.int32(1 if per_channel else 0), np.int32(plan["splits"]),
-        np.int32(plan["tiles_per_split"]),
+        np.int32(plan["tiles_per_split"]), np.int32(plan["wk"]),
     ), shared_mem=plan["smem"])
     return out
 

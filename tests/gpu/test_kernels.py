@@ -90,6 +90,28 @@ def test_gemm_matches_twin(cp, m, k, n, group_size, act_order, asym):
         assert not bad2.any(), f"two-kernel: {bad2.sum()} out of bound"
 
 
+@pytest.mark.parametrize("wk", [1, 4])
+@pytest.mark.parametrize("m,k,n,group_size", [(1, 1024, 320, 128), (17, 512, 192, 32), (65, 768, 448, -1),
+                                              (128, 256, 64, 64)])
+def test_gemm_block_shapes(cp, monkeypatch, wk, m, k, n, group_size):
+    """Both block shapes (4 column blocks per block, or 4 K quarters), ragged N / 256."""
+    monkeypatch.setattr(kernels, "FORCE_WK", wk)
+    rng = np.random.default_rng([m, k, n, wk])
+    L = make_layer(rng, k, n, group_size, True, True)
+    a = rng.standard_normal((m, k), dtype=np.float32).astype(np.float16)
+    kw = dict(size_k=k, size_n=n, group_size=group_size)
+    plan = kernels.gemm_plan(m, k, n, group_size, delta=True)
+    assert plan["wk"] == wk
+    c = kernels.marlin_gemm(cp.asarray(a), cp.asarray(L["B"]), cp.asarray(L["S"]), delta=cp.asarray(L["delta"]),
+                            perm=cp.asarray(L["perm"]), out=poisoned(cp, (m, n)), **kw)
+    got = cp.asnumpy(c).astype(np.float64)
+    assert np.isfinite(got).all()
+    host = dict(delta=L["delta"], perm=L["perm"])
+    twin = ref.marlin_gemm(a, L["B"], L["S"], **kw, **host).astype(np.float64)
+    bound = ref.gemm_error_bound(a, L["B"], L["S"], **kw, **host, splits=plan["splits"])
+    assert (np.abs(got - twin) <= bound).all()
+
+
 @pytest.mark.parametrize("k,n,group_size,asym", [
     (128, 64, 32, True), (256, 128, -1, False), (1024, 512, 64, True), (8192, 8192, 128, True),
     (4096, 256, -1, True), (512, 1024, 128, False), (2048, 64, 32, False),
