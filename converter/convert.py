@@ -12,6 +12,7 @@ import dataclasses
 import math
 import os
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -186,11 +187,19 @@ def convert(
             if target.directory:
                 writer.extra_files.update(folder_extras(source, desc, layers, writer.artifact_path.name))
             sums: dict[str, str] = {}
-            for layer in plan.layers:
-                if layer.convertible:
-                    sums.update(_write_layer(source, layer, writer))
-                    if progress:
-                        progress("", 1)
+            # One write-behind thread for all layers, so the pipeline never drains
+            # between layers; the digests are read once it has written everything.
+            behind = _WriteBehind(writer)
+            hashers: dict[str, Any] = {}
+            try:
+                for layer in plan.layers:
+                    if layer.convertible:
+                        hashers.update(_write_layer(source, layer, writer, behind))
+                        if progress:
+                            progress("", 1)
+            finally:
+                behind.close()
+            sums.update({n: h.hexdigest() for n, h in hashers.items()})
             for entry in passthrough:
                 tensor = source.load_tensor(entry["name"])
                 sums[tensor.name] = _copy_tensor(writer, tensor.name, tensor.data)
@@ -205,7 +214,43 @@ def _nothing() -> None:
     return None
 
 
-def _write_layer(source: Source, layer: LayerPlan, writer: StreamingWriter) -> dict[str, str]:
+class _WriteBehind:
+    """Writes and hashes one chunk on a background thread while the next is computed.
+
+    ``pwrite`` and xxh3 release the GIL, so on 2 cores packing overlaps the kernel's
+    copy into the page cache.  At most one chunk is in flight (bounded memory), in
+    submission order (hashes stay sequential); a failure re-raises on the next call.
+    """
+
+    def __init__(self, writer: StreamingWriter) -> None:
+        self._writer = writer
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="marlin-write")
+        self._pending: Future[None] | None = None
+
+    def submit(self, jobs: list[tuple[str, np.ndarray, int, Any]]) -> None:
+        self.wait()
+        self._pending = self._pool.submit(self._run, jobs)
+
+    def _run(self, jobs: list[tuple[str, np.ndarray, int, Any]]) -> None:
+        for name, data, row, hasher in jobs:
+            self._writer.write(name, data, row)
+            hasher.update(data)
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+
+
+def _write_layer(source: Source, layer: LayerPlan, writer: StreamingWriter, behind: _WriteBehind) -> dict[str, Any]:
+    """Queue one layer's tensors on ``behind``; returns ``{name: xxh3 hasher}``, complete
+    once ``behind`` has been waited for."""
     names = {suf: n for suf, (n, _, _) in layer_tensor_names(layer).items()}
     hashers = {suf: xxhash.xxh3_128() for suf in names}
     step = _chunk_rows(layer)
@@ -219,33 +264,29 @@ def _write_layer(source: Source, layer: LayerPlan, writer: StreamingWriter) -> d
             b = pack_b(qw.q)
         else:  # same bits, without materialising the uint8 codes
             b, qw = packed
-        writer.write(names[Suffix.B], b, k0 // 16)
-        hashers[Suffix.B].update(b)
+        jobs: list[tuple[str, np.ndarray, int, Any]] = [(names[Suffix.B], b, k0 // 16, hashers[Suffix.B])]
         g0 = k0 // layer.group_size
         # A per-channel layer returns its one group with every chunk: write it once.
         skip = max(groups_done - g0, 0)
         if skip < qw.num_groups:
             s = permute_scales(qw.scales[skip:], single=layer.num_groups == 1)
             delta = np.ascontiguousarray(qw.delta[skip:], dtype=np.float32)
-            writer.write(names[Suffix.SCALES], s, g0 + skip)
-            writer.write(names[Suffix.DELTA], delta, g0 + skip)
-            hashers[Suffix.SCALES].update(s)
-            hashers[Suffix.DELTA].update(delta)
+            jobs.append((names[Suffix.SCALES], s, g0 + skip, hashers[Suffix.SCALES]))
+            jobs.append((names[Suffix.DELTA], delta, g0 + skip, hashers[Suffix.DELTA]))
             groups_done = g0 + qw.num_groups
-        # Drop the input pages this chunk touched: they would otherwise stay in RSS.
-        release_mapped_pages()
-        getattr(source, "release_pages", _nothing)()  # readers with their own maps (.tinyloop)
         if k0 == 0:
             if Suffix.PERM in names:
                 perm = np.ascontiguousarray(qw.perm, dtype=np.int32)
-                writer.write(names[Suffix.PERM], perm)
-                hashers[Suffix.PERM].update(perm)
+                jobs.append((names[Suffix.PERM], perm, 0, hashers[Suffix.PERM]))
             if Suffix.BIAS in names:
                 assert qw.bias is not None
-                bias = np.ascontiguousarray(qw.bias.data)
-                writer.write(names[Suffix.BIAS], bias)
-                hashers[Suffix.BIAS].update(bias)
-    return {names[s]: h.hexdigest() for s, h in hashers.items()}
+                jobs.append((names[Suffix.BIAS], np.array(qw.bias.data), 0, hashers[Suffix.BIAS]))
+        behind.submit(jobs)
+        del qw, packed
+        # Drop the input pages this chunk touched: they would otherwise stay in RSS.
+        release_mapped_pages()
+        getattr(source, "release_pages", _nothing)()  # readers with their own maps (.tinyloop)
+    return {names[s]: h for s, h in hashers.items()}
 
 
 def _copy_tensor(writer: StreamingWriter, name: str, data: np.ndarray) -> str:

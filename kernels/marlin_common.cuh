@@ -43,20 +43,9 @@ __device__ __forceinline__ float h_to_f32(u16 h) {
 }
 __device__ __forceinline__ u32 h_splat(u16 h) { return (u32)h | ((u32)h << 16); }
 
-// Read-only, non-coherent loads: the operands they read are never written while a
-// kernel runs, so the texture path is legal; no L2 eviction hint is used (upstream's
-// hinted async load is what crashed on Hopper, see issue 6).
-__device__ __forceinline__ int4 ldg_v4(const int4* p) {
-    int4 v;
-    asm volatile("ld.global.nc.v4.s32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-__device__ __forceinline__ u32 ldg_u32(const void* p) {
-    u32 v;
-    asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
-}
+// Read-only, non-coherent loads of operands no kernel writes while it runs. No L2
+// cache-policy hint is used anywhere (upstream's hinted async load is what crashed on
+// Hopper, issue 6).
 __device__ __forceinline__ float ldg_f32(const float* p) {
     float v;
     asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(p));

@@ -31,8 +31,9 @@
 //   K splits > 1: one warp per (m-chunk, column block) writes fp32 partials to `ws`
 //   [splits, M, N]; the last to arrive (counter in `locks`, which it resets to 0) sums
 //   them in split order, so the result is bitwise deterministic whatever the order.
-// Template: MT m-tiles per warp (1, 2, 4), U k-tiles per step (4, or 2 for MT = 4),
-//   GPI = U / gcd(group tiles, U) group slots per step, NS ring stages, HAS_DELTA.
+// Template: MT m-tiles per warp (1, 2, 4); U k-tiles per step (4 or 8 for MT = 1, 4 for
+//   MT = 2, 2 for MT = 4); GPI = U / gcd(group tiles, U) group slots per step; NS ring
+//   stages; HAS_DELTA.
 // Constraints: M >= 1; K % (16 U) == 0 (K % 64 always works); N % 64 == 0; group size
 //   any multiple of 16 dividing K, or per-channel; 16-byte aligned A/B/scales/delta;
 //   tiles_per_split % U == 0; `locks` zeroed before first use and never shared by two

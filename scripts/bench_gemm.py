@@ -85,6 +85,10 @@ def timed_torch_graph(torch, calls, reps):
 
 def ceilings(cp, torch):
     """Measured copy bandwidth (bytes/s, read + write) and fp16 matmul rate (FLOP/s)."""
+    w = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
+    for _ in range(50):  # bring the clocks up before measuring
+        torch.matmul(w, w)
+    torch.cuda.synchronize()
     n = 2 * 2**30
     a = torch.ones(n // 4, device="cuda", dtype=torch.float32)
     b = torch.empty_like(a)
@@ -105,6 +109,8 @@ def main() -> int:
     ap.add_argument("--ms", default=None, help="e.g. 1,16,64")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--calls", type=int, default=24, help="launches per graph (at least the copy count)")
+    ap.add_argument("--force-wk", type=int, default=None, choices=(1, 4),
+                    help="force the GEMM block shape (experiments; see kernels.FORCE_WK)")
     ap.add_argument("--sweep", default=None,
                     help="extra our-kernel variants to time, e.g. 1x4x3w1,2x4x3w2 (MT x U x NS, w = waves target)")
     args = ap.parse_args()
@@ -115,6 +121,7 @@ def main() -> int:
     from converter.gpu import kernels, runtime
 
     info = runtime.require_gpu()
+    kernels.FORCE_WK = args.force_wk
     shapes = SHAPES if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ms = MS if not args.ms else [int(v) for v in args.ms.split(",")]
     bw, rate = ceilings(cp, torch)
@@ -200,6 +207,9 @@ def main() -> int:
             row["floor_sym_us"] = max((int4_bytes + io) / bw, 2 * m * k * n / rate) * 1e6
             row["floor_fused_us"] = max((int4_bytes + delta_bytes + io) / bw, 2 * m * k * n / rate) * 1e6
             row["floor_fp16_us"] = max((k * n * 2 + io) / bw, 2 * m * k * n / rate) * 1e6
+            # the same floors at the datasheet's 4.8 TB/s (cuBLAS streams at ~4.4 here)
+            row["floor_fused_us_4p8"] = max((int4_bytes + delta_bytes + io) / 4.8e12, 2 * m * k * n / rate) * 1e6
+            row["fp16_stream_TBps"] = (k * n * 2) / (row["fp16"] * 1e-6) / 1e12
             row["eff_bw_fused_TBps"] = (int4_bytes + delta_bytes) / (row["ours_fused"] * 1e-6) / 1e12
             results.append(row)
             i4 = f"{row['int4pack']:9.1f}" if row["int4pack"] else "      n/a"

@@ -64,6 +64,7 @@ INTERESTING_INTS = (0, 1, -1, 2, 7, 8, 15, 16, 63, 64, 127, 128, 255, 256, 1023,
 INTERESTING_VALUES: tuple[object, ...] = (
     *INTERESTING_INTS, 0.5, -0.0, 1e308, float("nan"), float("inf"), "", "F7", "F16", "I32", "U8", "BF16", "gptq",
     "gptq_v2", "marlin", "1", "2", "-1", "\x00", "é", None, True, False, [], {}, [0], [-1, 4], [2**62, 2**62], [0, 0],
+    [0, 2**70], [0] * 70, [1] * 70, [2**31, 0],
     {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
 )
 MAX_JSON_NODES = 100_000  # size cap for the JSON walkers: never loop unbounded

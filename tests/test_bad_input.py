@@ -183,6 +183,8 @@ CONTAINER_CASES = [
     ("float_shape", st_bytes({"a": {**T, "shape": [4.0]}}, b"\x00" * 16), r"a: shape must be a list of non-negative integers, found \[4.0\]"),
     ("bool_shape", st_bytes({"a": {**T, "shape": [True]}}, b"\x00" * 16), r"a: shape must be a list of non-negative integers, found \[True\]"),
     ("overflowing_shape", st_bytes({"a": {**T, "shape": [2**62, 2**62]}}, b"\x00" * 16), r"a: shape \[4611686018427387904, 4611686018427387904\] of F32 needs \d+ bytes, data_offsets span 16"),
+    ("zero_size_absurd_dim", st_bytes({"a": {**T, "shape": [0, 2**70], "data_offsets": [0, 0]}}), r"a: shape \[0, 1180591620717411303424\] exceeds 64 dimensions or 9223372036854775807 elements per dimension"),
+    ("too_many_dims", st_bytes({"a": {**T, "shape": [0] * 65, "data_offsets": [0, 0]}}), r"a: shape \[0, 0, .* exceeds 64 dimensions"),
     ("negative_offset", st_bytes({"a": {**T, "data_offsets": [-16, 0]}}, b"\x00" * 16), r"a: data_offsets must be \[begin, end\] with 0 <= begin <= end, found \[-16, 0\]"),
     ("reversed_offsets", st_bytes({"a": {**T, "data_offsets": [16, 0]}}, b"\x00" * 16), r"found \[16, 0\]"),
     ("offsets_not_pair", st_bytes({"a": {**T, "data_offsets": [0]}}, b"\x00" * 16), r"found \[0\]"),
@@ -667,3 +669,23 @@ def test_messages_are_single_line_for_hostile_names(tmp_path: Path) -> None:
 def test_nbytes_overflow_is_not_a_crash() -> None:
     """Shapes whose element count overflows int64 are compared as Python ints."""
     assert math.prod([2**62, 2**62]) * 4 > 2**64
+
+
+def test_cli_environment_oserror_is_one_line_exit_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Disk full (or any OSError from the environment) mid-write: one line, exit 2."""
+    import errno
+
+    from typer.testing import CliRunner
+
+    from converter.cli import convert_app
+
+    convert_module = sys.modules["converter.convert"]  # the package re-exports a function of that name
+
+    def full_disk(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out.safetensors"))
+
+    monkeypatch.setattr(convert_module, "convert", full_disk)
+    r = CliRunner().invoke(convert_app, [str(tmp_path), str(tmp_path / "out.safetensors")])
+    assert r.exit_code == 2
+    out = r.output.strip().splitlines()
+    assert out == [f"error: {tmp_path / 'out.safetensors'}: No space left on device"]

@@ -34,8 +34,8 @@ _SOURCES = ("marlin_gemm.cu", "dequant.cu", "asym_correction.cu", "marlin_common
 #: marlin_gemm instantiations: (MT, U, NS) = 16-row m-tiles per warp, k-tiles per
 #: step, shared-memory ring stages; each for GPI (group slots per step) in GEMM_GPIS[U]
 #: and with and without the fused delta.
-GEMM_PIPES = ((1, 4, 3), (2, 4, 3), (4, 2, 3), (1, 8, 3), (1, 4, 4))
-GEMM_GPIS = {8: (1, 2, 4), 4: (1, 2, 4), 2: (1, 2)}
+GEMM_PIPES = ((1, 4, 3), (1, 8, 3), (2, 4, 3), (4, 2, 3))
+GEMM_GPIS = {8: (1,), 4: (1, 2, 4), 2: (1, 2)}
 #: Target number of full waves of resident warps for the K split (tuned on an H200).
 WAVES = 1
 #: A block's pipeline fill, in k-tile times, charged per wave by the split's cost model.
@@ -44,14 +44,23 @@ LATENCY_TILES = 6
 FORCE_WK: int | None = None
 
 
-def default_pipe(m: int) -> tuple[int, int, int]:
-    """(MT, U, NS) for batch size m: more m-tiles per warp as M grows, so that one
-    dequantized B fragment feeds more mma instructions (registers permitting)."""
-    if m <= 16:
-        return GEMM_PIPES[0]
-    if m <= 32:
-        return GEMM_PIPES[1]
-    return GEMM_PIPES[2]
+def default_pipe(m: int, size_k: int, group_tiles: int, smem_limit: int = 227 * 1024) -> tuple[int, int, int]:
+    """(MT, U, NS) for batch size m (measured on an H200, scripts/perf_notes.md): one
+    m-tile and 4-tile steps for M <= 4, 8-tile steps up to M = 16 (when K, the group
+    size and the device's per-block shared memory allow), then more m-tiles per warp
+    so that one dequantized B fragment feeds more mma instructions.
+
+    Args:
+        m: rows of A. size_k: K. group_tiles: group size / 16 (K / 16 per-channel).
+        smem_limit: the device's opt-in shared memory per block, bytes.
+    """
+    if m > 16:
+        return (2, 4, 3) if m <= 32 else (4, 2, 3)
+    # 8-tile steps only with one group slot per step (group size >= 128, per-channel):
+    # more slots make the ring too big for more than one block per multiprocessor.
+    if m > 4 and (size_k // 16) % 8 == 0 and group_tiles % 8 == 0 and _gemm_smem(1, 8, 1, 3) <= smem_limit:
+        return (1, 8, 3)
+    return (1, 4, 3)
 
 
 def _gemm_name(mt: int, u: int, gpi: int, ns: int, delta: bool) -> str:
@@ -235,9 +244,10 @@ def gemm_plan(m: int, size_k: int, size_n: int, group_size: int, *, delta: bool 
         KernelError: K not a multiple of 16 U (64 for M <= 32, else 32).
         GpuUnavailableError: no CuPy / GPU.
     """
-    _layer_sizes(size_k, size_n, group_size)
-    return dict(_plan(m, size_k, size_n, group_size, delta, tuple(pipe or default_pipe(m)), WAVES,
-                      FORCE_WK, runtime.device_info()))
+    gs, _, _ = _layer_sizes(size_k, size_n, group_size)
+    info = runtime.device_info()
+    pipe = pipe or default_pipe(m, size_k, gs // 16, info.smem_per_block_optin)
+    return dict(_plan(m, size_k, size_n, group_size, delta, tuple(pipe), WAVES, FORCE_WK, info))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -254,10 +264,13 @@ def _plan(m: int, size_k: int, size_n: int, group_size: int, delta: bool, pipe: 
         raise KernelError(f"group_size {group_size} is not supported by the GEMM "
                           "(multiples of 32, and per-channel, are)")
     smem = _gemm_smem(mt, u, gpi, ns)
+    if smem > info.smem_per_block_optin:
+        raise KernelError(f"GEMM variant {pipe} needs {smem} bytes of shared memory per block; "
+                          f"{info.arch} allows {info.smem_per_block_optin}")
     regs = int(_fn("marlin_gemm.cu", _gemm_name(mt, u, gpi, ns, delta)).num_regs)
-    # Registers (64 K per SM) and shared memory (228 KB per SM, 1 KB reserved per
-    # block on sm_90) bound the resident 4-warp blocks per multiprocessor.
-    blocks_per_sm = max(1, min(65536 // (max(regs, 1) * 128), (228 * 1024) // (smem + 1024)))
+    # Registers (64 K per SM) and shared memory (1 KB reserved per block) bound the
+    # resident 4-warp blocks per multiprocessor.
+    blocks_per_sm = max(1, min(65536 // (max(regs, 1) * 128), info.smem_per_sm // (smem + 1024)))
     resident = info.sm_count * blocks_per_sm
     m_chunks = -(-m // (16 * mt))
     nblk = size_n // 64

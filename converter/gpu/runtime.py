@@ -26,12 +26,17 @@ class DeviceInfo:
         name: marketing name (``"NVIDIA H200"``).
         compute_capability: e.g. 90 for sm_90.
         sm_count: number of multiprocessors (132 on an H200).
+        smem_per_block_optin: bytes of shared memory one block may opt in to
+            (227 KB on sm_90, 163 KB on sm_80, 99 KB on sm_86/sm_89).
+        smem_per_sm: bytes of shared memory per multiprocessor.
     """
 
     index: int
     name: str
     compute_capability: int
     sm_count: int
+    smem_per_block_optin: int = 48 * 1024
+    smem_per_sm: int = 100 * 1024
 
     @property
     def arch(self) -> str:
@@ -78,7 +83,15 @@ def _device_info(index: int) -> DeviceInfo:
     props = cp.cuda.runtime.getDeviceProperties(index)
     cc = int(props["major"]) * 10 + int(props["minor"])
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-    info = DeviceInfo(index, name, cc, int(props["multiProcessorCount"]))
+    def attribute(code: int, key: str) -> int:
+        # cudaDevAttrMaxSharedMemoryPerBlockOptin = 97, ...PerMultiprocessor = 81
+        try:
+            return int(cp.cuda.runtime.deviceGetAttribute(code, index))
+        except Exception:
+            return int(props[key])
+
+    info = DeviceInfo(index, name, cc, int(props["multiProcessorCount"]),
+                      attribute(97, "sharedMemPerBlockOptin"), attribute(81, "sharedMemPerMultiprocessor"))
     if cc < MIN_COMPUTE_CAPABILITY:
         raise GpuUnavailableError(
             f"GPU {index} ({name}) has compute capability {cc // 10}.{cc % 10}; "

@@ -103,13 +103,19 @@ def pack_b_from_gptq4(words: np.ndarray) -> np.ndarray:
     rows, size_n = words.shape
     _check_codes_shape(rows * MARLIN_PACK_FACTOR, size_n)
     kt, nb = rows // 2, size_n // 64
-    m = np.uint32
     u = np.ascontiguousarray(words).view(np.uint32).reshape(kt, 2, nb, 4, 2, 8)  # kt rh nb j ch cl
     out = np.empty((kt, nb, 8, 4, 4), dtype=np.uint32)  # kt nb cl rp j
-    # Blocks of ~512 KB of input keep the temporaries in cache.
+    # Blocks of ~512 KB of input keep the temporaries in cache.  (Two packing threads
+    # were tried: no gain end to end, the write-behind thread already uses core 2.)
     step = max(1, min(kt, (1 << 19) // max(8 * size_n, 1)))
-    for t0 in range(0, kt, step):
-        t1 = min(t0 + step, kt)
+    _gptq4_blocks(u, out, [(t0, min(t0 + step, kt)) for t0 in range(0, kt, step)])
+    return out.reshape(kt, 2 * size_n).view(np.int32)
+
+
+def _gptq4_blocks(u: np.ndarray, out: np.ndarray, blocks: list[tuple[int, int]]) -> None:
+    """pack_b_from_gptq4's kernel over row-tile ranges ``[t0, t1)``."""
+    m = np.uint32
+    for t0, t1 in blocks:
         a, b = u[t0:t1, 0], u[t0:t1, 1]  # rh = 0, 1: (t, nb, j, ch, cl)
         # Byte rp of x (y) = output byte for rl = 0 (1): rh=0's nibble low, rh=1's high.
         x = (a & m(0x0F0F0F0F)) | ((b & m(0x0F0F0F0F)) << m(4))
@@ -124,7 +130,7 @@ def pack_b_from_gptq4(words: np.ndarray) -> np.ndarray:
         o[:, :, :, 1, :] = (((lo0 >> m(8)) & m(0x00FF00FF)) | (lo1 & m(0xFF00FF00))).transpose(0, 1, 3, 2)
         o[:, :, :, 2, :] = ((hi0 & m(0x00FF00FF)) | ((hi1 & m(0x00FF00FF)) << m(8))).transpose(0, 1, 3, 2)
         o[:, :, :, 3, :] = (((hi0 >> m(8)) & m(0x00FF00FF)) | (hi1 & m(0xFF00FF00))).transpose(0, 1, 3, 2)
-    return out.reshape(kt, 2 * size_n).view(np.int32)
+
 
 def unpack_b(b: np.ndarray, size_n: int | None = None) -> np.ndarray:
     """Exact inverse of :func:`pack_b`.

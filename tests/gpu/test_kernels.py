@@ -92,7 +92,7 @@ def test_gemm_matches_twin(cp, m, k, n, group_size, act_order, asym):
 
 @pytest.mark.parametrize("wk", [1, 4])
 @pytest.mark.parametrize("m,k,n,group_size", [(1, 1024, 320, 128), (17, 512, 192, 32), (65, 768, 448, -1),
-                                              (128, 256, 64, 64)])
+                                              (128, 256, 64, 64), (9, 2048, 320, 128)])
 def test_gemm_block_shapes(cp, monkeypatch, wk, m, k, n, group_size):
     """Both block shapes (4 column blocks per block, or 4 K quarters), ragged N / 256."""
     monkeypatch.setattr(kernels, "FORCE_WK", wk)
