@@ -81,9 +81,9 @@ SCALE_PERM_SINGLE = (
     6, 7, 14, 15, 22, 23, 30, 31,
 )  # fmt: skip
 
-#: Our own GEMM's limits (kernels/marlin_gemm.cu).
-KERNEL_K_MULTIPLE = 128
-KERNEL_GROUP_SIZES = (32, 64, 128)
+#: Our own GEMM's limits (kernels/marlin_gemm.cu): K % 64, N % 64, and any group
+#: size that is a multiple of 16 dividing K, or per-channel.
+KERNEL_K_MULTIPLE = 64
 
 # --- Artifact (schemas/marlin-artifact.v1.schema.json) --------------------------------
 PRODUCER_NAME = "marlin-convert"

@@ -16,6 +16,7 @@ import json
 import math
 import mmap
 import os
+import stat
 import struct
 import tempfile
 import time
@@ -85,9 +86,15 @@ class SafetensorsFile:
         self.path = Path(path)
         self._error = error
         try:
-            self._fh = open(self.path, "rb")
+            # O_NONBLOCK: opening a FIFO must not wait for a writer; only regular files
+            # are read (a FIFO or device would block or lie about its length).
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         except OSError as exc:
             raise ConverterError(f"cannot open: {exc.strerror}", path=self.path) from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise self._error("not a regular file (a FIFO, device or socket cannot be read as safetensors)", path=self.path)
+        self._fh = os.fdopen(fd, "rb")
         try:
             self.file_size = os.fstat(self._fh.fileno()).st_size
             self._parse_header()

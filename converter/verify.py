@@ -237,7 +237,7 @@ def _gpu_numerics(art: Artifact, report: Report, rows: dict[str, dict[str, Any]]
         progress("GPU numerics", len(art.layers))
     for name, rec in art.layers.items():
         if not rec.raw.get("kernel_compatible", False):
-            rows[name]["gpu"] = "skipped: layer is outside our kernel's limits (K % 128, N % 64, group 32/64/128 or per-channel)"
+            rows[name]["gpu"] = "skipped: layer is outside our kernel's limits (K % 64 == 0)"
             report.add("gpu_skipped", f"layer {name}: {rows[name]['gpu']}", name, severity="warning")
             continue
         u = unpack_layer(art, rec)

@@ -46,6 +46,15 @@ def _writing(out: Path) -> list[Path]:
     return [p for p in _temporaries(out) if p.name.endswith(".incomplete")]
 
 
+def _bytes_written(pid: int) -> int:
+    """Bytes the process has passed to write/pwrite so far (Linux /proc/<pid>/io)."""
+    try:
+        with open(f"/proc/{pid}/io") as fh:
+            return next(int(line.split()[1]) for line in fh if line.startswith("wchar:"))
+    except (OSError, StopIteration):
+        return 0
+
+
 def _kill_mid_write(src: Path, out: Path, *, min_written: float = 0.05, timeout: float = 120) -> Path:
     """Start marlin-convert, wait until its temporary holds real data, SIGKILL it.
 
@@ -64,9 +73,10 @@ def _kill_mid_write(src: Path, out: Path, *, min_written: float = 0.05, timeout:
             assert time.monotonic() < deadline, "no temporary file appeared"
             tmps = _writing(out)
             if tmps:
-                st = tmps[0].stat()
-                # The file is sized up front (sparse); allocated blocks show real writes.
-                if st.st_size and st.st_blocks * 512 >= min_written * st.st_size:
+                # The file is allocated up front (fallocate), so its size and blocks say
+                # nothing; the process's own write counter does.
+                size = tmps[0].stat().st_size
+                if size and _bytes_written(proc.pid) >= min_written * size:
                     break
             time.sleep(0.002)
         proc.send_signal(signal.SIGKILL)
@@ -90,6 +100,7 @@ def _check_kill(tmp_path: Path, src: Path) -> None:
     assert sorted(p.name for p in out.parent.iterdir()) == sorted([out.name, *(t.name for t in _temporaries(out))])
     assert tmp in _temporaries(out)
     assert tmp.stat().st_size > len(OLD)  # it really was in the middle of a big write
+    assert out.stat().st_size == len(OLD)
     assert _tree(src) == before_src
     # The next run (a new process) removes the dead writer's temporaries and completes.
     r = run_cli("marlin-convert", src, out, "--force", "--quiet")

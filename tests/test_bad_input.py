@@ -689,3 +689,15 @@ def test_cli_environment_oserror_is_one_line_exit_2(tmp_path: Path, monkeypatch:
     assert r.exit_code == 2
     out = r.output.strip().splitlines()
     assert out == [f"error: {tmp_path / 'out.safetensors'}: No space left on device"]
+
+
+@pytest.mark.parametrize("tool", ["marlin-convert", "marlin-verify"])
+def test_fifo_is_refused_not_waited_on(tmp_path: Path, tool: str) -> None:
+    """A FIFO named like a weight file must not block the reader (nothing may hang)."""
+    fifo = tmp_path / "model.safetensors"
+    os.mkfifo(fifo)
+    with pytest.raises(ConverterError, match=r"model.safetensors: not a regular file"):
+        SafetensorsFile(fifo)
+    args = (fifo, tmp_path / "out.safetensors") if tool == "marlin-convert" else (fifo, "--shapes")
+    r = run_cli(tool, *args, timeout=60)
+    _assert_one_line_error(r, "not a regular file" if tool == "marlin-convert" else "not a file")

@@ -31,7 +31,8 @@ def make_layer(rng, k, n, group_size, *, asym=True, act_order=False):
     return dict(q=q, s=s, delta=delta, perm=perm, B=pack_b(q), S=permute_scales(s), gs=gs)
 
 
-@pytest.mark.parametrize("k,n,group_size", [(128, 64, 32), (256, 128, 64), (256, 192, 128), (128, 64, -1), (256, 64, 256)])
+@pytest.mark.parametrize("k,n,group_size",
+                         [(128, 64, 32), (256, 128, 64), (256, 192, 128), (128, 64, -1), (256, 64, 256)])
 def test_dequant_symmetric_equals_fp16_product(k, n, group_size):
     rng = np.random.default_rng(k + n)
     L = make_layer(rng, k, n, group_size, asym=False)

@@ -147,5 +147,7 @@ def test_upstream_and_kernel_limits() -> None:
     assert not upstream_compatible(384, 384, 128)  # MiniLM: N % 256 != 0
     assert kernel_compatible(384, 384, 128)
     assert kernel_compatible(512, 256, 32)
-    assert not kernel_compatible(512, 256, 256)
-    assert not kernel_compatible(80, 64, 16)
+    assert kernel_compatible(512, 256, 256)
+    assert kernel_compatible(192, 64, 48)
+    assert not kernel_compatible(80, 64, 16)  # K % 64
+    assert not kernel_compatible(512, 96, 128)

@@ -12,7 +12,6 @@ from ..constants import (
     CONVERT_GROUP_MULTIPLE,
     CONVERT_K_MULTIPLE,
     CONVERT_N_MULTIPLE,
-    KERNEL_GROUP_SIZES,
     KERNEL_K_MULTIPLE,
     MARLIN_PACK_FACTOR,
     MARLIN_TILE,
@@ -113,11 +112,7 @@ def upstream_compatible(size_k: int, size_n: int, group_size: int) -> bool:
 def kernel_compatible(size_k: int, size_n: int, group_size: int) -> bool:
     """Whether our own CUDA GEMM (kernels/marlin_gemm.cu) runs the layer.
 
-    Its limits: ``K % 128 == 0``, ``N % 64 == 0``, group 32, 64, 128 or per-channel.
+    Its limits: ``K % 64 == 0``, ``N % 64 == 0``, and a group size that is a multiple
+    of 16 dividing K, or per-channel (``converter.gpu.kernels.gemm_plan``).
     """
-    per_channel = group_size in (-1, size_k)
-    return (
-        size_k % KERNEL_K_MULTIPLE == 0
-        and size_n % CONVERT_N_MULTIPLE == 0
-        and (per_channel or group_size in KERNEL_GROUP_SIZES)
-    )
+    return size_k % KERNEL_K_MULTIPLE == 0 and check_convertible(size_k, size_n, group_size)[0]
