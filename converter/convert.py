@@ -261,8 +261,8 @@ def _write_layer(source: Source, layer: LayerPlan, writer: StreamingWriter, behi
         packed = fast(layer, k0, k1) if fast is not None else None
         if packed is None:
             qw = source.load_layer(layer, k0, k1)
-            b = pack_b(qw.q)
-        else:  # same bits, without materialising the uint8 codes
+            b = pack_b(qw.marlin_codes())
+        else:  # same bits, without materialising the uint8 codes (4-bit: no code offset)
             b, qw = packed
         jobs: list[tuple[str, np.ndarray, int, Any]] = [(names[Suffix.B], b, k0 // 16, hashers[Suffix.B])]
         g0 = k0 // layer.group_size
@@ -270,7 +270,7 @@ def _write_layer(source: Source, layer: LayerPlan, writer: StreamingWriter, behi
         skip = max(groups_done - g0, 0)
         if skip < qw.num_groups:
             s = permute_scales(qw.scales[skip:], single=layer.num_groups == 1)
-            delta = np.ascontiguousarray(qw.delta[skip:], dtype=np.float32)
+            delta = np.ascontiguousarray(qw.marlin_delta()[skip:], dtype=np.float32)
             jobs.append((names[Suffix.SCALES], s, g0 + skip, hashers[Suffix.SCALES]))
             jobs.append((names[Suffix.DELTA], delta, g0 + skip, hashers[Suffix.DELTA]))
             groups_done = g0 + qw.num_groups

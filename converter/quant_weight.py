@@ -42,6 +42,18 @@ class Tensor:
     data: np.ndarray
 
 
+def marlin_code_offset(bits: int) -> int:
+    """What is added to a ``bits``-bit source code to make its Marlin 4-bit code.
+
+    ``8 - 2**(bits - 1)``: 0 for 4-bit, 4 for 3-bit, 6 for 2-bit.  Centering narrow
+    codes on Marlin's hard-wired zero 8 keeps ``(q - 8) * s`` and ``delta`` as small as
+    the weights themselves; uncentered, a 2-bit layer's ``(q - 8) * s`` and ``delta``
+    are about 8 steps each and cancel, and the kernel's fp16 rounding of each costs
+    ~10x more relative error (measured on the H200: 2.9e-3 against 3e-4).
+    """
+    return MARLIN_ZERO - (1 << (bits - 1))
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantWeight:
     """One quantized linear layer, independent of the source format.
@@ -54,8 +66,9 @@ class QuantWeight:
         zeros: the offset exactly as the source defines it after container decoding,
             ``(num_groups, size_n)``: integer zero points (uint8) for GPTQ/AWQ/
             compressed-tensors, the float16 additive ``zero`` for ``.tinyloop``.
-        delta: float32 ``(num_groups, size_n)``, ``W_source - (q - 8) * s``, so that
-            ``x @ W = marlin(x) + xsum @ delta``.
+        delta: float32 ``(num_groups, size_n)``, ``W_source - (q - 8) * s`` for the
+            source codes ``q``; the artifact stores :meth:`marlin_delta`, which is the
+            same for 4-bit layers.
         group_size: rows per group; ``size_k`` for per-channel (one group).
         bits: source bit width (2, 3 or 4); codes are valid 4-bit codes either way.
         zero_convention: how ``zeros`` is to be read, see :class:`ZeroConvention`.
@@ -101,6 +114,31 @@ class QuantWeight:
         """True when ``delta`` is exactly zero everywhere (derived from data, not flags)."""
         return not bool(np.any(self.delta))
 
+    @property
+    def code_offset(self) -> int:
+        """``marlin_code_offset(bits)``: Marlin code = source code + this."""
+        return marlin_code_offset(self.bits)
+
+    def marlin_codes(self) -> np.ndarray:
+        """uint8 ``(rows of q, size_n)``: the 4-bit codes that go into ``B`` (``q + code_offset``)."""
+        off = self.code_offset
+        return self.q if off == 0 else self.q + np.uint8(off)
+
+    def marlin_delta(self) -> np.ndarray:
+        """float32 ``(num_groups, size_n)``: ``W_source - (marlin_codes - 8) * s``.
+
+        Evaluated in one fp32 step from the source's own quantities (``(8 - off - z) *
+        s``, or ``zero + (8 - off) * s`` for ``.tinyloop``), so integer-zero formats stay
+        exact.
+        """
+        off = self.code_offset
+        if off == 0:
+            return self.delta
+        s = self.source_scales_f32()
+        if self.zero_convention is ZeroConvention.TINYLOOP_ADDITIVE:
+            return self.zeros.astype(np.float32) + np.float32(MARLIN_ZERO - off) * s
+        return (np.float32(MARLIN_ZERO - off) - self.zeros.astype(np.float32)) * s
+
     def source_weight(self) -> np.ndarray:
         """The weight as the *source* defines it, float32 ``(rows of q, size_n)``.
 
@@ -116,10 +154,10 @@ class QuantWeight:
         return s * (q - self.zeros.astype(np.float32)[g])
 
     def marlin_weight(self) -> np.ndarray:
-        """``(q - 8) * s + delta`` in float32 ``(rows of q, size_n)``: what the artifact computes."""
+        """``(marlin_codes - 8) * s + marlin_delta`` in float32 ``(rows of q, size_n)``: what the artifact computes."""
         g = self._row_groups()
-        q = self.q.astype(np.float32)
-        return (q - MARLIN_ZERO) * self.scales.astype(np.float32)[g] + self.delta[g]
+        q = self.marlin_codes().astype(np.float32)
+        return (q - MARLIN_ZERO) * self.scales.astype(np.float32)[g] + self.marlin_delta()[g]
 
     def source_scales_f32(self) -> np.ndarray:
         """float32 ``(num_groups, size_n)``: the scales as the source stored them."""

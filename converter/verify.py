@@ -99,9 +99,9 @@ def compare_against(art: Artifact, source: Source, report: Report, layer_rows: d
         loaded[name] = qw
         u = unpack_layer(art, rec)
         checks = {
-            "codes": (u["q"], qw.q),
+            "codes": (u["q"], qw.marlin_codes()),
             "scales": (u["scales"], np.ascontiguousarray(qw.scales, dtype=np.float16)),
-            "delta": (u["delta"], np.ascontiguousarray(qw.delta, dtype=np.float32)),
+            "delta": (u["delta"], np.ascontiguousarray(qw.marlin_delta(), dtype=np.float32)),
         }
         if (u["perm"] is None) != (qw.perm is None):
             report.add("source_mismatch", f"layer {name}: act-order permutation present in only one of artifact and source", name)

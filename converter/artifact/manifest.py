@@ -30,6 +30,7 @@ from ..constants import (
 )
 from ..errors import ArtifactError, SchemaVersionError
 from ..formats.base import LayerPlan
+from ..quant_weight import marlin_code_offset
 from ..marlin.shapes import kernel_compatible, upstream_compatible
 
 SCHEMA_FILE = f"marlin-artifact.v{ARTIFACT_SCHEMA_VERSION}.schema.json"
@@ -49,6 +50,7 @@ def layer_entry(layer: LayerPlan) -> dict[str, Any]:
         "group_size": layer.group_size,
         "num_groups": layer.num_groups,
         "bits": layer.bits,
+        "code_offset": marlin_code_offset(layer.bits),
         "symmetric": layer.symmetric,
         "zero_convention": layer.zero_convention.value,
         "has_bias": layer.bias is not None,

@@ -310,7 +310,8 @@ class CompressedTensorsSource(Source):
             layer.convertible, layer.reason = False, reason
             return layer
         z = self._zeros(layer)
-        layer.symmetric = bool(np.all(z == MARLIN_ZERO))
+        # Artifact delta == 0: b-bit codes are stored centred on 8 (marlin_code_offset).
+        layer.symmetric = bool(np.all(z == symmetric_zero(b)))
         if args.symmetric and has_zp and not bool(np.all(z == symmetric_zero(b))):
             layer.warnings.append(
                 f"config group {args.group} says symmetric but weight_zero_point varies; converted with delta (data wins)"

@@ -339,9 +339,9 @@ class GptqSource(Source):
             layer.convertible, layer.reason = False, reason
             return layer
         z = self._decode_zeros(prefix, b, convention)
-        # "symmetric" in the manifest means delta == 0, i.e. z == 8 (a 2- or 3-bit
-        # symmetric layer has z = 2 or 4 and a non-zero delta).
-        layer.symmetric = bool(np.all(z == MARLIN_ZERO))
+        # "symmetric" in the manifest means the artifact's delta == 0: z == 2^(b-1),
+        # since b-bit codes are stored centred on Marlin's 8 (quant_weight.marlin_code_offset).
+        layer.symmetric = bool(np.all(z == symmetric_zero(b)))
         if cfg.sym and not bool(np.all(z == symmetric_zero(b))):
             n_bad = int(np.count_nonzero(z != symmetric_zero(b)))
             layer.warnings.append(

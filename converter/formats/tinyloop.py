@@ -274,7 +274,6 @@ class TinyloopSource(Source):
         for lin in self._linears.values():
             scale = self._checked_finite(lin.scale)
             zero = self._checked_finite(lin.zero)
-            delta = self._delta(scale, zero)
             if lin.exact_int4:
                 ok, reason = False, EXACT_INT4_REASON
             else:
@@ -297,7 +296,9 @@ class TinyloopSource(Source):
                     group_size=lin.group_size,
                     bits=lin.bits,
                     zero_convention=ZeroConvention.TINYLOOP_ADDITIVE,
-                    symmetric=not bool(np.any(delta)),
+                    # The artifact's delta: codes are stored centred on 8, so it is
+                    # zero + 2^(bits-1) * scale (quant_weight.marlin_code_offset).
+                    symmetric=not bool(np.any(zero.astype(np.float32) + np.float32(1 << (lin.bits - 1)) * scale.astype(np.float32))),
                     act_order=False,
                     source_tensors=source_tensors,
                     bias=self._info(lin.bias) if lin.bias else None,
