@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -19,15 +18,15 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from .artifact.manifest import layer_entry, metadata_for, new_manifest
+from .artifact.manifest import layer_entry, new_manifest
 from .artifact.sharding import ArtifactWriter, OutputTarget, folder_extras, parse_size
 from .constants import CHECKSUM_HEX_LEN, SAFETENSORS_DTYPES, Suffix
-from .errors import ConverterError, OutputExistsError, SourceFormatError
+from .errors import SourceFormatError
 from .formats import open_source
 from .formats.base import LayerPlan, Source, SourcePlan
 from .marlin.layout import pack_b, permute_scales
 from .marlin.shapes import LayerShape, marlin_shapes
-from .safetensors_io import StreamingWriter, header_size_for, release_mapped_pages
+from .safetensors_io import StreamingWriter, release_mapped_pages
 
 #: Bytes of uint8 codes unpacked at a time; bounds peak memory per layer.
 CHUNK_CODE_BYTES = 32 << 20

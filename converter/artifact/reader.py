@@ -9,7 +9,6 @@ from typing import Any
 import numpy as np
 
 from ..errors import ArtifactError, ConverterError
-from ..safetensors_io import SafetensorsFile
 from .manifest import parse_metadata
 
 

@@ -30,7 +30,7 @@ from ..errors import ConfigError, SourceFormatError, UnsupportedQuantError
 from ..marlin.shapes import check_convertible
 from ..quant_weight import QuantWeight, Tensor
 from .base import LayerPlan, Source, SourcePlan, TensorInfo
-from .hf import HFCheckpoint, as_f32, config_field, not_convert_match, string_list, tag_excluded
+from .hf import HFCheckpoint, as_f32, assemble_plan, config_field, integer_zero_weight, not_convert_match, string_list
 from .packing import unpack_awq
 from .scales import scales_to_fp16
 
@@ -92,24 +92,8 @@ class AwqSource(Source):
                 NaN/Inf or fp16-overflowing scales.
             UnsupportedQuantError: a Marlin-packed ``qweight`` under a gemm label.
         """
-        infos = self.ckpt.infos
-        layers: list[LayerPlan] = []
-        owned: set[str] = set()
-        reasons: dict[str, str] = {}
-        for name in infos:
-            if not name.endswith(".qweight"):
-                continue
-            layer = self._plan_layer(name[: -len(".qweight")])
-            layers.append(layer)
-            owned.update(layer.source_tensors)
-            if layer.bias:
-                owned.add(layer.bias.name)
-            if not layer.convertible:
-                for t in layer.source_tensors + ((layer.bias.name,) if layer.bias else ()):
-                    reasons[t] = f"layer {layer.name} not converted: {layer.reason}"
-        tensors = [i for n, i in infos.items() if n not in owned]
-        tag_excluded(tensors, reasons, self._plain_reason)
-        return SourcePlan(layers, tensors, reasons)
+        layers = [self._plan_layer(n[: -len(".qweight")]) for n in self.ckpt.infos if n.endswith(".qweight")]
+        return assemble_plan(layers, self.ckpt.infos, self._plain_reason)
 
     def _plain_reason(self, module: str) -> str | None:
         entry = not_convert_match(module, self.not_convert)
@@ -190,18 +174,7 @@ class AwqSource(Source):
         q = unpack_awq(np.asarray(self.ckpt.array(f"{layer.name}.qweight")[k_start:k_stop]))
         g0, g1 = k_start // g, -(-k_stop // g)
         z = unpack_awq(np.asarray(self.ckpt.array(f"{layer.name}.qzeros")[g0:g1]))
-        sname = f"{layer.name}.scales"
-        sinfo = self.ckpt.info(sname)
-        s_src = as_f32(self.ckpt.array(sname)[g0:g1], sinfo.dtype)
-        s16 = scales_to_fp16(s_src, path=self.ckpt.file_of(sname), tensor=sname)
-        delta = (np.float32(MARLIN_ZERO) - z.astype(np.float32)) * s_src
-        return QuantWeight(
-            name=layer.name, q=q, scales=s16, zeros=z, delta=delta, group_size=g, bits=AWQ_BITS,
-            zero_convention=ZeroConvention.AWQ,
-            bias=self.ckpt.tensor(layer.bias.name) if layer.bias else None,
-            k_offset=k_start, size_k=layer.size_k, source_scales_dtype=sinfo.dtype,
-            source_scales=None if sinfo.dtype == "F16" else s_src,
-        )
+        return integer_zero_weight(self.ckpt, layer, q=q, z=z, scales=f"{layer.name}.scales", g0=g0, g1=g1, k_start=k_start)
 
     def load_tensor(self, name: str) -> Tensor:
         return self.ckpt.tensor(name)

@@ -35,12 +35,12 @@ from typing import Any
 
 import numpy as np
 
-from ..constants import MARLIN_ZERO, SourceFormat, ZeroConvention
+from ..constants import SourceFormat, ZeroConvention
 from ..errors import ConfigError, SourceFormatError, UnsupportedQuantError
 from ..marlin.shapes import check_convertible
 from ..quant_weight import QuantWeight, Tensor
 from .base import LayerPlan, Source, SourcePlan, TensorInfo
-from .hf import HFCheckpoint, as_f32, tag_excluded
+from .hf import HFCheckpoint, as_f32, assemble_plan, integer_zero_weight
 from .packing import act_order_perm, codes_per_word, gather_rows, symmetric_zero, unpack_words
 from .scales import scales_to_fp16
 
@@ -197,28 +197,13 @@ class CompressedTensorsSource(Source):
             UnsupportedQuantError: no packed layer while ``quantization_status`` is
                 not ``compressed`` (weights still in float).
         """
-        infos = self.ckpt.infos
-        layers: list[LayerPlan] = []
-        owned: set[str] = set()
-        reasons: dict[str, str] = {}
-        for name in infos:
-            if name.endswith(".weight_packed"):
-                layer = self._plan_layer(name[: -len(".weight_packed")])
-                layers.append(layer)
-                owned.update(layer.source_tensors)
-                if layer.bias:
-                    owned.add(layer.bias.name)
-                if not layer.convertible:
-                    for t in layer.source_tensors + ((layer.bias.name,) if layer.bias else ()):
-                        reasons[t] = f"layer {layer.name} not converted: {layer.reason}"
+        layers = [self._plan_layer(n[: -len(".weight_packed")]) for n in self.ckpt.infos if n.endswith(".weight_packed")]
         if not layers and self.status not in (None, "compressed"):
             raise UnsupportedQuantError(
                 f"no weight_packed tensors and quantization_status is {self.status!r}, not 'compressed': "
                 "the weights were never packed", path=self.cfg_path, tensor="quantization_status",
             )
-        tensors = [i for n, i in infos.items() if n not in owned]
-        tag_excluded(tensors, reasons, self._plain_reason)
-        return SourcePlan(layers, tensors, reasons)
+        return assemble_plan(layers, self.ckpt.infos, self._plain_reason)
 
     def _plain_reason(self, module: str) -> str | None:
         entry = self.ignored(module)
@@ -357,18 +342,8 @@ class CompressedTensorsSource(Source):
             q = gather_rows(packed.T, np.arange(k_start, k_stop), b)
         g0, g1 = k_start // g, -(-k_stop // g)
         z = self._zeros(layer, g0, g1)
-        sname = f"{layer.name}.weight_scale"
-        sinfo = self.ckpt.info(sname)
-        s_src = np.ascontiguousarray(as_f32(self.ckpt.array(sname)[:, g0:g1], sinfo.dtype).T)
-        s16 = scales_to_fp16(s_src, path=self.ckpt.file_of(sname), tensor=sname)
-        delta = (np.float32(MARLIN_ZERO) - z.astype(np.float32)) * s_src
-        return QuantWeight(
-            name=layer.name, q=q, scales=s16, zeros=z, delta=delta, group_size=g, bits=b,
-            zero_convention=ZeroConvention.CT_OFFSET8,
-            bias=self.ckpt.tensor(layer.bias.name) if layer.bias else None,
-            perm=perm, k_offset=k_start, size_k=layer.size_k, source_scales_dtype=sinfo.dtype,
-            source_scales=None if sinfo.dtype == "F16" else s_src,
-        )
+        return integer_zero_weight(self.ckpt, layer, q=q, z=z, scales=f"{layer.name}.weight_scale", g0=g0, g1=g1,
+                                   perm=perm, k_start=k_start, scales_transposed=True)
 
     def load_tensor(self, name: str) -> Tensor:
         return self.ckpt.tensor(name)

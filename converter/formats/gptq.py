@@ -34,13 +34,13 @@ from typing import Any
 
 import numpy as np
 
-from ..constants import MARLIN_ZERO, SourceFormat, ZeroConvention
+from ..constants import SourceFormat, ZeroConvention
 from ..errors import ConfigError, SourceFormatError, UnsupportedQuantError
 from ..marlin.layout import pack_b_from_gptq4
 from ..marlin.shapes import check_convertible
 from ..quant_weight import QuantWeight
 from .base import LayerPlan, Source, SourcePlan, TensorInfo
-from .hf import HFCheckpoint, as_f32, config_field, not_convert_match, string_list, tag_excluded
+from .hf import HFCheckpoint, as_f32, assemble_plan, config_field, integer_zero_weight, not_convert_match, string_list
 from .packing import (
     act_order_perm,
     decode_gptq_zeros,
@@ -218,22 +218,9 @@ class GptqSource(Source):
                 fp16-overflowing scales (named by tensor).
             ConfigError: ``bits`` contradicting ``qweight`` and ``g_idx``.
         """
-        infos = self.ckpt.infos
-        prefixes = [n[: -len(".qweight")] for n in infos if n.endswith(".qweight")]
-        owned: set[str] = set()
-        layers: list[LayerPlan] = []
-        reasons: dict[str, str] = {}
-        for prefix in prefixes:
-            layer = self._plan_layer(prefix)
-            layers.append(layer)
-            owned.update(layer.source_tensors)
-            if layer.bias:
-                owned.add(layer.bias.name)
-            if not layer.convertible:
-                for t in layer.source_tensors + ((layer.bias.name,) if layer.bias else ()):
-                    reasons[t] = f"layer {prefix} not converted: {layer.reason}"
-        tensors = [i for n, i in infos.items() if n not in owned]
-        for info in tensors:
+        layers = [self._plan_layer(n[: -len(".qweight")]) for n in self.ckpt.infos if n.endswith(".qweight")]
+        plan = assemble_plan(layers, self.ckpt.infos, self._plain_reason)
+        for info in plan.tensors:
             prefix, _, suffix = info.name.rpartition(".")
             if suffix in ("qzeros", "g_idx"):
                 # Carrying these over as plain tensors would silently drop a layer.
@@ -241,8 +228,7 @@ class GptqSource(Source):
                 raise SourceFormatError(
                     f"layer {prefix} has {suffix} but no qweight{hint}", path=self.ckpt.file_of(info.name), tensor=info.name
                 )
-        tag_excluded(tensors, reasons, self._plain_reason)
-        return SourcePlan(layers, tensors, reasons)
+        return plan
 
     def _plain_reason(self, module: str) -> str | None:
         cfg = self.layer_config(module)
@@ -429,18 +415,8 @@ class GptqSource(Source):
                 q = unpack_words(np.asarray(qweight[w0:w1]), b, axis=0)
         g0, g1 = k_start // g, -(-k_stop // g)
         z = self._decode_zeros(layer.name, b, layer.zero_convention, g0, g1)
-        sname = f"{layer.name}.scales"
-        sinfo = self.ckpt.info(sname)
-        s_src = as_f32(self.ckpt.array(sname)[g0:g1], sinfo.dtype)
-        s16 = scales_to_fp16(s_src, path=self.ckpt.file_of(sname), tensor=sname)
-        delta = (np.float32(MARLIN_ZERO) - z.astype(np.float32)) * s_src
-        return QuantWeight(
-            name=layer.name, q=q, scales=s16, zeros=z, delta=delta, group_size=g, bits=b,
-            zero_convention=layer.zero_convention,
-            bias=self.ckpt.tensor(layer.bias.name) if layer.bias else None,
-            perm=perm, k_offset=k_start, size_k=layer.size_k, source_scales_dtype=sinfo.dtype,
-            source_scales=None if sinfo.dtype == "F16" else s_src,
-        )
+        return integer_zero_weight(self.ckpt, layer, q=q, z=z, scales=f"{layer.name}.scales", g0=g0, g1=g1,
+                                   perm=perm, k_start=k_start)
 
     def load_packed(self, layer: LayerPlan, k_start: int = 0, k_stop: int | None = None) -> tuple[np.ndarray, QuantWeight] | None:
         """Conversion fast path: Marlin ``B`` for rows ``[k_start, k_stop)`` made straight

@@ -15,11 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from ..constants import HF_INDEX_NAME
+from ..constants import HF_INDEX_NAME, MARLIN_ZERO
 from ..errors import ConfigError, SourceFormatError
-from ..quant_weight import Tensor
+from ..quant_weight import QuantWeight, Tensor
 from ..safetensors_io import SafetensorsFile, parse_json_object
-from .base import TensorInfo
+from .base import LayerPlan, SourcePlan, TensorInfo
+from .scales import scales_to_fp16
 
 #: Where producers put the quant config, in lookup order (checkpoint-formats.md 1.7;
 #: auto-round writes quantization_config.json).
@@ -249,6 +250,62 @@ def string_list(cfg: dict[str, Any], key: str, *, path: Path) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise ConfigError(f"expected a list of strings, found {json.dumps(value)[:200]}", path=path, tensor=key)
     return list(value)
+
+
+def assemble_plan(layers: list[LayerPlan], infos: dict[str, TensorInfo], rule: Any) -> SourcePlan:
+    """The :class:`SourcePlan` of an HF checkpoint from its planned layers.
+
+    Tensors no layer owns (its ``source_tensors`` and bias) are plain; every tensor of
+    a layer that does not convert passes through with ``"layer <name> not converted:
+    <reason>"``; plain tensors of modules that ``rule(module)`` names get its reason.
+    """
+    owned: set[str] = set()
+    reasons: dict[str, str] = {}
+    for layer in layers:
+        mine = layer.source_tensors + ((layer.bias.name,) if layer.bias else ())
+        owned.update(mine)
+        if not layer.convertible:
+            for t in mine:
+                reasons[t] = f"layer {layer.name} not converted: {layer.reason}"
+    plain = [i for n, i in infos.items() if n not in owned]
+    tag_excluded(plain, reasons, rule)
+    return SourcePlan(layers, plain, reasons)
+
+
+def integer_zero_weight(
+    ckpt: HFCheckpoint, layer: LayerPlan, *, q: np.ndarray, z: np.ndarray, scales: str, g0: int, g1: int | None,
+    perm: np.ndarray | None = None, k_start: int = 0, scales_transposed: bool = False,
+) -> QuantWeight:
+    """A :class:`QuantWeight` for formats with integer zero points (``W = s * (q - z)``).
+
+    Args:
+        ckpt: the checkpoint holding the scales and bias.
+        layer: the planned layer.
+        q: uint8 ``(rows, N)`` source codes, Marlin row order.
+        z: uint8 ``(groups, N)`` true zero points of groups ``[g0, g1)``.
+        scales: name of the scale tensor, ``(G, N)`` or, with ``scales_transposed``,
+            ``(N, G)`` (compressed-tensors).
+        g0, g1: the groups the rows cover.
+
+    Returns:
+        The layer chunk, with fp16 scales (range-checked) and
+        ``delta = (8 - z) * s`` in float32 from the scales as stored (spec 4.6).
+
+    Raises:
+        SourceFormatError: a scale is NaN/Inf or overflows fp16.
+    """
+    info = ckpt.info(scales)
+    raw = ckpt.array(scales)
+    s_src = as_f32(raw[:, g0:g1], info.dtype).T.copy() if scales_transposed else as_f32(raw[g0:g1], info.dtype)
+    return QuantWeight(
+        name=layer.name, q=q, zeros=z, group_size=layer.group_size, bits=layer.bits,
+        scales=scales_to_fp16(s_src, path=ckpt.file_of(scales), tensor=scales),
+        delta=(np.float32(MARLIN_ZERO) - z.astype(np.float32)) * s_src,
+        zero_convention=layer.zero_convention,
+        bias=ckpt.tensor(layer.bias.name) if layer.bias else None,
+        perm=perm, k_offset=k_start, size_k=layer.size_k, source_scales_dtype=info.dtype,
+        source_scales=None if info.dtype == "F16" else s_src,
+    )
 
 
 def tag_excluded(plain: list[TensorInfo], reasons: dict[str, str], rule: Any) -> None:

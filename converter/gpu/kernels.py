@@ -514,7 +514,7 @@ def marlin_gemm_two_kernel(
     Same arguments and result shape as :func:`marlin_gemm` (``delta`` required); one
     more rounding to fp16 than the fused path. Twin: ``reference.marlin_gemm_two_kernel``.
     """
-    cp = runtime.cupy_module()
+    runtime.cupy_module()  # raises GpuUnavailableError before any argument check
     if delta is None:
         raise KernelError("delta is required for the two-kernel path", tensor="delta")
     gs, g, _ = _layer_sizes(size_k, size_n, group_size)
