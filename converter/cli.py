@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -51,9 +52,16 @@ def _one_line(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+def _exit_on_signal(signum: int, frame: object) -> None:
+    # SIGTERM/SIGHUP unwind like Ctrl-C, so the writers delete their temporary files.
+    raise KeyboardInterrupt
+
+
 @contextmanager
 def _errors_to_exit(debug: bool, as_json: bool) -> Iterator[None]:
     """Map our errors to one stderr line (and a JSON error document) and exit 2."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit_on_signal)
     try:
         yield
     except ConverterError as exc:

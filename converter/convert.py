@@ -2,8 +2,9 @@
 
 Flow: ``plan`` (metadata and small tensors only; every check that can fail on the
 input runs here, before anything is written), then stream each layer in K chunks
-through :func:`~converter.marlin.layout.pack_b` into a :class:`StreamingWriter`
-(temporary file, fsync, rename), hashing every tensor's bytes on the way.
+through :func:`~converter.marlin.layout.pack_b` into an
+:class:`~converter.artifact.sharding.ArtifactWriter` (one file, shards or a model
+folder; temporary files, fsync, rename), hashing every tensor's bytes on the way.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import xxhash
 
 from .artifact.manifest import layer_entry, new_manifest
 from .artifact.sharding import ArtifactWriter, OutputTarget, folder_extras, parse_size
-from .constants import CHECKSUM_HEX_LEN, SAFETENSORS_DTYPES, Suffix
+from .constants import CHECKSUM_HEX_LEN, SAFETENSORS_DTYPES, SAFETENSORS_METADATA_KEY, Suffix
 from .errors import SourceFormatError
 from .formats import open_source
 from .formats.base import LayerPlan, Source, SourcePlan
@@ -42,7 +43,7 @@ class ConvertReport:
     """What a conversion did (or, for a dry run, would do).
 
     Attributes:
-        source: input path; output: artifact path (None for a dry run).
+        source: input path; output: artifact path (planned, for a dry run).
         source_format: detected format.
         converted: manifest records of the converted layers.
         passthrough: ``[{"name", "reason"}]`` for every carried-over tensor.
@@ -99,6 +100,11 @@ def build_layout(plan: SourcePlan, *, path: Path) -> tuple[list[tuple[str, str, 
         passthrough.append({"name": info.name, "reason": plan.passthrough_reasons.get(info.name, PLAIN_REASON)})
     known = {n for n, _, _ in layout}
     for entry in passthrough:
+        if entry["name"] == SAFETENSORS_METADATA_KEY:
+            raise SourceFormatError(
+                f"a tensor may not be named {SAFETENSORS_METADATA_KEY!r}: safetensors reserves it; rename it in the source",
+                path=path, tensor=entry["name"],
+            )
         if entry["name"] in known:
             raise SourceFormatError(
                 "tensor name collides with a converted layer's artifact tensor; rename it in the source",

@@ -91,9 +91,11 @@ class SafetensorsFile:
             fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         except OSError as exc:
             raise ConverterError(f"cannot open: {exc.strerror}", path=self.path) from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
             os.close(fd)
-            raise self._error("not a regular file (a FIFO, device or socket cannot be read as safetensors)", path=self.path)
+            what = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a FIFO, device or socket)"
+            raise self._error(f"{what}, cannot be read as safetensors", path=self.path)
         self._fh = os.fdopen(fd, "rb")
         try:
             self.file_size = os.fstat(self._fh.fileno()).st_size

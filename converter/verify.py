@@ -12,7 +12,7 @@ import numpy as np
 import xxhash
 
 from .artifact.reader import Artifact, LayerRecord
-from .artifact.validate import Report, validate_artifact
+from .artifact.validate import Report, broken_layers, validate_artifact
 from .constants import MARLIN_ZERO, Suffix
 from .errors import ConverterError, GpuUnavailableError
 from .formats import open_source
@@ -69,11 +69,15 @@ def _first_diff(a: np.ndarray, b: np.ndarray) -> str:
     return f"{len(bad)} of {a.size} differ; first at {list(idx)}: {a[idx].item()} vs source {b[idx].item()}"
 
 
-def compare_against(art: Artifact, source: Source, report: Report, layer_rows: dict[str, dict[str, Any]]) -> dict[str, QuantWeight]:
+def compare_against(art: Artifact, source: Source, report: Report, layer_rows: dict[str, dict[str, Any]],
+                    skip: set[str] = frozenset()) -> dict[str, QuantWeight]:
     """Compare the artifact with its source exactly; append problems to ``report``.
 
-    Checks codes (unpacked ``B``), scales (unpermuted, bitwise), ``delta`` (bitwise),
-    ``perm``, bias and every pass-through tensor's bytes.
+    Checks that the artifact holds exactly the tensors a conversion of this source
+    makes; per layer the manifest facts (bits, zero convention, bias), codes (unpacked
+    ``B``), scales (unpermuted, bitwise), ``delta`` (bitwise) and ``perm``; the bias
+    and every pass-through tensor byte for byte.  Layers in ``skip`` (structurally
+    broken, already reported) are not compared.
 
     Returns:
         ``{layer name: QuantWeight}`` of the source layers (for numerics).
@@ -92,10 +96,33 @@ def compare_against(art: Artifact, source: Source, report: Report, layer_rows: d
         report.add("source_mismatch", f"layer {name} is in the artifact but not converted from the source", name)
     for name in src_layers.keys() - art.layers.keys():
         report.add("source_mismatch", f"layer {name} converts from the source but is missing from the artifact", name)
+    from .convert import build_layout  # the conversion's own plan of the artifact
+
+    expected = {n for n, _, _ in build_layout(plan, path=Path(str(getattr(source, "path", ""))))[0]}
+    expected |= {i.name for i in plan.tensors} | set(plan.passthrough_reasons)
+    for lay in plan.layers:
+        if not lay.convertible:
+            expected |= set(lay.source_tensors) | ({lay.bias.name} if lay.bias else set())
+    present = set(art.file.infos)
+    for name in sorted(expected - present):
+        report.add("source_mismatch", f"{name}: a conversion of the source has this tensor; the artifact lacks it", name)
+    for name in sorted(present - expected):
+        report.add("source_mismatch", f"{name}: in the artifact, but a conversion of the source has no such tensor", name)
     for name, rec in art.layers.items():
-        if name not in src_layers:
+        if name not in src_layers or name in skip:
             continue
-        qw = source.load_layer(src_layers[name])
+        lay = src_layers[name]
+        facts = {"size_k": (rec.size_k, lay.size_k), "size_n": (rec.size_n, lay.size_n),
+                 "group_size": (rec.group_size, lay.group_size), "bits": (rec.bits, lay.bits),
+                 "zero_convention": (rec.raw["zero_convention"], lay.zero_convention.value),
+                 "has_bias": (rec.has_bias, lay.bias is not None), "act_order": (rec.act_order, lay.act_order)}
+        differ = [key for key, (mine, theirs) in facts.items() if mine != theirs]
+        for key in differ:
+            mine, theirs = facts[key]
+            report.add("source_mismatch", f"layer {name}: manifest says {key} = {mine}, the source gives {theirs}", name, theirs, mine)
+        if differ:
+            continue  # values of differently shaped layers cannot be compared
+        qw = source.load_layer(lay)
         loaded[name] = qw
         u = unpack_layer(art, rec)
         checks = {
@@ -197,10 +224,15 @@ def verify(
         report.layers = list(rows.values())
         if any(p.code == "schema_violation" for p in report.problems):
             return report
+        # Numbers computed from a structurally broken layer would only add noise (or
+        # fail on the mismatched shapes): such layers are reported once, above.
+        broken = broken_layers(report, set(art.layers))
+        for name in broken:
+            rows[name]["skipped"] = "structural problems (see problems)"
         source_layers: dict[str, QuantWeight] = {}
         if against is not None:
             with open_source(against) as source:
-                source_layers = compare_against(art, source, report, rows)
+                source_layers = compare_against(art, source, report, rows, skip=broken)
             report.checked["against"] = str(against)
         if shapes_only:
             return report
@@ -208,6 +240,8 @@ def verify(
         if progress:
             progress("CPU numerics", len(art.layers))
         for name, rec in art.layers.items():
+            if name in broken:
+                continue
             err = cpu_numerics(art, rec, source_layers.get(name), rng)
             rows[name]["cpu_rel_err"] = err
             if not err <= CPU_REL_TOL:
@@ -216,11 +250,11 @@ def verify(
                 progress("", 1)
         report.checked["cpu_numerics"] = True
         if gpu is not False:
-            _gpu_numerics(art, report, rows, source_layers, forced=bool(gpu), progress=progress)
+            _gpu_numerics(art, report, rows, source_layers, forced=bool(gpu), progress=progress, skip=broken)
     return report
 
 
-def _gpu_numerics(art: Artifact, report: Report, rows: dict[str, dict[str, Any]], source_layers: dict[str, QuantWeight], *, forced: bool, progress) -> None:
+def _gpu_numerics(art: Artifact, report: Report, rows: dict[str, dict[str, Any]], source_layers: dict[str, QuantWeight], *, forced: bool, progress, skip: set[str]) -> None:
     try:
         from .gpu.runtime import require_gpu
         from .gpu.verify import verify_layer_gpu
@@ -236,6 +270,8 @@ def _gpu_numerics(art: Artifact, report: Report, rows: dict[str, dict[str, Any]]
     if progress:
         progress("GPU numerics", len(art.layers))
     for name, rec in art.layers.items():
+        if name in skip:
+            continue
         if not rec.raw.get("kernel_compatible", False):
             rows[name]["gpu"] = "skipped: layer is outside our kernel's limits (K % 64 == 0)"
             report.add("gpu_skipped", f"layer {name}: {rows[name]['gpu']}", name, severity="warning")

@@ -15,7 +15,8 @@ import numpy as np
 import xxhash
 
 from ..constants import META_FORMAT, META_FORMAT_VALUE, META_MANIFEST, META_MANIFEST_CHECKSUM, META_SCHEMA_VERSION, Suffix
-from ..marlin.shapes import LayerShape, marlin_shapes
+from ..marlin.shapes import LayerShape, kernel_compatible, marlin_shapes, upstream_compatible
+from ..quant_weight import marlin_code_offset
 from .manifest import schema_errors
 from .reader import Artifact, LayerRecord, open_artifact
 
@@ -161,8 +162,70 @@ def validate_artifact(path: str | Path, *, checksums: bool = True) -> tuple[Repo
                 report.add("checksum_mismatch", f"{name}: xxh3-128 {got} does not match the manifest's {want} (corrupted bytes)", name, want, got)
             art.file.release_pages()  # keep RSS bounded on multi-GB artifacts
     _check_finite(art, report)
+    _check_layer_facts(art, report)
     report.checked = {"layers": len(art.layers), "tensors": len(infos), "checksums": checksums}
     return report, art
+
+
+#: The zero conventions each source format can produce.
+CONVENTIONS = {
+    "tinyloop": {"tinyloop_additive"}, "gptq": {"gptq_v1", "gptq_v2"},
+    "awq": {"awq"}, "compressed-tensors": {"ct_offset8"},
+}
+
+
+def _check_layer_facts(art: Artifact, report: Report) -> None:
+    """Manifest facts that are derived, so they can be checked: a manifest whose
+    tensors and checksums are consistent but whose flags lie would make a runtime
+    compute the wrong thing (skip the correction, drop a bias, skip a gather)."""
+    names = [entry["name"] for entry in art.manifest["layers"]]
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        report.add("duplicate_entry", f"layer {name} is listed {names.count(name)} times", name)
+    fmt = art.manifest["source"]["format"]
+    owned_suffixes = tuple(f".{s.value}" for s in Suffix)
+    layer_names = set(art.layers)
+    for entry in art.manifest["passthrough"]:
+        prefix, dot, suffix = entry["name"].rpartition(".")
+        if prefix in layer_names and f".{suffix}" in owned_suffixes:
+            report.add("layer_tensor_as_passthrough", f"{entry['name']}: belongs to converted layer {prefix} but is listed as pass-through", entry["name"])
+    for rec in art.layers.values():
+        raw = rec.raw
+        if raw["code_offset"] != marlin_code_offset(rec.bits):
+            report.add("manifest_inconsistent", f"layer {rec.name}: code_offset {raw['code_offset']} but {rec.bits}-bit codes are stored with offset {marlin_code_offset(rec.bits)}", rec.name, marlin_code_offset(rec.bits), raw["code_offset"])
+        if raw["zero_convention"] not in CONVENTIONS.get(fmt, ()):
+            report.add("manifest_inconsistent", f"layer {rec.name}: zero_convention {raw['zero_convention']!r} cannot come from a {fmt!r} source", rec.name)
+        for key, fn in (("upstream_marlin_compatible", upstream_compatible), ("kernel_compatible", kernel_compatible)):
+            want = fn(rec.size_k, rec.size_n, rec.group_size)
+            if raw[key] is not want:
+                report.add("manifest_inconsistent", f"layer {rec.name}: {key} is {raw[key]} but the sizes say {want}", rec.name, want, raw[key])
+        delta_name = f"{rec.name}.{Suffix.DELTA.value}"
+        info = art.file.infos.get(delta_name)
+        if info is not None and info.dtype == "F32" and info.shape == (rec.num_groups, rec.size_n):
+            zero = not np.any(art.file.array(delta_name))
+            if zero is not rec.symmetric:
+                report.add("manifest_inconsistent", f"layer {rec.name}: symmetric is {rec.symmetric} but marlin_delta is {'all zero' if zero else 'not zero'}", rec.name, zero, rec.symmetric)
+        perm_name = f"{rec.name}.{Suffix.PERM.value}"
+        info = art.file.infos.get(perm_name)
+        if rec.act_order and info is not None and info.dtype == "I32" and info.shape == (rec.size_k,):
+            perm = art.file.array(perm_name)
+            if not np.array_equal(np.sort(perm), np.arange(rec.size_k)):
+                report.add("bad_permutation", f"{perm_name}: not a permutation of 0..{rec.size_k - 1}", perm_name)
+        art.file.release_pages()
+
+
+def broken_layers(report: Report, layer_names: set[str]) -> set[str]:
+    """Layers that have an error in ``report``: numerics on them would be meaningless."""
+    out = set()
+    for p in report.problems:
+        if p.severity != "error" or not p.tensor:
+            continue
+        if p.tensor in layer_names:
+            out.add(p.tensor)
+        else:
+            prefix = p.tensor.rpartition(".")[0]
+            if prefix in layer_names:
+                out.add(prefix)
+    return out
 
 
 #: Layer tensors whose values must be finite (a NaN scale or delta poisons every output).

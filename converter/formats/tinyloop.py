@@ -593,6 +593,10 @@ class TinyloopSource(Source):
             if not _is_int(value) or value < 0:
                 self._fail(f"{key} must be a non-negative integer, found {value!r}", name)
         itemsize = np.dtype(TINYLOOP_DTYPES[dtype][0]).itemsize
+        # NumPy refuses any shape whose non-zero dimensions multiply past its index
+        # range, even when a zero dimension makes the tensor empty.
+        if 0 in shape and math.prod(max(d, 1) for d in shape) * itemsize >= 2**62:
+            self._fail(f"shape {shape} is too large for any array (non-zero dimensions multiply past 2**62 bytes)", name)
         # Bound the product by the file size: a shape that needs more bytes than the
         # file holds can never match a valid nbytes.
         numel = _capped_numel(tuple(shape), self._size // itemsize + 1)

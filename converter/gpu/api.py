@@ -104,16 +104,25 @@ def load_artifact_gpu(path: str | Path) -> dict[str, MarlinLinear]:
     Raises:
         ArtifactError (and subclasses): unreadable artifact (from the reader).
         GpuUnavailableError: no CuPy / GPU / sm_80+ (one-line message).
-        KernelError: a layer the kernels cannot run (e.g. bits != 4).
+        ArtifactError: the artifact fails ``marlin-verify --shapes`` (structure or
+            checksums): a corrupted file never reaches the GPU.
+        KernelError: a layer the kernels cannot run.
     """
     runtime.cupy_module()  # fail fast, before reading gigabytes
-    from ..artifact.reader import open_artifact
+    from ..artifact.validate import validate_artifact
+    from ..errors import ArtifactError
 
-    art = open_artifact(path)
+    report, art = validate_artifact(path)
+    if not report.ok:
+        first = next(p for p in report.problems if p.severity == "error")
+        art.close()
+        raise ArtifactError(f"fails validation ({first.message}); run marlin-verify for every problem", path=path)
     layers: dict[str, MarlinLinear] = {}
     for name, rec in art.layers.items():
         t = lambda suffix: art.tensor(f"{name}.{suffix.value}")  # noqa: E731
-        delta = None if rec.symmetric else t(Suffix.DELTA)
+        # From the data, not the manifest's flag: a zero delta needs no correction.
+        raw_delta = t(Suffix.DELTA)
+        delta = raw_delta if np.any(raw_delta) else None
         perm = t(Suffix.PERM) if rec.act_order else None
         bias = _bias_to_f16(t(Suffix.BIAS)) if rec.has_bias else None
         layers[name] = MarlinLinear(name, rec.size_k, rec.size_n, rec.group_size,
