@@ -308,7 +308,7 @@ class StreamingWriter:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         # mkstemp creates 0600; give the artifact the mode a plain open() would
         # (umask applied), or keep the mode of the file it replaces.
-        os.fchmod(fd, _target_mode(self.path))
+        os.fchmod(fd, target_mode(self.path))
         self.tmp_path = Path(tmp)
         self._fd = fd
         self._done = False
@@ -478,7 +478,8 @@ def header_size_for(entries_layout: Iterable[tuple[str, str, tuple[int, ...]]], 
     return len(_header_bytes(entries, metadata))
 
 
-def _target_mode(path: Path) -> int:
+def target_mode(path: Path) -> int:
+    """File mode for an output at ``path``: that of the file it replaces, else ``0o666 & ~umask``."""
     try:
         return path.stat().st_mode & 0o777
     except OSError:

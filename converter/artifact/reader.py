@@ -49,7 +49,7 @@ class Artifact:
     Attributes:
         path: the file.
         file: the underlying :class:`SafetensorsFile`, or for a sharded artifact (an
-            index or a folder) a :class:`~converter.artifact.sharding.ShardedFile`
+            index or a folder) a :class:`~converter.artifact.sharded_reader.ShardedFile`
             presenting all shards as one (its ``shard_problems`` list inconsistencies).
         manifest: the parsed manifest dict.
         notes: non-fatal findings from parsing (manifest checksum mismatch).
@@ -63,7 +63,7 @@ class Artifact:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        from .sharding import open_artifact_file
+        from .sharded_reader import open_artifact_file
 
         self.file = open_artifact_file(self.path)
         try:

@@ -1,0 +1,224 @@
+"""Reading a sharded artifact (an HF index, or a folder) back as one file.
+
+:class:`ShardedFile` presents the shards as one
+:class:`~converter.safetensors_io.SafetensorsFile`-like object, and lists what is
+inconsistent between them in ``shard_problems`` for ``marlin-verify`` to report.
+The writing side, and the naming rules, are :mod:`converter.artifact.sharding`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..constants import HF_INDEX_NAME
+from ..errors import ArtifactError, ConverterError
+from ..quant_weight import Tensor, TensorInfo
+from ..safetensors_io import SafetensorsFile
+from .manifest import dump_manifest, parse_metadata
+from .sharding import SHARD_NAME_RE, DIR_MODE_NAME, artifact_stem, index_name_for
+
+
+
+def _strip_shard(manifest: dict[str, Any]) -> str:
+    return dump_manifest({k: v for k, v in manifest.items() if k != "shard"})
+
+
+def resolve_artifact(path: Path) -> tuple[Path | None, list[Path]]:
+    """``(index or None, shard files)`` of an artifact path: a file, an index, or a folder.
+
+    A folder is read through its ``model.safetensors.index.json`` if present, else
+    its ``model.safetensors``, else its only ``*.safetensors`` file.
+
+    Raises:
+        ArtifactError: a folder with no artifact, or a malformed index.
+        ConverterError: the path does not exist.
+    """
+    if not path.exists():
+        raise ConverterError("no such file or directory", path=path)
+    if path.is_dir():
+        if (path / HF_INDEX_NAME).is_file():
+            path = path / HF_INDEX_NAME
+        elif (path / DIR_MODE_NAME).is_file():
+            return None, [path / DIR_MODE_NAME]
+        else:
+            files = sorted(path.glob("*.safetensors"))
+            if len(files) != 1:
+                raise ArtifactError(
+                    f"folder holds {len(files)} .safetensors files and no {HF_INDEX_NAME} or {DIR_MODE_NAME}; "
+                    "give the artifact file or its index", path=path,
+                )
+            return None, files
+    if not path.name.endswith(".index.json"):
+        return None, [path]
+    try:
+        index = json.loads(path.read_text("utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ArtifactError(f"index is not readable JSON ({exc})", path=path) from None
+    wmap = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wmap, dict) or not all(isinstance(v, str) and Path(v).name == v for v in wmap.values()):
+        raise ArtifactError("weight_map must map tensor names to shard file names in the same folder", path=path, tensor="weight_map")
+    return path, [path.parent / f for f in sorted(set(wmap.values()))]
+
+
+class ShardedFile:
+    """The shards of a sharded artifact, read as one file.
+
+    Same read interface as :class:`SafetensorsFile` (``infos``, ``in``, ``array``,
+    ``raw``, ``tensor``, ``metadata``, ``close``); ``metadata`` is the first readable
+    shard's.  Each shard is opened and validated as a container on its own
+    (``ArtifactError`` if one is malformed).
+
+    Attributes:
+        path: the index (or folder).
+        shards: the opened shard files, in name order.
+        shard_problems: ``[(code, message, tensor)]``: a shard listed but missing, a
+            tensor in two shards or in a shard the index does not name, index
+            entries without a tensor, ``total_size`` wrong, a shard whose manifest
+            differs from the others or whose ``shard`` object is wrong.
+
+    Raises:
+        ArtifactError: no shard could be opened, or a shard's container is malformed.
+    """
+
+    def __init__(self, index: Path, files: list[Path]) -> None:
+        self.path = index
+        self.shards: list[SafetensorsFile] = []
+        self.shard_problems: list[tuple[str, str, str]] = []
+        self._where: dict[str, SafetensorsFile] = {}
+        data = json.loads(index.read_text("utf-8"))
+        wmap = data.get("weight_map", {})
+        meta = data.get("metadata")
+        total = meta.get("total_size") if isinstance(meta, dict) else None
+        try:
+            for f in files:
+                if not f.is_file():
+                    self.shard_problems.append(("missing_shard", f"{f.name}: shard listed in {index.name} is missing", f.name))
+                    continue
+                shard = SafetensorsFile(f, error=ArtifactError)
+                self.shards.append(shard)
+                for name in shard.infos:
+                    if name in self._where:
+                        self.shard_problems.append(("duplicate_tensor", f"{name}: in two shards ({self._where[name].path.name} and {f.name})", name))
+                        continue
+                    self._where[name] = shard
+                    if wmap.get(name) != f.name:
+                        self.shard_problems.append(("index_mismatch", f"{name}: stored in {f.name} but the index says {wmap.get(name)}", name))
+        except BaseException:
+            self.close()
+            raise
+        if not self.shards:
+            raise ArtifactError("none of the shards named by the index exists", path=index)
+        for name, fname in wmap.items():
+            if name not in self._where and (index.parent / fname).is_file():
+                self.shard_problems.append(("index_mismatch", f"{name}: the index places it in {fname}, which does not hold it", name))
+        size = sum(s.byte_range(n)[1] - s.byte_range(n)[0] for n, s in self._where.items())
+        if total is not None and total != size and not any(p[0] == "missing_shard" for p in self.shard_problems):
+            self.shard_problems.append(("index_mismatch", f"metadata.total_size is {total}, the shards hold {size} bytes of tensor data", "metadata.total_size"))
+        self.metadata = self.shards[0].metadata
+        self._check_manifests(len(files))
+
+    def _check_manifests(self, count: int) -> None:
+        ref = None
+        for i, shard in enumerate(self.shards):
+            try:
+                manifest, _ = parse_metadata(shard.metadata, path=shard.path)
+            except ArtifactError as exc:
+                self.shard_problems.append(("shard_manifest", f"{shard.path.name}: {exc.rule}", shard.path.name))
+                continue
+            m = SHARD_NAME_RE.match(shard.path.name)
+            want = {"index": int(m.group("i")), "count": int(m.group("n"))} if m else None
+            got = manifest.get("shard")
+            if want is not None and got != want:
+                self.shard_problems.append(("shard_manifest", f"{shard.path.name}: manifest shard is {got}, expected {want} from the file name", shard.path.name))
+            if want is not None and want["count"] != count:
+                self.shard_problems.append(("shard_manifest", f"{shard.path.name}: name says {want['count']} shards, the index lists {count}", shard.path.name))
+            text = _strip_shard(manifest)
+            if ref is None:
+                ref = (shard.path.name, text)
+            elif text != ref[1]:
+                self.shard_problems.append(("shard_manifest", f"{shard.path.name}: manifest differs from {ref[0]}'s (shards of different conversions?)", shard.path.name))
+
+    @property
+    def infos(self) -> dict[str, TensorInfo]:
+        return {n: s.infos[n] for n, s in self._where.items()}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def file_of(self, name: str) -> Path:
+        return self._where[name].path
+
+    def array(self, name: str) -> np.ndarray:
+        return self._where[name].array(name)
+
+    def raw(self, name: str) -> memoryview:
+        return self._where[name].raw(name)
+
+    def tensor(self, name: str) -> Tensor:
+        return self._where[name].tensor(name)
+
+    def byte_range(self, name: str) -> tuple[int, int]:
+        """Absolute ``[begin, end)`` offsets of a tensor's bytes within its own shard."""
+        return self._where[name].byte_range(name)
+
+    def release_pages(self) -> None:
+        """Forwarded to every shard (see ``SafetensorsFile.release_pages``)."""
+        for s in self.shards:
+            release = getattr(s, "release_pages", None)
+            if release is not None:
+                release()
+
+    def close(self) -> None:
+        for s in self.shards:
+            s.close()
+
+    def __enter__(self) -> ShardedFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_artifact_file(path: str | Path) -> SafetensorsFile | ShardedFile:
+    """Open an artifact path (file, index or folder) as one readable file.
+
+    Raises:
+        ConverterError: the path does not exist.
+        ArtifactError: see :func:`resolve_artifact` and :class:`ShardedFile`.
+    """
+    index, files = resolve_artifact(Path(path))
+    if index is None:
+        if not files[0].is_file():
+            raise ConverterError("not a file", path=files[0])
+        single = SafetensorsFile(files[0], error=ArtifactError)
+        try:
+            _refuse_lone_shard(single)
+        except BaseException:
+            single.close()
+            raise
+        return single
+    return ShardedFile(index, files)
+
+
+def _refuse_lone_shard(file: SafetensorsFile) -> None:
+    """A shard opened on its own would report most of the model as missing: say why instead."""
+    try:
+        manifest, _ = parse_metadata(file.metadata, path=file.path)
+    except ArtifactError:
+        return  # not an artifact at all: the caller reports that
+    shard = manifest.get("shard")
+    if isinstance(shard, dict) and shard.get("count", 1) != 1:
+        index = index_name_for(file.path.with_name(_stem_of_shard(file.path.name) + ".safetensors"))
+        raise ArtifactError(
+            f"this file is shard {shard.get('index')} of {shard.get('count')} of a sharded artifact; "
+            f"verify its index ({index.name}) or its folder", path=file.path, tensor="shard",
+        )
+
+
+def _stem_of_shard(name: str) -> str:
+    m = SHARD_NAME_RE.match(name)
+    return m.group("stem") if m else artifact_stem(Path(name))
