@@ -120,9 +120,7 @@ def load_artifact_gpu(path: str | Path) -> dict[str, MarlinLinear]:
     layers: dict[str, MarlinLinear] = {}
     for name, rec in art.layers.items():
         t = lambda suffix: art.tensor(f"{name}.{suffix.value}")  # noqa: E731
-        # From the data, not the manifest's flag: a zero delta needs no correction.
-        raw_delta = t(Suffix.DELTA)
-        delta = raw_delta if np.any(raw_delta) else None
+        delta = t(Suffix.DELTA)  # MarlinLinear drops an all-zero delta (from the data, not the flag)
         perm = t(Suffix.PERM) if rec.act_order else None
         bias = _bias_to_f16(t(Suffix.BIAS)) if rec.has_bias else None
         layers[name] = MarlinLinear(name, rec.size_k, rec.size_n, rec.group_size,
