@@ -207,16 +207,12 @@ def convert(
             sums.update({n: h.hexdigest() for n, h in hashers.items()})
             for entry in passthrough:
                 tensor = source.load_tensor(entry["name"])
-                sums[tensor.name] = _copy_tensor(writer, tensor.name, tensor.data)
+                sums[tensor.name] = _copy_tensor(writer, tensor.name, tensor.data, source.release_pages)
                 if progress:
                     progress("", 1)
             manifest["checksums"]["tensors"] = {n: sums[n] for n, _, _ in layout}
             writer.finish(manifest)
     return report
-
-
-def _nothing() -> None:
-    return None
 
 
 class _WriteBehind:
@@ -290,11 +286,11 @@ def _write_layer(source: Source, layer: LayerPlan, writer: StreamingWriter, behi
         del qw, packed
         # Drop the input pages this chunk touched: they would otherwise stay in RSS.
         release_mapped_pages()
-        getattr(source, "release_pages", _nothing)()  # readers with their own maps (.tinyloop)
+        source.release_pages()  # readers with maps of their own (.tinyloop)
     return {names[s]: h for s, h in hashers.items()}
 
 
-def _copy_tensor(writer: StreamingWriter, name: str, data: np.ndarray) -> str:
+def _copy_tensor(writer: StreamingWriter, name: str, data: np.ndarray, release: Callable[[], None]) -> str:
     h = xxhash.xxh3_128()
     flat = data.reshape(-1) if data.size else data.reshape(0)
     step = max(1, COPY_CHUNK_BYTES // max(flat.itemsize, 1))
@@ -304,4 +300,5 @@ def _copy_tensor(writer: StreamingWriter, name: str, data: np.ndarray) -> str:
         h.update(part)
         del part
         release_mapped_pages()
+        release()
     return h.hexdigest()

@@ -30,7 +30,6 @@ from .constants import SAFETENSORS_DTYPES, SAFETENSORS_MAX_HEADER_BYTES, SAFETEN
 from .errors import ConverterError, SourceFormatError
 from .quant_weight import Tensor, TensorInfo
 
-
 #: Array limits (NumPy's): at most 64 dimensions, each below 2**63.
 MAX_NDIM = 64
 MAX_DIM = 2**63 - 1
@@ -220,11 +219,7 @@ class SafetensorsFile:
         streaming pass over a 2 GB input would otherwise end with 2 GB resident.  The
         data stays valid: a later access faults the page back in from the page cache.
         """
-        if self._mm is not None and hasattr(self._mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
-            try:
-                self._mm.madvise(mmap.MADV_DONTNEED)
-            except (OSError, ValueError):  # closed map, or a platform without it: only RSS is affected
-                pass
+        drop_pages(self._mm)
 
     def close(self) -> None:
         # Views may still reference the map; let garbage collection unmap it then.
@@ -239,6 +234,18 @@ class SafetensorsFile:
 
 #: Every SafetensorsFile still alive, for :func:`release_mapped_pages`.
 _OPEN_FILES: weakref.WeakSet[SafetensorsFile] = weakref.WeakSet()
+
+
+def drop_pages(mm: mmap.mmap | None) -> None:
+    """``MADV_DONTNEED`` on a read-only map: its touched pages leave this process's RSS.
+
+    The data stays valid; a later access faults pages back in from the page cache.
+    """
+    if mm is not None and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+        try:
+            mm.madvise(mmap.MADV_DONTNEED)
+        except (OSError, ValueError):  # closed map, or a platform without it: only RSS is affected
+            pass
 
 
 def release_mapped_pages() -> None:

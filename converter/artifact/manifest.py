@@ -30,8 +30,8 @@ from ..constants import (
 )
 from ..errors import ArtifactError, SchemaVersionError
 from ..formats.base import LayerPlan
-from ..quant_weight import marlin_code_offset
 from ..marlin.shapes import kernel_compatible, upstream_compatible
+from ..quant_weight import marlin_code_offset
 
 SCHEMA_FILE = f"marlin-artifact.v{ARTIFACT_SCHEMA_VERSION}.schema.json"
 

@@ -19,8 +19,7 @@ from ..errors import ArtifactError, ConverterError
 from ..quant_weight import Tensor, TensorInfo
 from ..safetensors_io import SafetensorsFile
 from .manifest import dump_manifest, parse_metadata
-from .sharding import SHARD_NAME_RE, DIR_MODE_NAME, artifact_stem, index_name_for
-
+from .sharding import DIR_MODE_NAME, SHARD_NAME_RE, artifact_stem, index_name_for
 
 
 def _strip_shard(manifest: dict[str, Any]) -> str:

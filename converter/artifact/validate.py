@@ -14,7 +14,14 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ..constants import META_FORMAT, META_FORMAT_VALUE, META_MANIFEST, META_MANIFEST_CHECKSUM, META_SCHEMA_VERSION, Suffix
+from ..constants import (
+    META_FORMAT,
+    META_FORMAT_VALUE,
+    META_MANIFEST,
+    META_MANIFEST_CHECKSUM,
+    META_SCHEMA_VERSION,
+    Suffix,
+)
 from ..marlin.shapes import LayerShape, kernel_compatible, marlin_shapes, upstream_compatible
 from ..quant_weight import marlin_code_offset
 from .manifest import schema_errors

@@ -101,6 +101,14 @@ class Source(abc.ABC):
     def load_tensor(self, name: str) -> Tensor:
         """Read one source tensor as stored."""
 
+    def release_pages(self) -> None:  # noqa: B027 - optional hook
+        """Drop input pages this reader touched from RSS (called per chunk while streaming).
+
+        Safetensors inputs are covered by
+        :func:`converter.safetensors_io.release_mapped_pages`; readers with maps of
+        their own override this.
+        """
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release file handles and maps."""
 

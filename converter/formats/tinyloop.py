@@ -51,6 +51,7 @@ from ..constants import (
 from ..errors import ConverterError, SourceFormatError, UnsupportedQuantError
 from ..marlin.shapes import check_convertible
 from ..quant_weight import QuantWeight, Tensor
+from ..safetensors_io import drop_pages
 from .base import LayerPlan, Source, SourcePlan, TensorInfo
 
 __all__ = ["CHANNEL_REASONS", "EXACT_INT4_REASON", "MAX_NDIM", "TinyloopSource", "sniff", "unpack_codes"]
@@ -390,6 +391,10 @@ class TinyloopSource(Source):
             raise ConverterError("no tensor of this name in the file", path=self.path, tensor=name)
         e = self._entries[name]
         return Tensor(name=name, dtype=TINYLOOP_DTYPES[e.dtype][1], shape=e.shape, data=self._view(name))
+
+    def release_pages(self) -> None:
+        """Drop the pages of the file this reader touched from RSS (see ``drop_pages``)."""
+        drop_pages(self._mm)
 
     def close(self) -> None:
         """Drop the memory map.  Views handed out earlier keep it alive until freed."""

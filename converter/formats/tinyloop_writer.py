@@ -19,6 +19,7 @@ from typing import Any, Union
 import numpy as np
 
 from ..constants import (
+from ..safetensors_io import target_mode
     TINYLOOP_ALIGNMENT,
     TINYLOOP_DTYPES,
     TINYLOOP_EXTRA_CHANNELS,
@@ -118,6 +119,7 @@ def write_tinyloop(
     data_start = _round_up(TINYLOOP_PREAMBLE_SIZE + len(header_bytes), TINYLOOP_ALIGNMENT)
 
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.fchmod(fd, target_mode(path))  # mkstemp's 0600 would hide the file from other users
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as fh:
