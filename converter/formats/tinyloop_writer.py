@@ -19,7 +19,6 @@ from typing import Any, Union
 import numpy as np
 
 from ..constants import (
-from ..safetensors_io import target_mode
     TINYLOOP_ALIGNMENT,
     TINYLOOP_DTYPES,
     TINYLOOP_EXTRA_CHANNELS,
@@ -29,6 +28,7 @@ from ..safetensors_io import target_mode
     TINYLOOP_SUPPORTED_BITS,
     TINYLOOP_SUPPORTED_VERSIONS,
 )
+from ..safetensors_io import target_mode
 
 __all__ = ["TensorArg", "pack_codes", "quantize_linear_tinyloop", "write_tinyloop"]
 
