@@ -10,24 +10,21 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
-
+from artifact_edit import rewrite_artifact_arrays
 from clirun import REPO, run_cli
-from converter.artifact.manifest import metadata_for
-from converter.constants import SAFETENSORS_DTYPES
+
 from converter.convert import convert
 from converter.errors import SourceFormatError
-from converter.safetensors_io import SafetensorsFile, StreamingWriter, header_size_for
 from converter.verify import verify
 
 SAMPLE = REPO / "tests" / "data" / "sample.tinyloop"
 L = "pre.0.attn_qkv"
 
-Tensors = dict[str, tuple[str, np.ndarray]]
+Tensors = dict[str, tuple[str, np.ndarray]]  # as rewrite_artifact_arrays hands them to an edit
 
 
 @pytest.fixture(scope="module")
@@ -35,24 +32,6 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("adv") / "base.safetensors"
     convert(SAMPLE, out)
     return out
-
-
-def tamper(src: Path, dst: Path, edit: Callable[[dict, Tensors], None]) -> Path:
-    """Copy an artifact with ``edit(manifest, tensors)`` applied, checksums re-sealed."""
-    with SafetensorsFile(src) as f:
-        manifest = json.loads(f.metadata["marlin.manifest"])
-        tensors = {n: (i.dtype, np.array(f.array(n))) for n, i in f.infos.items()}
-    edit(manifest, tensors)
-    import xxhash
-
-    manifest["checksums"]["tensors"] = {n: xxhash.xxh3_128_hexdigest(np.ascontiguousarray(a).tobytes()) for n, (_, a) in tensors.items()}
-    layout = [(n, d, tuple(a.shape)) for n, (d, a) in tensors.items()]
-    meta = metadata_for(manifest)
-    with StreamingWriter(dst, layout, header_reserve=header_size_for(layout, meta)) as w:
-        for n, (d, a) in tensors.items():
-            w.write_flat(n, np.ascontiguousarray(a, dtype=SAFETENSORS_DTYPES[d]).reshape(-1), 0)
-        w.finish(meta)
-    return dst
 
 
 def layer(manifest: dict, name: str = L) -> dict:
@@ -64,11 +43,11 @@ def codes(report) -> set[str]:
 
 
 def test_resealed_copy_is_still_ok(base: Path, tmp_path: Path) -> None:
-    assert verify(tamper(base, tmp_path / "a.safetensors", lambda m, t: None), against=SAMPLE, gpu=False).ok
+    assert verify(rewrite_artifact_arrays(base, tmp_path / "a.safetensors", lambda m, t: None), against=SAMPLE, gpu=False).ok
 
 
 def test_lying_symmetric_flag(base: Path, tmp_path: Path) -> None:
-    art = tamper(base, tmp_path / "a.safetensors", lambda m, t: layer(m).update(symmetric=True))
+    art = rewrite_artifact_arrays(base, tmp_path / "a.safetensors", lambda m, t: layer(m).update(symmetric=True))
     rep = verify(art, shapes_only=True)
     assert [p.message for p in rep.problems if p.code == "manifest_inconsistent"] == [
         f"layer {L}: symmetric is True but marlin_delta is not zero"]
@@ -79,7 +58,7 @@ def test_detached_bias_is_caught_against_source(base: Path, tmp_path: Path) -> N
         layer(m)["has_bias"] = False
         m["passthrough"].append({"name": f"{L}.bias", "reason": "x"})
 
-    art = tamper(base, tmp_path / "a.safetensors", edit)
+    art = rewrite_artifact_arrays(base, tmp_path / "a.safetensors", edit)
     shapes = verify(art, shapes_only=True)
     assert "layer_tensor_as_passthrough" in codes(shapes)
     assert [p.message for p in shapes.problems if p.severity == "error"] == [
@@ -91,7 +70,7 @@ def test_detached_bias_is_caught_against_source(base: Path, tmp_path: Path) -> N
 def test_has_bias_lie_is_caught_against_source(base: Path, tmp_path: Path) -> None:
     # has_bias false while the bias tensor simply stays: --shapes sees an unknown
     # tensor, --against also names the fact that differs from the source.
-    art = tamper(base, tmp_path / "a.safetensors", lambda m, t: layer(m).update(has_bias=False))
+    art = rewrite_artifact_arrays(base, tmp_path / "a.safetensors", lambda m, t: layer(m).update(has_bias=False))
     assert "unknown_tensor" in codes(verify(art, shapes_only=True))
 
 
@@ -100,7 +79,7 @@ def test_dropped_tensor_is_caught_against_source(base: Path, tmp_path: Path) -> 
         del t["embed"]
         m["passthrough"] = [p for p in m["passthrough"] if p["name"] != "embed"]
 
-    art = tamper(base, tmp_path / "a.safetensors", edit)
+    art = rewrite_artifact_arrays(base, tmp_path / "a.safetensors", edit)
     assert verify(art, shapes_only=True).ok  # self-consistent ...
     rep = verify(art, against=SAMPLE, gpu=False)  # ... but not what the source converts to
     assert "embed: a conversion of the source has this tensor; the artifact lacks it" in [p.message for p in rep.problems]
@@ -126,7 +105,7 @@ def test_broken_layers_are_reported_not_crashed(base: Path, tmp_path: Path, case
                 d, a = t[f"{L}.{suffix}"]
                 t[f"{L}.{suffix}"] = (d, a[:rows])
 
-    art = tamper(base, tmp_path / "a.safetensors", edit)
+    art = rewrite_artifact_arrays(base, tmp_path / "a.safetensors", edit)
     # A consistently shrunk layer is a valid artifact of a smaller layer: only the
     # source can tell.
     modes = [{"against": SAMPLE, "gpu": False}] if case == "k_shrunk" else [{"shapes_only": True}, {"gpu": False}, {"against": SAMPLE, "gpu": False}]
@@ -145,13 +124,13 @@ def test_broken_layers_are_reported_not_crashed(base: Path, tmp_path: Path, case
     ("kernel_compatible", False, "kernel_compatible is False but the sizes say True"),
 ])
 def test_other_manifest_lies(base: Path, tmp_path: Path, key: str, value: object, match: str) -> None:
-    art = tamper(base, tmp_path / "a.safetensors", lambda m, t: layer(m).update({key: value}))
+    art = rewrite_artifact_arrays(base, tmp_path / "a.safetensors", lambda m, t: layer(m).update({key: value}))
     rep = verify(art, shapes_only=True)
     assert any(match in p.message for p in rep.problems), [p.message for p in rep.problems]
 
 
 def test_duplicate_layer_entry(base: Path, tmp_path: Path) -> None:
-    art = tamper(base, tmp_path / "a.safetensors", lambda m, t: m["layers"].append(dict(layer(m))))
+    art = rewrite_artifact_arrays(base, tmp_path / "a.safetensors", lambda m, t: m["layers"].append(dict(layer(m))))
     assert f"layer {L} is listed 2 times" in [p.message for p in verify(art, shapes_only=True).problems]
 
 

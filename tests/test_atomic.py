@@ -18,13 +18,13 @@ import time
 from pathlib import Path
 
 import pytest
+from clirun import run_cli
+from test_bad_input import REPO, small_gptq
 
 from converter.convert import convert
 from converter.errors import ConverterError, OutputExistsError
 from converter.formats.gptq import GptqSource
 from converter.safetensors_io import StreamingWriter, remove_stale_temporaries
-from clirun import run_cli
-from test_bad_input import REPO, small_gptq
 
 OLD = b"previous artifact, must survive\n" * 1000
 

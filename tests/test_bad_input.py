@@ -24,11 +24,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
+from artifact_edit import read_st, rewrite_artifact, write_st
 from clirun import run_cli
-from converter.artifact.manifest import checksum, dump_manifest
+
 from converter.artifact.validate import validate_artifact
-from converter.constants import META_MANIFEST, META_MANIFEST_CHECKSUM, META_SCHEMA_VERSION
+from converter.constants import META_MANIFEST, META_SCHEMA_VERSION
 from converter.convert import convert
 from converter.errors import (
     ArtifactError,
@@ -60,28 +60,6 @@ def st_bytes(header: dict | bytes, data: bytes = b"", *, header_len: int | None 
     """A safetensors file from a header (dict, or raw bytes used verbatim) and data."""
     raw = header if isinstance(header, bytes) else json.dumps(header).encode()
     return struct.pack("<Q", len(raw) if header_len is None else header_len) + raw + data
-
-
-def read_st(path: Path) -> tuple[dict[str, str], dict[str, tuple[str, list[int], bytes]]]:
-    """(metadata, {name: (dtype, shape, raw bytes)}) of a well-formed file, header order."""
-    blob = path.read_bytes()
-    (n,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8 : 8 + n])
-    meta = header.pop("__metadata__", {})
-    data = blob[8 + n :]
-    return meta, {k: (v["dtype"], v["shape"], data[v["data_offsets"][0] : v["data_offsets"][1]]) for k, v in header.items()}
-
-
-def write_st(path: Path, tensors: dict[str, tuple[str, list[int], bytes]], metadata: dict[str, str] | None = None) -> None:
-    header: dict = {"__metadata__": metadata or {"format": "pt"}}
-    off, blobs = 0, []
-    for name, (dtype, shape, raw) in tensors.items():
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + len(raw)]}
-        off += len(raw)
-        blobs.append(raw)
-    raw_h = json.dumps(header, separators=(",", ":")).encode()
-    raw_h += b" " * (-len(raw_h) % 8)
-    path.write_bytes(struct.pack("<Q", len(raw_h)) + raw_h + b"".join(blobs))
 
 
 def arr(name_dtype: str, values) -> bytes:
@@ -145,19 +123,6 @@ def copy_of(path: Path, tmp_path: Path, data: bytes | None = None) -> Path:
     p = tmp_path / path.name
     p.write_bytes(path.read_bytes() if data is None else data)
     return p
-
-
-def rewrite_artifact(src: Path, dst: Path, edit) -> Path:
-    """Rewrite an artifact with ``edit(manifest, tensors)``, then re-seal every checksum,
-    so the only thing wrong with the result is what ``edit`` did."""
-    meta, tensors = read_st(src)
-    manifest = json.loads(meta[META_MANIFEST])
-    edit(manifest, tensors)
-    manifest["checksums"]["tensors"] = {n: checksum(raw) for n, (_, _, raw) in tensors.items()}
-    text = dump_manifest(manifest)
-    meta = {**meta, META_MANIFEST: text, META_MANIFEST_CHECKSUM: checksum(text.encode())}
-    write_st(dst, tensors, meta)
-    return dst
 
 
 # -- the container: every rule of the safetensors reader ------------------------------

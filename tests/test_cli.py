@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from clirun import run_cli
 
 AUTOROUND = "llama-tiny/autoround-gptq-w4g128-asym"

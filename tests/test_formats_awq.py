@@ -7,13 +7,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fixtures.producers import assert_truth, awq_pack, awq_tensors, make_layer, plain_tensors, write_checkpoint
 
 from converter.convert import convert
 from converter.errors import SourceFormatError, UnsupportedQuantError
 from converter.formats.packing import AWQ_ORDER, AWQ_REVERSE_ORDER, pack_awq, unpack_awq
 from converter.marlin.layout import pack_b
 from converter.verify import verify
-from fixtures.producers import assert_truth, awq_pack, awq_tensors, make_layer, plain_tensors, write_checkpoint
 
 P = "model.layers.0.self_attn.q_proj"
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fixtures.producers import assert_truth, ct_pack_to_int32, ct_tensors, make_layer, plain_tensors, write_checkpoint
 
 from converter.convert import convert
 from converter.errors import SourceFormatError, UnsupportedQuantError
 from converter.verify import verify
-from fixtures.producers import assert_truth, ct_pack_to_int32, ct_tensors, make_layer, plain_tensors, write_checkpoint
 
 P = "model.layers.0.self_attn.q_proj"
 

@@ -14,6 +14,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fixtures.producers import (
+    assert_truth,
+    autogptq_pack_cols,
+    autogptq_pack_rows,
+    gptq_config,
+    gptq_qzeros,
+    gptq_tensors,
+    make_layer,
+    plain_tensors,
+    write_checkpoint,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -28,17 +39,6 @@ from converter.formats.packing import (
     unpack_words,
 )
 from converter.verify import verify
-from fixtures.producers import (
-    assert_truth,
-    autogptq_pack_cols,
-    autogptq_pack_rows,
-    gptq_config,
-    gptq_qzeros,
-    gptq_tensors,
-    make_layer,
-    plain_tensors,
-    write_checkpoint,
-)
 
 P = "model.layers.0.mlp.up_proj"
 

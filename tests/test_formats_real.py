@@ -19,7 +19,6 @@ from converter.convert import convert
 from converter.formats import open_source
 from converter.verify import verify
 
-
 #: checkpoint -> (source format, zero convention recorded per layer, act-order)
 EXPECTED = {
     "llama-tiny/autoawq-gemm-w4g128-asym": ("awq", "awq", False),

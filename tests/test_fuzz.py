@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from test_bad_input import REPO
 
 BUDGET = settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_bad_input import REPO, small_gptq
 
 from converter.artifact.validate import validate_artifact
 from converter.formats.gptq import GptqSource
@@ -28,7 +29,6 @@ from converter.formats.hf import HFCheckpoint
 from converter.formats.packing import unpack_words
 from converter.marlin.layout import pack_b, pack_b_from_gptq4
 from converter.safetensors_io import SafetensorsFile
-from test_bad_input import REPO, small_gptq
 
 MIB = 2**20
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fixtures.producers import assert_truth, gptq_config, gptq_tensors, make_layer, plain_tensors, write_checkpoint
 from typer.testing import CliRunner
 
 from converter.artifact.manifest import parse_metadata
@@ -17,7 +18,6 @@ from converter.convert import convert
 from converter.errors import ConverterError, OutputExistsError
 from converter.safetensors_io import SafetensorsFile
 from converter.verify import verify
-from fixtures.producers import assert_truth, gptq_config, gptq_tensors, make_layer, plain_tensors, write_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE = REPO / "tests" / "data" / "sample.tinyloop"

@@ -8,9 +8,9 @@ files are built by writing a good one and then patching its bytes or its header.
 from __future__ import annotations
 
 import hashlib
-import os
 import importlib.util
 import json
+import os
 import struct
 from collections.abc import Callable
 from pathlib import Path
