@@ -141,4 +141,10 @@ __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 a) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
 }
 
+// Two 8x8 b16 matrices; lanes 0..15 give the row addresses (lanes 16..31 are ignored).
+__device__ __forceinline__ void ldmatrix_x2(u32 (&r)[2], u32 a) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(a) : "memory");
+}
+
 #endif  // MARLIN_COMMON_CUH

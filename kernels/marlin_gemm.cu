@@ -1,14 +1,14 @@
-// marlin_gemm.cu: C[M, N] (fp16) = A[M, K] (fp16) @ W (+ optional bias), where
-//   W[k, n] = fp16((q[k, n] - 8) * s[g(k), n])                     (symmetric)
-//   W[k, n] = fp16((q[k, n] - 8) * s[g(k), n] + fp16(delta[g, n]))  (HAS_DELTA, fused
+// marlin_gemm.cu, the tile kernel (larger M; marlin_decode.cu serves small M):
+// C[M, N] (fp16) = A[M, K] (fp16) @ W (+ optional bias), where
+//   W[k, n] = fp16((q[k, n] - 8) * s[g(k), n])                 (symmetric)
+//   W[k, n] = fp16((q[k, n] - 8) * s[g(k), n] + d[g(k), n])    (HAS_DELTA, fused
 //             asymmetric correction: one fma per weight pair, no extra launch)
-// with q and s read straight from the artifact tensors:
-//   B      int32 [K/16, 2N], Marlin tile order (checkpoint-formats.md 4.3): the 16x64
-//          block (kt, nb) is the 128 consecutive words B[kt, 128 nb : 128 nb + 128];
-//          word 4 t + j belongs to lane t and 16-column tile j.
+// with the operands of marlin_stream.cuh:
+//   B      int32 [K/16, 2N], Marlin tile order (checkpoint-formats.md 4.3).
 //   scales fp16  [G, N], Marlin-permuted (4.4): 8x8 transpose per 64 columns when
 //          G > 1, the 32-entry per-channel list when G == 1.
-//   delta  fp32  [G, N], natural column order (4.6); only read when HAS_DELTA.
+//   D      fp16  [G, N], d = fp16(delta) (delta: artifact fp32, 4.6), permuted like
+//          the scales (kernels.prepare_delta); only read when HAS_DELTA.
 //   A      fp16  [M, K] row-major, columns already in Marlin K order (act-order callers
 //          run gather_columns first, below).
 //   bias   fp16  [N] natural order or nullptr.
@@ -18,7 +18,7 @@
 //
 // Launch geometry (converter/gpu/kernels.py, gemm_plan, picks it):
 //   block = 128 threads = 4 warps; grid.x = m_chunks * ceil(N / 64 / (4 / wk)) * splits
-//   blocks; dynamic shared memory = 4 * NS * Ring<MT, U, GPI>::STAGE bytes (below).
+//   blocks; dynamic shared memory = 4 * max(NS * Ring<16 MT, U, GPI>::STAGE, MT * 4096).
 //   A block owns an m-chunk of 16 MT rows, a K split of tiles_per_split 16-row k-tiles
 //   and 4 / wk 64-column blocks; wk warps share each column block and take contiguous
 //   parts of the K range (wk = 4 when N is too narrow to fill the device, else 1).
@@ -42,96 +42,19 @@
 // feature, no L2 cache-policy hint.
 // NumPy reference: converter.gpu.reference.marlin_gemm (gather_columns for the gather).
 
-#include "marlin_common.cuh"
-
-__device__ __forceinline__ void mma_16816(float c[4], const u32 a[4], u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Shared-memory ring, per warp: NS stages, each holding one step of U k-tiles:
-//   B  U x 512 bytes        lane l's 16-byte B piece of tile u at u * 512 + 16 l
-//   A  U x MT x 512 bytes   the 16 x 16 fp16 A tile (u, mt), row-major (32 bytes a row)
-//   S  GPI x 128 bytes      the 64 permuted scales of each group slot (grouped layers)
-//   D  GPI x 256 bytes      the 64 deltas of each group slot (HAS_DELTA)
-// Every byte is copied with 16-byte cp.async (the ring keeps NS - 1 steps in flight
-// without holding registers); lanes read pieces other lanes copied, so each step is
-// fenced by wait_group + __syncwarp, which also orders the reuse of a slot.
-template <int MT, int U, int GPI>
-struct Ring {
-    static constexpr int B_OFF = 0;
-    static constexpr int A_OFF = U * 512;
-    static constexpr int S_OFF = A_OFF + U * MT * 512;
-    static constexpr int D_OFF = S_OFF + GPI * 128;
-    static constexpr int STAGE = D_OFF + GPI * 256;
-};
-
-
-// Walks the group boundaries of one warp's K range without dividing: slots start at
-// increasing tiles, SUB (which divides the group's tile count) apart, so a slot starts
-// a new group exactly when it reaches `next`, and then crosses one boundary only.
-struct GroupWalk {
-    int g, next, first;
-    __device__ __forceinline__ void init(int kt0, int group_tiles) {
-        g = kt0 / group_tiles;
-        next = (g + 1) * group_tiles;
-        first = kt0;
-    }
-    __device__ __forceinline__ bool step(int t, int group_tiles) {
-        if (t == first) return true;
-        if (t < next) return false;
-        ++g;
-        next += group_tiles;
-        return true;
-    }
-};
-
-template <int MT, int U, int GPI, bool HAS_DELTA>
-__device__ __forceinline__ void issue_stage(u32 st, int kt, int lane, bool (&arow_ok)[MT], const u16* (&aptr)[MT],
-                                            const int4*& bptr, size_t brow, GroupWalk& walk,
-                                            const u16* __restrict__ S, const float* __restrict__ D, int N,
-                                            int nb, int group_tiles, int per_channel) {
-    using R = Ring<MT, U, GPI>;
-    constexpr int SUB = U / GPI;
-#pragma unroll
-    for (int u = 0; u < U; ++u) cp_async16(st + R::B_OFF + u * 512 + 16 * lane, bptr + u * brow);
-    bptr += U * brow;
-    // A: lane l copies 8 halves of row l / 2 of each m-tile (columns 8 (l % 2) ..).
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            // rows past M were zeroed once for every stage and are never copied
-            if (arow_ok[mt]) cp_async16(st + R::A_OFF + (u * MT + mt) * 512 + 16 * lane, aptr[mt] + u * 16);
-        }
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) aptr[mt] += U * 16;
-    if (!per_channel) {
-#pragma unroll
-        for (int gi = 0; gi < GPI; ++gi) {
-            if (walk.step(kt + gi * SUB, group_tiles)) {
-                const size_t off = (size_t)walk.g * N + 64 * nb;
-                if (lane < 8)
-                    cp_async16(st + R::S_OFF + gi * 128 + 16 * lane, S + off + 8 * lane);
-                else if (HAS_DELTA && lane < 24)
-                    cp_async16(st + R::D_OFF + gi * 256 + 16 * (lane - 8), D + off + 4 * (lane - 8));
-            }
-        }
-    }
-}
+#include "marlin_stream.cuh"
 
 template <int MT, int U, int GPI, bool HAS_DELTA>
 __device__ __forceinline__ void compute_stage(u32 st, int kt, int lane, GroupWalk& walk, int group_tiles,
                                               int per_channel, u32 (&s2)[8], u32 (&d2)[8],
                                               float (&acc)[MT][8][4]) {
-    using R = Ring<MT, U, GPI>;
+    using R = Ring<16 * MT, U, GPI>;
     constexpr int SUB = U / GPI;
     const int c0 = lane >> 2;
     // ldmatrix row address of this lane: matrix q = lane / 8 is (rows 8 (q % 2) .., k 8 (q / 2) ..).
     const int q = lane >> 3;
     const u32 a_lane = st + R::A_OFF + ((lane & 7) + 8 * (q & 1)) * 32 + 16 * (q >> 1);
+    static_assert(R::A_TILE == MT * 512, "m-tile (u, mt) sits at A_OFF + (u MT + mt) 512");
 #pragma unroll
     for (int gi = 0; gi < GPI; ++gi) {
         if (!per_channel && walk.step(kt + gi * SUB, group_tiles)) {
@@ -139,10 +62,11 @@ __device__ __forceinline__ void compute_stage(u32 st, int kt, int lane, GroupWal
             const u32 w[4] = {(u32)v.x, (u32)v.y, (u32)v.z, (u32)v.w};
 #pragma unroll
             for (int jj = 0; jj < 8; ++jj) s2[jj] = h_splat((u16)(w[jj >> 1] >> (16 * (jj & 1))));
-            if (HAS_DELTA) {
+            if (HAS_DELTA) {  // permuted like the scales: same offsets
+                const int4 dv = lds_v4(st + R::D_OFF + gi * 128 + 16 * c0);
+                const u32 dw[4] = {(u32)dv.x, (u32)dv.y, (u32)dv.z, (u32)dv.w};
 #pragma unroll
-                for (int jj = 0; jj < 8; ++jj)
-                    d2[jj] = h_splat(f32_to_h(lds_f32(st + R::D_OFF + gi * 256 + 4 * (c0 + 8 * jj))));
+                for (int jj = 0; jj < 8; ++jj) d2[jj] = h_splat((u16)(dw[jj >> 1] >> (16 * (jj & 1))));
             }
         }
 #pragma unroll
@@ -183,12 +107,13 @@ __device__ __forceinline__ void compute_stage(u32 st, int kt, int lane, GroupWal
 template <int MT, int U, int GPI, int NS, bool HAS_DELTA>
 __global__ void __launch_bounds__(128, MT == 1 ? 4 : (MT == 2 ? 3 : 2))
 marlin_gemm(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __restrict__ S,
-            const float* __restrict__ D, const u16* __restrict__ bias, u16* __restrict__ C,
+            const u16* __restrict__ D, const u16* __restrict__ bias, u16* __restrict__ C,
             float* __restrict__ ws, int* __restrict__ locks, int M, int K, int N,
             int group_tiles, int per_channel, int splits, int tiles_per_split, int wk) {
     extern __shared__ __align__(16) unsigned char smem[];
-    using R = Ring<MT, U, GPI>;
-    static_assert(MT * 4096 <= NS * R::STAGE, "a warp's sums must fit in its ring");
+    using R = Ring<16 * MT, U, GPI>;
+    // Each warp's ring, padded to hold the warp's sums for the in-block reduction.
+    constexpr int WARP_SMEM = NS * R::STAGE > MT * 4096 ? NS * R::STAGE : MT * 4096;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nblk = N >> 6;
     const int m_chunks = (M + 16 * MT - 1) / (16 * MT);
@@ -223,37 +148,27 @@ marlin_gemm(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __
         for (int jj = 0; jj < 8; ++jj) {
             const int col = 64 * nb + g4 + 8 * jj;
             s2[jj] = h_splat(ldg_u16(S + scale_pos(col, 1)));
-            d2[jj] = HAS_DELTA ? h_splat(f32_to_h(ldg_f32(D + col))) : 0u;
+            d2[jj] = HAS_DELTA ? h_splat(ldg_u16(D + scale_pos(col, 1))) : 0u;
         }
     }
 
     // Per-lane running source pointers of the copies (advanced by one step per issue).
     const size_t brow = (size_t)(N >> 1);  // int4 per B row
     const int4* bptr = B + (size_t)kt0 * brow + 32 * nb + lane;
-    bool arow_ok[MT];
-    const u16* aptr[MT];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-        const int r = mrow0 + 16 * mt + (lane >> 1);
-        arow_ok[mt] = r < M;
-        aptr[mt] = A + (size_t)(arow_ok[mt] ? r : 0) * K + kt0 * 16 + 8 * (lane & 1);
-    }
+    ARows<16 * MT> arows;
+    arows.init(A, lane, mrow0, M, K, kt0);
     GroupWalk issue_walk, compute_walk;
     issue_walk.init(kt0, group_tiles);
     compute_walk.init(kt0, group_tiles);
 
-    const u32 ring = smem_addr(smem) + warp * NS * R::STAGE;
+    const u32 ring = smem_addr(smem) + warp * WARP_SMEM;
     const u32 ring_end = ring + NS * R::STAGE;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-        if (!arow_ok[mt])
-            for (int t = 0; t < NS * U; ++t)
-                sts_zero16(ring + (t / U) * R::STAGE + R::A_OFF + ((t % U) * MT + mt) * 512 + 16 * lane);
+    arows.zero_missing(ring, R::STAGE, R::A_OFF, NS, U, lane);
     u32 issue_slot = ring;
 #define ISSUE(kt)                                                                                          \
     do {                                                                                                   \
-        issue_stage<MT, U, GPI, HAS_DELTA>(issue_slot, kt, lane, arow_ok, aptr, bptr, brow, issue_walk, S, \
-                                           D, N, nb, group_tiles, per_channel);                            \
+        issue_stage<16 * MT, U, GPI, HAS_DELTA>(issue_slot, kt, lane, true, arows, bptr, brow, issue_walk, S, D, \
+                                                N, nb, group_tiles, per_channel);                          \
         issue_slot = issue_slot + R::STAGE == ring_end ? ring : issue_slot + R::STAGE;                     \
     } while (0)
 #pragma unroll
@@ -279,7 +194,7 @@ marlin_gemm(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __
     // own (now idle) ring, warp 0 adds them in warp order. MT * 4 KB fits in a ring. ----
     if (wk > 1) {
         if (kq != 0) {
-            float* park = reinterpret_cast<float*>(smem + warp * NS * R::STAGE);
+            float* park = reinterpret_cast<float*>(smem + warp * WARP_SMEM);
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -291,7 +206,7 @@ marlin_gemm(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __
         if (kq != 0) return;
 #pragma unroll 1
         for (int w = warp + 1; w < warp + wk; ++w) {
-            const float* park = reinterpret_cast<const float*>(smem + w * NS * R::STAGE);
+            const float* park = reinterpret_cast<const float*>(smem + w * WARP_SMEM);
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll

@@ -112,7 +112,8 @@ def main() -> int:
     ap.add_argument("--force-wk", type=int, default=None, choices=(1, 4),
                     help="force the GEMM block shape (experiments; see kernels.FORCE_WK)")
     ap.add_argument("--sweep", default=None,
-                    help="extra our-kernel variants to time, e.g. 1x4x3w1,2x4x3w2 (MT x U x NS, w = waves target)")
+                    help="extra our-kernel variants to time, e.g. d1x4x3w1,t1x4x3w1 (d = decode kernel with NT "
+                         "8-row tiles, t = tile kernel with MT 16-row tiles; x U x NS; w = waves target)")
     args = ap.parse_args()
 
     import cupy as cp
@@ -133,13 +134,14 @@ def main() -> int:
     for (k, n) in shapes:
         g = k // GROUP
         int4_bytes = k * n // 2 + g * n * 2
-        delta_bytes = g * n * 4
+        delta_bytes = g * n * 2  # the fused GEMM reads fp16(delta) (kernels.prepare_delta)
         copies = max(2, math.ceil(2 * L2_BYTES / int4_bytes))
         Bs = [(cp.random.random((k // 16, 2 * n)) * 2**32).astype(cp.uint32).view(cp.int32)
               for _ in range(copies)]
         Ss = [(cp.random.random((g, n), dtype=cp.float32) * 0.02 + 0.001).astype(cp.float16)
               for _ in range(copies)]
         Ds = [(cp.random.random((g, n), dtype=cp.float32) - 0.5) * 0.05 for _ in range(copies)]
+        Ds16 = [kernels.prepare_delta(d) for d in Ds]  # done once at load time by MarlinLinear
         f16_copies = max(2, math.ceil(2 * L2_BYTES / (k * n * 2)))
         Ws = [torch.randn(k, n, device="cuda", dtype=torch.float16) * 0.02 for _ in range(f16_copies)]
         # PyTorch int4: its own packed layout, built from random codes
@@ -169,22 +171,23 @@ def main() -> int:
                 (lambda i=i: kernels.marlin_gemm(a, Bs[i % copies], Ss[i % copies], out=out, **kw))
                 for i in range(calls)], args.reps)
             row["ours_fused"] = safe(timed_graph, cp, [
-                (lambda i=i: kernels.marlin_gemm(a, Bs[i % copies], Ss[i % copies], delta=Ds[i % copies],
+                (lambda i=i: kernels.marlin_gemm(a, Bs[i % copies], Ss[i % copies], delta=Ds16[i % copies],
                                                  out=out, **kw)) for i in range(calls)], args.reps)
             row["ours_2k"] = safe(timed_graph, cp, [
                 (lambda i=i: kernels.marlin_gemm_two_kernel(a, Bs[i % copies], Ss[i % copies],
                                                             delta=Ds[i % copies], out=out, **kw))
                 for i in range(calls)], args.reps)
             for spec in (args.sweep.split(",") if args.sweep else []):
-                pipe_s, w = spec.split("w")
-                pipe = tuple(int(v) for v in pipe_s.split("x"))  # MT x U x NS
+                pipe_s, w = spec.split("w")  # d|t R x U x NS w waves, e.g. d1x4x3w1, t1x4x3w1
+                kind = {"d": "decode", "t": "tile"}[pipe_s[0]]
+                pipe = (kind,) + tuple(int(v) for v in pipe_s[1:].split("x"))
                 old_w, kernels.WAVES = kernels.WAVES, int(w)
                 try:
                     row[f"sym_{spec}"] = safe(timed_graph, cp, [
                         (lambda i=i: kernels.marlin_gemm(a, Bs[i % copies], Ss[i % copies], out=out, pipe=pipe, **kw))
                         for i in range(calls)], args.reps)
                     row[f"fused_{spec}"] = safe(timed_graph, cp, [
-                        (lambda i=i: kernels.marlin_gemm(a, Bs[i % copies], Ss[i % copies], delta=Ds[i % copies],
+                        (lambda i=i: kernels.marlin_gemm(a, Bs[i % copies], Ss[i % copies], delta=Ds16[i % copies],
                                                          out=out, pipe=pipe, **kw)) for i in range(calls)], args.reps)
                 finally:
                     kernels.WAVES = old_w
@@ -219,7 +222,7 @@ def main() -> int:
                   f"fused+{100 * (row['ours_fused'] / row['ours_sym'] - 1):5.1f}% "
                   f"floor {row['floor_sym_us']:7.1f} splits {row['plan']['splits']}"
                   + "".join(f" {key[4:]}:{v:.1f}" for key, v in row.items() if key.startswith("sym_")), flush=True)
-        del Bs, Ss, Ds, Ws, packed, sz
+        del Bs, Ss, Ds, Ds16, Ws, packed, sz
         cp.get_default_memory_pool().free_all_blocks()
         torch.cuda.empty_cache()
 

@@ -18,7 +18,8 @@ def layer(k, n, gs):
     return cp.asarray(pack_b(q)), cp.asarray(permute_scales(s)), cp.asarray(d)
 for (m, k, n, gs, act, wk) in [(1, 1024, 256, 128, False, None), (17, 1024, 256, 32, True, 4),
                                (65, 512, 128, 64, False, 1), (16, 256, 64, 256, False, None),
-                               (128, 384, 192, 128, True, 1), (5, 192, 320, 64, False, 1), (33, 1536, 320, 48, True, 4)]:
+                               (128, 384, 192, 128, True, 1), (5, 192, 320, 64, False, 1), (33, 1536, 320, 48, True, 4),
+                               (24, 512, 256, 128, False, 1), (12, 1024, 320, 1024, True, 1)]:
     kernels.FORCE_WK = wk
     B, S, D = layer(k, n, gs)
     a = cp.asarray(rng.standard_normal((m, k)).astype(np.float16))

@@ -92,6 +92,75 @@ def test_gemm_twin_matches_float64(act_order):
     assert np.all(np.abs(c32.astype(np.float64) - c.astype(np.float64)) <= bound)
 
 
+@pytest.mark.parametrize("group_size", [32, 128, -1])
+def test_decode_twin_is_the_per_group_formula(group_size):
+    """The decode twin equals sum_g s_g (A_g (q_g - 8)) + X_g fp16(d_g), written out per group."""
+    k, n, m = 256, 128, 3
+    rng = np.random.default_rng([17, group_size % 97])
+    L = make_layer(rng, k, n, group_size)
+    a = rng.standard_normal((m, k)).astype(np.float16)
+    kw = dict(size_k=k, size_n=n, group_size=group_size, delta=L["delta"])
+    got = ref.marlin_gemm(a, L["B"], L["S"], path="decode", **kw).astype(np.float64)
+    gs, a64 = L["gs"], a.astype(np.float64)
+    acc = np.zeros((m, n))
+    for g in range(k // gs):
+        rows = slice(g * gs, (g + 1) * gs)
+        p = a64[:, rows] @ (L["q"][rows].astype(np.float64) - 8)
+        x = a64[:, rows].sum(1, keepdims=True)
+        d16 = L["delta"][g].astype(np.float16).astype(np.float64)
+        acc += p * L["s"][g].astype(np.float64) + x * d16
+    # got is acc rounded once to fp16: within half an fp16 ulp (2**-11 relative)
+    assert np.all(np.abs(got - acc) <= 2.0**-11 * np.abs(acc) * (1 + 1e-9) + 2.0**-25)
+    # the two kernels' twins differ by the fp16 rounding of the tile kernel's weight only
+    tile = ref.marlin_gemm(a, L["B"], L["S"], path="tile", **kw).astype(np.float64)
+    w16 = ref.dequant(L["B"], L["S"], size_k=k, size_n=n, group_size=group_size, delta=L["delta"])
+    slack = np.abs(a64) @ (2.0**-11 * np.abs(w16.astype(np.float64))) + 2.0**-10 * (np.abs(tile) + np.abs(got))
+    assert np.all(np.abs(tile - got) <= slack + 2.0**-24)
+    assert not np.array_equal(tile, got)  # really two different formulas
+    # a float32 evaluation of the per-group formula stays inside the decode bound
+    c32 = sum((a[:, g * gs:(g + 1) * gs].astype(np.float32) @ (L["q"][g * gs:(g + 1) * gs].astype(np.float32) - 8))
+              * L["s"][g].astype(np.float32)
+              + a[:, g * gs:(g + 1) * gs].astype(np.float32).sum(1, keepdims=True)
+              * L["delta"][g].astype(np.float16).astype(np.float32) for g in range(k // gs)).astype(np.float16)
+    bound = ref.gemm_error_bound(a, L["B"], L["S"], path="decode", **kw)
+    assert np.all(np.abs(c32.astype(np.float64) - got) <= bound)
+
+
+@pytest.mark.parametrize("g", [1, 3])
+def test_prepared_delta_order_matches_the_scales(g):
+    """kernels.prepare_delta's column order is the scales' (so the kernels read both at one offset)."""
+    from converter.gpu import kernels
+
+    n = 128
+    d = np.arange(g * n, dtype=np.float32).reshape(g, n)
+    order = kernels._scale_order(n, g == 1)
+    assert np.array_equal(d[:, order], permute_scales(d))
+    # the twins accept both operand forms and agree
+    rng = np.random.default_rng(g)
+    L = make_layer(rng, 64 * g, n, 64)
+    a = rng.standard_normal((2, 64 * g)).astype(np.float16)
+    d16 = permute_scales(L["delta"].astype(np.float16))
+    kw = dict(size_k=64 * g, size_n=n, group_size=64)
+    for path in ("tile", "decode"):
+        assert np.array_equal(ref.marlin_gemm(a, L["B"], L["S"], delta=L["delta"], path=path, **kw),
+                              ref.marlin_gemm(a, L["B"], L["S"], delta=d16, path=path, **kw))
+
+
+def test_gemm_path_rule_and_pipes():
+    from converter.gpu import kernels
+
+    assert kernels.gemm_path(1) == kernels.gemm_path(kernels.DECODE_MAX_M) == "decode"
+    assert kernels.gemm_path(kernels.DECODE_MAX_M + 1) == "tile"
+    for m in (1, 8, 9, 16, 17, 32, 33, 64, 128):
+        pipe = kernels.default_pipe(m, 4096, 8)
+        assert pipe in kernels.GEMM_PIPES and pipe[0] == kernels.gemm_path(m)
+        rows = 8 * pipe[1] if pipe[0] == "decode" else 16 * pipe[1]
+        assert rows >= min(m, 32)
+    # shared memory: 4 rings of NS stages (B, A, scales, deltas), or the parked sums
+    assert kernels._gemm_smem(("decode", 1, 4, 3), 1) == 4 * 3 * (4 * 512 + 4 * 256 + 256)
+    assert kernels._gemm_smem(("tile", 4, 2, 3), 1) == 4 * max(3 * (2 * 512 + 2 * 2048 + 256), 16384)
+
+
 def test_reference_weight_orders_rows_by_perm():
     k, n = 128, 64
     rng = np.random.default_rng(11)
@@ -161,7 +230,7 @@ def test_kernel_sources_found_and_headers_name_their_twins():
     from converter.gpu import kernels
 
     folder = kernels.kernel_dir()
-    for cu in ("marlin_gemm.cu", "dequant.cu", "asym_correction.cu"):
+    for cu in ("marlin_gemm.cu", "marlin_decode.cu", "dequant.cu", "asym_correction.cu"):
         head = (folder / cu).read_text().split("#include")[0]
         names = re.findall(r"converter\.gpu\.reference\.(\w+)", head)
         names += re.findall(r"\.(\w+)\)?\.?$", head, flags=re.M)
@@ -181,7 +250,8 @@ def test_kernels_ship_in_wheel(tmp_path):
     wheel = next((tmp_path / "dist").glob("*.whl"))
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
-    for cu in ("marlin_gemm.cu", "dequant.cu", "asym_correction.cu", "marlin_common.cuh"):
+    for cu in ("marlin_gemm.cu", "marlin_decode.cu", "dequant.cu", "asym_correction.cu", "marlin_common.cuh",
+               "marlin_stream.cuh"):
         assert f"converter/_kernels/{cu}" in names, sorted(n for n in names if "kernel" in n)
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target",

@@ -59,7 +59,8 @@ class MarlinLinear:
         self._B = cp.asarray(np.ascontiguousarray(B, dtype=np.int32))
         self._scales = cp.asarray(np.ascontiguousarray(scales, dtype=np.float16))
         use_delta = delta is not None and bool(np.any(delta))
-        self._delta = cp.asarray(np.ascontiguousarray(delta, dtype=np.float32)) if use_delta else None
+        # The GEMM's own delta operand (fp16, scale order), converted once here.
+        self._delta = kernels.prepare_delta(np.ascontiguousarray(delta, dtype=np.float32)) if use_delta else None
         self._perm = None if perm is None else cp.asarray(np.ascontiguousarray(perm, dtype=np.int32))
         self._bias = None if bias is None else cp.asarray(np.ascontiguousarray(bias, dtype=np.float16))
 

@@ -27,55 +27,86 @@ from typing import Any
 import numpy as np
 
 from ..errors import GpuUnavailableError, KernelError
+from ..marlin.layout import permute_scales
 from . import runtime
 
-_SOURCES = ("marlin_gemm.cu", "dequant.cu", "asym_correction.cu", "marlin_common.cuh")
+_SOURCES = ("marlin_gemm.cu", "marlin_decode.cu", "dequant.cu", "asym_correction.cu", "marlin_common.cuh",
+            "marlin_stream.cuh")
 
-#: marlin_gemm instantiations: (MT, U, NS) = 16-row m-tiles per warp, k-tiles per
-#: step, shared-memory ring stages; each for GPI (group slots per step) in GEMM_GPIS[U]
-#: and with and without the fused delta.
-GEMM_PIPES = ((1, 4, 3), (1, 8, 3), (2, 4, 3), (4, 2, 3))
+#: GEMM instantiations, as pipes ``(kind, R, U, NS)``: ``kind`` "tile"
+#: (``kernels/marlin_gemm.cu``, R = MT 16-row m-tiles per warp) or "decode"
+#: (``kernels/marlin_decode.cu``, R = NT 8-row activation tiles per warp); U k-tiles
+#: per step; NS shared-memory ring stages. Each is built for every GPI (group slots per
+#: step) in GEMM_GPIS[U], with and without the fused delta.
+GEMM_PIPES = (("tile", 1, 4, 3), ("tile", 1, 8, 3), ("tile", 2, 4, 3), ("tile", 4, 2, 3),
+              ("decode", 1, 4, 3), ("decode", 1, 4, 4), ("decode", 1, 8, 3),
+              ("decode", 2, 4, 3), ("decode", 2, 8, 3), ("decode", 4, 4, 3))
 GEMM_GPIS = {8: (1,), 4: (1, 2, 4), 2: (1, 2)}
+#: Largest M served by the decode kernel (one launch covers any M; larger M use the
+#: tile kernel, whose per-weight fp16 scaling is amortised over more rows).
+DECODE_MAX_M = 32
 #: Target number of full waves of resident warps for the K split (tuned on an H200).
 WAVES = 1
 #: A block's pipeline fill, in k-tile times, charged per wave by the split's cost model.
 LATENCY_TILES = 6
+#: Cost of staging one A row of a k-tile, in B-tile units per 16 rows (the split's
+#: cost model; A comes from L2, B from DRAM).
+A_WEIGHT = 0.5
 #: Tests set this to 1 or 4 to force a block shape; None lets the cost model choose.
 FORCE_WK: int | None = None
 
 
-def default_pipe(m: int, size_k: int, group_tiles: int, smem_limit: int = 227 * 1024) -> tuple[int, int, int]:
-    """(MT, U, NS) for batch size m (measured on an H200, scripts/perf_notes.md): one
-    m-tile and 4-tile steps for M <= 4, 8-tile steps up to M = 16 (when K, the group
-    size and the device's per-block shared memory allow), then more m-tiles per warp
-    so that one dequantized B fragment feeds more mma instructions.
+Pipe = tuple[str, int, int, int]
+
+
+def gemm_path(m: int) -> str:
+    """Which GEMM kernel serves M rows: "decode" (M <= DECODE_MAX_M) or "tile"."""
+    return "decode" if m <= DECODE_MAX_M else "tile"
+
+
+def default_pipe(m: int, size_k: int, group_tiles: int, smem_limit: int = 227 * 1024) -> Pipe:
+    """The GEMM variant for batch size m (measured on an H200, scripts/perf_notes.md).
+
+    Decode kernel for M <= DECODE_MAX_M with the fewest 8-row activation tiles that
+    hold M; tile kernel with 2 or 4 m-tiles per warp above.
 
     Args:
         m: rows of A. size_k: K. group_tiles: group size / 16 (K / 16 per-channel).
         smem_limit: the device's opt-in shared memory per block, bytes.
+
+    Returns:
+        ``(kind, R, U, NS)``, one of GEMM_PIPES.
     """
-    if m > 16:
-        return (2, 4, 3) if m <= 32 else (4, 2, 3)
-    # 8-tile steps only with one group slot per step (group size >= 128, per-channel):
-    # more slots make the ring too big for more than one block per multiprocessor.
-    if m > 4 and (size_k // 16) % 8 == 0 and group_tiles % 8 == 0 and _gemm_smem(1, 8, 1, 3) <= smem_limit:
-        return (1, 8, 3)
-    return (1, 4, 3)
+    if gemm_path(m) == "tile":
+        return ("tile", 2, 4, 3) if m <= 32 else ("tile", 4, 2, 3)
+    nt = 1 if m <= 8 else (2 if m <= 16 else 4)
+    return ("decode", nt, 4, 3)
 
 
-def _gemm_name(mt: int, u: int, gpi: int, ns: int, delta: bool) -> str:
-    return f"marlin_gemm<{mt}, {u}, {gpi}, {ns}, {'true' if delta else 'false'}>"
+def _gemm_name(pipe: Pipe, gpi: int, delta: bool) -> str:
+    kind, r, u, ns = pipe
+    fn = "marlin_gemm" if kind == "tile" else "marlin_decode"
+    return f"{fn}<{r}, {u}, {gpi}, {ns}, {'true' if delta else 'false'}>"
 
 
-def _gemm_smem(mt: int, u: int, gpi: int, ns: int) -> int:
-    """Dynamic shared memory of one 4-warp block (kernels/marlin_gemm.cu, struct Ring)."""
-    stage = u * 512 + u * mt * 512 + gpi * 128 + gpi * 256
-    return 4 * ns * stage
+def _gemm_source(pipe: Pipe) -> str:
+    return "marlin_gemm.cu" if pipe[0] == "tile" else "marlin_decode.cu"
+
+
+def _gemm_smem(pipe: Pipe, gpi: int) -> int:
+    """Dynamic shared memory of one 4-warp block: 4 rings (``kernels/marlin_stream.cuh``,
+    struct Ring, AR rows of A per tile), each padded to hold the warp's fp32 sums."""
+    kind, r, u, ns = pipe
+    rows, sums = (16 * r, 4096 * r) if kind == "tile" else (8 * r, 2048 * r)
+    stage = u * 512 + u * rows * 32 + gpi * 128 + gpi * 128
+    return 4 * max(ns * stage, sums)
 
 
 _NAMES = {
-    "marlin_gemm.cu": [_gemm_name(mt, u, gpi, ns, d) for (mt, u, ns) in GEMM_PIPES for gpi in GEMM_GPIS[u]
+    "marlin_gemm.cu": [_gemm_name(p, gpi, d) for p in GEMM_PIPES if p[0] == "tile" for gpi in GEMM_GPIS[p[2]]
                        for d in (False, True)] + ["gather_columns"],
+    "marlin_decode.cu": [_gemm_name(p, gpi, d) for p in GEMM_PIPES if p[0] == "decode"
+                         for gpi in GEMM_GPIS[p[2]] for d in (False, True)],
     "dequant.cu": ["marlin_dequant<false>", "marlin_dequant<true>"],
     "asym_correction.cu": ["group_sums", "add_correction"],
 }
@@ -220,12 +251,12 @@ def _workspace(ws_floats: int, n_locks: int) -> tuple[Any, Any]:
 
 
 def gemm_plan(m: int, size_k: int, size_n: int, group_size: int, *, delta: bool = False,
-              pipe: tuple[int, int, int] | None = None) -> dict[str, int]:
+              pipe: Pipe | None = None) -> dict[str, Any]:
     """Kernel variant and K split the GEMM launcher uses for one call.
 
-    The work is ``m_chunks x N/64`` units (16 MT rows x 64 columns each), each split
-    into ``splits`` contiguous K ranges; a 4-warp block takes either 4 units with the
-    whole range (``wk = 1``) or one unit with a quarter of the range per warp
+    The work is ``m_chunks x N/64`` units (the variant's rows x 64 columns each), each
+    split into ``splits`` contiguous K ranges; a 4-warp block takes either 4 units with
+    the whole range (``wk = 1``) or one unit with a quarter of the range per warp
     (``wk = 4``). With ``R`` blocks resident on the device (from the variant's
     registers and shared memory), the plan minimises
     ``ceil(blocks / R) * (tiles per warp + LATENCY_TILES)`` (the slowest wave plus its
@@ -234,14 +265,15 @@ def gemm_plan(m: int, size_k: int, size_n: int, group_size: int, *, delta: bool 
     Args:
         m, size_k, size_n, group_size: the problem (group_size -1 / size_k: per-channel).
         delta: fused asymmetric variant.
-        pipe: ``(MT, U, NS)`` override of :func:`default_pipe` (benchmarking).
+        pipe: ``(kind, R, U, NS)`` override of :func:`default_pipe` (benchmarking).
 
     Returns:
-        dict with ``mt, u, gpi, ns, smem, regs, m_chunks, wk, splits,
-        tiles_per_split, warps, blocks, resident_warps``.
+        dict with ``kind, r, u, gpi, ns, smem, regs, rows, m_chunks, wk, splits,
+        tiles_per_split, warps, blocks, resident_warps`` (``rows``: A rows per chunk).
 
     Raises:
-        KernelError: K not a multiple of 16 U (64 for M <= 32, else 32).
+        KernelError: K not a multiple of 16 U (64 always works), an unknown pipe, or
+            too little shared memory.
         GpuUnavailableError: no CuPy / GPU.
     """
     gs, _, _ = _layer_sizes(size_k, size_n, group_size)
@@ -250,31 +282,43 @@ def gemm_plan(m: int, size_k: int, size_n: int, group_size: int, *, delta: bool 
     return dict(_plan(m, size_k, size_n, group_size, delta, tuple(pipe), WAVES, FORCE_WK, info))
 
 
+def _resident_blocks(regs: int, smem: int, smem_per_sm: int) -> int:
+    """4-warp blocks one multiprocessor holds (sm_80..sm_90 allocation rules).
+
+    Each of the 4 sub-partitions has 16 K registers, given to a warp in units of 256
+    (so 102 registers per thread cost 3328 per warp: 4 warps per sub-partition, not
+    5); a block's 4 warps take one warp slot in every sub-partition. Shared memory:
+    1 KB is reserved per block. At most 16 such blocks (64 warps).
+    """
+    per_warp = -(-max(regs, 1) * 32 // 256) * 256
+    return max(1, min(16384 // per_warp, smem_per_sm // (smem + 1024), 16))
+
+
 @functools.lru_cache(maxsize=4096)
-def _plan(m: int, size_k: int, size_n: int, group_size: int, delta: bool, pipe: tuple[int, int, int],
-          waves_target: int, force_wk: int | None, info: runtime.DeviceInfo) -> dict[str, int]:
+def _plan(m: int, size_k: int, size_n: int, group_size: int, delta: bool, pipe: Pipe,
+          waves_target: int, force_wk: int | None, info: runtime.DeviceInfo) -> dict[str, Any]:
     gs, _, per_channel = _layer_sizes(size_k, size_n, group_size)
     kt = size_k // 16
-    mt, u, ns = pipe
+    if pipe not in GEMM_PIPES:
+        raise KernelError(f"unknown GEMM variant {pipe}; built: {GEMM_PIPES}")
+    kind, r, u, ns = pipe
     if kt % u:
         raise KernelError(f"size_k={size_k}: K must be a multiple of {16 * u} for this kernel")
     gt = kt if per_channel else gs // 16
     gpi = 1 if per_channel else u // math.gcd(gt, u)
-    if (mt, u, ns) not in GEMM_PIPES or gpi not in GEMM_GPIS[u]:
-        raise KernelError(f"group_size {group_size} is not supported by the GEMM "
-                          "(multiples of 32, and per-channel, are)")
-    smem = _gemm_smem(mt, u, gpi, ns)
+    if gpi not in GEMM_GPIS[u]:
+        raise KernelError(f"group_size {group_size} is not supported by GEMM variant {pipe}")
+    smem = _gemm_smem(pipe, gpi)
     if smem > info.smem_per_block_optin:
         raise KernelError(f"GEMM variant {pipe} needs {smem} bytes of shared memory per block; "
                           f"{info.arch} allows {info.smem_per_block_optin}")
-    regs = int(_fn("marlin_gemm.cu", _gemm_name(mt, u, gpi, ns, delta)).num_regs)
-    # Registers (64 K per SM) and shared memory (1 KB reserved per block) bound the
-    # resident 4-warp blocks per multiprocessor.
-    blocks_per_sm = max(1, min(65536 // (max(regs, 1) * 128), info.smem_per_sm // (smem + 1024)))
+    regs = int(_fn(_gemm_source(pipe), _gemm_name(pipe, gpi, delta)).num_regs)
+    blocks_per_sm = _resident_blocks(regs, smem, info.smem_per_sm)
     resident = info.sm_count * blocks_per_sm
-    m_chunks = -(-m // (16 * mt))
+    chunk_rows = 16 * r if kind == "tile" else 8 * r
+    m_chunks = -(-m // chunk_rows)
     nblk = size_n // 64
-    rows = min(m, 16 * mt)
+    rows = min(m, chunk_rows)
     best = None
     for wk in (force_wk,) if force_wk else (1, 4):
         blocks_n = m_chunks * -(-nblk // (4 // wk))
@@ -284,15 +328,19 @@ def _plan(m: int, size_k: int, size_n: int, group_size: int, delta: bool, pipe: 
             if -(-kt // tps) != splits:
                 continue
             waves = -(-blocks_n * splits // (resident * waves_target))
-            # slowest wave: per-warp tiles plus the pipeline fill (about LATENCY_TILES),
-            # then the final reduction's reads (about a quarter tile per split and 8 rows)
-            cost = waves * (tps // wk + LATENCY_TILES) + 0.25 * (splits - 1) * -(-rows // 8)
+            # slowest wave: per-warp tiles (each also moving its A rows, rows / 16 of a
+            # B tile's bytes, once per block in the decode kernel's wk = 1 form) plus
+            # the pipeline fill (about LATENCY_TILES), then the final reduction's reads
+            # (about a quarter tile per split and 8 rows)
+            a_share = 4 if (kind == "decode" and wk == 1) else 1
+            tile_cost = 1 + A_WEIGHT * rows / 16 / a_share
+            cost = waves * (tps // wk * tile_cost + LATENCY_TILES) + 0.25 * (splits - 1) * -(-rows // 8)
             if best is None or cost < best[0]:
                 best = (cost, wk, splits, tps, blocks_n * splits)
     _, wk, splits, tps, blocks = best
-    return {"mt": mt, "u": u, "gpi": gpi, "ns": ns, "smem": smem, "regs": regs, "m_chunks": m_chunks,
-            "wk": wk, "splits": splits, "tiles_per_split": tps, "warps": 4 * blocks, "blocks": blocks,
-            "resident_warps": 4 * resident}
+    return {"kind": kind, "r": r, "u": u, "gpi": gpi, "ns": ns, "smem": smem, "regs": regs,
+            "rows": chunk_rows, "m_chunks": m_chunks, "wk": wk, "splits": splits, "tiles_per_split": tps,
+            "warps": 4 * blocks, "blocks": blocks, "resident_warps": 4 * resident}
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -326,6 +374,44 @@ def gather_columns(A: Any, perm: Any, *, out: Any = None) -> Any:
     return out
 
 
+def prepare_delta(delta: Any) -> Any:
+    """The artifact's ``marlin_delta`` as the fused GEMM's delta operand.
+
+    Both GEMM kernels multiply by ``fp16(delta)``, and they read it at the offsets where
+    they read the scales, so the operand is ``fp16(delta)`` in Marlin's scale order
+    (checkpoint-formats.md 4.4; the per-channel list when ``G == 1``). Convert once at
+    load time (``MarlinLinear`` does); :func:`marlin_gemm` converts an fp32 ``delta``
+    on every call.
+
+    Args:
+        delta: float32 ``(G, N)``, natural column order (artifact ``marlin_delta``),
+            N % 64 == 0.
+
+    Returns:
+        float16 ``(G, N)`` CuPy array, round-to-nearest-even (overflow gives inf, as the
+        kernels' own conversion did).
+
+    Raises:
+        KernelError: not a 2-D float32 array with N % 64 == 0.
+        GpuUnavailableError: no CuPy / GPU.
+    """
+    cp = runtime.cupy_module()
+    if getattr(delta, "ndim", 0) != 2:
+        raise KernelError(f"delta must be 2-D (G, N), got {getattr(delta, 'shape', None)}", tensor="delta")
+    g, n = (int(v) for v in delta.shape)
+    if n % 64:
+        raise KernelError(f"delta: N={n} must be a multiple of 64", tensor="delta")
+    d = _dev(delta, "delta", np.float32, (g, n))
+    order = cp.asarray(_scale_order(n, g == 1))
+    return cp.ascontiguousarray(d.astype(cp.float16)[:, order])
+
+
+@functools.lru_cache(maxsize=64)
+def _scale_order(size_n: int, single: bool) -> np.ndarray:
+    """Source column of each position of a permuted scale row (layout.permute_scales)."""
+    return permute_scales(np.arange(size_n, dtype=np.int64)[None, :], single=single)[0]
+
+
 def marlin_gemm(
     A: Any,
     B: Any,
@@ -338,13 +424,17 @@ def marlin_gemm(
     perm: Any = None,
     bias: Any = None,
     out: Any = None,
-    pipe: tuple[int, int, int] | None = None,
+    pipe: Pipe | None = None,
 ) -> Any:
     """INT4 x FP16 GEMM on Marlin tensors; fused asymmetric correction when ``delta`` given.
 
-    Computes ``C = A[:, perm] @ W (+ bias)`` with ``W = fp16((q - 8) * s)``, or
-    ``fp16((q - 8) * s + fp16(delta))`` when ``delta`` is given, dequantized in
-    registers (``kernels/marlin_gemm.cu``), fp32 accumulation, one fp16 rounding.
+    Computes ``C = A[:, perm] @ W (+ bias)`` for ``W = (q - 8) * s (+ d)``,
+    ``d = fp16(delta)``, in one launch, fp32 accumulation, one fp16 rounding. Two
+    kernels share the work (:func:`gemm_path`): for M <= DECODE_MAX_M the decode kernel
+    (``kernels/marlin_decode.cu``) sums ``A (q - 8)`` and A per group in fp32 and
+    applies ``s`` and ``d`` once per group; above it the tile kernel
+    (``kernels/marlin_gemm.cu``) multiplies by ``fp16((q - 8) * s (+ d))``. Twin:
+    ``reference.marlin_gemm`` (same path rule).
 
     Args:
         A: float16 ``(M, size_k)``, M >= 1, SOURCE channel order.
@@ -353,11 +443,14 @@ def marlin_gemm(
         size_k, size_n: K (multiple of 64) and N (multiple of 64).
         group_size: any multiple of 16 dividing K (32, 64, 128, ...), or -1 / size_k
             for per-channel.
-        delta: float32 ``(G, size_n)`` natural order (artifact ``marlin_delta``) or None.
+        delta: float32 ``(G, size_n)`` natural order (artifact ``marlin_delta``,
+            converted on every call), float16 ``(G, size_n)`` from
+            :func:`prepare_delta`, or None.
         perm: int32 ``(size_k,)`` act-order permutation (artifact ``marlin_perm``) or None.
         bias: float16 ``(size_n,)`` or None.
         out: optional float16 ``(M, size_n)`` destination.
-        pipe: ``(MT, U, NS)`` variant override (benchmarking); default :func:`default_pipe`.
+        pipe: ``(kind, R, U, NS)`` variant override (benchmarking); default
+            :func:`default_pipe`.
 
     Returns:
         float16 ``(M, size_n)`` CuPy array. Bitwise deterministic for fixed inputs
@@ -376,7 +469,10 @@ def marlin_gemm(
     B = _dev(B, "B", np.int32, (size_k // 16, 2 * size_n))
     scales = _dev(scales, "scales", np.float16, (g, size_n))
     if delta is not None:
-        delta = _dev(delta, "delta", np.float32, (g, size_n))
+        if getattr(delta, "dtype", None) == np.float16:
+            delta = _dev(delta, "delta", np.float16, (g, size_n))
+        else:
+            delta = prepare_delta(_dev(delta, "delta", np.float32, (g, size_n)))
     if bias is not None:
         bias = _dev(bias, "bias", np.float16, (size_n,))
     if perm is not None:
@@ -387,7 +483,8 @@ def marlin_gemm(
         A = gather_columns(A, perm)
     ws, locks = _workspace(plan["splits"] * m * size_n if plan["splits"] > 1 else 0,
                            plan["m_chunks"] * (size_n // 64))
-    fn = _fn("marlin_gemm.cu", _gemm_name(plan["mt"], plan["u"], plan["gpi"], plan["ns"], delta is not None))
+    variant = (plan["kind"], plan["r"], plan["u"], plan["ns"])
+    fn = _fn(_gemm_source(variant), _gemm_name(variant, plan["gpi"], delta is not None))
     if plan["smem"] > 48 * 1024 and fn.max_dynamic_shared_size_bytes < plan["smem"]:
         fn.max_dynamic_shared_size_bytes = plan["smem"]  # opt in above the 48 KB default
     gt = size_k // 16 if per_channel else gs // 16

@@ -7,9 +7,11 @@ Each twin computes what its kernel computes, from the same artifact tensors:
   ``fma.rn`` with ``fp16(delta)``); in float64 that product-plus-addend is exact
   (at most 4 + 11 significant bits over an exponent span under 53 bits), so one
   round-to-nearest-even to float16 gives the same bits.
-* :func:`marlin_gemm` uses that same fp16 weight, multiplies in float64 and rounds once
-  to float16. The kernel accumulates exact fp16 products in fp32 in a different order,
-  so the two differ by at most the bound in :func:`gemm_error_bound`.
+* :func:`marlin_gemm` follows the launcher's two kernels: for larger M (tile kernel)
+  it uses that same fp16 weight; for small M (decode kernel, scale and delta applied
+  per group in fp32) the unrounded ``(q - 8) * s + fp16(delta)``. It multiplies in
+  float64 and rounds once to float16; the kernels accumulate exact products in fp32 in
+  another order, so the two differ by at most the bound in :func:`gemm_error_bound`.
 * :func:`group_sums`, :func:`add_correction`, :func:`gather_columns` mirror
   ``kernels/asym_correction.cu`` and the gather in ``kernels/marlin_gemm.cu``.
 
@@ -88,6 +90,43 @@ def gather_columns(A: np.ndarray, perm: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(A)[:, np.asarray(perm, dtype=np.intp)])
 
 
+def _path(m: int, path: str | None) -> str:
+    if path is None:
+        from .kernels import gemm_path  # the launcher's rule (plain Python, no GPU needed)
+
+        return gemm_path(m)
+    if path not in ("tile", "decode"):
+        raise ValueError(f"path must be 'tile' or 'decode', got {path!r}")
+    return path
+
+
+def _delta16(delta: np.ndarray | None, size_n: int) -> np.ndarray | None:
+    """fp16(delta) in natural column order, float64, from either operand form."""
+    if delta is None:
+        return None
+    d = np.asarray(delta)
+    if d.dtype == np.float16:  # kernels.prepare_delta's form: permuted like the scales
+        return unpermute_scales(d).astype(np.float64)
+    return d.astype(np.float32).astype(np.float16).astype(np.float64)
+
+
+def _decode_weight(B: np.ndarray, scales: np.ndarray, delta: np.ndarray | None, *, size_k: int, size_n: int,
+                   group_size: int) -> np.ndarray:
+    """float64 ``(q - 8) * s + fp16(delta)`` without any rounding (the decode kernel's weight)."""
+    gs, g = _groups(size_k, group_size)
+    if scales.shape != (g, size_n):
+        raise ValueError(f"scales shape {scales.shape} != {(g, size_n)}")
+    rows = np.arange(size_k) // gs
+    w = (unpack_b(np.asarray(B), size_n).astype(np.float64) - 8.0) * unpermute_scales(
+        np.asarray(scales, dtype=np.float16)).astype(np.float64)[rows]
+    d = _delta16(delta, size_n)
+    if d is not None:
+        if d.shape != (g, size_n):
+            raise ValueError(f"delta shape {d.shape} != {(g, size_n)}")
+        w = w + d[rows]
+    return w
+
+
 def marlin_gemm(
     A: np.ndarray,
     B: np.ndarray,
@@ -99,25 +138,41 @@ def marlin_gemm(
     delta: np.ndarray | None = None,
     perm: np.ndarray | None = None,
     bias: np.ndarray | None = None,
+    path: str | None = None,
 ) -> np.ndarray:
-    """Twin of ``marlin_gemm`` (symmetric, or fused-asymmetric when ``delta`` is given).
+    """Twin of ``kernels.marlin_gemm`` (symmetric, or fused-asymmetric when ``delta`` is given).
 
     Args:
         A: float16 ``(M, size_k)``, source channel order (gathered by ``perm`` first).
-        B, scales, size_k, size_n, group_size, delta: as :func:`dequant`.
+        B, scales, size_k, size_n, group_size: as :func:`dequant`.
+        delta: float32 ``(G, size_n)`` natural order, or float16 from
+            ``kernels.prepare_delta`` (permuted like the scales), or None.
         perm: int32 ``(size_k,)`` or None.
         bias: float16 ``(size_n,)`` or None, added before the final rounding.
+        path: "tile" or "decode"; None picks what the launcher picks for M
+            (``kernels.gemm_path``).
 
     Returns:
-        float16 ``(M, size_n)`` = ``fp16(A_marlin @ W16 + bias)`` with the product in
-        float64 and one rounding.
+        float16 ``(M, size_n)``, the product in float64 and one rounding:
+        tile path ``fp16(A @ W16 + bias)`` with W16 the fp16 weight of :func:`dequant`;
+        decode path ``fp16(A @ ((q - 8) s + fp16(delta)) + bias)``, the weight unrounded
+        (the kernel applies s and delta per group in fp32).
     """
     a = gather_columns(A, perm) if perm is not None else np.asarray(A)
-    w = dequant(B, scales, size_k=size_k, size_n=size_n, group_size=group_size, delta=delta)
-    acc = a.astype(np.float64) @ w.astype(np.float64)
+    w = _weight(a.shape[0], B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size, path=path)
+    acc = a.astype(np.float64) @ w
     if bias is not None:
         acc = acc + np.asarray(bias, dtype=np.float16).astype(np.float64)
     return acc.astype(np.float16)
+
+
+def _weight(m: int, B: np.ndarray, scales: np.ndarray, delta: np.ndarray | None, *, size_k: int, size_n: int,
+            group_size: int, path: str | None) -> np.ndarray:
+    if _path(m, path) == "decode":
+        return _decode_weight(B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size)
+    d = _delta16(delta, size_n)
+    return dequant(B, scales, size_k=size_k, size_n=size_n, group_size=group_size,
+                   delta=None if d is None else d.astype(np.float32)).astype(np.float64)
 
 
 def gemm_error_bound(
@@ -132,15 +187,19 @@ def gemm_error_bound(
     perm: np.ndarray | None = None,
     bias: np.ndarray | None = None,
     splits: int = 1,
+    path: str | None = None,
 ) -> np.ndarray:
     """Elementwise bound on ``|kernel - twin|`` for :func:`marlin_gemm`, float64 ``(M, N)``.
 
-    Both sides use the same fp16 weights and exact fp16 products; they differ only in
-    the fp32 summation and the final fp16 rounding:
+    Both sides use the same weights and exact products; they differ only in the fp32
+    summation and the final fp16 rounding:
 
-    * fp32 sums of K products (in any order, ``splits`` partial sums added last):
-      ``|err| <= (K + splits + 1) * 2**-24 * (|A| @ |W| + |bias|)`` (Higham's
+    * tile path: fp32 sums of K products (in any order, ``splits`` partial sums added
+      last): ``|err| <= (K + splits + 1) * 2**-24 * (|A| @ |W| + |bias|)`` (Higham's
       recursive-summation bound with unit roundoff 2**-24, first order);
+    * decode path: the same for the per-group sums of ``A (q - 8)`` and of A, plus two
+      fp32 fma per group (scale, delta), so ``K + 2 G + splits + 4`` roundings of at most
+      ``|A| @ (|q - 8| |s| + |fp16(delta)|)``;
     * both results are rounded to fp16: up to one fp16 ulp of the larger magnitude
       (``2**-10 * |x|``, and ``2**-24`` for subnormals).
 
@@ -148,14 +207,28 @@ def gemm_error_bound(
         The bound, to compare with ``abs(kernel.astype(f64) - twin.astype(f64))``.
     """
     a = gather_columns(A, perm) if perm is not None else np.asarray(A)
-    w = dequant(B, scales, size_k=size_k, size_n=size_n, group_size=group_size, delta=delta)
-    mag = np.abs(a.astype(np.float64)) @ np.abs(w.astype(np.float64))
-    exact = a.astype(np.float64) @ w.astype(np.float64)
+    m = a.shape[0]
+    a64 = a.astype(np.float64)
+    if _path(m, path) == "decode":
+        gs, g = _groups(size_k, group_size)
+        rows = np.arange(size_k) // gs
+        q8 = np.abs(unpack_b(np.asarray(B), size_n).astype(np.float64) - 8.0)
+        s = np.abs(unpermute_scales(np.asarray(scales, dtype=np.float16)).astype(np.float64))[rows]
+        d = _delta16(delta, size_n)
+        wmag = q8 * s + (np.abs(d)[rows] if d is not None else 0.0)
+        exact = a64 @ _decode_weight(B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size)
+        terms = size_k + 2 * g + splits + 4
+    else:
+        w = _weight(m, B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size, path="tile")
+        wmag = np.abs(w)
+        exact = a64 @ w
+        terms = size_k + splits + 1
+    mag = np.abs(a64) @ wmag
     if bias is not None:
-        b = np.abs(np.asarray(bias, dtype=np.float16).astype(np.float64))
-        mag = mag + b
-        exact = exact + np.asarray(bias, dtype=np.float16).astype(np.float64)
-    sum_err = (size_k + splits + 1) * 2.0**-24 * mag
+        b = np.asarray(bias, dtype=np.float16).astype(np.float64)
+        mag = mag + np.abs(b)
+        exact = exact + b
+    sum_err = terms * 2.0**-24 * mag
     return sum_err + 2.0**-10 * (np.abs(exact) + sum_err) + 2.0**-24
 
 

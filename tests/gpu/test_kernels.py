@@ -112,6 +112,50 @@ def test_gemm_block_shapes(cp, monkeypatch, wk, m, k, n, group_size):
     assert (np.abs(got - twin) <= bound).all()
 
 
+DECODE_CASES = [(p, m, k, n, gs) for p in kernels.GEMM_PIPES if p[0] == "decode"
+                for (m, k, n, gs) in ((1, 1024, 192, 128), (8 * p[1], 512, 320, 32), (8 * p[1] + 3, 2048, 128, -1),
+                                      (5, 768, 256, 48), (2, 4096, 4096, 128))
+                if k % (16 * p[2]) == 0]
+
+
+@pytest.mark.parametrize("wk", [1, 4])
+@pytest.mark.parametrize("pipe,m,k,n,group_size", DECODE_CASES)
+def test_every_gemm_variant(cp, monkeypatch, wk, pipe, m, k, n, group_size):
+    """Every built variant (both kernels, forced), several row chunks, both block shapes
+    (wk = 1 shares A across the block), against the twin of its own kernel; the prepared
+    fp16 delta gives the same bits as the artifact's fp32."""
+    monkeypatch.setattr(kernels, "FORCE_WK", wk)
+    rng = np.random.default_rng([pipe[1], pipe[2], pipe[3], m, k, n])
+    L = make_layer(rng, k, n, group_size, False, True)
+    a = rng.standard_normal((m, k), dtype=np.float32).astype(np.float16)
+    kw = dict(size_k=k, size_n=n, group_size=group_size)
+    for variant in (pipe, ("tile", 1, 4, 3)):
+        try:
+            plan = kernels.gemm_plan(m, k, n, group_size, delta=True, pipe=variant)
+        except kernels.KernelError as exc:  # group size not served by this U
+            assert "not supported" in str(exc)
+            continue
+        c = kernels.marlin_gemm(cp.asarray(a), cp.asarray(L["B"]), cp.asarray(L["S"]), delta=cp.asarray(L["delta"]),
+                                bias=cp.asarray(L["bias"]) if L["bias"] is not None else None,
+                                out=poisoned(cp, (m, n)), pipe=variant, **kw)
+        c16 = kernels.marlin_gemm(cp.asarray(a), cp.asarray(L["B"]), cp.asarray(L["S"]),
+                                  delta=kernels.prepare_delta(cp.asarray(L["delta"])),
+                                  bias=cp.asarray(L["bias"]) if L["bias"] is not None else None,
+                                  out=poisoned(cp, (m, n)), pipe=variant, **kw)
+        got = cp.asnumpy(c)
+        assert np.array_equal(got.view(np.uint16), cp.asnumpy(c16).view(np.uint16))
+        host = dict(delta=L["delta"], bias=L["bias"], path=variant[0])
+        twin = ref.marlin_gemm(a, L["B"], L["S"], **kw, **host).astype(np.float64)
+        bound = ref.gemm_error_bound(a, L["B"], L["S"], **kw, **host, splits=plan["splits"] * plan["wk"])
+        bad = np.abs(got.astype(np.float64) - twin) > bound
+        assert np.isfinite(got).all() and not bad.any(), (variant, plan, int(bad.sum()))
+        sym = kernels.marlin_gemm(cp.asarray(a), cp.asarray(L["B"]), cp.asarray(L["S"]), out=poisoned(cp, (m, n)),
+                                  pipe=variant, **kw)
+        twin_s = ref.marlin_gemm(a, L["B"], L["S"], **kw, path=variant[0]).astype(np.float64)
+        bound_s = ref.gemm_error_bound(a, L["B"], L["S"], **kw, path=variant[0], splits=plan["splits"] * plan["wk"])
+        assert (np.abs(cp.asnumpy(sym).astype(np.float64) - twin_s) <= bound_s).all(), (variant, "sym")
+
+
 @pytest.mark.parametrize("k,n,group_size,asym", [
     (128, 64, 32, True), (256, 128, -1, False), (1024, 512, 64, True), (8192, 8192, 128, True),
     (4096, 256, -1, True), (512, 1024, 128, False), (2048, 64, 32, False),
