@@ -27,12 +27,16 @@
 // its fp32 partials to `ws` [splits, M, N]; the last to arrive per (m-chunk, column
 // block) sums them in split order (deterministic) and writes C.
 // Template: NT = 1, 2, 4 activation n8 tiles (M <= 8, 16, 32 per chunk); U k-tiles per
-//   step; GPI group slots per step (U / gcd(group tiles, U)); NS ring stages; HAS_DELTA.
+//   step; GPI group slots per step (U / gcd(group tiles, U)); NS ring stages; HAS_DELTA;
+//   GS: the per-group fp32 scaling above (true), or (false) the tile kernel's fp16
+//   weight fp16((q - 8) s + d) per element, which needs no per-group sums and so half
+//   the accumulator registers (used where NT = 4 would otherwise run 2 blocks per SM).
 // Constraints: as marlin_gemm.cu (K % (16 U) == 0, N % 64 == 0, group size a multiple
 //   of 16 dividing K or per-channel, 16-byte aligned operands, tiles_per_split % U == 0).
 // Valid on sm_80 and newer (cp.async, ldmatrix, mma.sync.m16n8k16.f16); no sm_90a
 // feature, no L2 cache-policy hint.
-// NumPy reference: converter.gpu.reference.marlin_gemm(path="decode").
+// NumPy reference: converter.gpu.reference.marlin_gemm(arith="group"), or
+// arith="weight" for GS = false.
 
 #include "marlin_stream.cuh"
 
@@ -109,9 +113,18 @@ struct ABlock {
     }
 };
 
-template <int NT, int U, int GPI, bool HAS_DELTA>
+// Eight fp16 values as fp16x2 splats (the GS = false form of the scales and deltas).
+__device__ __forceinline__ void lds_h8_splat(u32 addr, u32 (&h)[8]) {
+    const int4 v = lds_v4(addr);
+    const u32 w[4] = {(u32)v.x, (u32)v.y, (u32)v.z, (u32)v.w};
+#pragma unroll
+    for (int p = 0; p < 8; ++p) h[p] = h_splat((u16)(w[p >> 1] >> (16 * (p & 1))));
+}
+
+template <int NT, int U, int GPI, bool HAS_DELTA, bool GS>
 __device__ __forceinline__ void decode_stage(u32 st, u32 sa, int kt, int lane, GroupWalk& walk, int group_tiles,
                                              int per_channel, bool& open, float (&sf)[8], float (&df)[8],
+                                             u32 (&s2)[8], u32 (&d2)[8],
                                              float (&acc)[4][NT][4], float (&gp)[4][NT][4], float (&gx)[NT][4]) {
     using R = Ring<8 * NT, U, GPI>;
     constexpr int SUB = U / GPI;
@@ -123,10 +136,15 @@ __device__ __forceinline__ void decode_stage(u32 st, u32 sa, int kt, int lane, G
 #pragma unroll
     for (int gi = 0; gi < GPI; ++gi) {
         if (!per_channel && walk.step(kt + gi * SUB, group_tiles)) {
-            if (open) close_group<NT, HAS_DELTA>(acc, gp, gx, sf, df);
-            open = true;
-            lds_h8_f32(st + R::S_OFF + gi * 128 + 16 * g4, sf);
-            if (HAS_DELTA) lds_h8_f32(st + R::D_OFF + gi * 128 + 16 * g4, df);
+            if (GS) {
+                if (open) close_group<NT, HAS_DELTA>(acc, gp, gx, sf, df);
+                open = true;
+                lds_h8_f32(st + R::S_OFF + gi * 128 + 16 * g4, sf);
+                if (HAS_DELTA) lds_h8_f32(st + R::D_OFF + gi * 128 + 16 * g4, df);
+            } else {
+                lds_h8_splat(st + R::S_OFF + gi * 128 + 16 * g4, s2);
+                if (HAS_DELTA) lds_h8_splat(st + R::D_OFF + gi * 128 + 16 * g4, d2);
+            }
         }
 #pragma unroll
         for (int uu = 0; uu < SUB; ++uu) {
@@ -151,11 +169,22 @@ __device__ __forceinline__ void decode_stage(u32 st, u32 sa, int kt, int lane, G
             for (int j = 0; j < 4; ++j) {
                 u32 m[4];
                 codes_minus8(w[j], m);
-                const u32 wa[4] = {m[0], m[2], m[1], m[3]};
+                if (GS) {
+                    const u32 wa[4] = {m[0], m[2], m[1], m[3]};
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) mma_16816(gp[j][nt], wa, xf[nt][0], xf[nt][1]);
+                    for (int nt = 0; nt < NT; ++nt) mma_16816(gp[j][nt], wa, xf[nt][0], xf[nt][1]);
+                } else {  // the tile kernel's fp16 weight, bit for bit (dequant.cu)
+                    u32 b[4];
+#pragma unroll
+                    for (int i = 0; i < 4; ++i)
+                        b[i] = HAS_DELTA ? h2_fma(m[i], s2[2 * j + (i >> 1)], d2[2 * j + (i >> 1)])
+                                         : h2_mul(m[i], s2[2 * j + (i >> 1)]);
+                    const u32 wa[4] = {b[0], b[2], b[1], b[3]};
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) mma_16816(acc[j][nt], wa, xf[nt][0], xf[nt][1]);
+                }
             }
-            if (HAS_DELTA) {
+            if (GS && HAS_DELTA) {
                 const u32 ones[4] = {FP16X2_ONES, FP16X2_ONES, FP16X2_ONES, FP16X2_ONES};
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) mma_16816(gx[nt], ones, xf[nt][0], xf[nt][1]);
@@ -164,7 +193,7 @@ __device__ __forceinline__ void decode_stage(u32 st, u32 sa, int kt, int lane, G
     }
 }
 
-template <int NT, int U, int GPI, int NS, bool HAS_DELTA>
+template <int NT, int U, int GPI, int NS, bool HAS_DELTA, bool GS>
 __global__ void __launch_bounds__(128, NT == 1 ? 4 : (NT == 2 ? 3 : 2))
 marlin_decode(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __restrict__ S,
               const u16* __restrict__ D, const u16* __restrict__ bias, u16* __restrict__ C,
@@ -210,18 +239,26 @@ marlin_decode(const u16* __restrict__ A, const int4* __restrict__ B, const u16* 
 #pragma unroll
         for (int e = 0; e < 4; ++e) gx[nt][e] = 0.f;
 
-    float sf[8], df[8];  // the open group's scales and deltas of this lane's 8 columns
+    // the open group's scales and deltas of this lane's 8 columns: fp32 (GS) or fp16x2
+    float sf[8], df[8];
+    u32 s2[8], d2[8];
 #pragma unroll
-    for (int p = 0; p < 8; ++p) sf[p] = df[p] = 0.f;
+    for (int p = 0; p < 8; ++p) {
+        sf[p] = df[p] = 0.f;
+        s2[p] = d2[p] = 0u;
+    }
     bool open = false;
     if (per_channel) {  // one group for all of K: read once, straight to registers
 #pragma unroll
         for (int p = 0; p < 8; ++p) {
             const int pos = scale_pos(64 * nb_src + 8 * p + g4, 1);
-            sf[p] = h_to_f32(ldg_u16(S + pos));
-            if (HAS_DELTA) df[p] = h_to_f32(ldg_u16(D + pos));
+            const u16 sv = ldg_u16(S + pos), dv = HAS_DELTA ? ldg_u16(D + pos) : (u16)0;
+            sf[p] = h_to_f32(sv);
+            df[p] = h_to_f32(dv);
+            s2[p] = h_splat(sv);
+            d2[p] = h_splat(dv);
         }
-        open = true;
+        open = GS;
     }
 
     const size_t brow = (size_t)(N >> 1);  // int4 per B row
@@ -264,12 +301,12 @@ marlin_decode(const u16* __restrict__ A, const int4* __restrict__ B, const u16* 
             __syncwarp();
         if (kt + (NS - 1) * U < kt1) ISSUE(kt + (NS - 1) * U);
         cp_async_commit();
-        decode_stage<NT, U, GPI, HAS_DELTA>(slot, slot - a_shift, kt, lane, compute_walk, group_tiles, per_channel,
-                                            open, sf, df, acc, gp, gx);
+        decode_stage<NT, U, GPI, HAS_DELTA, GS>(slot, share_a ? slot - a_shift : slot, kt, lane, compute_walk,
+                                                group_tiles, per_channel, open, sf, df, s2, d2, acc, gp, gx);
         slot = slot + R::STAGE == ring_end ? ring : slot + R::STAGE;
     }
 #undef ISSUE
-    if (open) close_group<NT, HAS_DELTA>(acc, gp, gx, sf, df);
+    if (GS && open) close_group<NT, HAS_DELTA>(acc, gp, gx, sf, df);
     cp_async_wait<0>();
     __syncwarp();
 

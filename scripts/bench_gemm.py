@@ -113,7 +113,8 @@ def main() -> int:
                     help="force the GEMM block shape (experiments; see kernels.FORCE_WK)")
     ap.add_argument("--sweep", default=None,
                     help="extra our-kernel variants to time, e.g. d1x4x3w1,t1x4x3w1 (d = decode kernel with NT "
-                         "8-row tiles, t = tile kernel with MT 16-row tiles; x U x NS; w = waves target)")
+                         "8-row tiles, w = the same with per-weight scaling, t = tile kernel with MT "
+                         "16-row tiles; x U x NS; w = waves target)")
     args = ap.parse_args()
 
     import cupy as cp
@@ -179,7 +180,7 @@ def main() -> int:
                 for i in range(calls)], args.reps)
             for spec in (args.sweep.split(",") if args.sweep else []):
                 pipe_s, w = spec.split("w")  # d|t R x U x NS w waves, e.g. d1x4x3w1, t1x4x3w1
-                kind = {"d": "decode", "t": "tile"}[pipe_s[0]]
+                kind = {"d": "decode", "w": "decode_w", "t": "tile"}[pipe_s[0]]
                 pipe = (kind,) + tuple(int(v) for v in pipe_s[1:].split("x"))
                 old_w, kernels.WAVES = kernels.WAVES, int(w)
                 try:

@@ -100,7 +100,7 @@ def test_decode_twin_is_the_per_group_formula(group_size):
     L = make_layer(rng, k, n, group_size)
     a = rng.standard_normal((m, k)).astype(np.float16)
     kw = dict(size_k=k, size_n=n, group_size=group_size, delta=L["delta"])
-    got = ref.marlin_gemm(a, L["B"], L["S"], path="decode", **kw).astype(np.float64)
+    got = ref.marlin_gemm(a, L["B"], L["S"], arith="group", **kw).astype(np.float64)
     gs, a64 = L["gs"], a.astype(np.float64)
     acc = np.zeros((m, n))
     for g in range(k // gs):
@@ -112,7 +112,7 @@ def test_decode_twin_is_the_per_group_formula(group_size):
     # got is acc rounded once to fp16: within half an fp16 ulp (2**-11 relative)
     assert np.all(np.abs(got - acc) <= 2.0**-11 * np.abs(acc) * (1 + 1e-9) + 2.0**-25)
     # the two kernels' twins differ by the fp16 rounding of the tile kernel's weight only
-    tile = ref.marlin_gemm(a, L["B"], L["S"], path="tile", **kw).astype(np.float64)
+    tile = ref.marlin_gemm(a, L["B"], L["S"], arith="weight", **kw).astype(np.float64)
     w16 = ref.dequant(L["B"], L["S"], size_k=k, size_n=n, group_size=group_size, delta=L["delta"])
     slack = np.abs(a64) @ (2.0**-11 * np.abs(w16.astype(np.float64))) + 2.0**-10 * (np.abs(tile) + np.abs(got))
     assert np.all(np.abs(tile - got) <= slack + 2.0**-24)
@@ -122,7 +122,7 @@ def test_decode_twin_is_the_per_group_formula(group_size):
               * L["s"][g].astype(np.float32)
               + a[:, g * gs:(g + 1) * gs].astype(np.float32).sum(1, keepdims=True)
               * L["delta"][g].astype(np.float16).astype(np.float32) for g in range(k // gs)).astype(np.float16)
-    bound = ref.gemm_error_bound(a, L["B"], L["S"], path="decode", **kw)
+    bound = ref.gemm_error_bound(a, L["B"], L["S"], arith="group", **kw)
     assert np.all(np.abs(c32.astype(np.float64) - got) <= bound)
 
 
@@ -141,20 +141,22 @@ def test_prepared_delta_order_matches_the_scales(g):
     a = rng.standard_normal((2, 64 * g)).astype(np.float16)
     d16 = permute_scales(L["delta"].astype(np.float16))
     kw = dict(size_k=64 * g, size_n=n, group_size=64)
-    for path in ("tile", "decode"):
-        assert np.array_equal(ref.marlin_gemm(a, L["B"], L["S"], delta=L["delta"], path=path, **kw),
-                              ref.marlin_gemm(a, L["B"], L["S"], delta=d16, path=path, **kw))
+    for arith in ("weight", "group"):
+        assert np.array_equal(ref.marlin_gemm(a, L["B"], L["S"], delta=L["delta"], arith=arith, **kw),
+                              ref.marlin_gemm(a, L["B"], L["S"], delta=d16, arith=arith, **kw))
 
 
 def test_gemm_path_rule_and_pipes():
     from converter.gpu import kernels
 
-    assert kernels.gemm_path(1) == kernels.gemm_path(kernels.DECODE_MAX_M) == "decode"
+    assert kernels.gemm_path(1) == kernels.gemm_path(kernels.GROUP_MAX_M) == "decode"
+    assert kernels.gemm_path(kernels.GROUP_MAX_M + 1) == kernels.gemm_path(kernels.DECODE_MAX_M) == "decode_w"
     assert kernels.gemm_path(kernels.DECODE_MAX_M + 1) == "tile"
+    assert kernels.gemm_arith(1) == "group" and kernels.gemm_arith(kernels.DECODE_MAX_M) == "weight"
     for m in (1, 8, 9, 16, 17, 32, 33, 64, 128):
         pipe = kernels.default_pipe(m, 4096, 8)
         assert pipe in kernels.GEMM_PIPES and pipe[0] == kernels.gemm_path(m)
-        rows = 8 * pipe[1] if pipe[0] == "decode" else 16 * pipe[1]
+        rows = 16 * pipe[1] if pipe[0] == "tile" else 8 * pipe[1]
         assert rows >= min(m, 32)
     # shared memory: 4 rings of NS stages (B, A, scales, deltas), or the parked sums
     assert kernels._gemm_smem(("decode", 1, 4, 3), 1) == 4 * 3 * (4 * 512 + 4 * 256 + 256)

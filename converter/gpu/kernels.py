@@ -34,16 +34,23 @@ _SOURCES = ("marlin_gemm.cu", "marlin_decode.cu", "dequant.cu", "asym_correction
             "marlin_stream.cuh")
 
 #: GEMM instantiations, as pipes ``(kind, R, U, NS)``: ``kind`` "tile"
-#: (``kernels/marlin_gemm.cu``, R = MT 16-row m-tiles per warp) or "decode"
-#: (``kernels/marlin_decode.cu``, R = NT 8-row activation tiles per warp); U k-tiles
-#: per step; NS shared-memory ring stages. Each is built for every GPI (group slots per
-#: step) in GEMM_GPIS[U], with and without the fused delta.
+#: (``kernels/marlin_gemm.cu``, R = MT 16-row m-tiles per warp), "decode"
+#: (``kernels/marlin_decode.cu`` with per-group fp32 scaling, R = NT 8-row activation
+#: tiles per warp) or "decode_w" (the same kernel with the tile kernel's per-weight fp16
+#: scaling); U k-tiles per step; NS shared-memory ring stages. Each is built for every
+#: GPI (group slots per step) in GEMM_GPIS[U], with and without the fused delta.
 GEMM_PIPES = (("tile", 1, 4, 3), ("tile", 1, 8, 3), ("tile", 2, 4, 3), ("tile", 4, 2, 3),
-              ("decode", 1, 4, 3), ("decode", 1, 4, 4), ("decode", 1, 8, 3),
-              ("decode", 2, 4, 3), ("decode", 2, 8, 3), ("decode", 4, 4, 3))
+              ("decode", 1, 4, 3), ("decode", 1, 8, 3), ("decode", 2, 4, 3), ("decode", 2, 8, 3),
+              ("decode", 4, 4, 3), ("decode_w", 2, 8, 3), ("decode_w", 4, 4, 3))
 GEMM_GPIS = {8: (1,), 4: (1, 2, 4), 2: (1, 2)}
-#: Largest M served by the decode kernel (one launch covers any M; larger M use the
-#: tile kernel, whose per-weight fp16 scaling is amortised over more rows).
+#: The arithmetic of each kind, as the twin (``reference.marlin_gemm``) names it:
+#: "weight" multiplies by the fp16 weight ``fp16((q - 8) s + fp16(delta))``, "group"
+#: sums ``A (q - 8)`` and A per group in fp32 and applies ``s`` and ``fp16(delta)`` there.
+ARITH = {"tile": "weight", "decode": "group", "decode_w": "weight"}
+#: Largest M served by the decode kernel with per-group scaling, and by the decode
+#: kernel at all (one launch covers any M; larger M use the tile kernel, whose
+#: per-weight fp16 scaling is amortised over more rows).
+GROUP_MAX_M = 16
 DECODE_MAX_M = 32
 #: Target number of full waves of resident warps for the K split (tuned on an H200).
 WAVES = 1
@@ -60,8 +67,14 @@ Pipe = tuple[str, int, int, int]
 
 
 def gemm_path(m: int) -> str:
-    """Which GEMM kernel serves M rows: "decode" (M <= DECODE_MAX_M) or "tile"."""
-    return "decode" if m <= DECODE_MAX_M else "tile"
+    """The GEMM kind that serves M rows: "decode" (M <= GROUP_MAX_M), "decode_w"
+    (M <= DECODE_MAX_M) or "tile"."""
+    return "decode" if m <= GROUP_MAX_M else ("decode_w" if m <= DECODE_MAX_M else "tile")
+
+
+def gemm_arith(m: int) -> str:
+    """The arithmetic (``ARITH``) of the kernel that serves M rows: "group" or "weight"."""
+    return ARITH[gemm_path(m)]
 
 
 def default_pipe(m: int, size_k: int, group_tiles: int, smem_limit: int = 227 * 1024) -> Pipe:
@@ -77,16 +90,24 @@ def default_pipe(m: int, size_k: int, group_tiles: int, smem_limit: int = 227 * 
     Returns:
         ``(kind, R, U, NS)``, one of GEMM_PIPES.
     """
-    if gemm_path(m) == "tile":
-        return ("tile", 2, 4, 3) if m <= 32 else ("tile", 4, 2, 3)
-    nt = 1 if m <= 8 else (2 if m <= 16 else 4)
-    return ("decode", nt, 4, 3)
+    kind = gemm_path(m)
+    if kind == "tile":
+        return ("tile", 4, 2, 3)
+    if kind == "decode_w":
+        return ("decode_w", 4, 4, 3)
+    if m <= 8:
+        return ("decode", 1, 4, 3)
+    # 8-tile steps when every step holds one group slot (group size >= 128, per-channel)
+    u8 = (size_k // 16) % 8 == 0 and group_tiles % 8 == 0 and _gemm_smem(("decode", 2, 8, 3), 1) <= smem_limit
+    return ("decode", 2, 8 if u8 else 4, 3)
 
 
 def _gemm_name(pipe: Pipe, gpi: int, delta: bool) -> str:
     kind, r, u, ns = pipe
-    fn = "marlin_gemm" if kind == "tile" else "marlin_decode"
-    return f"{fn}<{r}, {u}, {gpi}, {ns}, {'true' if delta else 'false'}>"
+    d = "true" if delta else "false"
+    if kind == "tile":
+        return f"marlin_gemm<{r}, {u}, {gpi}, {ns}, {d}>"
+    return f"marlin_decode<{r}, {u}, {gpi}, {ns}, {d}, {'true' if kind == 'decode' else 'false'}>"
 
 
 def _gemm_source(pipe: Pipe) -> str:
@@ -105,7 +126,7 @@ def _gemm_smem(pipe: Pipe, gpi: int) -> int:
 _NAMES = {
     "marlin_gemm.cu": [_gemm_name(p, gpi, d) for p in GEMM_PIPES if p[0] == "tile" for gpi in GEMM_GPIS[p[2]]
                        for d in (False, True)] + ["gather_columns"],
-    "marlin_decode.cu": [_gemm_name(p, gpi, d) for p in GEMM_PIPES if p[0] == "decode"
+    "marlin_decode.cu": [_gemm_name(p, gpi, d) for p in GEMM_PIPES if p[0] != "tile"
                          for gpi in GEMM_GPIS[p[2]] for d in (False, True)],
     "dequant.cu": ["marlin_dequant<false>", "marlin_dequant<true>"],
     "asym_correction.cu": ["group_sums", "add_correction"],
@@ -332,7 +353,7 @@ def _plan(m: int, size_k: int, size_n: int, group_size: int, delta: bool, pipe: 
             # B tile's bytes, once per block in the decode kernel's wk = 1 form) plus
             # the pipeline fill (about LATENCY_TILES), then the final reduction's reads
             # (about a quarter tile per split and 8 rows)
-            a_share = 4 if (kind == "decode" and wk == 1) else 1
+            a_share = 4 if (kind != "tile" and wk == 1) else 1
             tile_cost = 1 + A_WEIGHT * rows / 16 / a_share
             cost = waves * (tps // wk * tile_cost + LATENCY_TILES) + 0.25 * (splits - 1) * -(-rows // 8)
             if best is None or cost < best[0]:

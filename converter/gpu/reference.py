@@ -7,9 +7,10 @@ Each twin computes what its kernel computes, from the same artifact tensors:
   ``fma.rn`` with ``fp16(delta)``); in float64 that product-plus-addend is exact
   (at most 4 + 11 significant bits over an exponent span under 53 bits), so one
   round-to-nearest-even to float16 gives the same bits.
-* :func:`marlin_gemm` follows the launcher's two kernels: for larger M (tile kernel)
-  it uses that same fp16 weight; for small M (decode kernel, scale and delta applied
-  per group in fp32) the unrounded ``(q - 8) * s + fp16(delta)``. It multiplies in
+* :func:`marlin_gemm` follows the launcher's kernels: with the "weight" arithmetic
+  (tile kernel, and the decode kernel for 16 < M <= 32) it uses that same fp16 weight;
+  with "group" (decode kernel for M <= 16: scale and delta applied per group in fp32)
+  the unrounded ``(q - 8) * s + fp16(delta)``. It multiplies in
   float64 and rounds once to float16; the kernels accumulate exact products in fp32 in
   another order, so the two differ by at most the bound in :func:`gemm_error_bound`.
 * :func:`group_sums`, :func:`add_correction`, :func:`gather_columns` mirror
@@ -90,14 +91,14 @@ def gather_columns(A: np.ndarray, perm: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(A)[:, np.asarray(perm, dtype=np.intp)])
 
 
-def _path(m: int, path: str | None) -> str:
-    if path is None:
-        from .kernels import gemm_path  # the launcher's rule (plain Python, no GPU needed)
+def _arith(m: int, arith: str | None) -> str:
+    if arith is None:
+        from .kernels import gemm_arith  # the launcher's rule (plain Python, no GPU needed)
 
-        return gemm_path(m)
-    if path not in ("tile", "decode"):
-        raise ValueError(f"path must be 'tile' or 'decode', got {path!r}")
-    return path
+        return gemm_arith(m)
+    if arith not in ("weight", "group"):
+        raise ValueError(f"arith must be 'weight' or 'group', got {arith!r}")
+    return arith
 
 
 def _delta16(delta: np.ndarray | None, size_n: int) -> np.ndarray | None:
@@ -138,7 +139,7 @@ def marlin_gemm(
     delta: np.ndarray | None = None,
     perm: np.ndarray | None = None,
     bias: np.ndarray | None = None,
-    path: str | None = None,
+    arith: str | None = None,
 ) -> np.ndarray:
     """Twin of ``kernels.marlin_gemm`` (symmetric, or fused-asymmetric when ``delta`` is given).
 
@@ -149,17 +150,17 @@ def marlin_gemm(
             ``kernels.prepare_delta`` (permuted like the scales), or None.
         perm: int32 ``(size_k,)`` or None.
         bias: float16 ``(size_n,)`` or None, added before the final rounding.
-        path: "tile" or "decode"; None picks what the launcher picks for M
-            (``kernels.gemm_path``).
+        arith: "weight" or "group" (``kernels.ARITH``); None picks the arithmetic of
+            the kernel the launcher picks for M (``kernels.gemm_arith``).
 
     Returns:
         float16 ``(M, size_n)``, the product in float64 and one rounding:
-        tile path ``fp16(A @ W16 + bias)`` with W16 the fp16 weight of :func:`dequant`;
-        decode path ``fp16(A @ ((q - 8) s + fp16(delta)) + bias)``, the weight unrounded
+        "weight": ``fp16(A @ W16 + bias)`` with W16 the fp16 weight of :func:`dequant`;
+        "group": ``fp16(A @ ((q - 8) s + fp16(delta)) + bias)``, the weight unrounded
         (the kernel applies s and delta per group in fp32).
     """
     a = gather_columns(A, perm) if perm is not None else np.asarray(A)
-    w = _weight(a.shape[0], B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size, path=path)
+    w = _weight(a.shape[0], B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size, arith=arith)
     acc = a.astype(np.float64) @ w
     if bias is not None:
         acc = acc + np.asarray(bias, dtype=np.float16).astype(np.float64)
@@ -167,8 +168,8 @@ def marlin_gemm(
 
 
 def _weight(m: int, B: np.ndarray, scales: np.ndarray, delta: np.ndarray | None, *, size_k: int, size_n: int,
-            group_size: int, path: str | None) -> np.ndarray:
-    if _path(m, path) == "decode":
+            group_size: int, arith: str | None) -> np.ndarray:
+    if _arith(m, arith) == "group":
         return _decode_weight(B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size)
     d = _delta16(delta, size_n)
     return dequant(B, scales, size_k=size_k, size_n=size_n, group_size=group_size,
@@ -187,17 +188,17 @@ def gemm_error_bound(
     perm: np.ndarray | None = None,
     bias: np.ndarray | None = None,
     splits: int = 1,
-    path: str | None = None,
+    arith: str | None = None,
 ) -> np.ndarray:
     """Elementwise bound on ``|kernel - twin|`` for :func:`marlin_gemm`, float64 ``(M, N)``.
 
     Both sides use the same weights and exact products; they differ only in the fp32
     summation and the final fp16 rounding:
 
-    * tile path: fp32 sums of K products (in any order, ``splits`` partial sums added
+    * "weight": fp32 sums of K products (in any order, ``splits`` partial sums added
       last): ``|err| <= (K + splits + 1) * 2**-24 * (|A| @ |W| + |bias|)`` (Higham's
       recursive-summation bound with unit roundoff 2**-24, first order);
-    * decode path: the same for the per-group sums of ``A (q - 8)`` and of A, plus two
+    * "group": the same for the per-group sums of ``A (q - 8)`` and of A, plus two
       fp32 fma per group (scale, delta), so ``K + 2 G + splits + 4`` roundings of at most
       ``|A| @ (|q - 8| |s| + |fp16(delta)|)``;
     * both results are rounded to fp16: up to one fp16 ulp of the larger magnitude
@@ -209,7 +210,7 @@ def gemm_error_bound(
     a = gather_columns(A, perm) if perm is not None else np.asarray(A)
     m = a.shape[0]
     a64 = a.astype(np.float64)
-    if _path(m, path) == "decode":
+    if _arith(m, arith) == "group":
         gs, g = _groups(size_k, group_size)
         rows = np.arange(size_k) // gs
         q8 = np.abs(unpack_b(np.asarray(B), size_n).astype(np.float64) - 8.0)
@@ -219,7 +220,7 @@ def gemm_error_bound(
         exact = a64 @ _decode_weight(B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size)
         terms = size_k + 2 * g + splits + 4
     else:
-        w = _weight(m, B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size, path="tile")
+        w = _weight(m, B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size, arith="weight")
         wmag = np.abs(w)
         exact = a64 @ w
         terms = size_k + splits + 1

@@ -112,7 +112,7 @@ def test_gemm_block_shapes(cp, monkeypatch, wk, m, k, n, group_size):
     assert (np.abs(got - twin) <= bound).all()
 
 
-DECODE_CASES = [(p, m, k, n, gs) for p in kernels.GEMM_PIPES if p[0] == "decode"
+DECODE_CASES = [(p, m, k, n, gs) for p in kernels.GEMM_PIPES if p[0] != "tile"
                 for (m, k, n, gs) in ((1, 1024, 192, 128), (8 * p[1], 512, 320, 32), (8 * p[1] + 3, 2048, 128, -1),
                                       (5, 768, 256, 48), (2, 4096, 4096, 128))
                 if k % (16 * p[2]) == 0]
@@ -144,15 +144,15 @@ def test_every_gemm_variant(cp, monkeypatch, wk, pipe, m, k, n, group_size):
                                   out=poisoned(cp, (m, n)), pipe=variant, **kw)
         got = cp.asnumpy(c)
         assert np.array_equal(got.view(np.uint16), cp.asnumpy(c16).view(np.uint16))
-        host = dict(delta=L["delta"], bias=L["bias"], path=variant[0])
+        host = dict(delta=L["delta"], bias=L["bias"], arith=kernels.ARITH[variant[0]])
         twin = ref.marlin_gemm(a, L["B"], L["S"], **kw, **host).astype(np.float64)
         bound = ref.gemm_error_bound(a, L["B"], L["S"], **kw, **host, splits=plan["splits"] * plan["wk"])
         bad = np.abs(got.astype(np.float64) - twin) > bound
         assert np.isfinite(got).all() and not bad.any(), (variant, plan, int(bad.sum()))
         sym = kernels.marlin_gemm(cp.asarray(a), cp.asarray(L["B"]), cp.asarray(L["S"]), out=poisoned(cp, (m, n)),
                                   pipe=variant, **kw)
-        twin_s = ref.marlin_gemm(a, L["B"], L["S"], **kw, path=variant[0]).astype(np.float64)
-        bound_s = ref.gemm_error_bound(a, L["B"], L["S"], **kw, path=variant[0], splits=plan["splits"] * plan["wk"])
+        twin_s = ref.marlin_gemm(a, L["B"], L["S"], **kw, arith=kernels.ARITH[variant[0]]).astype(np.float64)
+        bound_s = ref.gemm_error_bound(a, L["B"], L["S"], **kw, arith=kernels.ARITH[variant[0]], splits=plan["splits"] * plan["wk"])
         assert (np.abs(cp.asnumpy(sym).astype(np.float64) - twin_s) <= bound_s).all(), (variant, "sym")
 
 
