@@ -179,7 +179,7 @@ def main() -> int:
                                                             delta=Ds[i % copies], out=out, **kw))
                 for i in range(calls)], args.reps)
             for spec in (args.sweep.split(",") if args.sweep else []):
-                pipe_s, w = spec.split("w")  # d|t R x U x NS w waves, e.g. d1x4x3w1, t1x4x3w1
+                pipe_s, w = spec.rsplit("w", 1)  # d|t R x U x NS w waves, e.g. d1x4x3w1, t1x4x3w1
                 kind = {"d": "decode", "w": "decode_w", "t": "tile"}[pipe_s[0]]
                 pipe = (kind,) + tuple(int(v) for v in pipe_s[1:].split("x"))
                 old_w, kernels.WAVES = kernels.WAVES, int(w)
