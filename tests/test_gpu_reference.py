@@ -149,15 +149,18 @@ def test_prepared_delta_order_matches_the_scales(g):
 def test_gemm_path_rule_and_pipes():
     from converter.gpu import kernels
 
-    assert kernels.gemm_path(1) == kernels.gemm_path(kernels.GROUP_MAX_M) == "decode"
-    assert kernels.gemm_path(kernels.GROUP_MAX_M + 1) == kernels.gemm_path(kernels.DECODE_MAX_M) == "decode_w"
-    assert kernels.gemm_path(kernels.DECODE_MAX_M + 1) == "tile"
-    assert kernels.gemm_arith(1) == "group" and kernels.gemm_arith(kernels.DECODE_MAX_M) == "weight"
+    wide, narrow = kernels.WIDE_N * 2, kernels.WIDE_N // 2
+    assert kernels.gemm_path(1, narrow) == kernels.gemm_path(8, narrow) == "decode"
+    assert kernels.gemm_path(16, kernels.WIDE_N) == "decode" and kernels.gemm_path(9, narrow) == "tile"
+    assert kernels.gemm_path(17, wide) == kernels.gemm_path(kernels.DECODE_MAX_M, wide) == "decode_w"
+    assert kernels.gemm_path(32, kernels.WIDE_N) == "tile" and kernels.gemm_path(33, wide) == "tile"
+    assert kernels.gemm_arith(1, narrow) == "group" and kernels.gemm_arith(32, wide) == "weight"
     for m in (1, 8, 9, 16, 17, 32, 33, 64, 128):
-        pipe = kernels.default_pipe(m, 4096, 8)
-        assert pipe in kernels.GEMM_PIPES and pipe[0] == kernels.gemm_path(m)
-        rows = 16 * pipe[1] if pipe[0] == "tile" else 8 * pipe[1]
-        assert rows >= min(m, 32)
+        for n in (narrow, wide):
+            pipe = kernels.default_pipe(m, 4096, n, 8)
+            assert pipe in kernels.GEMM_PIPES and pipe[0] == kernels.gemm_path(m, n)
+            rows = 16 * pipe[1] if pipe[0] == "tile" else 8 * pipe[1]
+            assert rows >= min(m, 32)
     # shared memory: 4 rings of NS stages (B, A, scales, deltas), or the parked sums
     assert kernels._gemm_smem(("decode", 1, 4, 3), 1) == 4 * 3 * (4 * 512 + 4 * 256 + 256)
     assert kernels._gemm_smem(("tile", 4, 2, 3), 1) == 4 * max(3 * (2 * 512 + 2 * 2048 + 256), 16384)

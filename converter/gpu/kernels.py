@@ -47,11 +47,14 @@ GEMM_GPIS = {8: (1,), 4: (1, 2, 4), 2: (1, 2)}
 #: "weight" multiplies by the fp16 weight ``fp16((q - 8) s + fp16(delta))``, "group"
 #: sums ``A (q - 8)`` and A per group in fp32 and applies ``s`` and ``fp16(delta)`` there.
 ARITH = {"tile": "weight", "decode": "group", "decode_w": "weight"}
-#: Largest M served by the decode kernel with per-group scaling, and by the decode
-#: kernel at all (one launch covers any M; larger M use the tile kernel, whose
-#: per-weight fp16 scaling is amortised over more rows).
+#: Routing (gemm_path), measured on an H200 (scripts/perf_notes.md): the decode kernel
+#: with per-group scaling up to GROUP_MAX_M rows (up to 8 rows always; 9..16 rows when
+#: N >= WIDE_N, where enough column blocks keep the device busy without deep K splits),
+#: the per-weight decode variant for 17..DECODE_MAX_M rows when N > WIDE_N, and the
+#: tile kernel otherwise.
 GROUP_MAX_M = 16
 DECODE_MAX_M = 32
+WIDE_N = 8192
 #: Target number of full waves of resident warps for the K split (tuned on an H200).
 WAVES = 1
 #: A block's pipeline fill, in k-tile times, charged per wave by the split's cost model.
@@ -66,33 +69,37 @@ FORCE_WK: int | None = None
 Pipe = tuple[str, int, int, int]
 
 
-def gemm_path(m: int) -> str:
-    """The GEMM kind that serves M rows: "decode" (M <= GROUP_MAX_M), "decode_w"
-    (M <= DECODE_MAX_M) or "tile"."""
-    return "decode" if m <= GROUP_MAX_M else ("decode_w" if m <= DECODE_MAX_M else "tile")
+def gemm_path(m: int, size_n: int) -> str:
+    """The GEMM kind that serves an (M, N) call: "decode", "decode_w" or "tile" (see WIDE_N)."""
+    if m <= 8 or (m <= GROUP_MAX_M and size_n >= WIDE_N):
+        return "decode"
+    if m <= DECODE_MAX_M and size_n > WIDE_N:
+        return "decode_w"
+    return "tile"
 
 
-def gemm_arith(m: int) -> str:
-    """The arithmetic (``ARITH``) of the kernel that serves M rows: "group" or "weight"."""
-    return ARITH[gemm_path(m)]
+def gemm_arith(m: int, size_n: int) -> str:
+    """The arithmetic (``ARITH``) of the kernel that serves (M, N): "group" or "weight"."""
+    return ARITH[gemm_path(m, size_n)]
 
 
-def default_pipe(m: int, size_k: int, group_tiles: int, smem_limit: int = 227 * 1024) -> Pipe:
+def default_pipe(m: int, size_k: int, size_n: int, group_tiles: int, smem_limit: int = 227 * 1024) -> Pipe:
     """The GEMM variant for batch size m (measured on an H200, scripts/perf_notes.md).
 
-    Decode kernel for M <= DECODE_MAX_M with the fewest 8-row activation tiles that
-    hold M; tile kernel with 2 or 4 m-tiles per warp above.
+    The kind from :func:`gemm_path`; the decode kernels with the fewest 8-row activation
+    tiles that hold M, the tile kernel with 2 (M <= 32) or 4 m-tiles per warp.
 
     Args:
-        m: rows of A. size_k: K. group_tiles: group size / 16 (K / 16 per-channel).
+        m: rows of A. size_k, size_n: K, N. group_tiles: group size / 16 (K / 16
+            per-channel).
         smem_limit: the device's opt-in shared memory per block, bytes.
 
     Returns:
         ``(kind, R, U, NS)``, one of GEMM_PIPES.
     """
-    kind = gemm_path(m)
+    kind = gemm_path(m, size_n)
     if kind == "tile":
-        return ("tile", 4, 2, 3)
+        return ("tile", 2, 4, 3) if m <= 32 else ("tile", 4, 2, 3)
     if kind == "decode_w":
         return ("decode_w", 4, 4, 3)
     if m <= 8:
@@ -299,7 +306,7 @@ def gemm_plan(m: int, size_k: int, size_n: int, group_size: int, *, delta: bool 
     """
     gs, _, _ = _layer_sizes(size_k, size_n, group_size)
     info = runtime.device_info()
-    pipe = pipe or default_pipe(m, size_k, gs // 16, info.smem_per_block_optin)
+    pipe = pipe or default_pipe(m, size_k, size_n, gs // 16, info.smem_per_block_optin)
     return dict(_plan(m, size_k, size_n, group_size, delta, tuple(pipe), WAVES, FORCE_WK, info))
 
 
@@ -451,11 +458,11 @@ def marlin_gemm(
 
     Computes ``C = A[:, perm] @ W (+ bias)`` for ``W = (q - 8) * s (+ d)``,
     ``d = fp16(delta)``, in one launch, fp32 accumulation, one fp16 rounding. Two
-    kernels share the work (:func:`gemm_path`): for M <= DECODE_MAX_M the decode kernel
-    (``kernels/marlin_decode.cu``) sums ``A (q - 8)`` and A per group in fp32 and
-    applies ``s`` and ``d`` once per group; above it the tile kernel
-    (``kernels/marlin_gemm.cu``) multiplies by ``fp16((q - 8) * s (+ d))``. Twin:
-    ``reference.marlin_gemm`` (same path rule).
+    kernels share the work (:func:`gemm_path` picks by M and N): for small M the decode
+    kernel (``kernels/marlin_decode.cu``) sums ``A (q - 8)`` and A per group in fp32
+    and applies ``s`` and ``d`` once per group (its "decode_w" variant, and the tile
+    kernel ``kernels/marlin_gemm.cu`` for larger M, multiply by the fp16 weight
+    ``fp16((q - 8) * s (+ d))``). Twin: ``reference.marlin_gemm`` (same rule).
 
     Args:
         A: float16 ``(M, size_k)``, M >= 1, SOURCE channel order.

@@ -8,10 +8,10 @@ Each twin computes what its kernel computes, from the same artifact tensors:
   (at most 4 + 11 significant bits over an exponent span under 53 bits), so one
   round-to-nearest-even to float16 gives the same bits.
 * :func:`marlin_gemm` follows the launcher's kernels: with the "weight" arithmetic
-  (tile kernel, and the decode kernel for 16 < M <= 32) it uses that same fp16 weight;
-  with "group" (decode kernel for M <= 16: scale and delta applied per group in fp32)
-  the unrounded ``(q - 8) * s + fp16(delta)``. It multiplies in
-  float64 and rounds once to float16; the kernels accumulate exact products in fp32 in
+  (tile kernel, per-weight decode variant) it uses that same fp16 weight; with
+  "group" (decode kernel, small M: scale and delta applied per group in fp32) the
+  unrounded ``(q - 8) * s + fp16(delta)``; ``kernels.gemm_arith`` says which for
+  (M, N). It multiplies in float64 and rounds once to float16; the kernels accumulate exact products in fp32 in
   another order, so the two differ by at most the bound in :func:`gemm_error_bound`.
 * :func:`group_sums`, :func:`add_correction`, :func:`gather_columns` mirror
   ``kernels/asym_correction.cu`` and the gather in ``kernels/marlin_gemm.cu``.
@@ -91,11 +91,11 @@ def gather_columns(A: np.ndarray, perm: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(A)[:, np.asarray(perm, dtype=np.intp)])
 
 
-def _arith(m: int, arith: str | None) -> str:
+def _arith(m: int, size_n: int, arith: str | None) -> str:
     if arith is None:
         from .kernels import gemm_arith  # the launcher's rule (plain Python, no GPU needed)
 
-        return gemm_arith(m)
+        return gemm_arith(m, size_n)
     if arith not in ("weight", "group"):
         raise ValueError(f"arith must be 'weight' or 'group', got {arith!r}")
     return arith
@@ -151,7 +151,7 @@ def marlin_gemm(
         perm: int32 ``(size_k,)`` or None.
         bias: float16 ``(size_n,)`` or None, added before the final rounding.
         arith: "weight" or "group" (``kernels.ARITH``); None picks the arithmetic of
-            the kernel the launcher picks for M (``kernels.gemm_arith``).
+            the kernel the launcher picks for (M, N) (``kernels.gemm_arith``).
 
     Returns:
         float16 ``(M, size_n)``, the product in float64 and one rounding:
@@ -169,7 +169,7 @@ def marlin_gemm(
 
 def _weight(m: int, B: np.ndarray, scales: np.ndarray, delta: np.ndarray | None, *, size_k: int, size_n: int,
             group_size: int, arith: str | None) -> np.ndarray:
-    if _arith(m, arith) == "group":
+    if _arith(m, size_n, arith) == "group":
         return _decode_weight(B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size)
     d = _delta16(delta, size_n)
     return dequant(B, scales, size_k=size_k, size_n=size_n, group_size=group_size,
@@ -210,7 +210,7 @@ def gemm_error_bound(
     a = gather_columns(A, perm) if perm is not None else np.asarray(A)
     m = a.shape[0]
     a64 = a.astype(np.float64)
-    if _arith(m, arith) == "group":
+    if _arith(m, size_n, arith) == "group":
         gs, g = _groups(size_k, group_size)
         rows = np.arange(size_k) // gs
         q8 = np.abs(unpack_b(np.asarray(B), size_n).astype(np.float64) - 8.0)
