@@ -1,33 +1,37 @@
 #!/usr/bin/env bash
-# Nsight Compute profile of one marlin_gemm launch per case (clocks left alone).
-# Run on the GPU machine from the repo root: bash scripts/gpu_profile.sh [OUTDIR]
+# Nsight Compute profile of one GEMM launch per case (clocks left alone).
+# Run on the GPU machine from the repo root: bash scripts/gpu_profile.sh [OUTDIR] [CASES]
+# CASES: m:k:n:delta,... (default 1:28672:8192:1,16:28672:8192:1,16:28672:8192:0,1:4096:4096:1)
 set -u
 out=${1:-${OUT:-/tmp}}
 export PYTHONPATH=$PWD
+[ -n "${2:-}" ] && export PROF_CASES=$2
+ncases=$(python3 -c "import os; print(len(os.environ.get('PROF_CASES', 'a,b,c,d').split(',')))")
 cat > /tmp/prof_cases.py <<'PY'
-import sys, cupy as cp
+import os, sys, cupy as cp
 from converter.gpu import kernels
-cases = [(1, 28672, 8192), (64, 28672, 8192), (1, 4096, 4096)]
-for m, k, n in cases:
+spec = os.environ.get("PROF_CASES", "1:28672:8192:1,16:28672:8192:1,16:28672:8192:0,1:4096:4096:1")
+cases = [tuple(int(v) for v in c.split(":")) for c in spec.split(",")]
+for m, k, n, use_delta in cases:
     B = (cp.random.random((k // 16, 2 * n)) * 2**32).astype(cp.uint32).view(cp.int32)
     S = (cp.random.random((k // 128, n), dtype=cp.float32) * 0.01).astype(cp.float16)
-    D = cp.random.random((k // 128, n), dtype=cp.float32) * 0.01
+    D = kernels.prepare_delta(cp.random.random((k // 128, n), dtype=cp.float32) * 0.01) if use_delta else None
     a = cp.random.random((m, k), dtype=cp.float32).astype(cp.float16)
     for _ in range(2):
         kernels.marlin_gemm(a, B, S, delta=D, size_k=k, size_n=n, group_size=128)
     cp.cuda.get_current_stream().synchronize()
-    print(m, k, n, kernels.gemm_plan(m, k, n, 128, delta=True), flush=True)
+    print(m, k, n, kernels.gemm_plan(m, k, n, 128, delta=bool(use_delta)), flush=True)
 PY
 sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats
   --section LaunchStats --section SchedulerStats --section InstructionStats"
-# every second launch of each case: the fused (delta) GEMM after one warm-up call
-ncu --clock-control none -k regex:marlin_gemm --launch-count 6 $sections --print-details all \
+# both launches of each case (a warm-up call, then the measured one)
+ncu --clock-control none -k regex:marlin_ --launch-count $((2 * ncases)) $sections --print-details all \
     python3 /tmp/prof_cases.py > "$out/ncu.log" 2>&1
 rc=$?
 if [ $rc -ne 0 ]; then
-  ncu --clock-control none -k regex:marlin_gemm --launch-count 6 $sections \
+  ncu --clock-control none -k regex:marlin_ --launch-count $((2 * ncases)) $sections \
       python3 /tmp/prof_cases.py > "$out/ncu.log" 2>&1
   rc=$?
 fi
 echo "ncu rc=$rc"
-grep -E "Duration|DRAM Throughput|Issued Warp|No Eligible|Executed Instructions  |Achieved Active|Stall" "$out/ncu.log" | head -60
+grep -E "marlin_|Duration|DRAM Throughput|Issued Warp|No Eligible|Executed Instructions  |Achieved Active|Registers Per|Stall|L2 Cache Throughput|L1/TEX Cache Throughput" "$out/ncu.log" | head -150
