@@ -194,7 +194,7 @@ __device__ __forceinline__ void decode_stage(u32 st, u32 sa, int kt, int lane, G
 }
 
 template <int NT, int U, int GPI, int NS, bool HAS_DELTA, bool GS>
-__global__ void __launch_bounds__(128, NT == 1 ? 5 : (NT == 2 ? (U == 8 ? 3 : 4) : (GS ? 2 : 3)))
+__global__ void __launch_bounds__(128, NT == 1 ? 4 : (NT == 2 ? (U == 8 ? 3 : 4) : (GS ? 2 : 3)))
 marlin_decode(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __restrict__ S,
               const u16* __restrict__ D, const u16* __restrict__ bias, u16* __restrict__ C,
               float* __restrict__ ws, int* __restrict__ locks, int M, int K, int N,

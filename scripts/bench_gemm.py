@@ -179,10 +179,14 @@ def main() -> int:
                                                             delta=Ds[i % copies], out=out, **kw))
                 for i in range(calls)], args.reps)
             for spec in (args.sweep.split(",") if args.sweep else []):
-                pipe_s, w = spec.rsplit("w", 1)  # d|t R x U x NS w waves, e.g. d1x4x3w1, t1x4x3w1
+                # d|w|t R x U x NS w waves [o blocks per SM], e.g. d1x4x3w1, t1x4x3w1, d1x4x3w1o3
+                pipe_s, w = spec.rsplit("w", 1)
+                w, _, occ = w.partition("o")
                 kind = {"d": "decode", "w": "decode_w", "t": "tile"}[pipe_s[0]]
                 pipe = (kind,) + tuple(int(v) for v in pipe_s[1:].split("x"))
                 old_w, kernels.WAVES = kernels.WAVES, int(w)
+                old_occ = dict(kernels.OCC_CAP)
+                kernels.OCC_CAP[kind] = int(occ) if occ else old_occ[kind]
                 try:
                     row[f"sym_{spec}"] = safe(timed_graph, cp, [
                         (lambda i=i: kernels.marlin_gemm(a, Bs[i % copies], Ss[i % copies], out=out, pipe=pipe, **kw))
@@ -192,6 +196,7 @@ def main() -> int:
                                                          out=out, pipe=pipe, **kw)) for i in range(calls)], args.reps)
                 finally:
                     kernels.WAVES = old_w
+                    kernels.OCC_CAP.update(old_occ)
             at = torch.randn(m, k, device="cuda", dtype=torch.float16)
             fc = max(args.calls, f16_copies)
             row["fp16"] = timed_torch_graph(torch, [(lambda i=i: torch.matmul(at, Ws[i % f16_copies]))

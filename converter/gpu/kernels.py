@@ -64,6 +64,10 @@ LATENCY_TILES = 6
 A_WEIGHT = 0.5
 #: Tests set this to 1 or 4 to force a block shape; None lets the cost model choose.
 FORCE_WK: int | None = None
+#: Blocks per multiprocessor the split may count on, per GEMM kind (None: as many as
+#: fit). Fewer resident warps stream the weights faster at small M on an H200
+#: (scripts/perf_notes.md), so the split is sized for this many.
+OCC_CAP: dict[str, int | None] = {"tile": None, "decode": None, "decode_w": None}
 
 
 Pipe = tuple[str, int, int, int]
@@ -307,7 +311,8 @@ def gemm_plan(m: int, size_k: int, size_n: int, group_size: int, *, delta: bool 
     gs, _, _ = _layer_sizes(size_k, size_n, group_size)
     info = runtime.device_info()
     pipe = pipe or default_pipe(m, size_k, size_n, gs // 16, info.smem_per_block_optin)
-    return dict(_plan(m, size_k, size_n, group_size, delta, tuple(pipe), WAVES, FORCE_WK, info))
+    return dict(_plan(m, size_k, size_n, group_size, delta, tuple(pipe), WAVES, FORCE_WK,
+                      OCC_CAP.get(pipe[0]), info))
 
 
 def _resident_blocks(regs: int, smem: int, smem_per_sm: int) -> int:
@@ -324,7 +329,8 @@ def _resident_blocks(regs: int, smem: int, smem_per_sm: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, size_k: int, size_n: int, group_size: int, delta: bool, pipe: Pipe,
-          waves_target: int, force_wk: int | None, info: runtime.DeviceInfo) -> dict[str, Any]:
+          waves_target: int, force_wk: int | None, occ_cap: int | None,
+          info: runtime.DeviceInfo) -> dict[str, Any]:
     gs, _, per_channel = _layer_sizes(size_k, size_n, group_size)
     kt = size_k // 16
     if pipe not in GEMM_PIPES:
@@ -342,6 +348,8 @@ def _plan(m: int, size_k: int, size_n: int, group_size: int, delta: bool, pipe: 
                           f"{info.arch} allows {info.smem_per_block_optin}")
     regs = int(_fn(_gemm_source(pipe), _gemm_name(pipe, gpi, delta)).num_regs)
     blocks_per_sm = _resident_blocks(regs, smem, info.smem_per_sm)
+    if occ_cap:
+        blocks_per_sm = min(blocks_per_sm, occ_cap)
     resident = info.sm_count * blocks_per_sm
     chunk_rows = 16 * r if kind == "tile" else 8 * r
     m_chunks = -(-m // chunk_rows)
