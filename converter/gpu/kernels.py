@@ -59,6 +59,9 @@ WIDE_N = 8192
 WAVES = 1
 #: A block's pipeline fill, in k-tile times, charged per wave by the split's cost model.
 LATENCY_TILES = 6
+#: The split's reduction cost per extra split and 8 rows, in k-tile times (tuned on an
+#: H200: 4096 x 4096 at M = 1 runs 7.5 us with 4 splits against 8.5 us with 8).
+REDUCE_TILES = 2.0
 #: Cost of staging one A row of a k-tile, in B-tile units per 16 rows (the split's
 #: cost model; A comes from L2, B from DRAM).
 A_WEIGHT = 0.5
@@ -366,11 +369,11 @@ def _plan(m: int, size_k: int, size_n: int, group_size: int, delta: bool, pipe: 
             waves = -(-blocks_n * splits // (resident * waves_target))
             # slowest wave: per-warp tiles (each also moving its A rows, rows / 16 of a
             # B tile's bytes, once per block in the decode kernel's wk = 1 form) plus
-            # the pipeline fill (about LATENCY_TILES), then the final reduction's reads
-            # (about a quarter tile per split and 8 rows)
+            # the pipeline fill (about LATENCY_TILES), then the final reduction (about
+            # REDUCE_TILES per extra split and 8 rows: partial writes, the counter, reads)
             a_share = 4 if (kind != "tile" and wk == 1) else 1
             tile_cost = 1 + A_WEIGHT * rows / 16 / a_share
-            cost = waves * (tps // wk * tile_cost + LATENCY_TILES) + 0.25 * (splits - 1) * -(-rows // 8)
+            cost = waves * (tps // wk * tile_cost + LATENCY_TILES) + REDUCE_TILES * (splits - 1) * -(-rows // 8)
             if best is None or cost < best[0]:
                 best = (cost, wk, splits, tps, blocks_n * splits)
     _, wk, splits, tps, blocks = best
