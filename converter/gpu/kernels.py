@@ -60,8 +60,8 @@ WAVES = 1
 #: A block's pipeline fill, in k-tile times, charged per wave by the split's cost model.
 LATENCY_TILES = 6
 #: The split's reduction cost per extra split and 8 rows, in k-tile times (tuned on an
-#: H200: 4096 x 4096 at M = 1 runs 7.5 us with 4 splits against 8.5 us with 8).
-REDUCE_TILES = 2.0
+#: H200: 4096 x 4096 at M = 1 ran 7.5 us with 4 splits against 8.5 us with 8).
+REDUCE_TILES = 2.5
 #: Cost of staging one A row of a k-tile, in B-tile units per 16 rows (the split's
 #: cost model; A comes from L2, B from DRAM).
 A_WEIGHT = 0.5
