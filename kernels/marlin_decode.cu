@@ -366,7 +366,8 @@ marlin_decode(const u16* __restrict__ A, const int4* __restrict__ B, const u16* 
                 const int m = mbase + 8 * nt + (e & 1), n = nbase + 16 * j + 8 * (e >> 1);
                 if (m < M) wp[(size_t)m * N + n] = acc[j][nt][e];
             }
-    __threadfence();  // partials visible device-wide before the counter moves
+    __threadfence();  // partials visible device-wide before the counter moves ...
+    __syncwarp();    // ... for every lane's partials, before lane 0 moves it
     int prev = 0;
     if (lane == 0) prev = atomicAdd(locks + (size_t)mc * nblk + nb, 1);
     prev = __shfl_sync(0xffffffffu, prev, 0);

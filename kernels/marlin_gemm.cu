@@ -234,7 +234,8 @@ marlin_gemm(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __
                             float2{acc[mt][f][2 * h], acc[mt][f][2 * h + 1]};
                 }
             }
-        __threadfence();  // partials visible device-wide before the counter moves
+        __threadfence();  // partials visible device-wide before the counter moves ...
+        __syncwarp();    // ... for every lane's partials, before lane 0 moves it
         int prev = 0;
         if (lane == 0) prev = atomicAdd(locks + (size_t)mc * nblk + nb, 1);
         prev = __shfl_sync(0xffffffffu, prev, 0);

@@ -204,6 +204,10 @@ def gemm_error_bound(
     * both results are rounded to fp16: up to one fp16 ulp of the larger magnitude
       (``2**-10 * |x|``, and ``2**-24`` for subnormals).
 
+    Tensor cores may truncate rather than round while accumulating (about 2**-23 per
+    step), but one mma step adds 16 products, so the real depth is about K / 16 (+ 2G)
+    steps; counting K roundings of 2**-24 covers it.
+
     Returns:
         The bound, to compare with ``abs(kernel.astype(f64) - twin.astype(f64))``.
     """
