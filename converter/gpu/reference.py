@@ -111,21 +111,26 @@ def _delta16(delta: np.ndarray | None, size_n: int) -> np.ndarray | None:
     return d.astype(np.float32).astype(np.float16).astype(np.float64)
 
 
-def _decode_weight(B: np.ndarray, scales: np.ndarray, delta: np.ndarray | None, *, size_k: int, size_n: int,
-                   group_size: int) -> np.ndarray:
-    """float64 ``(q - 8) * s + fp16(delta)`` without any rounding (the decode kernel's weight)."""
+def _decode_parts(B: np.ndarray, scales: np.ndarray, delta: np.ndarray | None, *, size_k: int, size_n: int,
+                  group_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """float64 ``q - 8``, ``s`` and ``fp16(delta)`` (or None), each ``(K, N)`` by row."""
     gs, g = _groups(size_k, group_size)
     if scales.shape != (g, size_n):
         raise ValueError(f"scales shape {scales.shape} != {(g, size_n)}")
     rows = np.arange(size_k) // gs
-    w = (unpack_b(np.asarray(B), size_n).astype(np.float64) - 8.0) * unpermute_scales(
-        np.asarray(scales, dtype=np.float16)).astype(np.float64)[rows]
+    q8 = unpack_b(np.asarray(B), size_n).astype(np.float64) - 8.0
+    s = unpermute_scales(np.asarray(scales, dtype=np.float16)).astype(np.float64)[rows]
     d = _delta16(delta, size_n)
-    if d is not None:
-        if d.shape != (g, size_n):
-            raise ValueError(f"delta shape {d.shape} != {(g, size_n)}")
-        w = w + d[rows]
-    return w
+    if d is not None and d.shape != (g, size_n):
+        raise ValueError(f"delta shape {d.shape} != {(g, size_n)}")
+    return q8, s, None if d is None else d[rows]
+
+
+def _decode_weight(B: np.ndarray, scales: np.ndarray, delta: np.ndarray | None, *, size_k: int, size_n: int,
+                   group_size: int) -> np.ndarray:
+    """float64 ``(q - 8) * s + fp16(delta)`` without any rounding (the decode kernel's weight)."""
+    q8, s, d = _decode_parts(B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size)
+    return q8 * s if d is None else q8 * s + d
 
 
 def marlin_gemm(
@@ -215,13 +220,10 @@ def gemm_error_bound(
     m = a.shape[0]
     a64 = a.astype(np.float64)
     if _arith(m, size_n, arith) == "group":
-        gs, g = _groups(size_k, group_size)
-        rows = np.arange(size_k) // gs
-        q8 = np.abs(unpack_b(np.asarray(B), size_n).astype(np.float64) - 8.0)
-        s = np.abs(unpermute_scales(np.asarray(scales, dtype=np.float16)).astype(np.float64))[rows]
-        d = _delta16(delta, size_n)
-        wmag = q8 * s + (np.abs(d)[rows] if d is not None else 0.0)
-        exact = a64 @ _decode_weight(B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size)
+        _, g = _groups(size_k, group_size)
+        q8, sc, d = _decode_parts(B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size)
+        wmag = np.abs(q8 * sc) + (0.0 if d is None else np.abs(d))
+        exact = a64 @ (q8 * sc if d is None else q8 * sc + d)
         terms = size_k + 2 * g + splits + 4
     else:
         w = _weight(m, B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size, arith="weight")
