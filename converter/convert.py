@@ -20,7 +20,8 @@ import numpy as np
 import xxhash
 
 from .artifact.manifest import layer_entry, new_manifest
-from .artifact.sharding import ArtifactWriter, OutputTarget, folder_extras, parse_size
+from .artifact.sharding import ArtifactWriter, folder_extras, parse_size, plan_shards
+from .artifact.target import InputGuard, OutputTarget
 from .constants import CHECKSUM_HEX_LEN, SAFETENSORS_DTYPES, SAFETENSORS_METADATA_KEY, Suffix
 from .errors import SourceFormatError
 from .formats import open_source
@@ -177,9 +178,13 @@ def convert(
             str(src_path), str(out_path), source.format.value, layers, passthrough, layout, bytes_out, dry_run,
         )
         max_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
+        shards = plan_shards(layout, [lay["name"] for lay in layers], max_bytes)
         target = OutputTarget(out_arg)
+        artifact_path = target.path if len(shards) == 1 else target.index
+        extras = folder_extras(source, desc, layers, artifact_path.name) if target.directory else {}
+        guard = InputGuard(source.input_files(), source.checkpoint_folder)
         # A dry run checks the output too, so it fails exactly when the real run would.
-        target.check(src_path, force, create=not dry_run)
+        target.check(guard, force, count=len(shards), extra_names=extras, create=not dry_run)
         if dry_run:
             return report
         manifest = new_manifest(desc, layers, passthrough)
@@ -187,10 +192,8 @@ def convert(
         steps = sum(1 for lay in plan.layers if lay.convertible) + len(passthrough)
         if progress:
             progress(f"converting {src_path.name}", steps)
-        with ArtifactWriter(target, layout, [lay["name"] for lay in layers], manifest, max_shard_bytes=max_bytes) as writer:
+        with ArtifactWriter(target, shards, manifest, guard=guard, extra_files=extras) as writer:
             report.output = str(writer.artifact_path)
-            if target.directory:
-                writer.extra_files.update(folder_extras(source, desc, layers, writer.artifact_path.name))
             sums: dict[str, str] = {}
             # One write-behind thread for all layers, so the pipeline never drains
             # between layers; the digests are read once it has written everything.

@@ -45,19 +45,16 @@ from ..constants import ARTIFACT_SCHEMA_VERSION, PRODUCER_NAME, SAFETENSORS_DTYP
 from ..errors import ConverterError, OutputExistsError
 from ..safetensors_io import StreamingWriter, _fsync_dir, header_size_for, remove_stale_temporaries, target_mode
 from .manifest import metadata_for
+from .target import CONFIG_NAME, DIR_MODE_NAME, SHARD_NAME_RE, InputGuard, OutputTarget, artifact_stem, index_name_for, shard_name  # noqa: F401
 
 Layout = list[tuple[str, str, tuple[int, ...]]]
 
-#: The artifact's file name in folder mode (HF's single-file name).
-DIR_MODE_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
 #: Decimal and binary units, as ``huggingface_hub``'s ``parse_size_to_int`` reads them.
 _SIZE_UNITS = {
     "": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
     "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
 }  # fmt: skip
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*$", re.IGNORECASE)
-SHARD_NAME_RE = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.safetensors$")
 
 
 # --------------------------------------------------------------------------- sizes, names
@@ -82,20 +79,6 @@ def parse_size(text: str | int) -> int:
     if value <= 0:
         raise ConverterError(f"must be positive, found {text!r}", tensor="--max-shard-size")
     return value
-
-
-def shard_name(stem: str, index: int, count: int) -> str:
-    """``<stem>-0000i-of-0000n.safetensors`` (1-based ``index``), the HF convention."""
-    return f"{stem}-{index:05d}-of-{count:05d}.safetensors"
-
-
-def index_name_for(path: Path) -> Path:
-    """The index beside an artifact path: ``model.safetensors`` -> ``model.safetensors.index.json``."""
-    return path.with_name(path.name + ".index.json") if path.suffix == ".safetensors" else path.with_name(path.name + ".safetensors.index.json")
-
-
-def artifact_stem(path: Path) -> str:
-    return path.name[: -len(".safetensors")] if path.name.endswith(".safetensors") else path.name
 
 
 def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
@@ -136,77 +119,6 @@ def plan_shards(layout: Layout, layer_names: list[str], max_bytes: int | None) -
         size += ubytes
     shards.append(current)
     return shards
-
-
-# --------------------------------------------------------------------------- output target
-
-
-class OutputTarget:
-    """Where an artifact goes.
-
-    Attributes:
-        path: the single-file artifact path (``OUT`` or ``OUT/model.safetensors``).
-        folder: the folder everything is written into.
-        directory: folder mode (also write ``config.json`` and tokenizer files).
-        index: the index path used when the output is sharded.
-    """
-
-    def __init__(self, out: str | Path) -> None:
-        text = str(out)
-        out = Path(out)
-        self.directory = out.is_dir() or text.endswith(("/", os.sep))
-        self.path = out / DIR_MODE_NAME if self.directory else out
-        self.folder = self.path.parent
-        self.index = index_name_for(self.path)
-        #: True when :meth:`check` created the folder (removed again if the write fails).
-        self.created = False
-
-    def existing(self) -> list[Path]:
-        """Output files that already exist and would be replaced."""
-        paths = [self.path, self.index]
-        if self.directory:
-            paths.append(self.folder / CONFIG_NAME)
-        return [p for p in paths if p.exists()]
-
-    def check(self, src: Path, force: bool, *, create: bool = True) -> None:
-        """Refuse to write over the input, or over an existing output without ``force``.
-
-        ``create=False`` (dry runs) checks without creating a folder-mode folder.
-
-        Raises:
-            ConverterError: the folder is missing, OUT is a folder without folder
-                mode, or the output would overwrite an input file.
-            OutputExistsError: an output file exists and ``force`` is False.
-        """
-        if self.directory and not self.folder.exists() and not create:
-            if not self.folder.parent.is_dir():
-                raise ConverterError("output folder's parent does not exist", path=self.folder.parent)
-            return
-        if self.directory and not self.folder.exists():
-            try:
-                self.folder.mkdir(parents=False)
-                self.created = True
-            except OSError as exc:
-                raise ConverterError(f"cannot create the output folder: {exc.strerror}", path=self.folder) from None
-        if not self.folder.is_dir():
-            raise ConverterError("output folder does not exist", path=self.folder)
-        if self.path.is_dir():
-            raise ConverterError("output is a directory; give a .safetensors file name, or end OUT with '/'", path=self.path)
-        src_files = [src] if src.is_file() else (list(src.iterdir()) if src.is_dir() else [])
-        src_folder = src if src.is_dir() else src.parent
-        if self.directory and src_folder.exists() and os.path.samefile(src_folder, self.folder):
-            # Folder mode writes config.json and tokenizer files: never into the source's folder.
-            raise ConverterError("output folder is the input's folder; choose another folder", path=self.folder)
-        for out in self.existing():
-            if any(f.exists() and os.path.samefile(f, out) for f in src_files):
-                raise ConverterError("output would overwrite the input; choose another path", path=out)
-        if not self.directory and self.path.suffix != ".safetensors":
-            raise ConverterError(
-                "output must be a .safetensors file, or a folder (existing, or ending in '/')", path=self.path
-            )
-        for out in self.existing():
-            if not force:
-                raise OutputExistsError("output exists; pass --force to overwrite it", path=out)
 
 
 def artifact_config(source_config: Mapping[str, Any] | None, model: Mapping[str, Any] | None, *,
@@ -252,25 +164,25 @@ class ArtifactWriter:
     ``shard`` object per file) and commits everything.
 
     Args:
-        target: where to write.
-        layout: every artifact tensor.
-        layer_names: converted layer prefixes (kept whole within a shard).
+        target: where to write (already checked by :meth:`OutputTarget.check`).
+        shards: the artifact's tensors per shard (:func:`plan_shards`).
         manifest: the manifest with placeholder checksums of final length (sizes the headers).
-        max_shard_bytes: tensor-data bytes per shard, or None for a single file.
+        guard: the input's files: nothing the commit deletes may be one of them.
         extra_files: folder-mode files ``{name: bytes or source Path}`` committed with the shards.
 
     Raises:
         ConverterError: the folder is not writable.
     """
 
-    def __init__(self, target: OutputTarget, layout: Layout, layer_names: list[str], manifest: dict[str, Any],
-                 *, max_shard_bytes: int | None = None, extra_files: Mapping[str, bytes | Path] | None = None) -> None:
+    def __init__(self, target: OutputTarget, shards: list[Layout], manifest: dict[str, Any], *,
+                 guard: InputGuard, extra_files: Mapping[str, bytes | Path] | None = None) -> None:
         self.target = target
-        self.shards = plan_shards(layout, layer_names, max_shard_bytes)
+        self.guard = guard
+        self.shards = shards
         count = len(self.shards)
-        self.names = [target.path.name] if count == 1 else [shard_name(artifact_stem(target.path), i + 1, count) for i in range(count)]
+        self.names = [p.name for p in target.shard_paths(count)]
         self.extra_files = dict(extra_files or {})
-        self.total_size = sum(_nbytes(d, s) for _, d, s in layout)
+        self.total_size = sum(_nbytes(d, s) for shard in shards for _, d, s in shard)
         self._route: dict[str, StreamingWriter] = {}
         self._writers: list[StreamingWriter] = []
         #: every staged file (deleted by abort), and (staged, final) pairs to commit.
@@ -343,20 +255,25 @@ class ArtifactWriter:
                 }
                 text = json.dumps(index, indent=2, sort_keys=True).encode("utf-8") + b"\n"
                 self._commit.append((self._stage_bytes(self.target.index.name, text), self.target.index))
-            stale = self._stale_files()
+            stale = self.target.stale_paths(len(self.shards), self.extra_files)
+            for old in stale:
+                self.guard.check_delete(old)
         except BaseException:
             self.abort()
             raise
-        # Commit: every file is complete and fsynced; rename them, the index last.
         # Temporary files are created 0600; give each result the mode a plain open()
         # would, or that of the file it replaces.
         for tmp, final in self._commit:
             os.chmod(tmp, target_mode(final))
-            os.replace(tmp, final)
-        _fsync_dir(self.target.folder)
+        try:
+            _commit_all(self._commit, self.target.folder)
+        except BaseException:
+            self.abort()
+            raise
+        self._done = True
+        self._temps.clear()
         for old in stale:
             old.unlink(missing_ok=True)
-        self._done = True
         return [final for _, final in self._commit]
 
     def _stage_bytes(self, name: str, content: bytes) -> Path:
@@ -374,29 +291,6 @@ class ArtifactWriter:
         except OSError as exc:
             raise ConverterError(f"cannot copy into the output folder: {exc.strerror}", path=src) from None
         return tmp
-
-    def _stale_files(self) -> list[Path]:
-        """Files of a previous artifact at the same path that this write leaves orphaned:
-        old shards not overwritten, an old index when the new artifact is one file, and
-        an old single file when the new one is sharded (either would shadow the new
-        artifact for some loader)."""
-        finals = {final for _, final in self._commit}
-        out: list[Path] = []
-        if self.target.index.is_file():
-            try:
-                old = json.loads(self.target.index.read_text("utf-8"))
-                files = {str(f) for f in old.get("weight_map", {}).values()}
-            except (OSError, ValueError, AttributeError):
-                files = set()
-            for f in sorted(files):
-                p = self.target.folder / f
-                if Path(f).name == f and SHARD_NAME_RE.match(f) and p not in finals:
-                    out.append(p)
-            if len(self.shards) == 1:
-                out.append(self.target.index)
-        if len(self.shards) > 1 and self.target.path.is_file():
-            out.append(self.target.path)  # loaders prefer a single file over an index
-        return out
 
     def abort(self) -> None:
         """Delete every temporary and staged file; the output folder is left as it was."""
@@ -452,3 +346,75 @@ def folder_extras(source: Any, description: Mapping[str, Any], layers: list[dict
         if (folder / name).is_file():
             extras[name] = folder / name
     return extras
+
+
+BACKUP_SUFFIX = ".backup"
+
+
+def _commit_all(pairs: list[tuple[Path, Path]], folder: Path) -> None:
+    """Rename every staged file onto its final name: all of them, or none.
+
+    Each final name that exists is first hard-linked to a hidden backup in the same
+    folder (renamed there where the filesystem has no hard links), so the rename
+    itself stays atomic. If a rename fails, the ones already done are undone in reverse
+    order (backups renamed back, new names removed) and the error says so; if undoing
+    fails too, the error names exactly the files that now hold the new artifact.
+
+    Raises:
+        ConverterError: a rename failed (the message states what was left).
+    """
+    done: list[tuple[Path, Path | None]] = []
+    pending: tuple[Path, Path, bool] | None = None  # (final, backup, moved away)
+    try:
+        for tmp, final in pairs:
+            backup = None
+            if os.path.lexists(final):
+                fd, name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=BACKUP_SUFFIX, dir=folder)
+                os.close(fd)
+                backup = Path(name)
+                try:
+                    os.unlink(backup)
+                    os.link(final, backup, follow_symlinks=False)
+                    pending = (final, backup, False)
+                except OSError:
+                    os.replace(final, backup)
+                    pending = (final, backup, True)
+            os.replace(tmp, final)
+            pending = None
+            done.append((final, backup))
+    except BaseException as exc:
+        lost: list[Path] = []
+        if pending is not None:
+            final, backup, moved = pending
+            try:
+                if moved:
+                    os.replace(backup, final)
+                else:
+                    backup.unlink()
+            except OSError:
+                lost.append(final)
+        for final, backup in reversed(done):
+            try:
+                if backup is not None:
+                    os.replace(backup, final)
+                else:
+                    final.unlink()
+            except OSError:
+                lost.append(final)
+        _fsync_dir(folder)
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        if lost:
+            raise ConverterError(
+                f"could not rename the new artifact into place ({why}), and undoing the renames failed: "
+                f"{', '.join(str(p) for p in lost)} now hold the new artifact, every other output file is as "
+                "it was; re-run with --force", path=folder,
+            ) from None
+        raise ConverterError(
+            f"could not rename the new artifact into place ({why}); every output file is as it was", path=folder
+        ) from None
+    _fsync_dir(folder)
+    for _, backup in done:
+        if backup is not None:
+            backup.unlink(missing_ok=True)

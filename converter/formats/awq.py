@@ -30,7 +30,7 @@ from ..errors import ConfigError, SourceFormatError, UnsupportedQuantError
 from ..marlin.shapes import check_convertible
 from ..quant_weight import QuantWeight, Tensor
 from .base import LayerPlan, Source, SourcePlan, TensorInfo
-from .hf import HFCheckpoint, as_f32, assemble_plan, config_field, integer_zero_weight, not_convert_match, string_list
+from .hf import HFSource, HFCheckpoint, as_f32, assemble_plan, config_field, integer_zero_weight, not_convert_match, string_list
 from .packing import unpack_awq
 from .scales import scales_to_fp16
 
@@ -39,7 +39,7 @@ FLOAT_DTYPES = ("F16", "BF16", "F32")
 READ_VERSIONS = ("gemm",)
 
 
-class AwqSource(Source):
+class AwqSource(HFSource):
     """Reader for AutoAWQ GEMM checkpoints; conventions in the module docstring.
 
     Args:

@@ -101,6 +101,16 @@ class Source(abc.ABC):
     def load_tensor(self, name: str) -> Tensor:
         """Read one source tensor as stored."""
 
+    def input_files(self) -> list[Path]:
+        """Every file this reader reads, or folder mode copies; no output may touch them."""
+        return [self.path]
+
+    @property
+    def checkpoint_folder(self) -> Path | None:
+        """The folder a later read of this input would glob for weights (HF checkpoints);
+        None for a single-file format. No output may be written into it."""
+        return None
+
     def release_pages(self) -> None:  # noqa: B027 - optional hook
         """Drop input pages this reader touched from RSS (called per chunk while streaming).
 

@@ -40,7 +40,7 @@ from ..errors import ConfigError, SourceFormatError, UnsupportedQuantError
 from ..marlin.shapes import check_convertible
 from ..quant_weight import QuantWeight, Tensor
 from .base import LayerPlan, Source, SourcePlan, TensorInfo
-from .hf import HFCheckpoint, as_f32, assemble_plan, integer_zero_weight
+from .hf import HFSource, HFCheckpoint, as_f32, assemble_plan, integer_zero_weight
 from .packing import act_order_perm, codes_per_word, gather_rows, symmetric_zero, unpack_words
 from .scales import scales_to_fp16
 
@@ -76,7 +76,7 @@ def _is_class_name(target: str) -> bool:
     return not target.startswith("re:") and "." not in target and target[:1].isupper()
 
 
-class CompressedTensorsSource(Source):
+class CompressedTensorsSource(HFSource):
     """Reader for compressed-tensors ``pack-quantized`` checkpoints (module docstring).
 
     Args:

@@ -40,7 +40,7 @@ from ..marlin.layout import pack_b_from_gptq4
 from ..marlin.shapes import check_convertible
 from ..quant_weight import QuantWeight
 from .base import LayerPlan, Source, SourcePlan, TensorInfo
-from .hf import HFCheckpoint, as_f32, assemble_plan, config_field, integer_zero_weight, not_convert_match, string_list
+from .hf import HFSource, HFCheckpoint, as_f32, assemble_plan, config_field, integer_zero_weight, not_convert_match, string_list
 from .packing import (
     act_order_perm,
     decode_gptq_zeros,
@@ -93,7 +93,7 @@ class LayerConfig:
     rule: str = ""
 
 
-class GptqSource(Source):
+class GptqSource(HFSource):
     """Reader for HF GPTQ checkpoints; see the module docstring for the conventions.
 
     Args:

@@ -19,7 +19,7 @@ from ..constants import HF_INDEX_NAME, MARLIN_ZERO
 from ..errors import ConfigError, SourceFormatError
 from ..quant_weight import QuantWeight, Tensor
 from ..safetensors_io import SafetensorsFile, parse_json_object
-from .base import LayerPlan, SourcePlan, TensorInfo
+from .base import LayerPlan, Source, SourcePlan, TensorInfo
 from .scales import scales_to_fp16
 
 #: Where producers put the quant config, in lookup order (checkpoint-formats.md 1.7;
@@ -196,9 +196,30 @@ class HFCheckpoint:
             sums = list(pool.map(sha256_file, paths))
         return [{"name": p.name, "bytes": p.stat().st_size, "sha256": h} for p, h in zip(paths, sums)]
 
+    def input_files(self) -> list[Path]:
+        """The weight files, the index, the configs and the tokenizer files (folder mode
+        copies those): every file of the checkpoint that the tool reads."""
+        paths = list(self.files)
+        names = [HF_INDEX_NAME, "config.json", *QUANT_CONFIG_FILES, *TOKENIZER_FILES]
+        paths += [self.folder / n for n in names if (self.folder / n).is_file()]
+        return paths
+
     def close(self) -> None:
         for s in self._shards:
             s.close()
+
+
+class HFSource(Source):
+    """What the HF-checkpoint readers (GPTQ, AWQ, compressed-tensors) share."""
+
+    ckpt: HFCheckpoint
+
+    def input_files(self) -> list[Path]:
+        return self.ckpt.input_files()
+
+    @property
+    def checkpoint_folder(self) -> Path | None:
+        return self.ckpt.folder
 
 
 def config_field(cfg: dict[str, Any], key: str, types: type | tuple[type, ...], default: Any, *, path: Path, required: bool = False) -> Any:

@@ -1,0 +1,215 @@
+"""Where an artifact goes, what it may replace, and what it must never touch.
+
+An output is one file (``OUT.safetensors``), HF shards beside an index
+(``<stem>-0000i-of-0000n.safetensors`` + ``<stem>.safetensors.index.json``), or a model
+folder (``OUT/`` holding ``model.safetensors`` or its shards, ``config.json`` and the
+source's tokenizer files).
+
+The rule that no option relaxes, ``--force`` included: **no output may coincide with,
+or be read back as, a file of the input.** Identity is decided by device and inode
+(``os.stat`` follows symbolic links, and hard links share an inode), so a path that is
+a link to an input file counts as that file. "Read back" means a file written into the
+folder of an HF checkpoint: the next read of that checkpoint would glob it as one more
+weight file. The same rule covers the files a ``--force`` run would delete (an earlier
+artifact's shards at the output path).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from ..errors import ConverterError, OutputExistsError
+
+#: The artifact's file name in folder mode (HF's single-file name).
+DIR_MODE_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+SHARD_NAME_RE = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.safetensors$")
+
+
+def shard_name(stem: str, index: int, count: int) -> str:
+    """``<stem>-0000i-of-0000n.safetensors`` (1-based ``index``), the HF convention."""
+    return f"{stem}-{index:05d}-of-{count:05d}.safetensors"
+
+
+def index_name_for(path: Path) -> Path:
+    """The index beside an artifact path: ``model.safetensors`` -> ``model.safetensors.index.json``."""
+    if path.suffix == ".safetensors":
+        return path.with_name(path.name + ".index.json")
+    return path.with_name(path.name + ".safetensors.index.json")
+
+
+def artifact_stem(path: Path) -> str:
+    return path.name[: -len(".safetensors")] if path.name.endswith(".safetensors") else path.name
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)  # follows symlinks: a link to an input file is that file
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino
+
+
+class InputGuard:
+    """The files of one input, by identity, and the folder a reader would glob again.
+
+    Args:
+        files: every file the reader reads or folder mode copies (weights, index,
+            configs, tokenizer files).
+        folder: the HF checkpoint folder (None for a single-file format such as
+            ``.tinyloop``, which nothing globs).
+    """
+
+    def __init__(self, files: Iterable[Path], folder: Path | None) -> None:
+        self.files = [Path(f) for f in files]
+        self.folder = Path(folder) if folder is not None else None
+        self._ids = {i for i in map(_identity, self.files) if i is not None}
+        self._folder_id = _identity(self.folder) if self.folder is not None else None
+
+    def is_input(self, path: Path) -> bool:
+        """True when ``path`` exists and is (a link to) one of the input's files."""
+        ident = _identity(path)
+        return ident is not None and ident in self._ids
+
+    def inside_input_folder(self, path: Path) -> bool:
+        """True when ``path`` would sit directly in the HF checkpoint folder."""
+        return self._folder_id is not None and _identity(path.parent) == self._folder_id
+
+    def check_write(self, path: Path) -> None:
+        """Refuse to write (or replace) ``path``.
+
+        Raises:
+            ConverterError: ``path`` is an input file, or lies in the input's
+                checkpoint folder.
+        """
+        if self.is_input(path):
+            raise ConverterError("output would overwrite the input; choose another path", path=path)
+        if self.inside_input_folder(path):
+            raise ConverterError(
+                f"output is inside the input checkpoint folder {self.folder}, where reading the checkpoint "
+                "again would pick it up as input; choose a path outside that folder", path=path,
+            )
+
+    def check_delete(self, path: Path) -> None:
+        """Refuse to delete ``path`` (a stale file of an earlier artifact).
+
+        Raises:
+            ConverterError: ``path`` is (a link to) an input file.
+        """
+        if self.is_input(path):
+            raise ConverterError(
+                "replacing the output would delete this file, which is part of the input; choose another path",
+                path=path,
+            )
+
+
+class OutputTarget:
+    """Where an artifact goes.
+
+    Attributes:
+        path: the single-file artifact path (``OUT`` or ``OUT/model.safetensors``).
+        folder: the folder everything is written into.
+        directory: folder mode (also write ``config.json`` and tokenizer files).
+        index: the index path used when the output is sharded.
+    """
+
+    def __init__(self, out: str | Path) -> None:
+        text = str(out)
+        out = Path(out)
+        self.directory = out.is_dir() or text.endswith(("/", os.sep))
+        self.path = out / DIR_MODE_NAME if self.directory else out
+        self.folder = self.path.parent
+        self.index = index_name_for(self.path)
+        #: True when :meth:`check` created the folder (removed again if the write fails).
+        self.created = False
+
+    def shard_paths(self, count: int) -> list[Path]:
+        """The weight files of an artifact in ``count`` shards (one: the path itself)."""
+        if count == 1:
+            return [self.path]
+        stem = artifact_stem(self.path)
+        return [self.folder / shard_name(stem, i + 1, count) for i in range(count)]
+
+    def final_paths(self, count: int, extra_names: Iterable[str] = ()) -> list[Path]:
+        """Every file a write of ``count`` shards creates or replaces, index last."""
+        paths = self.shard_paths(count) + [self.folder / n for n in extra_names]
+        return paths + ([self.index] if count > 1 else [])
+
+    def stale_paths(self, count: int, extra_names: Iterable[str] = ()) -> list[Path]:
+        """Files of an earlier artifact at this path that a write of ``count`` shards
+        orphans, and deletes after its commit: old shards it does not overwrite, an old
+        index when the new artifact is one file, and an old single file when the new
+        one is sharded (either would shadow the new artifact for some loader)."""
+        import json
+
+        finals = set(self.final_paths(count, extra_names))
+        out: list[Path] = []
+        if self.index.is_file():
+            try:
+                old = json.loads(self.index.read_text("utf-8"))
+                files = {str(f) for f in old.get("weight_map", {}).values()}
+            except (OSError, ValueError, AttributeError, RecursionError):
+                files = set()
+            for f in sorted(files):
+                p = self.folder / f
+                if Path(f).name == f and SHARD_NAME_RE.match(f) and p not in finals:
+                    out.append(p)
+            if count == 1:
+                out.append(self.index)
+        if count > 1 and self.path.is_file():
+            out.append(self.path)
+        return out
+
+    def check(self, guard: InputGuard, force: bool, *, count: int = 1, extra_names: Iterable[str] = (),
+              create: bool = True) -> None:
+        """Refuse to touch the input, or an existing output without ``force``.
+
+        Args:
+            guard: the input's files and folder.
+            force: replace existing outputs.
+            count: the number of shards the artifact will have.
+            extra_names: folder-mode files written beside it (``config.json``, tokenizer).
+            create: create a folder-mode folder that does not exist yet (False: dry runs).
+
+        Raises:
+            ConverterError: the folder is missing, OUT is a folder without folder mode,
+                an output or a file the write would delete is (a link to) an input
+                file, or an output lies in the input's checkpoint folder.
+            OutputExistsError: an output file exists and ``force`` is False.
+        """
+        extra_names = list(extra_names)
+        if self.directory and not self.folder.exists() and not create:
+            if not self.folder.parent.is_dir():
+                raise ConverterError("output folder's parent does not exist", path=self.folder.parent)
+            return
+        if self.directory and self.folder.exists() and guard.folder is not None and _identity(self.folder) == _identity(guard.folder):
+            # Folder mode writes config.json and tokenizer files: never into the source's folder.
+            raise ConverterError("output folder is the input's folder; choose another folder", path=self.folder)
+        finals = self.final_paths(count, extra_names)
+        stale = self.stale_paths(count, extra_names)
+        for p in finals:
+            guard.check_write(p)
+        for p in stale:
+            guard.check_delete(p)
+        if not self.directory and self.path.suffix != ".safetensors":
+            raise ConverterError(
+                "output must be a .safetensors file, or a folder (existing, or ending in '/')", path=self.path
+            )
+        if self.directory and not self.folder.exists():
+            try:
+                self.folder.mkdir(parents=False)
+                self.created = True
+            except OSError as exc:
+                raise ConverterError(f"cannot create the output folder: {exc.strerror}", path=self.folder) from None
+        if not self.folder.is_dir():
+            raise ConverterError("output folder does not exist", path=self.folder)
+        if self.path.is_dir():
+            raise ConverterError("output is a directory; give a .safetensors file name, or end OUT with '/'",
+                                 path=self.path)
+        if not force:
+            for p in finals + stale:
+                if os.path.lexists(p):
+                    raise OutputExistsError("output exists; pass --force to overwrite it", path=p)

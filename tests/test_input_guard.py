@@ -1,0 +1,257 @@
+"""No output ever touches the input (issue 14, data loss): every way an output path can
+coincide with, replace, delete or be read back as an input file is refused, with
+``--force`` too, and the input's bytes are unchanged afterwards. A multi-file commit is
+all or nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fixtures.producers import gptq_config, gptq_tensors, make_layer, plain_tensors, save_safetensors, write_checkpoint
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from converter.artifact import sharding
+from converter.convert import convert
+from converter.errors import ConverterError, OutputExistsError
+
+REPO = Path(__file__).resolve().parent.parent
+SAMPLE = REPO / "tests" / "data" / "sample.tinyloop"
+NAMES = [f"model.layers.{i}.mlp.{p}" for i in range(2) for p in ("up_proj", "down_proj")]
+READ_BACK = r"output is inside the input checkpoint folder .*, where reading the checkpoint again would pick it up as input"
+
+
+def _checkpoint(folder: Path, shards: int = 1) -> Path:
+    """A GPTQ checkpoint; with ``shards`` > 1, every layer's tensors in one shard (so each
+    shard also converts on its own), the plain tensors in the last."""
+    rng = np.random.default_rng(0)
+    per_layer = [gptq_tensors(n, make_layer(rng, 256, 128), v1=True) for n in NAMES]
+    plain = plain_tensors(rng)
+    write_checkpoint(folder, {k: v for t in per_layer for k, v in t.items()} | plain, gptq_config(4, 128))
+    if shards > 1:
+        (folder / "model.safetensors").unlink()
+        groups = [dict() for _ in range(shards)]
+        for i, t in enumerate(per_layer):
+            groups[i * shards // len(per_layer)].update(t)
+        groups[-1].update(plain)
+        wmap = {}
+        for i, group in enumerate(groups):
+            fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+            save_safetensors(folder / fname, group)
+            wmap.update(dict.fromkeys(group, fname))
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wmap}))
+    return folder
+
+
+def _tree(folder: Path) -> dict[str, str]:
+    """sha256 of every file below ``folder`` (links followed), by relative path."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture()
+def sharded(tmp_path: Path) -> Path:
+    return _checkpoint(tmp_path / "src", shards=3)
+
+
+def test_one_shard_as_input_and_model_safetensors_beside_it(sharded: Path) -> None:
+    """The reported case: with --force this deleted the input's shards and index."""
+    before = _tree(sharded)
+    shard = sorted(sharded.glob("model-*.safetensors"))[0]
+    for force in (False, True):
+        with pytest.raises(ConverterError, match=READ_BACK) as err:
+            convert(shard, sharded / "model.safetensors", force=force)
+        assert not isinstance(err.value, OutputExistsError)
+        assert _tree(sharded) == before
+
+
+def test_sharded_output_inside_the_input_folder(sharded: Path) -> None:
+    before = _tree(sharded)
+    for out in (sharded / "model.safetensors", sharded / "other.safetensors"):
+        with pytest.raises(ConverterError, match=READ_BACK):
+            convert(sharded, out, max_shard_size="20KB", force=True)
+    assert _tree(sharded) == before
+    assert sorted(p.name for p in sharded.iterdir() if p.name.startswith(".")) == []
+
+
+def test_single_file_output_inside_an_hf_input_folder(tmp_path: Path) -> None:
+    src = _checkpoint(tmp_path / "src")
+    before = _tree(src)
+    with pytest.raises(ConverterError, match=READ_BACK):
+        convert(src, src / "marlin.safetensors")
+    with pytest.raises(ConverterError, match=READ_BACK):
+        convert(src / "model.safetensors", src / "marlin.safetensors")
+    assert _tree(src) == before
+    convert(src, tmp_path / "ok.safetensors")  # the folder still converts
+    assert _tree(src) == before
+
+
+def test_output_folder_that_is_a_link_to_the_input_folder(tmp_path: Path) -> None:
+    src = _checkpoint(tmp_path / "src")
+    link = tmp_path / "link"
+    link.symlink_to(src, target_is_directory=True)
+    before = _tree(src)
+    with pytest.raises(ConverterError, match=READ_BACK):
+        convert(src, link / "x.safetensors", force=True)
+    with pytest.raises(ConverterError, match=r"output folder is the input's folder"):
+        convert(src, str(link) + "/", force=True)
+    assert _tree(src) == before
+
+
+@pytest.mark.parametrize("how", ["symlink", "hardlink"])
+def test_folder_mode_file_linked_to_an_input_file(tmp_path: Path, how: str) -> None:
+    src = _checkpoint(tmp_path / "src")
+    out = tmp_path / "out"
+    out.mkdir()
+    link = out / "tokenizer.json"
+    if how == "symlink":
+        link.symlink_to(src / "tokenizer.json")
+    else:
+        os.link(src / "tokenizer.json", link)
+    before = _tree(src)
+    with pytest.raises(ConverterError, match=r"out/tokenizer.json: output would overwrite the input; choose another path"):
+        convert(src, str(out) + "/", force=True)
+    assert _tree(src) == before
+
+
+def test_force_never_deletes_an_input_file_listed_by_an_old_index(tmp_path: Path) -> None:
+    """An old artifact's index at the output path names shards that are links to input
+    shards: replacing that artifact would delete them."""
+    src = _checkpoint(tmp_path / "src", shards=2)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    shard = sorted(src.glob("model-*.safetensors"))[0]
+    os.link(shard, out_dir / "m-00001-of-00002.safetensors")
+    (out_dir / "m.safetensors.index.json").write_text(
+        '{"metadata": {}, "weight_map": {"a": "m-00001-of-00002.safetensors"}}')
+    before = _tree(src)
+    with pytest.raises(ConverterError, match=r"m-00001-of-00002.safetensors: replacing the output would delete this "
+                                             r"file, which is part of the input"):
+        convert(src, out_dir / "m.safetensors", force=True)
+    assert _tree(src) == before
+    assert (out_dir / "m-00001-of-00002.safetensors").exists()
+
+
+def test_tinyloop_output_beside_its_input_is_allowed(tmp_path: Path) -> None:
+    src = tmp_path / "m.tinyloop"
+    shutil.copyfile(SAMPLE, src)
+    before = _tree(tmp_path)
+    convert(src, tmp_path / "m.safetensors")
+    assert _tree(tmp_path)["m.tinyloop"] == before["m.tinyloop"]
+
+
+def test_dry_run_refuses_exactly_like_the_real_run(sharded: Path) -> None:
+    with pytest.raises(ConverterError, match=READ_BACK):
+        convert(sharded, sharded / "x.safetensors", dry_run=True)
+
+
+# --------------------------------------------------------------------------- commit
+
+
+def _folder_output(tmp_path: Path) -> tuple[Path, Path, dict[str, str]]:
+    src = _checkpoint(tmp_path / "src")
+    out = tmp_path / "out"
+    convert(src, str(out) + "/", max_shard_size="20KB")
+    return src, out, _tree(out)
+
+
+def test_a_failed_rename_midway_leaves_every_old_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src, out, old = _folder_output(tmp_path)
+    # Change the source so that the new artifact differs from the old one.
+    (src / "tokenizer.json").write_text('{"version": "2.0"}')
+    real = os.replace
+    calls = {"n": 0}
+
+    def flaky(a: object, b: object) -> None:
+        if str(b).startswith(str(out)) and not Path(str(b)).name.startswith("."):
+            calls["n"] += 1
+            if calls["n"] == 3:  # two shards renamed, then the disk says no
+                raise OSError(5, "Input/output error")
+        real(a, b)
+
+    monkeypatch.setattr(sharding.os, "replace", flaky)
+    with pytest.raises(ConverterError, match=r"out: could not rename the new artifact into place \(Input/output error\); "
+                                             r"every output file is as it was"):
+        convert(src, str(out) + "/", max_shard_size="20KB", force=True)
+    assert _tree(out) == old
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_failed_rollback_names_the_files_it_left_new(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src, out, old = _folder_output(tmp_path)
+    (src / "tokenizer.json").write_text('{"version": "2.0"}')
+    real = os.replace
+    state = {"n": 0, "failing": False}
+
+    def flaky(a: object, b: object) -> None:
+        if state["failing"] and Path(str(a)).name.endswith(sharding.BACKUP_SUFFIX):
+            raise OSError(13, "Permission denied")  # undoing fails too
+        if str(b).startswith(str(out)) and not Path(str(b)).name.startswith("."):
+            state["n"] += 1
+            if state["n"] == 2:
+                state["failing"] = True
+                raise OSError(5, "Input/output error")
+        real(a, b)
+
+    monkeypatch.setattr(sharding.os, "replace", flaky)
+    first = sorted(out.glob("model-*.safetensors"))[0]
+    with pytest.raises(ConverterError, match=rf"undoing the renames failed: {first} now hold the new artifact, every "
+                                             r"other output file is as it was; re-run with --force"):
+        convert(src, str(out) + "/", max_shard_size="20KB", force=True)
+
+
+# --------------------------------------------------------------------------- fuzz
+
+
+def _layouts(root: Path) -> dict[str, Path]:
+    """Input shapes: an HF folder (1 or 2 shards) and a .tinyloop, plus links to them."""
+    one = _checkpoint(root / "one")
+    two = _checkpoint(root / "two", shards=2)
+    tl = root / "tl" / "m.tinyloop"
+    tl.parent.mkdir()
+    shutil.copyfile(SAMPLE, tl)
+    (root / "links").mkdir()
+    (root / "links" / "one").symlink_to(one, target_is_directory=True)
+    (root / "links" / "shard.safetensors").symlink_to(sorted(two.glob("model-*"))[0])
+    os.link(tl, root / "links" / "hard.safetensors")
+    return {"one": one, "two": two, "tl": tl}
+
+
+_OUT_CHOICES = [
+    "{one}/model.safetensors", "{one}/new.safetensors", "{one}/", "{two}/model.safetensors",
+    "{two}/model-00001-of-00002.safetensors", "{two}/", "{tl}", "{tldir}/m.safetensors", "{tldir}/",
+    "{root}/links/one/x.safetensors", "{root}/links/one/", "{root}/links/shard.safetensors",
+    "{root}/links/hard.safetensors", "{root}/links/", "{root}/fresh/", "{root}/out.safetensors",
+]
+#: input path -> the layout it reads
+_IN_CHOICES = {"{one}": "one", "{one}/model.safetensors": "one", "{two}": "two",
+               "{two}/model.safetensors.index.json": "two", "{two}/model-00001-of-00002.safetensors": "two",
+               "{tl}": "tl", "{root}/links/one": "one"}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(src=st.sampled_from(sorted(_IN_CHOICES)), out=st.sampled_from(_OUT_CHOICES), force=st.booleans(),
+       shards=st.sampled_from([None, "20KB"]))
+def test_fuzz_paths_never_touch_the_input(tmp_path_factory: pytest.TempPathFactory, src: str, out: str, force: bool,
+                                         shards: str | None) -> None:
+    root = tmp_path_factory.mktemp("fuzz")
+    paths = _layouts(root)
+    fmt = {"one": paths["one"], "two": paths["two"], "tl": paths["tl"], "tldir": paths["tl"].parent, "root": root}
+    key = _IN_CHOICES[src]
+    folder = paths[key] if paths[key].is_dir() else paths[key].parent
+    before = _tree(folder)
+    try:
+        convert(src.format(**fmt), out.format(**fmt), force=force, max_shard_size=shards)
+    except ConverterError:
+        pass  # refusals are fine; what matters is that the input is untouched
+    now = _tree(folder)
+    if key == "tl":  # outputs may appear beside a .tinyloop: its folder is no checkpoint
+        assert now["m.tinyloop"] == before["m.tinyloop"], (src, out, force, shards)
+    else:  # nothing may change, appear in or vanish from an HF input's folder
+        assert now == before, (src, out, force, shards)
