@@ -1,0 +1,405 @@
+// marlin_wgmma.cu, the Hopper GEMM (sm_90a only; marlin_decode.cu and marlin_gemm.cu
+// serve sm_80..89 and the calls this kernel does not take):
+// C[M, N] (fp16) = A[M, K] (fp16) @ W (+ optional bias) on the operands of
+// marlin_stream.cuh (B in Marlin tile order, permuted scales S, permuted fp16 deltas D,
+// A in Marlin K order), with the tile kernel's per-weight arithmetic
+//   W[k, n] = fp16((q - 8) s + d)   (fma.rn.f16x2; d = 0 and mul.rn when !HAS_DELTA)
+// and fp32 accumulation. NumPy reference: converter.gpu.reference.marlin_gemm
+// (arith="weight"), bounded by reference.gemm_error_bound.
+//
+// Why the weights are the register operand ("transposed" wgmma): wgmma multiplies a
+// 64 x 16 A, from registers, by a 16 x T B from shared memory, T = 8 .. 256 in steps of
+// 8. With 64 output features as A's rows and the T activation rows (tokens) as B's
+// columns, one instruction family covers every batch size without padding M to 64,
+// and each weight is dequantized once, in registers, by the warp that owns it. The
+// Marlin layout already is the A fragment: lane l's word j of a 16 x 64 block is, for
+// 16-column tile j, {k 2t..2t+1 at n g, at n g+8; k 2t+8..2t+9 at n g, at n g+8}
+// (t = l % 4, g = l / 4), which codes_minus8 returns as m[0], m[2], m[1], m[3].
+//
+// Block: WGS warpgroups (128 WGS threads). The block owns 256 output features (4
+// Marlin column blocks; warp w of every warpgroup owns block 4 nb4 + w), TOK = T WGS
+// tokens (warpgroup i takes tokens T i ..) and one K range of tiles_per_split k-tiles.
+// wgmma j (j = 0..3) of a warpgroup has as its 64 rows tile j of each warp's block, so
+// accumulator acc[j][4 i + e] of warp w, lane (g, t) is feature 64 w + 16 j + g +
+// 8 (e / 2), token T wg + 8 i + 2 t + e % 2.
+//
+// Pipeline: an NS-stage ring in shared memory; each stage holds U k-tiles:
+//   W  U x 2048 B   the 4 column blocks' B words of each k-tile, laid out as in global
+//                   memory (2 KB contiguous per k-tile row); cp.async, 16 bytes a thread
+//   X  U x TOK x 32 B   the activations of the stage as wgmma's no-swizzle K-major core
+//                   matrices: chunk c (k 8 c .. 8 c + 7) of token r at c TOK 16 + r 16,
+//                   i.e. leading byte offset TOK 16 (along K), stride byte offset 128
+//                   (along the tokens); 2 U bulk copies (cp.async.bulk) from `At`, the
+//                   activations re-laid out by hopper_activations (below)
+//   S  GPI x 512 B  the 4 blocks' 64 permuted scales of each group slot; cp.async
+//   D  GPI x 512 B  the same for fp16(delta) (HAS_DELTA); cp.async
+// Why the two copy engines: wgmma reads X through the async proxy, and shared memory
+// written by ordinary (generic-proxy) stores, cp.async included, would need a
+// fence.proxy.async, which also waits for every cp.async in flight and so drained the
+// pipeline each stage (measured: the copies alone ran at 1.6 TB/s at M = 64; with X by
+// bulk copy, at 3.1 TB/s). W, S and D are read with ordinary loads, so cp.async suits
+// them, and a bulk copy completes on the stage's mbarrier.
+// NS - 2 stages are in flight while one is computed: wgmma groups are waited for one
+// k-tile behind (wait_group 1), so the stage computed two iterations ago is the one the
+// copies may overwrite, and each k-tile's A fragments go to the other of two register
+// sets than the k-tile before.
+//
+// K splits > 1: every block writes its fp32 accumulators to `ws` in register order
+// ([split][unit][register][thread], coalesced), then bumps the unit's counter; the last
+// to arrive sums all splits in split order (deterministic), resets the counter and
+// writes C. The epilogue adds the bias in fp32, rounds once to fp16, stages the tile in
+// shared memory and stores 16-byte rows of C.
+//
+// Launch geometry (converter/gpu plans it): hopper_activations first (one thread per
+// 16-byte piece of At); then block = 128 WGS threads; grid.x = m_chunks * ceil(N / 256)
+// * splits, m-chunk fastest (chunks that read the same weights run side by side, so the
+// second read hits L2); dynamic shared memory = NS * STAGE bytes (WgLayout); m_pad =
+// m_chunks * TOK.
+// Constraints: K % (16 U) == 0, N % 64 == 0, group size a multiple of 16 dividing K or
+// per-channel, GPI = U / gcd(group tiles, U) (1 for per-channel), tiles_per_split %
+// U == 0, 16-byte aligned operands, `locks` zeroed before first use and never shared
+// by two launches in flight. Needs sm_90a (wgmma); no L2 cache-policy hint.
+
+#include "marlin_stream.cuh"
+#include "wgmma_ops.cuh"
+
+// Measurement switches (scripts/perf_notes.md, "where the time goes"): compile with
+// -DWG_NODQ=1 to feed the raw words to wgmma, -DWG_NOMMA=1 to skip the products. The
+// results are wrong then; the time of what remains is what they are for.
+#ifndef WG_NODQ
+#define WG_NODQ 0
+#endif
+#ifndef WG_NOMMA
+#define WG_NOMMA 0
+#endif
+
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "marlin_wgmma.cu uses wgmma: build it for sm_90a (--gpu-architecture=sm_90a)"
+#endif
+
+template <int T, int WGS, int U, int GPI, int NS, bool HAS_DELTA>
+struct WgLayout {
+    static constexpr int TOK = T * WGS;
+    static constexpr int NTHR = 128 * WGS;
+    static constexpr int W_OFF = 0;
+    static constexpr int W_TILE = 2048;
+    static constexpr int X_OFF = U * W_TILE;
+    static constexpr int X_TILE = TOK * 32;
+    static constexpr int S_OFF = X_OFF + U * X_TILE;
+    static constexpr int D_OFF = S_OFF + GPI * 512;
+    static constexpr int STAGE = D_OFF + (HAS_DELTA ? GPI * 512 : 0);
+    static constexpr int RING = NS * STAGE;
+    // epilogue: the block's C tile as fp16 rows of 256 features, padded by 16 bytes so
+    // that the 4 token rows a warp's store touches fall in different banks
+    static constexpr int C_PITCH = 264;
+    static constexpr int NACC = 2 * T;  // fp32 accumulators per thread: 4 wgmma x T / 2
+    static_assert(TOK * C_PITCH * 2 <= RING, "the C tile must fit in the ring");
+    static_assert(U % 2 == 0, "A fragments alternate between two register sets per k-tile");
+    static_assert(NS >= 3, "NS - 2 stages in flight");
+};
+
+// The no-swizzle shared-memory matrix descriptor of wgmma (PTX ISA, "Matrix
+// Descriptor"): start address, leading byte offset (K direction) and stride byte
+// offset (token direction), each in 16-byte units, swizzle mode 0.
+__device__ __forceinline__ unsigned long long wg_desc(u32 addr, u32 k_step) {
+    return (unsigned long long)((addr & 0x3FFFFu) >> 4) | ((unsigned long long)(k_step >> 4) << 16) |
+           ((unsigned long long)(128 >> 4) << 32);
+}
+
+__device__ __forceinline__ void splat8(u32 addr, u32 (&h)[8]) {
+    const int4 v = lds_v4(addr);
+    const u32 w[4] = {(u32)v.x, (u32)v.y, (u32)v.z, (u32)v.w};
+#pragma unroll
+    for (int p = 0; p < 8; ++p) h[p] = h_splat((u16)(w[p >> 1] >> (16 * (p & 1))));
+}
+
+// One k-tile of one warp: dequantize its 4 words into the A fragments of wgmma j = 0..3
+// (slot p = 2 j + h of the scales is column 16 j + g + 8 h of the warp's block).
+template <bool HAS_DELTA>
+__device__ __forceinline__ void weight_fragments(int4 bv, const u32 (&s2)[8], const u32 (&d2)[8], u32 (&af)[4][4]) {
+    const u32 w[4] = {(u32)bv.x, (u32)bv.y, (u32)bv.z, (u32)bv.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        u32 m[4];
+        codes_minus8(w[j], m);
+        u32 b[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            b[i] = HAS_DELTA ? h2_fma(m[i], s2[2 * j + (i >> 1)], d2[2 * j + (i >> 1)]) : h2_mul(m[i], s2[2 * j + (i >> 1)]);
+        af[j][0] = b[0];
+        af[j][1] = b[2];
+        af[j][2] = b[1];
+        af[j][3] = b[3];
+    }
+}
+
+// --- mbarrier and bulk copies (PTX ISA: mbarrier, cp.async.bulk) ---
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nWAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+// size bytes (a multiple of 16, 16-byte aligned ends) from global to this block's shared
+// memory; completes on `bar` as transaction bytes (the async proxy: no generic fence).
+__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+// The activations in the layout the bulk copies want: At[c][r][0..7] = A[r][8 c .. 8 c + 7]
+// (K/8 chunks of m_pad rows of 16 bytes), rows r >= M zero, after the act-order gather
+// A[r][perm[k]] when perm != nullptr. A stage's TOK rows of one chunk are then TOK * 16
+// contiguous bytes, and in shared memory they form wgmma's no-swizzle K-major core
+// matrices with a leading byte offset of TOK * 16 (K) and a stride byte offset of 128
+// (tokens). Launch: one thread per 16-byte piece, grid.x = ceil(K / 8 * m_pad / 256),
+// block 256. NumPy reference: converter.gpu.reference.hopper_activations.
+extern "C" __global__ void hopper_activations(const u16* __restrict__ A, const int* __restrict__ perm,
+                                             u16* __restrict__ At, int M, int K, int m_pad) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long total = (long long)(K >> 3) * m_pad;
+    if (i >= total) return;
+    const int r = (int)(i % m_pad), c = (int)(i / m_pad);
+    u32 v[4] = {0u, 0u, 0u, 0u};
+    if (r < M) {
+        const u16* row = A + (size_t)r * K;
+        if (perm == nullptr) {
+            const int4 x = *reinterpret_cast<const int4*>(row + 8 * c);
+            v[0] = (u32)x.x; v[1] = (u32)x.y; v[2] = (u32)x.z; v[3] = (u32)x.w;
+        } else {
+#pragma unroll
+            for (int h = 0; h < 4; ++h)
+                v[h] = (u32)row[perm[8 * c + 2 * h]] | ((u32)row[perm[8 * c + 2 * h + 1]] << 16);
+        }
+    }
+    *reinterpret_cast<int4*>(At + (size_t)i * 8) = make_int4((int)v[0], (int)v[1], (int)v[2], (int)v[3]);
+}
+
+template <int T, int WGS, int U, int GPI, int NS, bool HAS_DELTA>
+__global__ void __launch_bounds__(128 * WGS, 1)
+marlin_wgmma(const u16* __restrict__ At, const int4* __restrict__ B, const u16* __restrict__ S,
+             const u16* __restrict__ D, const u16* __restrict__ bias, u16* __restrict__ C,
+             float* __restrict__ ws, int* __restrict__ locks, int M, int m_pad, int K, int N,
+             int group_tiles, int per_channel, int splits, int tiles_per_split) {
+    using L = WgLayout<T, WGS, U, GPI, NS, HAS_DELTA>;
+    constexpr int TOK = L::TOK, NTHR = L::NTHR, SUB = U / GPI;
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ __align__(8) unsigned long long full[NS];
+    __shared__ int arrived;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
+    const int g4 = lane >> 2, t4 = lane & 3;
+    const int nblk = N >> 6;
+    const int nbb = (nblk + 3) >> 2;
+    const int m_chunks = m_pad / TOK;
+    const int units = m_chunks * nbb;
+    const int unit = (int)(blockIdx.x % units);
+    const int mc = unit % m_chunks, nb4 = unit / m_chunks;
+    const int split = (int)(blockIdx.x / units);
+    const int KT = K >> 4;
+    const int kt0 = min(split * tiles_per_split, KT);
+    const int kt1 = min(kt0 + tiles_per_split, KT);
+    const int mrow0 = mc * TOK;
+    const int nb = 4 * nb4 + warp;
+    // Past a ragged N a warp computes on whatever its block's slot holds (wgmma needs all
+    // 4 warps); its features are never stored. Only the live blocks are copied.
+    const int nb_src = min(nb, nblk - 1);
+    const int live_blocks = min(4, nblk - 4 * nb4);
+
+    float acc[4][T / 2];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int i = 0; i < T / 2; ++i) acc[j][i] = 0.f;
+
+    u32 s2[8], d2[8];  // the open group's scales / deltas of this lane's 8 features, fp16x2 splats
+#pragma unroll
+    for (int p = 0; p < 8; ++p) s2[p] = d2[p] = 0u;
+    if (per_channel) {  // one group for all of K: straight to registers
+#pragma unroll
+        for (int p = 0; p < 8; ++p) {
+            const int pos = scale_pos(64 * nb_src + 16 * (p >> 1) + g4 + 8 * (p & 1), 1);
+            s2[p] = h_splat(ldg_u16(S + pos));
+            if (HAS_DELTA) d2[p] = h_splat(ldg_u16(D + pos));
+        }
+    }
+
+    const u32 ring = smem_addr(smem);
+    const u32 bar0 = smem_addr(full);
+    if (tid == 0) {
+        for (int s = 0; s < NS; ++s) mbar_init(bar0 + 8 * s, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    // Copies of a stage: the weights (thread t: lane t % 32 of block (t / 32) % 4 of
+    // k-tiles t / 128, + NTHR / 128, ...) and the scales/deltas of the groups that start
+    // in it (threads 0..63) by cp.async, read back with ordinary loads; the activations,
+    // which wgmma reads through the async proxy, by bulk copies (warp 0, lane c: chunk c)
+    // that complete on the stage's barrier, so no proxy fence (which would also wait for
+    // every cp.async in flight) is needed.
+    const size_t brow = (size_t)(N >> 1);  // int4 per B row (k-tile)
+    const int w_u0 = tid >> 7;
+    const int4* wptr = B + (size_t)(kt0 + w_u0) * brow + 32 * min(4 * nb4 + ((tid >> 5) & 3), nblk - 1) + lane;
+    const u32 w_dst = L::W_OFF + w_u0 * L::W_TILE + (tid & 127) * 16;
+    const int sq = tid & 31, sblk = sq >> 3;
+    const u32 s_src = 64u * (u32)min(4 * nb4 + sblk, nblk - 1) + 8u * (u32)(sq & 7);
+    const u32 s_dst = (u32)(sblk * 128 + (sq & 7) * 16);
+    const u16* xsrc = At + ((size_t)(2 * kt0 + lane) * m_pad + mrow0) * 8;
+    constexpr u32 X_BYTES = 2u * U * TOK * 16u;
+    GroupWalk issue_walk, compute_walk;
+    issue_walk.init(kt0, group_tiles);
+    compute_walk.init(kt0, group_tiles);
+    auto issue = [&](int stage, int kt) {
+        const u32 st = ring + stage * L::STAGE, bar = bar0 + 8 * stage;
+        if (tid == 0) mbar_expect_tx(bar, X_BYTES);
+        if (tid < 32) {
+            __syncwarp();
+            if (lane < 2 * U) bulk_load(st + L::X_OFF + lane * TOK * 16, xsrc, TOK * 16, bar);
+        }
+        xsrc += (size_t)2 * U * m_pad * 8;
+#pragma unroll
+        for (int u = 0; u < U; u += NTHR / 128) cp_async16(st + w_dst + u * L::W_TILE, wptr + u * brow);
+        wptr += U * brow;
+        if (!per_channel) {
+#pragma unroll
+            for (int gi = 0; gi < GPI; ++gi) {
+                if (issue_walk.step(kt + gi * SUB, group_tiles)) {
+                    const size_t off = (size_t)issue_walk.g * N + s_src;
+                    if (tid < 32)
+                        cp_async16(st + L::S_OFF + gi * 512 + s_dst, S + off);
+                    else if (HAS_DELTA && tid < 64)
+                        cp_async16(st + L::D_OFF + gi * 512 + s_dst, D + off);
+                }
+            }
+        }
+    };
+    static_assert(2 * U <= 32, "one lane per activation chunk");
+
+    const int steps = (kt1 - kt0) / U;
+#pragma unroll
+    for (int s = 0; s < NS - 2; ++s) {
+        if (s < steps) issue(s, kt0 + s * U);
+        cp_async_commit();
+    }
+
+    u32 af[2][4][4];
+    const u32 x_wg = (u32)(wg * (T / 8) * 128);  // this warpgroup's first token inside a chunk
+    for (int it = 0; it < steps; ++it) {
+        const int stage = it % NS;
+        const int kt = kt0 + it * U;
+        cp_async_wait<NS - 3>();  // this thread's weight and scale copies of the stage landed
+        mbar_wait(bar0 + 8 * stage, (u32)(it / NS) & 1u);  // and its activations
+        // ... every thread's; and every warp has passed iteration it - 1, whose first
+        // wgmma_wait<1> retired the last product that read the stage of iteration it - 2:
+        // that stage may be refilled.
+        __syncthreads();
+        if (it + NS - 2 < steps) issue((it + NS - 2) % NS, kt + (NS - 2) * U);
+        cp_async_commit();
+        const u32 st = ring + stage * L::STAGE;
+#pragma unroll
+        for (int gi = 0; gi < GPI; ++gi) {
+            if (!per_channel && compute_walk.step(kt + gi * SUB, group_tiles)) {
+                splat8(st + L::S_OFF + gi * 512 + warp * 128 + 16 * g4, s2);
+                if (HAS_DELTA) splat8(st + L::D_OFF + gi * 512 + warp * 128 + 16 * g4, d2);
+            }
+#pragma unroll
+            for (int uu = 0; uu < SUB; ++uu) {
+                const int u = gi * SUB + uu;
+                const int SET = u & 1;  // the other register set than the k-tile before
+                const int4 bv = lds_v4(st + L::W_OFF + u * L::W_TILE + warp * 512 + lane * 16);
+#if WG_NODQ
+                af[SET][0][0] = bv.x; af[SET][0][1] = bv.y; af[SET][0][2] = bv.z; af[SET][0][3] = bv.w;
+#pragma unroll
+                for (int j = 1; j < 4; ++j)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) af[SET][j][i] = af[SET][0][i] ^ (u32)j;
+#else
+                weight_fragments<HAS_DELTA>(bv, s2, d2, af[SET]);
+#endif
+                const unsigned long long desc = wg_desc(st + L::X_OFF + 2 * u * TOK * 16 + x_wg, TOK * 16);
+#if WG_NOMMA
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    asm volatile("" ::"r"(af[SET][j][0]), "r"(af[SET][j][1]), "r"(af[SET][j][2]), "r"(af[SET][j][3]),
+                                 "l"(desc));
+#else
+                wgmma_fence();
+#pragma unroll
+                for (int j = 0; j < 4; ++j) Wgmma<T>::mma(acc[j], af[SET][j], desc);
+                wgmma_commit();
+                wgmma_wait<1>();  // the k-tile before is done: its register set may be refilled
+#endif
+            }
+        }
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int i = 0; i < T / 2; ++i) reg_fence(acc[j][i]);
+    cp_async_wait<0>();
+    __syncthreads();  // the ring is free: it becomes the C tile below
+
+    if (splits > 1) {
+        float* mine = ws + (size_t)(split * units + unit) * L::NACC * NTHR + tid;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int i = 0; i < T / 2; ++i) mine[(j * (T / 2) + i) * NTHR] = acc[j][i];
+        __threadfence();  // this thread's partials are visible device-wide ...
+        __syncthreads();  // ... for every thread, before thread 0 moves the counter
+        if (tid == 0) arrived = atomicAdd(locks + unit, 1);
+        __syncthreads();
+        if (arrived != splits - 1) return;
+        __threadfence();
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int i = 0; i < T / 2; ++i) acc[j][i] = 0.f;
+        for (int s = 0; s < splits; ++s) {  // split order: the sum does not depend on who came last
+            const float* part = ws + (size_t)(s * units + unit) * L::NACC * NTHR + tid;
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int i = 0; i < T / 2; ++i) {
+                    float v;
+                    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(part + (j * (T / 2) + i) * NTHR));
+                    acc[j][i] += v;
+                }
+        }
+        if (tid == 0) locks[unit] = 0;  // ready for the next launch
+    }
+
+    // ---- epilogue: acc + bias in fp32, one rounding, through shared memory to C ----
+    float bf[8];
+#pragma unroll
+    for (int p = 0; p < 8; ++p)
+        bf[p] = (bias != nullptr && nb < nblk) ? h_to_f32(ldg_u16(bias + 64 * nb + 16 * (p >> 1) + g4 + 8 * (p & 1)))
+                                               : 0.f;
+    u16* tile = reinterpret_cast<u16*>(smem);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int i = 0; i < T / 2; ++i) {
+            const int e = i & 3;
+            const int tok = wg * T + 8 * (i >> 2) + 2 * t4 + (e & 1);
+            const int f = 64 * warp + 16 * j + g4 + 8 * (e >> 1);
+            tile[tok * L::C_PITCH + f] = f32_to_h(acc[j][i] + bf[2 * j + (e >> 1)]);
+        }
+    __syncthreads();
+    const int rows = min(M - mrow0, TOK);
+    const int fcols = 64 * live_blocks;
+    for (int c = tid; c < TOK * 32; c += NTHR) {
+        const int tok = c >> 5, f8 = 8 * (c & 31);
+        if (tok < rows && f8 < fcols)
+            *reinterpret_cast<int4*>(C + (size_t)(mrow0 + tok) * N + 256 * nb4 + f8) =
+                *reinterpret_cast<const int4*>(tile + tok * L::C_PITCH + f8);
+    }
+}
