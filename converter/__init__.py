@@ -1,8 +1,9 @@
 """marlin-convert: asymmetric 4-bit checkpoints to Marlin artifacts, offline.
 
 Public API: :func:`open_source`, :func:`convert`, :func:`verify`,
-:func:`validate_artifact`, :func:`open_artifact`, and :class:`QuantWeight`.  GPU code
-lives in ``converter.gpu`` and imports CuPy lazily.
+:func:`validate_artifact`, :func:`open_artifact`, :func:`load_model` (a converted model
+folder as a transformers model; imports torch and transformers on call), and
+:class:`QuantWeight`.  GPU code lives in ``converter.gpu`` and imports CuPy lazily.
 """
 
 __version__ = "0.1.0"
@@ -13,10 +14,11 @@ from .artifact.reader import open_artifact  # noqa: E402
 from .artifact.validate import validate_artifact  # noqa: E402
 from .convert import convert  # noqa: E402
 from .formats import open_source  # noqa: E402
+from .model import load_model  # noqa: E402  (torch/transformers only when called)
 from .quant_weight import QuantWeight, Tensor  # noqa: E402
 from .verify import verify  # noqa: E402
 
 __all__ = [
-    "QuantWeight", "Tensor", "__version__", "convert", "open_artifact", "open_source",
+    "QuantWeight", "Tensor", "__version__", "convert", "load_model", "open_artifact", "open_source",
     "validate_artifact", "verify",
 ]

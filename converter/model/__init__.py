@@ -1,0 +1,54 @@
+"""Whole-model use of a converted model folder: load it as a ``transformers`` model, and
+prove that it gives the same answers as its source (``marlin-verify OUTDIR --model``).
+
+Modules (torch and transformers are imported only when a function here is called, so
+``marlin-convert`` and ``marlin-verify --shapes`` never need them):
+
+    names:     which artifact layer and tensor feeds which module and parameter (pure Python).
+    modules:   the ``torch.nn.Module`` linears swapped into the model.
+    build:     transformers config and model skeleton, module swap, tensor loading.
+    loader:    :func:`load_model` (the converted folder).
+    reference: fp32 / fp16 reference models dequantized from the *source* checkpoint.
+    verify:    :func:`verify_model`, the metrics and the pass rule.
+    report:    the report's data classes and the CLI rendering.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConverterError
+
+
+class ModelError(ConverterError):
+    """A converted model folder (or its source) cannot be built into a transformers model.
+
+    Raised for: a folder that is not a converted model; a ``.tinyloop`` conversion (not a
+    transformers architecture); a ``model_type`` or architecture transformers does not
+    know; artifact layers no module matches, or quantized modules left without a layer
+    (all named); a tensor whose shape disagrees with the model; ``transformers`` or
+    ``torch`` not installed. Exit code 2 in the CLI.
+    """
+
+
+def load_model(path: str | Path, device: Any = "cuda", *, strict: bool = True, attn_implementation: str | None = None) -> Any:
+    """Load a converted model folder (``marlin-convert IN OUTDIR/``) as a transformers model.
+
+    See :func:`converter.model.loader.load_model` for the full contract. Imports torch
+    and transformers on first call.
+    """
+    from .loader import load_model as _load
+
+    return _load(path, device, strict=strict, attn_implementation=attn_implementation)
+
+
+def verify_model(path: str | Path, against: str | Path, **kwargs: Any) -> Any:
+    """Whole-model parity of a converted folder against its source; see
+    :func:`converter.model.verify.verify_model`."""
+    from .verify import verify_model as _verify
+
+    return _verify(path, against, **kwargs)
+
+
+__all__ = ["ModelError", "load_model", "verify_model"]

@@ -1,0 +1,248 @@
+"""What the converted model and the reference models share: the transformers config and
+skeleton, the inventory of its linears and parameters, the swap and the tensor loading.
+
+The skeleton is built with transformers' own classes (``AutoModelForCausalLM`` /
+``AutoModel`` ... ``.from_config``) from a ``config.json`` dict, never from the hub.
+The config's ``quantization_config`` is dropped first: in a converted folder it
+describes our artifact (``quant_method: marlin-convert``), in a source it describes the
+producer's format, and either way transformers must not try to apply a quantizer: the
+quantized linears are swapped for our own modules here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from . import ModelError
+from .names import Binding, LayerSlot, LinearSlot
+
+#: Auto classes tried, in order, for the class that ``config.json["architectures"][0]`` names.
+_AUTO_CLASSES = (
+    "AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSeq2SeqLM", "AutoModelForSequenceClassification",
+    "AutoModelForTokenClassification", "AutoModelForQuestionAnswering", "AutoModel",
+)  # fmt: skip
+CAUSAL_LM, MASKED_LM, ENCODER, OTHER = "causal-lm", "masked-lm", "encoder", "other"
+
+
+def import_stack() -> tuple[Any, Any]:
+    """``(torch, transformers)``.
+
+    Raises:
+        ModelError: either is not installed (names the extra to install).
+    """
+    try:
+        import torch
+        import transformers
+    except ImportError as exc:
+        raise ModelError(
+            f"whole-model use needs torch and transformers ({exc}); install the extra: pip install 'marlin-convert[model]'"
+        ) from None
+    return torch, transformers
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' own logging at error level only while we build (no hub advice on stderr)."""
+    from transformers.utils import logging as hf_logging
+
+    before = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(before)
+
+
+def hf_config(cfg: dict[str, Any], *, path: Path) -> Any:
+    """A transformers config from a ``config.json`` dict, without its ``quantization_config``.
+
+    Raises:
+        ModelError: no ``model_type``, or one transformers does not know.
+    """
+    _, transformers = import_stack()
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    d = {k: v for k, v in cfg.items() if k != "quantization_config"}
+    model_type = d.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise ModelError("config.json has no model_type: cannot tell which architecture to build", path=path, tensor="model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ModelError(f"model_type {model_type!r} is not an architecture transformers {transformers.__version__} knows",
+                         path=path, tensor="model_type")
+    try:
+        with quiet_transformers():
+            return CONFIG_MAPPING[model_type].from_dict(d)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ModelError(f"transformers cannot read this {model_type} config: {exc}", path=path) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelClass:
+    """How to build the model: ``auto`` (an Auto class, or None) or ``cls`` directly, and its ``kind``."""
+
+    name: str
+    auto: Any
+    cls: Any
+    kind: str
+
+    def build(self, config: Any, *, dtype: Any, attn_implementation: str | None) -> Any:
+        kwargs: dict[str, Any] = {"dtype": dtype}
+        if attn_implementation:
+            kwargs["attn_implementation"] = attn_implementation
+        with quiet_transformers():
+            model = self.auto.from_config(config, **kwargs) if self.auto is not None else self.cls._from_config(config, **kwargs)
+        model.eval()
+        model.requires_grad_(False)
+        return model
+
+
+def model_class(config: Any, cfg: dict[str, Any], *, path: Path) -> ModelClass:
+    """The transformers class named by ``config.json["architectures"][0]`` (``AutoModel``'s
+    class for the config when it names none).
+
+    Raises:
+        ModelError: the architecture is not a transformers class, or not one for this config.
+    """
+    _, transformers = import_stack()
+    archs = cfg.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+    for auto_name in _AUTO_CLASSES:
+        auto = getattr(transformers, auto_name, None)
+        mapping = getattr(auto, "_model_mapping", None)
+        if mapping is None or type(config) not in mapping:
+            continue
+        cls = mapping[type(config)]
+        for c in cls if isinstance(cls, (tuple, list)) else (cls,):
+            if (arch is None and auto_name == "AutoModel") or c.__name__ == arch:
+                return ModelClass(c.__name__, auto if c is cls else None, c, _kind(auto_name))
+    cls = getattr(transformers, arch, None) if arch else None
+    if cls is not None and isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+        if getattr(cls, "config_class", None) not in (None, type(config)):
+            raise ModelError(f"architecture {arch} does not take a {type(config).__name__}", path=path, tensor="architectures")
+        return ModelClass(arch, None, cls, OTHER)
+    raise ModelError(f"architecture {arch!r} is not a transformers {transformers.__version__} model class",
+                     path=path, tensor="architectures")
+
+
+def _kind(auto_name: str) -> str:
+    return {"AutoModelForCausalLM": CAUSAL_LM, "AutoModelForMaskedLM": MASKED_LM, "AutoModel": ENCODER}.get(auto_name, OTHER)
+
+
+def config_dtype(cfg: dict[str, Any]) -> Any:
+    """The torch dtype ``config.json`` declares (``dtype`` or ``torch_dtype``), float32 if none."""
+    import torch
+
+    name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    dt = getattr(torch, str(name).replace("torch.", ""), None)
+    return dt if isinstance(dt, torch.dtype) and dt.is_floating_point else torch.float32
+
+
+# --------------------------------------------------------------------------- inventory
+
+
+def _is_linear(module: Any) -> tuple[int, int] | None:
+    """(K, N) of an ``nn.Linear`` or transformers ``Conv1D`` (weight ``(K, N)``), else None."""
+    from torch import nn
+
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None and module.weight.dim() == 2:
+        return int(module.weight.shape[0]), int(module.weight.shape[1])
+    return None
+
+
+def inventory(model: Any) -> tuple[dict[str, LinearSlot], list[list[str]]]:
+    """The model's linear modules, and its parameters and persistent buffers as groups of
+    names sharing one tensor (tied weights), in the model's order."""
+    linears: dict[str, LinearSlot] = {}
+    for name, mod in model.named_modules():
+        kn = _is_linear(mod)
+        if kn is not None and name:
+            linears[name] = LinearSlot(kn[0], kn[1], getattr(mod, "bias", None) is not None)
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        for bname, b in mod._buffers.items():
+            if b is None or bname in mod._non_persistent_buffers_set:
+                continue
+            groups.setdefault(id(b), []).append(f"{mod_name}.{bname}" if mod_name else bname)
+    return linears, [list(dict.fromkeys(g)) for g in groups.values()]
+
+
+def binding_errors(b: Binding, *, what: str, arch: str, path: Path) -> None:
+    """Raise for the findings that leave no model to run: all of them, in one line.
+
+    Raises:
+        ModelError: layers no module matches, linear modules with no layer and no
+            weight, or a layer whose sizes disagree with its module.
+    """
+    parts = []
+    if b.unmatched_layers:
+        parts.append(f"{len(b.unmatched_layers)} layer(s) in the {what} match no module of {arch}: {', '.join(b.unmatched_layers)}")
+    if b.unbound_modules:
+        parts.append(f"{len(b.unbound_modules)} linear module(s) of {arch} have no layer in the {what} "
+                     f"(neither converted nor a weight): {', '.join(b.unbound_modules)}")
+    parts += b.shape_errors
+    if parts:
+        raise ModelError("; ".join(parts), path=path)
+
+
+def _set_tensor(model: Any, name: str, tensor: Any) -> None:
+    import torch
+
+    mod_name, _, attr = name.rpartition(".")
+    mod = model.get_submodule(mod_name) if mod_name else model
+    if isinstance(tensor, torch.nn.Parameter):
+        mod._parameters[attr] = tensor
+    else:
+        mod._buffers[attr] = tensor
+
+
+def apply_binding(model: Any, b: Binding, *, make_layer: Callable[[str, str], Any], load_tensor: Callable[[str], Any],
+                  path: Path) -> None:
+    """Swap every bound linear for ``make_layer(module name, layer name)`` and load every
+    bound tensor with ``load_tensor(tensor name)`` (tied names get the same parameter).
+
+    The swaps come first, so each skeleton weight is freed as its layer arrives (peak:
+    the skeleton plus one layer). Plain linear modules left in the model (an unquantized
+    head, a pooler) compute in the promoted dtype of their input and weight
+    (:func:`~converter.model.modules.promoting_linear_forward`), since their weights
+    keep their own dtype.
+
+    Raises:
+        ModelError: a tensor's shape differs from the parameter it loads into.
+    """
+    import torch
+
+    from .modules import promoting_linear_forward
+
+    # Shapes only: holding the skeleton's tensors here would keep them alive.
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    is_param = set(shapes)
+    shapes.update({n: tuple(t.shape) for n, t in model.named_buffers(remove_duplicate=False) if n not in shapes})
+    for module, layer in b.swaps.items():
+        parent_name, _, child = module.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, make_layer(module, layer))
+    for tensor_name, names in b.loads.items():
+        t = load_tensor(tensor_name)
+        for name in names:
+            if name in shapes and shapes[name] != tuple(t.shape):
+                raise ModelError(f"shape {list(t.shape)}, but {name} of the model is {list(shapes[name])}", path=path, tensor=tensor_name)
+        param = torch.nn.Parameter(t, requires_grad=False) if any(n in is_param for n in names) else None
+        for name in names:
+            _set_tensor(model, name, param if name in is_param else t)
+        del t, param
+    for _, mod in model.named_modules():
+        if type(mod) is torch.nn.Linear:
+            mod.forward = types.MethodType(promoting_linear_forward, mod)
+
+
+def layer_slot(size_k: int, size_n: int, has_bias: bool, tensors: set[str] | frozenset[str]) -> LayerSlot:
+    return LayerSlot(size_k, size_n, has_bias, frozenset(tensors))

@@ -1,0 +1,196 @@
+"""The linear modules swapped into a transformers model (torch; imported lazily).
+
+Every swapped module computes ``y = x @ W + b`` for ``x`` of shape ``(..., K)`` and
+returns ``(..., N)`` in ``x``'s own dtype, so it drops into any architecture whatever
+dtype its activations flow in (a bf16 embedding makes bf16 activations):
+
+* :class:`KernelMarlinLinear`: our CUDA kernel (``converter.gpu.api.MarlinLinearModule``),
+  fp16 in and out as the kernel needs; the fast path on the GPU.
+* :class:`ExactMarlinLinear`: the same layer computed exactly in fp32 from the
+  artifact's own tensors (``B`` unpacked, scales unpermuted, ``delta`` added, input
+  gathered by ``perm``), with the kernel's fp16 input and output rounding; the CPU
+  path, and the GPU fallback for a layer outside the kernel's limits.
+* :class:`DenseLinear`: a dense weight in fp16 or fp32: quantized layers that passed
+  through unconverted (dequantized exactly, then fp16), and the reference models.
+
+All buffers are non-persistent: a swapped model is for inference, its ``state_dict``
+holds only the pass-through tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..constants import MARLIN_ZERO
+
+_TORCH_DTYPES = {
+    "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+
+#: Path names in the load report (and ``module.path``).
+KERNEL, EXACT, DEQUANT_FP16, DENSE_FP32 = "marlin-kernel", "exact", "dequant-fp16", "dense-fp32"
+
+
+def to_torch(arr: np.ndarray, dtype: str) -> torch.Tensor:
+    """A torch copy of a safetensors array in its own dtype (BF16 arrives as raw uint16).
+
+    Raises:
+        ValueError: a dtype torch cannot hold here (F8, unsigned 16/32/64-bit).
+    """
+    if dtype not in _TORCH_DTYPES:
+        raise ValueError(f"tensors of dtype {dtype} cannot be loaded into a torch model")
+    a = np.array(arr, copy=True)  # writable, owned: torch shares it
+    if dtype == "BF16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def dtype_code(t: torch.Tensor) -> str:
+    """The safetensors dtype code of a torch tensor (``"F16"``, ``"BF16"`` ...)."""
+    for code, dt in _TORCH_DTYPES.items():
+        if t.dtype == dt:
+            return code
+    return str(t.dtype)
+
+
+class _Swapped(nn.Module):
+    """What the swapped modules share: ``keep_raw`` (set by ``marlin-verify --model``'s
+    per-layer probe) keeps the last output before its cast to the input's dtype in
+    ``raw_output`` (fp16 for the Marlin paths), so a bf16 model's activations do not
+    hide the layer's own rounding."""
+
+    keep_raw = False
+    raw_output: torch.Tensor | None = None
+
+
+class ExactMarlinLinear(_Swapped):
+    """One converted layer computed exactly from the artifact: ``y = x @ W + b``.
+
+    ``W[k] = (q[k] - 8) * s[g(k)] + delta[g(k)]`` in fp32 for Marlin row ``k`` (source
+    input channel ``perm[k]``), formed in each forward (only the 4-bit codes are kept,
+    as uint8); ``x`` is rounded to fp16 first and ``y`` to fp16 last, as the kernel does,
+    and ``y`` is returned in ``x``'s dtype.
+
+    Args:
+        name: the layer's artifact prefix.
+        q: uint8 ``(K, N)`` Marlin codes (``unpack_b(marlin_B)``), Marlin row order.
+        scales: float16 ``(G, N)`` natural column order (``unpermute_scales``).
+        delta: float32 ``(G, N)``.
+        perm: int ``(K,)`` or None (act-order gather).
+        bias: ``(N,)`` tensor in its own dtype, or None.
+        group_size: rows per group (``K`` for per-channel).
+    """
+
+    def __init__(self, name: str, q: np.ndarray, scales: np.ndarray, delta: np.ndarray, perm: np.ndarray | None,
+                 bias: torch.Tensor | None, group_size: int) -> None:
+        super().__init__()
+        self.layer_name, self.path = name, EXACT
+        self.in_features, self.out_features = int(q.shape[0]), int(q.shape[1])
+        self.group_size = group_size
+        self.register_buffer("q", torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8).copy()), persistent=False)
+        self.register_buffer("scales", torch.from_numpy(np.array(scales, dtype=np.float16)), persistent=False)
+        self.register_buffer("delta", torch.from_numpy(np.array(delta, dtype=np.float32)), persistent=False)
+        groups = torch.arange(self.in_features) // group_size
+        self.register_buffer("groups", groups, persistent=False)
+        self.register_buffer("perm", None if perm is None else torch.from_numpy(np.asarray(perm, dtype=np.int64).copy()), persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+
+    def weight_f32(self) -> torch.Tensor:
+        """float32 ``(K, N)`` in Marlin row order: ``(q - 8) * s + delta`` per row's group."""
+        g = self.groups
+        return (self.q.float() - MARLIN_ZERO) * self.scales.float()[g] + self.delta[g]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = x.to(torch.float16).float()
+        if self.perm is not None:
+            a = a.index_select(-1, self.perm)
+        y = a @ self.weight_f32()
+        if self.bias is not None:
+            y = y + self.bias.float()
+        y = y.to(torch.float16)
+        if self.keep_raw:
+            self.raw_output = y
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.layer_name}: in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
+
+
+class KernelMarlinLinear(_Swapped):
+    """A kernel module (fp16 CUDA in, fp16 CUDA out) made dtype-agnostic.
+
+    Args:
+        name: the layer's artifact prefix.
+        kernel: ``MarlinLinearModule`` (or anything with its contract: float16
+            ``(..., K)`` -> float16 ``(..., N)``, bias applied inside).
+        in_features, out_features: K and N.
+    """
+
+    def __init__(self, name: str, kernel: nn.Module, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.layer_name, self.path = name, KERNEL
+        self.in_features, self.out_features = in_features, out_features
+        self.kernel = kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.kernel(x.to(torch.float16).contiguous())
+        if self.keep_raw:
+            self.raw_output = y
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.layer_name}: in_features={self.in_features}, out_features={self.out_features}"
+
+
+class DenseLinear(_Swapped):
+    """``y = x @ weight.T + bias`` with a dense weight, computed in the weight's dtype.
+
+    Args:
+        name: the layer's name in its checkpoint.
+        weight: ``(N, K)`` float16 or float32.
+        bias: ``(N,)`` in any float dtype (cast to the weight's in forward), or None.
+        path: label for reports (:data:`DEQUANT_FP16`, :data:`DENSE_FP32`).
+    """
+
+    def __init__(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None, path: str) -> None:
+        super().__init__()
+        self.layer_name, self.path = name, path
+        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        b = None if self.bias is None else self.bias.to(w.dtype)
+        y = F.linear(x.to(w.dtype), w, b)
+        if self.keep_raw:
+            self.raw_output = y
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.layer_name}: in_features={self.in_features}, out_features={self.out_features}, dtype={self.weight.dtype}"
+
+
+def promoting_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear.forward`` for weights loaded in their own dtype: computes in the
+    promoted dtype of ``x``, weight and bias (an fp32 pooler on bf16 activations gives
+    fp32), where plain ``F.linear`` refuses mixed dtypes."""
+    dt = torch.promote_types(x.dtype, self.weight.dtype)
+    if self.bias is not None:
+        dt = torch.promote_types(dt, self.bias.dtype)
+    w = self.weight if self.weight.dtype == dt else self.weight.to(dt)
+    b = None if self.bias is None else (self.bias if self.bias.dtype == dt else self.bias.to(dt))
+    return F.linear(x if x.dtype == dt else x.to(dt), w, b)
+
+
+def swapped_modules(model: nn.Module) -> dict[str, Any]:
+    """``{module name: module}`` of every module this package swapped in."""
+    kinds = (ExactMarlinLinear, KernelMarlinLinear, DenseLinear)
+    return {n: m for n, m in model.named_modules() if isinstance(m, kinds)}
