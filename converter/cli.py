@@ -173,6 +173,8 @@ def verify_cmd(
     cpu: Annotated[bool, typer.Option("--cpu", help="Skip GPU numerics even if a GPU is present.")] = False,
     as_json: JsonOpt = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only problems and the summary line.")] = False,
+    model: Annotated[bool, typer.Option("--model", help="Whole-model parity: ART is a converted model folder; run it, and fp32 and fp16 models dequantized from --against, on the same tokens (needs the [model] extra).")] = False,
+    text: Annotated[Path | None, typer.Option("--text", help="With --model: a UTF-8 text file to tokenize as the input (default: fixed tokens); perplexities for causal LMs.", show_default=False)] = None,
     debug: DebugOpt = False,
     version: VersionOpt = False,
 ) -> None:
@@ -181,12 +183,39 @@ def verify_cmd(
     if gpu and cpu:
         err_console.print("[bold red]error:[/] --gpu and --cpu contradict each other")
         raise typer.Exit(2)
+    if model or text is not None:
+        _verify_model_cmd(artifact, against, text, model=model, gpu=True if gpu else (False if cpu else None), shapes=shapes,
+                          as_json=as_json, quiet=quiet, debug=debug)
     with _errors_to_exit(debug, as_json), _progress(_show_progress(quiet, as_json)) as prog:
         report = verify(artifact, shapes_only=shapes, against=against, gpu=True if gpu else (False if cpu else None), progress=prog)
     if as_json:
         print(json.dumps(report.to_json(), default=_jsonable))
     else:
         _render_verify(report, quiet)
+    raise typer.Exit(0 if report.ok else 1)
+
+
+def _verify_model_cmd(folder: Path, against: Path | None, text: Path | None, *, model: bool, gpu: bool | None,
+                      shapes: bool, as_json: bool, quiet: bool, debug: bool) -> None:
+    """``marlin-verify OUTDIR --model --against SRC``: see :mod:`converter.model.verify`."""
+    usage = ("--text needs --model" if not model else
+             "--model and --shapes contradict each other (--shapes checks structure only)" if shapes else
+             "--model needs --against SRC: the reference model is built from the source checkpoint" if against is None else None)
+    if usage:
+        err_console.print(f"[bold red]error:[/] {usage}")
+        raise typer.Exit(2)
+    from .model.report import render
+    from .model.verify import verify_model
+
+    def stage(line: str) -> None:
+        err_console.print(f"marlin-verify --model: {escape(line)}", soft_wrap=True)
+
+    with _errors_to_exit(debug, as_json):
+        report = verify_model(folder, against, text=text, gpu=gpu, progress=None if (as_json or quiet) else stage)
+    if as_json:
+        print(json.dumps(report.to_json(), default=_jsonable))
+    else:
+        render(report, out_console, err_console, quiet=quiet)
     raise typer.Exit(0 if report.ok else 1)
 
 

@@ -1,0 +1,110 @@
+"""Reference models built from the *source* checkpoint, never from the artifact.
+
+Every quantized layer is dequantized by the source format's own reader
+(:func:`~converter.formats.open_source`, ``QuantWeight.source_weight()``: the spec
+formula, ``s * (q - z)`` in fp32, act-order undone), so a converter bug cannot cancel
+itself out in the comparison. Two precisions:
+
+* ``fp32``: every weight and every pass-through tensor in float32 (the truth);
+* ``fp16``: the dequantized weights rounded to fp16 and run as fp16 linears, every
+  pass-through tensor in its own dtype: what fp16 weights themselves cost, the bar the
+  converted model is held to.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..formats.base import Source
+from . import ModelError
+from .build import ModelClass, apply_binding, binding_errors, config_dtype, hf_config, import_stack, inventory, layer_slot, model_class
+from .loader import dequantized_weight
+from .names import Binding, bind
+
+FP32, FP16 = "fp32", "fp16"
+
+
+def source_config(source: Source) -> tuple[Path, dict[str, Any]]:
+    """``(folder, config.json dict)`` of an HF source checkpoint.
+
+    Raises:
+        ModelError: a ``.tinyloop`` source, or an HF checkpoint without ``config.json``.
+    """
+    ckpt = getattr(source, "ckpt", None)
+    if ckpt is None:
+        raise ModelError("the source is a .tinyloop checkpoint: TinyLoop models are not a transformers architecture",
+                         path=getattr(source, "path", None))
+    if not ckpt.config:
+        raise ModelError("the source checkpoint has no config.json: cannot build its reference model", path=ckpt.folder)
+    return ckpt.folder, ckpt.config
+
+
+def source_binding(source: Source, model: Any, mc: ModelClass, folder: Path) -> tuple[Binding, dict[str, Any]]:
+    """Bind a skeleton to the source's layers (every quantized layer, converted or not) and tensors.
+
+    Raises:
+        ModelError: as :func:`~converter.model.build.binding_errors`; a quantized layer
+            the reader cannot dequantize; a model parameter the source does not hold.
+    """
+    plans = {lp.name: lp for lp in source.plan().layers}
+    bad = [f"{n} ({lp.reason})" for n, lp in plans.items() if lp.size_k <= 0]
+    if bad:
+        raise ModelError(f"source layer(s) cannot be dequantized: {', '.join(bad)}", path=folder)
+    slots = {
+        n: layer_slot(lp.size_k, lp.size_n, lp.bias is not None, set(lp.source_tensors) | ({lp.bias.name} if lp.bias else set()))
+        for n, lp in plans.items()
+    }
+    linears, groups = inventory(model)
+    b = bind(linears=linears, model_tensors=groups, layers=slots, tensors=source.ckpt.infos, prefix=model.base_model_prefix or "")
+    binding_errors(b, what="source checkpoint", arch=mc.name, path=folder)
+    absent = [m for m in b.missing if not m.endswith(".bias") or m.rsplit(".", 1)[0] not in plans]
+    if absent:
+        raise ModelError(f"the source checkpoint has nothing for {len(absent)} tensor(s) of {mc.name}: {', '.join(absent)}", path=folder)
+    return b, plans
+
+
+def build_reference(source: Source, precision: str, device: Any, *, attn_implementation: str | None = "eager") -> tuple[Any, Binding]:
+    """The source model with every quantized weight dequantized exactly.
+
+    Args:
+        source: the opened source checkpoint (an HF reader).
+        precision: :data:`FP32` (all float32) or :data:`FP16` (fp16 weights, pass-through
+            tensors in their own dtype).
+        device: a ``torch.device``.
+
+    Returns:
+        ``(model, binding)``: the model in eval mode on ``device``; the binding says which
+        module took which source layer.
+
+    Raises:
+        ModelError: see :func:`source_config` and :func:`source_binding`.
+    """
+    torch, _ = import_stack()
+    from .modules import DENSE_FP32, DEQUANT_FP16, DenseLinear, to_torch
+
+    folder, cfg = source_config(source)
+    config = hf_config(cfg, path=folder / "config.json")
+    mc = model_class(config, cfg, path=folder / "config.json")
+    fp32 = precision == FP32
+    model = mc.build(config, dtype=torch.float32 if fp32 else config_dtype(cfg), attn_implementation=attn_implementation)
+    b, plans = source_binding(source, model, mc, folder)
+
+    def tensor(name: str) -> Any:
+        t = source.load_tensor(name)
+        out = to_torch(t.data, t.dtype)
+        return out.float() if fp32 and out.is_floating_point() else out
+
+    def make_layer(module: str, layer: str) -> Any:
+        lp = plans[layer]
+        w = torch.from_numpy(np.ascontiguousarray(dequantized_weight(source, lp).T))
+        bias = tensor(lp.bias.name) if lp.bias else None
+        if fp32:
+            return DenseLinear(layer, w, bias, DENSE_FP32).to(device)
+        return DenseLinear(layer, w.to(torch.float16), bias, DEQUANT_FP16).to(device)
+
+    apply_binding(model, b, make_layer=make_layer, load_tensor=tensor, path=folder)
+    model.to(device)
+    return model, b

@@ -1,0 +1,465 @@
+"""``marlin-verify OUTDIR --model --against SRC``: does the converted model give the
+same answers as its source?
+
+Three models run on the same tokens, one after another (each freed before the next):
+
+1. the converted model (:func:`~converter.model.loader.build_converted`: our kernel on
+   the GPU, the exact path on the CPU). While it runs, a hook on every swapped layer
+   compares its output, on the model's own activations, with the *source* layer in fp32
+   and with an fp16 linear of the same dequantized weight; and every pass-through
+   tensor it loaded is compared with the source's (dtype and bytes);
+2. the fp32 reference dequantized from the source (:mod:`~converter.model.reference`);
+3. the fp16-dequantized reference (what fp16 weights themselves cost).
+
+Pass rule: the converted model's mean relative error against fp32 is at most 1.5x the
+fp16 reference's, its top-1 agreement at least the fp16 reference's minus 0.5 %, no
+layer is far off (below), and nothing structural is wrong (a parameter the artifact
+does not feed, a tensor in another dtype or with other bytes than the source's).
+
+A layer is far off when its error is above ``LAYER_FACTOR`` x the fp16 linear's and
+above ``LAYER_FLOOR``: a wrong ``delta``, ``perm`` or bias is off by tens of percent,
+the kernel's own fp16 rounding by about 1.5x fp16's.
+
+Peak memory: one copy of the model in fp32 (the fp32 reference, built in place) plus
+the artifact's and the source's memory maps; the converted model (4-bit codes, the
+pass-through tensors) is freed before it, and the per-layer checks dequantize one
+layer at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import resource
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConverterError, GpuUnavailableError
+from . import ModelError
+from .build import CAUSAL_LM, import_stack, quiet_transformers
+from .loader import KernelFactory, build_converted, dequantized_weight, read_converted_config, resolve_device
+from .report import ModelReport
+
+#: The converted model may cost this many times the fp16-dequantized model's error.
+ERROR_FACTOR = 1.5
+#: ... and lose at most this share of top-1 agreement against fp16's.
+TOP1_MARGIN = 0.005
+#: A layer is flagged above this many times the fp16 linear's error and above LAYER_FLOOR.
+LAYER_FACTOR = 4.0
+LAYER_FLOOR = 5e-3
+#: The fixed input when no --text is given: this many sequences of this many tokens
+#: (fewer when max_position_embeddings is smaller), ids uniform over the vocabulary, seed 0.
+FIXED_SEQUENCES, FIXED_TOKENS = 4, 128
+#: --text is cut to this many tokens (or max_position_embeddings).
+MAX_TEXT_TOKENS = 512
+STAGES = 5
+
+
+class _Stages:
+    def __init__(self, report: ModelReport, progress: Callable[[str], None] | None) -> None:
+        self.report, self.progress, self.i = report, progress, 0
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        self.i += 1
+        if self.progress:
+            self.progress(f"[{self.i}/{STAGES}] {name}")
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.report.stages.append({"stage": name, "seconds": round(time.perf_counter() - t, 3)})
+
+
+@contextlib.contextmanager
+def _true_fp32(torch: Any, device: Any) -> Iterator[None]:
+    """No TF32 while the references run on CUDA: the fp32 reference must be fp32."""
+    if device.type != "cuda":
+        yield
+        return
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision())
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[0], saved[1]
+        torch.set_float32_matmul_precision(saved[2])
+
+
+def _pick_device(gpu: bool | None) -> Any:
+    if gpu is False:
+        return resolve_device("cpu")
+    try:
+        return resolve_device("cuda")
+    except (GpuUnavailableError, ImportError):
+        if gpu:
+            raise
+        return resolve_device("cpu")
+
+
+def input_ids(folder: Path, cfg: dict[str, Any], text: str | Path | None) -> tuple[np.ndarray, dict[str, Any]]:
+    """The tokens all three models run on: int64 ``(sequences, tokens)`` and a description.
+
+    With ``text``: the file tokenized by the folder's own tokenizer (offline), one
+    sequence of at most ``MAX_TEXT_TOKENS`` (or ``max_position_embeddings``) tokens.
+    Without: ``FIXED_SEQUENCES`` x ``FIXED_TOKENS`` ids drawn uniformly from the
+    vocabulary with seed 0.
+
+    Raises:
+        ModelError: no ``vocab_size``; no tokenizer in the folder; fewer than 2 tokens.
+        ConverterError: the text file cannot be read.
+    """
+    max_pos = cfg.get("max_position_embeddings")
+    limit = lambda n: min(n, max_pos) if isinstance(max_pos, int) and max_pos > 0 else n  # noqa: E731
+    if text is None:
+        vocab = cfg.get("vocab_size")
+        if not isinstance(vocab, int) or vocab <= 0:
+            raise ModelError("config.json has no vocab_size: cannot make the fixed input", path=folder / "config.json", tensor="vocab_size")
+        ids = np.random.default_rng(0).integers(0, vocab, (FIXED_SEQUENCES, limit(FIXED_TOKENS)), dtype=np.int64)
+        return ids, {"from": "fixed", "text": None, "sequences": int(ids.shape[0]), "tokens": int(ids.shape[1])}
+    text = Path(text)
+    try:
+        content = text.read_text("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConverterError(f"cannot read --text: {getattr(exc, 'strerror', None) or exc}", path=text) from None
+    if not any((folder / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt")):
+        raise ModelError("--text needs a tokenizer, and the folder has none (tokenizer.json / tokenizer_config.json)", path=folder)
+    from transformers import AutoTokenizer
+
+    try:
+        with quiet_transformers():
+            tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:  # transformers raises OSError, ValueError, ImportError ...
+        raise ModelError(f"cannot load the folder's tokenizer: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", path=folder) from None
+    ids = list(tok(content)["input_ids"])[: limit(MAX_TEXT_TOKENS)]
+    if len(ids) < 2:
+        raise ModelError(f"--text gives {len(ids)} token(s); at least 2 are needed", path=text)
+    arr = np.asarray([ids], dtype=np.int64)
+    return arr, {"from": "text", "text": str(text), "sequences": 1, "tokens": int(arr.shape[1])}
+
+
+def _run(model: Any, ids: np.ndarray, kind: str, device: Any) -> tuple[np.ndarray, str]:
+    """float32 ``(sequences, tokens, V or hidden)`` on the host, and its name."""
+    import torch
+
+    x = torch.from_numpy(ids).to(device)
+    kwargs: dict[str, Any] = {"input_ids": x, "attention_mask": torch.ones_like(x)}
+    if kind == CAUSAL_LM:
+        kwargs["use_cache"] = False
+    try:
+        with torch.inference_mode():
+            out = model(**kwargs)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelError(f"{type(model).__name__} failed in its forward pass: {first}") from None
+    logits = getattr(out, "logits", None)
+    y, what = (logits, "logits") if logits is not None else (out.last_hidden_state, "last_hidden_state")
+    return y.float().cpu().numpy(), what
+
+
+def _free(device: Any) -> None:
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        from ..gpu.runtime import cupy_module
+
+        cupy_module().get_default_memory_pool().free_all_blocks()
+
+
+def output_metrics(y: np.ndarray, ref: np.ndarray, *, encoder: bool, ids: np.ndarray | None) -> dict[str, Any]:
+    """Compare one model's output with the fp32 reference's.
+
+    Args:
+        y, ref: float32 ``(sequences, tokens, features)``.
+        encoder: also the cosine of mean-pooled embeddings.
+        ids: the tokens, for the perplexity of ``y`` (causal LMs on ``--text``), or None.
+
+    Returns:
+        ``mean_rel_err``, ``max_rel_err``, ``top1``, ``top5`` (see :class:`ModelReport`),
+        ``cosine`` and ``ppl`` when asked; errors are ``inf`` when ``y`` is not finite.
+    """
+    y64, r64 = y.astype(np.float64), ref.astype(np.float64)
+    finite = bool(np.isfinite(y64).all())
+    scale = float(np.abs(r64).mean()) or 1.0
+    diff = np.abs(y64 - r64)
+    out: dict[str, Any] = {
+        "mean_rel_err": float(diff.mean()) / scale if finite else math.inf,
+        "max_rel_err": float(diff.max()) / scale if finite else math.inf,
+    }
+    yf, rf = y64.reshape(-1, y.shape[-1]), r64.reshape(-1, y.shape[-1])
+    out["top1"] = float(np.mean(np.argmax(yf, axis=1) == np.argmax(rf, axis=1)))
+    k = min(5, y.shape[-1])
+    ty = np.argpartition(-yf, k - 1, axis=1)[:, :k]
+    tr = np.argpartition(-rf, k - 1, axis=1)[:, :k]
+    out["top5"] = float(np.mean([len(set(a) & set(b)) / k for a, b in zip(ty.tolist(), tr.tolist())]))
+    if encoder:
+        py, pr = y64.mean(axis=1), r64.mean(axis=1)
+        cos = (py * pr).sum(axis=1) / (np.linalg.norm(py, axis=1) * np.linalg.norm(pr, axis=1) + 1e-30)
+        out["cosine"] = float(cos.min()) if finite else -1.0
+    if ids is not None:
+        out["ppl"] = perplexity(y64, ids)
+    return out
+
+
+def perplexity(logits: np.ndarray, ids: np.ndarray) -> float:
+    """``exp`` of the mean next-token negative log-likelihood (float64)."""
+    lg = logits[:, :-1, :]
+    m = lg.max(axis=-1, keepdims=True)
+    logz = (m[..., 0] + np.log(np.exp(lg - m).sum(axis=-1)))
+    target = np.take_along_axis(lg, ids[:, 1:, None], axis=-1)[..., 0]
+    nll = float(np.mean(logz - target))
+    return math.exp(nll) if math.isfinite(nll) else math.inf
+
+
+class _LayerProbe:
+    """Forward hooks on the converted model's swapped layers: each layer's output on the
+    model's own activations against the source layer (fp32) and an fp16 linear of it."""
+
+    def __init__(self, source: Any, plans: dict[str, Any]) -> None:
+        self.source, self.plans = source, plans
+        self.stats: dict[str, list[float]] = {}
+        self.handles: list[Any] = []
+        self.modules: dict[str, Any] = {}
+
+    def attach(self, modules: dict[str, Any]) -> None:
+        self.modules = modules
+        for mod in modules.values():
+            mod.keep_raw = True
+            self.handles.append(mod.register_forward_hook(self._hook))
+
+    def detach(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        for mod in self.modules.values():
+            mod.keep_raw, mod.raw_output = False, None
+
+    def _hook(self, mod: Any, args: tuple[Any, ...], out: Any) -> None:
+        import torch
+        import torch.nn.functional as F
+
+        lp = self.plans.get(mod.layer_name)
+        if lp is None:
+            return
+        x = args[0].detach()
+        w = torch.from_numpy(dequantized_weight(self.source, lp)).to(x.device)
+        bias = None
+        if lp.bias is not None:
+            from .modules import to_torch
+
+            t = self.source.load_tensor(lp.bias.name)
+            bias = to_torch(t.data, t.dtype).float().to(x.device)
+        x16 = x.to(torch.float16)
+        ref = x16.float() @ w
+        if bias is not None:
+            ref = ref + bias
+        y16 = F.linear(x16, w.T.to(torch.float16), None if bias is None else bias.to(torch.float16)).float()
+        scale = float(ref.abs().mean()) or 1.0
+        # The layer's own fp16 output, before the cast to the activations' dtype.
+        ours = (mod.raw_output if mod.raw_output is not None else out).detach().float()
+        mod.raw_output = None
+        e = float((ours - ref).abs().mean()) / scale if bool(torch.isfinite(ours).all()) else math.inf
+        e16 = float((y16 - ref).abs().mean()) / scale
+        s = self.stats.setdefault(mod.layer_name, [0.0, 0.0])
+        s[0], s[1] = max(s[0], e), max(s[1], e16)
+
+
+def _tensor_checks(model: Any, load: Any, source: Any, report: ModelReport) -> None:
+    """Every pass-through tensor the converted model loaded against the source's: dtype, then bytes."""
+    import torch
+
+    from .modules import dtype_code
+
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(dict(model.named_buffers(remove_duplicate=False)))
+    infos = source.ckpt.infos
+    for tname, names in load.tensors.items():
+        t = named.get(names[0])
+        if t is None:
+            continue
+        if tname not in infos:
+            report.add("tensor_not_in_source", f"{tname}: loaded into {names[0]}, but the source has no such tensor", tname)
+            continue
+        src = source.load_tensor(tname)
+        mine = dtype_code(t)
+        if mine != src.dtype:
+            report.add("tensor_dtype", f"{tname}: loaded as {mine} (the artifact's dtype) into {names[0]}, but the source stores {src.dtype}", tname)
+            continue
+        ours = t.detach().cpu().contiguous()
+        ours_np = (ours.view(torch.int16) if ours.dtype == torch.bfloat16 else ours).numpy().reshape(-1)
+        src_np = np.ascontiguousarray(src.data).reshape(-1)
+        if ours_np.tobytes() != src_np.tobytes():
+            view = f"u{ours_np.dtype.itemsize}"
+            n = int(np.count_nonzero(ours_np.view(view) != src_np.view(view))) if ours_np.size == src_np.size else ours_np.size
+            report.add("tensor_bytes", f"{tname}: {n} of {src_np.size} values differ from the source's", tname)
+
+
+def verify_model(
+    path: str | Path,
+    against: str | Path,
+    *,
+    text: str | Path | None = None,
+    gpu: bool | None = None,
+    progress: Callable[[str], None] | None = None,
+    attn_implementation: str = "eager",
+    kernel_factory: KernelFactory | None = None,
+) -> ModelReport:
+    """Whole-model parity of a converted folder with its source checkpoint.
+
+    Args:
+        path: the converted model folder (``marlin-convert SRC OUTDIR/``).
+        against: the source checkpoint (folder, ``.safetensors`` or index).
+        text: a UTF-8 text file to tokenize as input (else the fixed input; see
+            :func:`input_ids`); with a causal LM also gives perplexities.
+        gpu: True: CUDA required; False: CPU; None: CUDA when usable.
+        progress: called with one line per stage.
+        attn_implementation: the attention all three models use (``eager``: the same
+            arithmetic on every device).
+        kernel_factory: see :func:`~converter.model.loader.build_converted` (tests).
+
+    Returns:
+        The :class:`ModelReport`; ``ok`` says whether it passed. Content problems
+        (numbers off, a dropped bias, a tensor in another dtype, an artifact failing
+        ``--shapes``) are findings, not exceptions.
+
+    Raises:
+        ModelError, ArtifactError, ConverterError: input that cannot be checked (not a
+            converted folder, a .tinyloop model, an unknown architecture, layers without
+            modules or modules without layers, no source config ...): exit 2 in the CLI.
+        GpuUnavailableError: ``gpu=True`` without a usable GPU.
+    """
+    t_start = time.perf_counter()
+    torch, _ = import_stack()
+    from ..artifact.validate import validate_artifact
+    from ..formats import open_source
+    from .modules import swapped_modules
+    from .reference import FP16, FP32, build_reference, source_config
+
+    folder, cfg = read_converted_config(path)
+    report = ModelReport(model=str(folder), source=str(against))
+    stage = _Stages(report, progress)
+    device = _pick_device(gpu)
+    report.device = str(device)
+    with contextlib.ExitStack() as stack:
+        with stage("checking the artifact and the source"):
+            vrep, art = validate_artifact(folder)
+            recorded = {f["name"]: f["sha256"] for f in art.manifest.get("source", {}).get("files", []) if isinstance(f, dict)}
+            art.close()
+            if not vrep.ok:
+                for p in vrep.problems:
+                    if p.severity == "error":
+                        report.add("artifact", f"artifact: {p.message}", p.tensor)
+                return _finish(report, t_start)
+            source = open_source(against)
+            stack.callback(source.close)
+            source_config(source)
+            actual = {f["name"]: f["sha256"] for f in source.describe()["files"]}
+            changed = sorted(n for n in recorded.keys() & actual.keys() if recorded[n] != actual[n])
+            if changed:
+                report.add("source_differs", "the source is not the checkpoint this folder was converted from "
+                           f"(sha256 differs: {', '.join(changed)})", severity="warning")
+            ids, report.input = input_ids(folder, cfg, text)
+            plans = {lp.name: lp for lp in source.plan().layers}
+        stack.enter_context(_true_fp32(torch, device))
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        cupy_peak = 0
+        with stage(f"converted model on {device}"):
+            model, load = build_converted(folder, device, strict=False, attn_implementation=attn_implementation,
+                                          validate=False, kernel_factory=kernel_factory)
+            report.architecture, report.kind, report.load = load.architecture, load.kind, load.to_json()
+            probe = _LayerProbe(source, plans)
+            probe.attach(swapped_modules(model))
+            y_conv, report.output = _run(model, ids, load.kind, device)
+            probe.detach()
+            _tensor_checks(model, load, source, report)
+            if device.type == "cuda":
+                from ..gpu.runtime import cupy_module
+
+                cupy_peak = int(cupy_module().get_default_memory_pool().total_bytes())
+            del model
+            _free(device)
+        with stage("fp32 reference dequantized from the source"):
+            ref, _ = build_reference(source, FP32, device, attn_implementation=attn_implementation)
+            y32, _ = _run(ref, ids, load.kind, device)
+            del ref
+            _free(device)
+        with stage("fp16-dequantized reference from the source"):
+            ref, _ = build_reference(source, FP16, device, attn_implementation=attn_implementation)
+            y16, _ = _run(ref, ids, load.kind, device)
+            del ref
+            _free(device)
+        with stage("comparing"):
+            _judge(report, load, probe, plans, y_conv, y16, y32, ids, text is not None)
+        if device.type == "cuda":
+            report.gpu_peak_bytes = int(torch.cuda.max_memory_allocated(device)) + cupy_peak
+    return _finish(report, t_start)
+
+
+def _finish(report: ModelReport, t_start: float) -> ModelReport:
+    report.wall_s = round(time.perf_counter() - t_start, 3)
+    report.peak_rss_bytes = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    return report
+
+
+def _judge(report: ModelReport, load: Any, probe: _LayerProbe, plans: dict[str, Any], y_conv: np.ndarray, y16: np.ndarray,
+           y32: np.ndarray, ids: np.ndarray, with_text: bool) -> None:
+    encoder = report.output == "last_hidden_state"
+    ppl_ids = ids if with_text and report.kind == CAUSAL_LM else None
+    conv = output_metrics(y_conv, y32, encoder=encoder, ids=ppl_ids)
+    f16 = output_metrics(y16, y32, encoder=encoder, ids=ppl_ids)
+    ref32: dict[str, Any] = {}
+    if ppl_ids is not None:
+        ref32["ppl"] = perplexity(y32.astype(np.float64), ids)
+        for m in (conv, f16):
+            m["ppl_rel_diff"] = abs(m["ppl"] - ref32["ppl"]) / ref32["ppl"] if math.isfinite(m["ppl"]) else math.inf
+    report.metrics = {"converted": conv, "fp16_dequant": f16, "fp32": ref32}
+    limit = ERROR_FACTOR * max(f16["mean_rel_err"], 1e-7)
+    report.bar = {"mean_rel_err_limit": limit, "top1_min": f16["top1"] - TOP1_MARGIN, "error_factor": ERROR_FACTOR,
+                  "top1_margin": TOP1_MARGIN, "layer_factor": LAYER_FACTOR, "layer_floor": LAYER_FLOOR}
+    what = report.output
+    if not conv["mean_rel_err"] <= limit:
+        report.add("model_error", f"{what}: mean relative error {conv['mean_rel_err']:.3g} against the fp32 model dequantized from the source "
+                   f"is above {ERROR_FACTOR:g}x the fp16-dequantized model's {f16['mean_rel_err']:.3g} (limit {limit:.3g})")
+    if conv["top1"] < report.bar["top1_min"]:
+        report.add("model_top1", f"{what}: top-1 agreement with the fp32 model {conv['top1']:.4f} is below the fp16-dequantized "
+                   f"model's {f16['top1']:.4f} minus {TOP1_MARGIN:g}")
+    modules = load.modules
+    for layer, path in load.layers.items():
+        e, e16 = probe.stats.get(layer, [None, None])
+        bad = e is not None and e > LAYER_FACTOR * e16 and e > LAYER_FLOOR
+        report.layers.append({"name": layer, "module": modules.get(layer), "path": path, "rel_err": e, "fp16_rel_err": e16, "ok": not bad})
+        if layer not in plans:
+            report.add("layer_not_in_source", f"layer {layer}: in the artifact, but the source has no such quantized layer", layer)
+        elif e is None:
+            report.add("layer_not_run", f"layer {layer} (module {modules.get(layer)}) never ran in the forward pass", layer, severity="warning")
+        elif bad:
+            report.add("layer_error", f"layer {layer} (module {modules.get(layer)}): output mean relative error {e:.3g} against the source "
+                       f"layer on the model's own activations, {e / max(e16, 1e-30):.1f}x the fp16-dequantized layer's {e16:.3g} "
+                       f"(limit: above {LAYER_FACTOR:g}x and {LAYER_FLOOR:g})", layer)
+    for name in load.missing:
+        module, _, attr = name.rpartition(".")
+        if attr == "bias" and module in load.layers:
+            report.add("missing_bias", f"{name}: module {load.modules.get(module, module)} has a bias, the converted layer {module} has none "
+                       "(it runs without)", name)
+        else:
+            report.add("missing_tensor", f"{name}: the model has this tensor, the artifact nothing to load into it (left as initialised)", name)
+    for layer, why in load.not_converted.items():
+        report.add("not_converted", f"layer {layer} passed through unconverted ({why}); it runs through its exact dequantization "
+                   "as an fp16 linear, not the Marlin kernel", layer, severity="warning")
+    for layer, why in load.kernel_fallback.items():
+        report.add("kernel_fallback", f"layer {layer}: {why}; it runs the exact path on the GPU", layer, severity="warning")
+    for w in load.warnings:
+        report.add("tied_differs", w, severity="warning")
+    if load.unused:
+        shown = ", ".join(load.unused[:8]) + (f", ... ({len(load.unused)} tensors)" if len(load.unused) > 8 else "")
+        report.add("unused_tensors", f"{len(load.unused)} artifact tensor(s) feed no module of {load.architecture}: {shown}", severity="warning")
