@@ -1,0 +1,524 @@
+"""Whole-model parity (issue 13): ``load_model`` and ``marlin-verify OUTDIR --model``, on the CPU.
+
+The synthetic tiny Llama (tests/model_fixture.py) needs no ../shared; the real
+checkpoints (every llama-tiny producer, the full MiniLM) skip without it. Planted
+mistakes are re-sealed (tests/artifact_edit.py), so ``--shapes`` passes and only the
+whole-model check is left to catch them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from artifact_edit import rewrite_artifact_arrays  # noqa: E402
+from model_fixture import DEQUANT_LAYERS, FALLBACK_LAYERS, KERNEL_LAYERS, LAYERS, write_tiny_llama  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
+from converter import load_model  # noqa: E402
+from converter.artifact.reader import open_artifact  # noqa: E402
+from converter.cli import verify_app  # noqa: E402
+from converter.convert import convert  # noqa: E402
+from converter.formats import open_source  # noqa: E402
+from converter.marlin.layout import unpack_b, unpermute_scales  # noqa: E402
+from converter.model import ModelError  # noqa: E402
+from converter.model.loader import build_converted, dequantized_weight  # noqa: E402
+from converter.model.modules import DenseLinear, ExactMarlinLinear, KernelMarlinLinear  # noqa: E402
+from converter.model.names import LayerSlot, LinearSlot, bind, candidates  # noqa: E402
+from converter.model.verify import verify_model  # noqa: E402
+from converter.verify import artifact_weight, unpack_layer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE = REPO / "tests" / "data" / "sample.tinyloop"
+LLAMA = ["autoawq-gemm-w4g128-asym", "autogptq-w4g128-sym", "autoround-gptq-w4g128-asym", "autoround-gptq-w4gchan-asym",
+         "gptqmodel-gptq-w4g128-asym-descact", "gptqmodel-gptqv2-w4g128-asym", "llmcompressor-packq-w4g128-asym"]
+MINILM = "minilm-autoround-gptq-w4g128-asym-full"
+Q = "model.layers.0.self_attn.q_proj"
+
+
+def invoke(*args: object):
+    return CliRunner().invoke(verify_app, [str(a) for a in args])
+
+
+def one_line_error(res) -> str:
+    """The one error line on stderr (after any stage progress lines), for exit code 2."""
+    lines = [ln for ln in res.stderr.strip().splitlines() if not ln.startswith("marlin-verify --model: [")]
+    assert res.exit_code == 2 and len(lines) == 1 and res.stdout == "", (res.exit_code, res.stderr, res.stdout)
+    return lines[0]
+
+
+# --------------------------------------------------------------------------- name rules (pure)
+
+
+def test_candidates_add_or_drop_the_base_model_prefix() -> None:
+    assert candidates("encoder.layer.0.attention.self.query", "bert") == [
+        "encoder.layer.0.attention.self.query", "bert.encoder.layer.0.attention.self.query"]
+    assert candidates("model.norm.weight", "model") == ["model.norm.weight", "norm.weight"]
+    assert candidates("lm_head.weight", "") == ["lm_head.weight"]
+
+
+def test_bind_maps_prefixed_layers_ties_and_reports_the_rest() -> None:
+    b = bind(
+        linears={"encoder.q": LinearSlot(16, 64, True), "head": LinearSlot(16, 8, False)},
+        model_tensors=[["embeddings.w", "head.weight"], ["encoder.q.weight"], ["encoder.q.bias"], ["norm.w"]],
+        layers={"bert.encoder.q": LayerSlot(16, 64, False, frozenset({"bert.encoder.q.marlin_B"}))},
+        tensors={"bert.embeddings.w", "bert.encoder.q.marlin_B", "cls.extra"},
+        prefix="bert",
+    )
+    assert b.swaps == {"encoder.q": "bert.encoder.q"}
+    assert b.loads == {"bert.embeddings.w": ["embeddings.w", "head.weight"]}
+    assert b.missing == ["bert.encoder.q.bias", "norm.w"]
+    assert (b.unbound_modules, b.unmatched_layers, b.shape_errors, b.unused) == ([], [], [], ["cls.extra"])
+
+
+def test_bind_names_unmatched_layers_unbound_modules_and_shape_mismatches() -> None:
+    b = bind(
+        linears={"a.q": LinearSlot(16, 64, False), "a.k": LinearSlot(16, 64, False)},
+        model_tensors=[["a.q.weight"], ["a.k.weight"]],
+        layers={"a.qq": LayerSlot(16, 64, False, frozenset()), "a.k": LayerSlot(32, 64, False, frozenset())},
+        tensors=set(),
+        prefix="",
+    )
+    assert b.unmatched_layers == ["a.qq"]
+    assert b.unbound_modules == ["a.q"]
+    assert b.shape_errors == ["layer a.k is 32 -> 64 (K -> N), module a.k is 16 -> 64"]
+
+
+# --------------------------------------------------------------------------- the synthetic Llama
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    src = write_tiny_llama(root / "src")
+    convert(src, str(root / "out") + "/")
+    return src, root / "out"
+
+
+def _ids(n: int = 7) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(3).integers(0, 200, (2, n)))
+
+
+def test_load_model_cpu_puts_every_layer_on_its_path(tiny: tuple[Path, Path]) -> None:
+    _, out = tiny
+    m = load_model(out, "cpu")
+    r = m.marlin_report
+    assert (r.architecture, r.kind, r.device) == ("LlamaForCausalLM", "causal-lm", "cpu")
+    assert r.layers == {**{n: "exact" for n in KERNEL_LAYERS + FALLBACK_LAYERS}, **{n: "dequant-fp16" for n in DEQUANT_LAYERS}}
+    assert r.not_converted == {
+        "model.layers.0.mlp.gate_proj": "size_n = 80 is not a multiple of 64 (Marlin tile)",
+        "model.layers.0.mlp.up_proj": "size_n = 80 is not a multiple of 64 (Marlin tile)",
+        "lm_head": "size_n = 200 is not a multiple of 64 (Marlin tile)",
+    }
+    assert (r.missing, r.unused, r.warnings, r.kernel_fallback) == ([], [], [], {})
+    assert sorted(r.tensors) == ["model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
+                                 "model.layers.0.post_attention_layernorm.weight", "model.norm.weight"]
+    assert isinstance(m.model.layers[0].self_attn.q_proj, ExactMarlinLinear)
+    assert isinstance(m.lm_head, DenseLinear) and m.lm_head.weight.dtype == torch.float16 and tuple(m.lm_head.weight.shape) == (200, 128)
+    assert sorted(m.state_dict()) == sorted(r.tensors)  # swapped modules hold no persistent state
+    with torch.inference_mode():
+        logits = m(input_ids=_ids(), use_cache=False).logits
+    assert logits.dtype == torch.float16 and tuple(logits.shape) == (2, 7, 200) and bool(torch.isfinite(logits).all())
+
+
+def test_exact_path_is_the_artifacts_weight_and_matches_the_source(tiny: tuple[Path, Path]) -> None:
+    src, out = tiny
+    m = load_model(out, "cpu")
+    mod = m.model.layers[0].self_attn.q_proj
+    with open_artifact(out) as art:
+        rec = art.layers[Q]
+        want = artifact_weight(unpack_layer(art, rec), rec)  # fp32, source channel order
+        bias = np.asarray(art.tensor(f"{Q}.bias"), dtype=np.float32)
+    perm = mod.perm.numpy()
+    assert rec.act_order and not np.array_equal(perm, np.arange(128))
+    w = np.empty((128, 128), np.float32)
+    w[perm] = mod.weight_f32().numpy()
+    assert np.array_equal(w, want)  # bit for bit
+    with open_source(src) as source:
+        plan = next(lp for lp in source.plan().layers if lp.name == Q)
+        w_src = dequantized_weight(source, plan)
+    assert float(np.abs(w - w_src).max()) <= 1e-6 * float(np.abs(w_src).max())
+    x = torch.from_numpy(np.random.default_rng(5).standard_normal((2, 3, 128)).astype(np.float32)).to(torch.bfloat16)
+    y = mod(x)
+    assert y.dtype == torch.bfloat16 and tuple(y.shape) == (2, 3, 128)
+    ref = x.to(torch.float16).double().numpy() @ w_src.astype(np.float64) + bias
+    rel = np.abs(y.double().numpy() - ref).mean() / np.abs(ref).mean()
+    assert rel < 4e-3  # bf16 output rounding (2^-9) dominates
+
+
+class FakeKernel(torch.nn.Module):
+    """Stands in for MarlinLinearModule on the CPU: same contract (fp16 in, fp16 out)."""
+
+    def __init__(self, name: str, exact: ExactMarlinLinear, calls: list) -> None:
+        super().__init__()
+        self.name, self.exact, self.calls = name, exact, calls
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert x.dtype == torch.float16 and x.is_contiguous()
+        self.calls.append((self.name, tuple(x.shape)))
+        return self.exact(x)
+
+
+def test_kernel_swap_runs_every_kernel_layer_through_the_kernel_module(tiny: tuple[Path, Path]) -> None:
+    _, out = tiny
+    calls: list = []
+    seen: dict = {}
+
+    def factory(name, size_k, size_n, group_size, B, scales, delta, perm, bias):
+        seen[name] = (B, scales, delta, perm, bias)
+        exact = ExactMarlinLinear(name, unpack_b(B, size_n), unpermute_scales(scales, single=scales.shape[0] == 1), delta,
+                                  perm, None if bias is None else torch.from_numpy(bias), group_size)
+        return FakeKernel(name, exact, calls)
+
+    model, r = build_converted(out, "cpu", kernel_factory=factory)
+    assert r.layers == {**{n: "marlin-kernel" for n in KERNEL_LAYERS}, "model.layers.0.mlp.down_proj": "exact",
+                        **{n: "dequant-fp16" for n in DEQUANT_LAYERS}}
+    assert r.kernel_fallback == {"model.layers.0.mlp.down_proj": "K = 80 is outside the kernel's limits (K % 64 == 0)"}
+    assert isinstance(model.model.layers[0].self_attn.k_proj, KernelMarlinLinear)
+    with open_artifact(out) as art:  # the factory gets the artifact's tensors as stored
+        for name, (B, scales, delta, perm, bias) in seen.items():
+            assert np.array_equal(B, art.tensor(f"{name}.marlin_B")) and np.array_equal(scales, art.tensor(f"{name}.marlin_scales"))
+            assert np.array_equal(delta, art.tensor(f"{name}.marlin_delta"))
+            assert (perm is not None) == (name == Q) and bias.dtype == np.float16
+    with torch.inference_mode():
+        via_kernel = model(input_ids=_ids(), use_cache=False).logits
+        exact = load_model(out, "cpu")(input_ids=_ids(), use_cache=False).logits
+    assert sorted(calls) == sorted((n, (2, 7, 128)) for n in KERNEL_LAYERS)
+    assert torch.equal(via_kernel, exact)
+
+
+def test_verify_model_passes_on_the_synthetic_llama(tiny: tuple[Path, Path]) -> None:
+    src, out = tiny
+    rep = verify_model(out, src, gpu=False)
+    assert rep.ok, rep.problems
+    assert [(p.code, p.tensor) for p in rep.problems] == [("not_converted", n) for n in
+                                                          ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj", "lm_head"]]
+    assert rep.input == {"from": "fixed", "text": None, "sequences": 4, "tokens": 128}
+    assert (rep.output, rep.device, [s["stage"] for s in rep.stages][1]) == ("logits", "cpu", "converted model on cpu")
+    conv, f16 = rep.metrics["converted"], rep.metrics["fp16_dequant"]
+    assert 1e-4 < conv["mean_rel_err"] <= 1.5 * f16["mean_rel_err"] < 1e-2
+    assert conv["top1"] >= 0.99 and conv["top5"] >= 0.99
+    assert {r["name"]: r["path"] for r in rep.layers} == {n: ("dequant-fp16" if n in DEQUANT_LAYERS else "exact") for n in LAYERS}
+    assert all(r["ok"] and r["rel_err"] < 1e-3 for r in rep.layers)
+
+
+def test_verify_model_reports_the_kernel_fallback(tiny: tuple[Path, Path]) -> None:
+    src, out = tiny
+
+    def factory(name, size_k, size_n, group_size, B, scales, delta, perm, bias):
+        return FakeKernel(name, ExactMarlinLinear(name, unpack_b(B, size_n), unpermute_scales(scales), delta, perm,
+                                                  None if bias is None else torch.from_numpy(bias), group_size), [])
+
+    rep = verify_model(out, src, gpu=False, kernel_factory=factory)
+    assert rep.ok
+    fb = [p for p in rep.problems if p.code == "kernel_fallback"]
+    assert [(p.tensor, p.severity) for p in fb] == [("model.layers.0.mlp.down_proj", "warning")]
+    assert {r["name"]: r["path"] for r in rep.layers if r["path"] == "marlin-kernel"} == {n: "marlin-kernel" for n in KERNEL_LAYERS}
+
+
+def _copy(out: Path, to: Path) -> Path:
+    shutil.copytree(out, to)
+    return to
+
+
+def test_dropped_bias_on_the_synthetic_llama_fails_naming_it(tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    src, out = tiny
+    bad = _copy(out, tmp_path / "bad")
+    name = "model.layers.0.self_attn.v_proj"
+
+    def edit(manifest: dict, t: dict) -> None:
+        del t[f"{name}.bias"]
+        next(e for e in manifest["layers"] if e["name"] == name)["has_bias"] = False
+
+    rewrite_artifact_arrays(bad / "model.safetensors", bad / "model.safetensors", edit)
+    res = invoke(bad, "--model", "--against", src)
+    assert res.exit_code == 1, res.output
+    assert f"[missing_bias] {name}.bias: module {name} has a bias, the converted layer {name} has none (it runs without)" in res.stdout
+    assert f"[layer_error] layer {name} (module {name}): output mean relative error" in res.stdout
+    with pytest.raises(ModelError, match=rf"1 tensor\(s\) of LlamaForCausalLM have nothing in the artifact to load: {name}\.bias"):
+        load_model(bad, "cpu")
+
+
+# --------------------------------------------------------------------------- bad input: exit 2, one line
+
+
+def test_error_not_a_converted_folder(tiny: tuple[Path, Path]) -> None:
+    src, out = tiny
+    line = one_line_error(invoke(src, "--model", "--against", src))
+    assert line == (f"error: {src / 'config.json'}: quantization_config: not a converted model folder: quantization_config.quant_method "
+                    "is 'gptq', not 'marlin-convert' (a source checkpoint? convert it first: marlin-convert IN OUTDIR/)")
+    line = one_line_error(invoke(out / "model.safetensors", "--model", "--against", src))
+    assert line.startswith(f"error: {out / 'model.safetensors'}: not a converted model folder: a model is loaded from the folder")
+
+
+def test_error_tinyloop_conversion(tmp_path: Path) -> None:
+    convert(SAMPLE, str(tmp_path / "tl") + "/")
+    line = one_line_error(invoke(tmp_path / "tl", "--model", "--against", SAMPLE))
+    assert line == (f"error: {tmp_path / 'tl'}: converted from a .tinyloop checkpoint: TinyLoop models are not a transformers "
+                    "architecture, so there is no model to build; run its layers with converter.gpu.api.load_artifact_gpu")
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("model_type", "nosuchmodel", "config.json: model_type: model_type 'nosuchmodel' is not an architecture transformers"),
+    ("architectures", ["NoSuchForCausalLM"], "config.json: architectures: architecture 'NoSuchForCausalLM' is not a transformers"),
+])
+def test_error_unknown_architecture(tiny: tuple[Path, Path], tmp_path: Path, key: str, value: object, message: str) -> None:
+    src, out = tiny
+    bad = _copy(out, tmp_path / "bad")
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg[key] = value
+    (bad / "config.json").write_text(json.dumps(cfg))
+    assert message in one_line_error(invoke(bad, "--model", "--against", src))
+
+
+def _rename_layer(manifest: dict, t: dict, old: str, new: str) -> None:
+    for name in [n for n in t if n.startswith(old + ".")]:
+        t[new + name[len(old):]] = t.pop(name)
+    next(e for e in manifest["layers"] if e["name"] == old)["name"] = new
+
+
+def test_error_layers_without_modules_and_modules_without_layers_are_all_named(tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    src, out = tiny
+    bad = _copy(out, tmp_path / "bad")
+
+    def edit(manifest: dict, t: dict) -> None:
+        _rename_layer(manifest, t, Q, "model.layers.0.self_attn.qq_proj")
+        _rename_layer(manifest, t, "model.layers.0.self_attn.o_proj", "model.layers.0.self_attn.oo_proj")
+        k = "model.layers.0.self_attn.k_proj"
+        for name in [n for n in t if n.startswith(k + ".")]:
+            del t[name]
+        manifest["layers"] = [e for e in manifest["layers"] if e["name"] != k]
+
+    rewrite_artifact_arrays(bad / "model.safetensors", bad / "model.safetensors", edit)
+    line = one_line_error(invoke(bad, "--model", "--against", src))
+    assert line == (f"error: {bad}: 2 layer(s) in the artifact match no module of LlamaForCausalLM: model.layers.0.self_attn.oo_proj, "
+                    "model.layers.0.self_attn.qq_proj; 3 linear module(s) of LlamaForCausalLM have no layer in the artifact "
+                    "(neither converted nor a weight): model.layers.0.self_attn.q_proj, model.layers.0.self_attn.k_proj, "
+                    "model.layers.0.self_attn.o_proj")
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--model"], "error: --model needs --against SRC: the reference model is built from the source checkpoint"),
+    (["--model", "--shapes", "--against", "."], "error: --model and --shapes contradict each other (--shapes checks structure only)"),
+    (["--text", "t.txt", "--against", "."], "error: --text needs --model"),
+])
+def test_error_usage(tiny: tuple[Path, Path], args: list[str], message: str) -> None:
+    assert one_line_error(invoke(tiny[1], *args)) == message
+
+
+def test_error_text_without_a_tokenizer(tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    src, out = tiny
+    (tmp_path / "t.txt").write_text("hello world")
+    line = one_line_error(invoke(out, "--model", "--against", src, "--text", tmp_path / "t.txt"))
+    assert line == f"error: {out}: --text needs a tokenizer, and the folder has none (tokenizer.json / tokenizer_config.json)"
+
+
+def test_error_tinyloop_source_has_no_transformers_model(tiny: tuple[Path, Path]) -> None:
+    line = one_line_error(invoke(tiny[1], "--model", "--against", SAMPLE))
+    assert line == f"error: {SAMPLE}: the source is a .tinyloop checkpoint: TinyLoop models are not a transformers architecture"
+
+
+def _cli(*args: object) -> subprocess.CompletedProcess[str]:
+    code = "import sys; sys.argv[0] = 'marlin-verify'; from converter.cli import main_verify; main_verify()"
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(Path.home()), "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+
+
+def test_cli_json_pass_is_one_document_and_silent_on_stderr(tiny: tuple[Path, Path]) -> None:
+    src, out = tiny
+    p = _cli(out, "--model", "--against", src, "--json")
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["ok"] is True and doc["check"] == "model" and doc["architecture"] == "LlamaForCausalLM"
+    assert set(doc["metrics"]) == {"converted", "fp16_dequant", "fp32"} and len(doc["layers"]) == 8
+
+
+def test_cli_progress_lines_go_to_stderr(tiny: tuple[Path, Path]) -> None:
+    src, out = tiny
+    p = _cli(out, "--model", "--against", src, "--cpu")
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.splitlines() == [
+        "marlin-verify --model: [1/5] checking the artifact and the source",
+        "marlin-verify --model: [2/5] converted model on cpu",
+        "marlin-verify --model: [3/5] fp32 reference dequantized from the source",
+        "marlin-verify --model: [4/5] fp16-dequantized reference from the source",
+        "marlin-verify --model: [5/5] comparing",
+    ]
+    assert p.stdout.splitlines()[-1].startswith("OK: LlamaForCausalLM on cpu, 8 layers (3 dequant-fp16, 5 exact); logits mean rel err ")
+
+
+# --------------------------------------------------------------------------- the real checkpoints
+
+
+@pytest.fixture(scope="session")
+def real(realinput: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """Every llama-tiny producer and the full MiniLM, converted into model folders."""
+    root = tmp_path_factory.mktemp("real-models")
+    out = {}
+    for name in LLAMA + [MINILM]:
+        src = realinput / ("minilm" if name == MINILM else "llama-tiny") / name
+        convert(src, str(root / name) + "/")
+        out[name] = (src, root / name)
+    return out
+
+
+@pytest.mark.parametrize("name", LLAMA + [MINILM])
+def test_real_model_passes(real: dict[str, tuple[Path, Path]], name: str) -> None:
+    src, out = real[name]
+    rep = verify_model(out, src, gpu=False)
+    assert rep.ok, [p.message for p in rep.problems]
+    conv, f16 = rep.metrics["converted"], rep.metrics["fp16_dequant"]
+    assert conv["mean_rel_err"] <= 1.5 * f16["mean_rel_err"] and conv["top1"] >= f16["top1"] - 0.005
+    assert conv["top1"] >= 0.99 and conv["top5"] >= 0.98
+    assert all(r["path"] == "exact" and r["ok"] for r in rep.layers) and len(rep.layers) == (36 if name == MINILM else 7)
+    if name == MINILM:
+        assert rep.output == "last_hidden_state" and conv["cosine"] > 0.9999 and f16["cosine"] > 0.9999
+        assert [p.code for p in rep.problems] == ["unused_tensors"]
+    else:
+        assert rep.output == "logits" and rep.problems == [] and conv["mean_rel_err"] < 1e-2
+
+
+def test_minilm_loads_bert_prefixed_tensors_in_their_own_dtypes(real: dict[str, tuple[Path, Path]]) -> None:
+    m = load_model(real[MINILM][1], "cpu")
+    r = m.marlin_report
+    assert r.modules["bert.encoder.layer.0.attention.self.query"] == "encoder.layer.0.attention.self.query"
+    assert r.tensors["bert.embeddings.word_embeddings.weight"] == ["embeddings.word_embeddings.weight"]
+    assert m.embeddings.word_embeddings.weight.dtype == torch.bfloat16 and m.pooler.dense.weight.dtype == torch.float32
+    assert m.encoder.layer[0].attention.self.query.bias.dtype == torch.float16
+    assert r.unused == ["cls.predictions.bias", "cls.predictions.transform.LayerNorm.bias", "cls.predictions.transform.LayerNorm.weight",
+                        "cls.predictions.transform.dense.bias", "cls.predictions.transform.dense.weight", "embeddings.position_ids"]
+    with torch.inference_mode():
+        out = m(input_ids=torch.tensor([[101, 7592, 2088, 102]]))
+    assert out.last_hidden_state.dtype == torch.bfloat16 and out.pooler_output.dtype == torch.float32
+
+
+def test_tied_embedding_is_one_tensor_in_its_own_dtype(real: dict[str, tuple[Path, Path]]) -> None:
+    m = load_model(real["autoround-gptq-w4g128-asym"][1], "cpu")
+    assert m.lm_head.weight is m.model.embed_tokens.weight and m.lm_head.weight.dtype == torch.bfloat16
+    assert m.marlin_report.tensors["model.embed_tokens.weight"] == ["model.embed_tokens.weight", "lm_head.weight"]
+
+
+def test_real_model_with_text_reports_perplexities(real: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    src, out = real["gptqmodel-gptq-w4g128-asym-descact"]
+    (tmp_path / "t.txt").write_text((REPO / "README.md").read_text("utf-8")[:3000], "utf-8")
+    rep = verify_model(out, src, gpu=False, text=tmp_path / "t.txt")
+    assert rep.ok, rep.problems
+    assert rep.input["from"] == "text" and rep.input["sequences"] == 1 and rep.input["tokens"] == 512
+    ppl32 = rep.metrics["fp32"]["ppl"]
+    assert 1 < ppl32 < 1e4 and rep.metrics["converted"]["ppl_rel_diff"] < 1e-2 and rep.metrics["fp16_dequant"]["ppl_rel_diff"] < 1e-2
+
+
+def _planted(real: dict[str, tuple[Path, Path]], name: str, tmp_path: Path, edit) -> tuple[Path, Path]:
+    src, out = real[name]
+    bad = _copy(out, tmp_path / "bad")
+    rewrite_artifact_arrays(bad / "model.safetensors", bad / "model.safetensors", edit)
+    res = invoke(bad, "--shapes")  # re-sealed: the structure check has nothing to say
+    assert res.exit_code == 0, res.output
+    return src, bad
+
+
+def test_planted_zeroed_delta_is_caught_naming_the_layer(real: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    layer = "model.layers.0.mlp.down_proj"
+
+    def edit(manifest: dict, t: dict) -> None:
+        t[f"{layer}.marlin_delta"] = ("F32", np.zeros_like(t[f"{layer}.marlin_delta"][1]))
+        next(e for e in manifest["layers"] if e["name"] == layer)["symmetric"] = True  # a lie that --shapes cannot see
+
+    src, bad = _planted(real, "autoround-gptq-w4g128-asym", tmp_path, edit)
+    p = _cli(bad, "--model", "--against", src, "--json")
+    assert p.returncode == 1 and p.stderr == "", p.stderr
+    doc = json.loads(p.stdout)
+    errors = {(x["code"], x["tensor"]) for x in doc["problems"] if x["severity"] == "error"}
+    assert errors == {("model_error", ""), ("model_top1", ""), ("layer_error", layer)}
+    assert doc["metrics"]["converted"]["mean_rel_err"] > 0.1
+    row = next(r for r in doc["layers"] if r["name"] == layer)
+    assert row["ok"] is False and row["rel_err"] > 0.1
+
+
+def test_planted_dropped_bias_is_caught_naming_the_tensor(real: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    layer = "bert.encoder.layer.0.attention.self.query"
+
+    def edit(manifest: dict, t: dict) -> None:
+        del t[f"{layer}.bias"]
+        next(e for e in manifest["layers"] if e["name"] == layer)["has_bias"] = False
+
+    src, bad = _planted(real, MINILM, tmp_path, edit)
+    res = invoke(bad, "--model", "--against", src)
+    assert res.exit_code == 1, res.output
+    assert (f"[missing_bias] {layer}.bias: module encoder.layer.0.attention.self.query has a bias, the converted layer {layer} has none"
+            in res.stdout)
+    assert f"[layer_error] layer {layer} (module encoder.layer.0.attention.self.query)" in res.stdout
+    assert "[model_error] last_hidden_state: mean relative error" in res.stdout
+
+
+def test_planted_identity_perm_on_act_order_is_caught_naming_the_layer(real: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    def edit(manifest: dict, t: dict) -> None:
+        perm = t[f"{Q}.marlin_perm"][1]
+        assert not np.array_equal(perm, np.arange(perm.size))
+        t[f"{Q}.marlin_perm"] = ("I32", np.arange(perm.size, dtype=np.int32))
+
+    src, bad = _planted(real, "gptqmodel-gptq-w4g128-asym-descact", tmp_path, edit)
+    res = invoke(bad, "--model", "--against", src)
+    assert res.exit_code == 1, res.output
+    assert f"[layer_error] layer {Q} (module {Q}): output mean relative error" in res.stdout
+    assert "[model_error] logits: mean relative error" in res.stdout
+
+
+def test_planted_embedding_in_another_dtype_is_caught_naming_the_tensor(real: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    emb = "model.embed_tokens.weight"
+
+    def edit(manifest: dict, t: dict) -> None:
+        t[emb] = ("F32", t[emb][1].astype(np.float32))  # exact values: only the dtype is wrong
+
+    src, bad = _planted(real, "gptqmodel-gptq-w4g128-asym-descact", tmp_path, edit)
+    res = invoke(bad, "--model", "--against", src)
+    assert res.exit_code == 1, res.output
+    errors = [line for line in res.stdout.splitlines() if line.startswith("problem")]
+    assert errors == [f"problem [tensor_dtype] {emb}: loaded as F32 (the artifact's dtype) into {emb}, but the source stores F16"]
+
+
+def test_planted_tensor_with_other_bytes_is_caught(real: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    norm = "model.norm.weight"
+
+    def edit(manifest: dict, t: dict) -> None:
+        w = t[norm][1].copy()
+        w[:3] = np.float16(0)
+        t[norm] = ("F16", w)
+
+    src, bad = _planted(real, "gptqmodel-gptqv2-w4g128-asym", tmp_path, edit)
+    rep = verify_model(bad, src, gpu=False)
+    assert [(p.code, p.message) for p in rep.problems if p.code == "tensor_bytes"] == [
+        ("tensor_bytes", f"{norm}: 3 of 512 values differ from the source's")]
+    assert not rep.ok
+
+
+def test_wrong_tensor_name_is_a_missing_tensor(real: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    def edit(manifest: dict, t: dict) -> None:
+        t["model.nrm.weight"] = t.pop("model.norm.weight")
+        for e in manifest["passthrough"]:
+            if e["name"] == "model.norm.weight":
+                e["name"] = "model.nrm.weight"
+
+    src, bad = _planted(real, "gptqmodel-gptqv2-w4g128-asym", tmp_path, edit)
+    rep = verify_model(bad, src, gpu=False)
+    assert [(p.code, p.tensor) for p in rep.problems if p.severity == "error"][0] == ("missing_tensor", "model.norm.weight")
+    assert any(p.code == "unused_tensors" and "model.nrm.weight" in p.message for p in rep.problems)
+    with pytest.raises(ModelError, match=r"have nothing in the artifact to load: model\.norm\.weight"):
+        load_model(bad, "cpu")
+
+
+def test_folder_mode_files_are_untouched_by_a_read(real: dict[str, tuple[Path, Path]]) -> None:
+    # load_model reads only: the folder's bytes are the same afterwards.
+    out = real["autoawq-gemm-w4g128-asym"][1]
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    load_model(out, "cpu")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
