@@ -91,14 +91,68 @@ class ModelClass:
     kind: str
 
     def build(self, config: Any, *, dtype: Any, attn_implementation: str | None) -> Any:
+        """The model skeleton, in eval mode, without gradients; its ``nn.Linear`` and
+        ``nn.Embedding`` weights are on the meta device (see :func:`meta_weights`)."""
         kwargs: dict[str, Any] = {"dtype": dtype}
         if attn_implementation:
             kwargs["attn_implementation"] = attn_implementation
-        with quiet_transformers():
+        with quiet_transformers(), meta_weights():
             model = self.auto.from_config(config, **kwargs) if self.auto is not None else self.cls._from_config(config, **kwargs)
         model.eval()
         model.requires_grad_(False)
         return model
+
+
+@contextlib.contextmanager
+def meta_weights() -> Iterator[None]:
+    """``nn.Linear`` and ``nn.Embedding`` made while this is active put their weights on
+    the meta device (no memory, no initialisation).
+
+    Every such weight of a skeleton is either swapped out with its layer or replaced by
+    a checkpoint tensor (or reported missing), so allocating and randomly initialising
+    them would only cost time and, transiently, a whole model's memory (a 70B model's
+    fp16 skeleton alone is 140 GB). Norms, buffers (rotary frequencies, position ids)
+    and any other parameter are built as transformers builds them.
+    """
+    from torch import nn
+
+    saved = {cls: cls.__init__ for cls in (nn.Linear, nn.Embedding)}
+
+    def patch(cls: type, orig: Any) -> None:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("device", "meta")
+            orig(self, *args, **kwargs)
+
+        cls.__init__ = __init__  # type: ignore[method-assign]
+
+    try:
+        for cls, orig in saved.items():
+            patch(cls, orig)
+        yield
+    finally:
+        for cls, orig in saved.items():
+            cls.__init__ = orig  # type: ignore[method-assign]
+
+
+def materialize_missing(model: Any, missing: list[str]) -> None:
+    """Give every parameter still on the meta device (one the checkpoint did not feed,
+    reported in ``missing``) real zeros on the CPU.
+
+    Raises:
+        ModelError: a meta tensor that no finding explains (a bug here, not the input's).
+    """
+    import torch
+
+    stray = []
+    for mod_name, mod in model.named_modules():
+        for attr, p in list(mod._parameters.items()):
+            if p is not None and p.device.type == "meta":
+                name = f"{mod_name}.{attr}" if mod_name else attr
+                if name not in missing:
+                    stray.append(name)
+                mod._parameters[attr] = torch.nn.Parameter(torch.zeros(p.shape, dtype=p.dtype), requires_grad=False)
+    if stray:
+        raise ModelError(f"internal: parameters left unloaded on the meta device: {', '.join(stray)}")
 
 
 def model_class(config: Any, cfg: dict[str, Any], *, path: Path) -> ModelClass:
@@ -220,6 +274,7 @@ def apply_binding(model: Any, b: Binding, *, make_layer: Callable[[str, str], An
     """
     import torch
 
+    from ..safetensors_io import release_mapped_pages
     from .modules import promoting_linear_forward
 
     # Shapes only: holding the skeleton's tensors here would keep them alive.
@@ -230,6 +285,7 @@ def apply_binding(model: Any, b: Binding, *, make_layer: Callable[[str, str], An
         parent_name, _, child = module.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, make_layer(module, layer))
+        release_mapped_pages()  # the layer is copied: its pages of the checkpoint need not stay resident
     for tensor_name, names in b.loads.items():
         t = load_tensor(tensor_name)
         for name in names:
@@ -239,6 +295,7 @@ def apply_binding(model: Any, b: Binding, *, make_layer: Callable[[str, str], An
         for name in names:
             _set_tensor(model, name, param if name in is_param else t)
         del t, param
+        release_mapped_pages()
     for _, mod in model.named_modules():
         if type(mod) is torch.nn.Linear:
             mod.forward = types.MethodType(promoting_linear_forward, mod)

@@ -22,9 +22,10 @@ from .build import (
     import_stack,
     inventory,
     layer_slot,
+    materialize_missing,
     model_class,
 )
-from .names import Binding, bind
+from .names import bind, missing_names, untie
 
 TINYLOOP_MESSAGE = (
     "converted from a .tinyloop checkpoint: TinyLoop models are not a transformers architecture, so there is "
@@ -279,8 +280,9 @@ def build_converted(path: str | Path, device: Any = "cuda", *, strict: bool = Tr
             report.layers[layer] = EXACT
             return ExactMarlinLinear(layer, q, scales, D, perm, bias, rec.group_size).to(dev)
 
+        report.warnings += untie(b, lambda a, o: same_tensor(art.file, a, art.file, o))
         apply_binding(model, b, make_layer=make_layer, load_tensor=tensor, path=folder)
-        report.warnings += _alias_warnings(b, art)
+        materialize_missing(model, missing_names(groups, b.missing))
         report.tensors = {t: list(n) for t, n in b.loads.items()}
         report.missing = list(b.missing)
         report.unused = list(b.unused)
@@ -292,14 +294,10 @@ def build_converted(path: str | Path, device: Any = "cuda", *, strict: bool = Tr
     return model, report
 
 
-def _alias_warnings(b: Binding, art: Any) -> list[str]:
-    out = []
-    for model_name, loaded, other in b.aliases:
-        a, o = art.file.infos[loaded], art.file.infos[other]
-        same = (a.dtype, a.shape) == (o.dtype, o.shape) and bytes(art.file.raw(loaded)) == bytes(art.file.raw(other))
-        if not same:
-            out.append(f"{other} differs from {loaded}, but the model ties {model_name} to it: {loaded} is used")
-    return out
+def same_tensor(fa: Any, a: str, fb: Any, b: str) -> bool:
+    """Whether tensor ``a`` of file ``fa`` and ``b`` of ``fb`` have one dtype, shape and bytes."""
+    ia, ib = fa.infos[a], fb.infos[b]
+    return (ia.dtype, tuple(ia.shape)) == (ib.dtype, tuple(ib.shape)) and bytes(fa.raw(a)) == bytes(fb.raw(b))
 
 
 def load_model(path: str | Path, device: Any = "cuda", *, strict: bool = True, attn_implementation: str | None = None) -> Any:

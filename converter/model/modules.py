@@ -52,6 +52,17 @@ def to_torch(arr: np.ndarray, dtype: str) -> torch.Tensor:
     return torch.from_numpy(a)
 
 
+def to_torch_f32(arr: np.ndarray, dtype: str) -> torch.Tensor:
+    """A float32 torch tensor of a float safetensors array (F16, BF16 as raw uint16, F32,
+    F64), made in one allocation; other dtypes as :func:`to_torch`. bf16 and fp16 to
+    fp32 are exact."""
+    if dtype == "BF16":
+        return torch.from_numpy((np.asarray(arr, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32))
+    if dtype in ("F16", "F32", "F64"):
+        return torch.from_numpy(np.array(arr, dtype=np.float32))
+    return to_torch(arr, dtype)
+
+
 def dtype_code(t: torch.Tensor) -> str:
     """The safetensors dtype code of a torch tensor (``"F16"``, ``"BF16"`` ...)."""
     for code, dt in _TORCH_DTYPES.items():

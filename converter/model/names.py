@@ -12,7 +12,7 @@ model's ``base_model_prefix`` added (or removed, when it starts with it).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,3 +162,31 @@ def bind(
                 used.add(t)
     out.unused = sorted(all_tensors - used)
     return out
+
+
+def untie(b: Binding, same: Callable[[str, str], bool]) -> list[str]:
+    """Load tied names separately where their checkpoint tensors differ, as
+    transformers' ``from_pretrained`` does (it ties only identical tensors).
+
+    Args:
+        b: the binding; its ``loads`` are edited in place.
+        same: ``same(tensor a, tensor b)``: equal dtype, shape and bytes.
+
+    Returns:
+        One warning per untied name.
+    """
+    out = []
+    for model_name, first, other in b.aliases:
+        if same(first, other):
+            continue
+        b.loads[first].remove(model_name)
+        b.loads.setdefault(other, []).append(model_name)
+        out.append(f"{model_name} is tied to {b.loads[first][0]} by the config, but the checkpoint's {other} differs from "
+                   f"{first}: loaded untied, as transformers does")
+    return out
+
+
+def missing_names(groups: Iterable[Iterable[str]], missing: Iterable[str]) -> set[str]:
+    """Every model name (tied aliases included) of the groups a missing name belongs to."""
+    miss = set(missing)
+    return {n for g in groups for n in g if miss.intersection(g)}

@@ -20,9 +20,20 @@ import numpy as np
 
 from ..formats.base import Source
 from . import ModelError
-from .build import ModelClass, apply_binding, binding_errors, config_dtype, hf_config, import_stack, inventory, layer_slot, model_class
+from .build import (
+    ModelClass,
+    apply_binding,
+    binding_errors,
+    config_dtype,
+    hf_config,
+    import_stack,
+    inventory,
+    layer_slot,
+    materialize_missing,
+    model_class,
+)
 from .loader import dequantized_weight
-from .names import Binding, bind
+from .names import Binding, bind, missing_names, untie
 
 FP32, FP16 = "fp32", "fp16"
 
@@ -63,7 +74,16 @@ def source_binding(source: Source, model: Any, mc: ModelClass, folder: Path) -> 
     absent = [m for m in b.missing if not m.endswith(".bias") or m.rsplit(".", 1)[0] not in plans]
     if absent:
         raise ModelError(f"the source checkpoint has nothing for {len(absent)} tensor(s) of {mc.name}: {', '.join(absent)}", path=folder)
+    ckpt = source.ckpt
+    untie(b, lambda x, y: _same_source_tensor(ckpt, x, y))
     return b, plans
+
+
+def _same_source_tensor(ckpt: Any, a: str, b: str) -> bool:
+    ia, ib = ckpt.info(a), ckpt.info(b)
+    if (ia.dtype, tuple(ia.shape)) != (ib.dtype, tuple(ib.shape)):
+        return False
+    return np.ascontiguousarray(ckpt.array(a)).tobytes() == np.ascontiguousarray(ckpt.array(b)).tobytes()
 
 
 def build_reference(source: Source, precision: str, device: Any, *, attn_implementation: str | None = "eager") -> tuple[Any, Binding]:
@@ -83,19 +103,19 @@ def build_reference(source: Source, precision: str, device: Any, *, attn_impleme
         ModelError: see :func:`source_config` and :func:`source_binding`.
     """
     torch, _ = import_stack()
-    from .modules import DENSE_FP32, DEQUANT_FP16, DenseLinear, to_torch
+    from .modules import DENSE_FP32, DEQUANT_FP16, DenseLinear, to_torch, to_torch_f32
 
     folder, cfg = source_config(source)
     config = hf_config(cfg, path=folder / "config.json")
     mc = model_class(config, cfg, path=folder / "config.json")
     fp32 = precision == FP32
     model = mc.build(config, dtype=torch.float32 if fp32 else config_dtype(cfg), attn_implementation=attn_implementation)
+    inventory_groups = inventory(model)[1]
     b, plans = source_binding(source, model, mc, folder)
 
     def tensor(name: str) -> Any:
         t = source.load_tensor(name)
-        out = to_torch(t.data, t.dtype)
-        return out.float() if fp32 and out.is_floating_point() else out
+        return to_torch_f32(t.data, t.dtype) if fp32 else to_torch(t.data, t.dtype)
 
     def make_layer(module: str, layer: str) -> Any:
         lp = plans[layer]
@@ -106,5 +126,6 @@ def build_reference(source: Source, precision: str, device: Any, *, attn_impleme
         return DenseLinear(layer, w.to(torch.float16), bias, DEQUANT_FP16).to(device)
 
     apply_binding(model, b, make_layer=make_layer, load_tensor=tensor, path=folder)
+    materialize_missing(model, missing_names(inventory_groups, b.missing))
     model.to(device)
     return model, b

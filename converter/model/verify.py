@@ -29,7 +29,9 @@ layer at a time.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
+import inspect
 import math
 import resource
 import time
@@ -145,16 +147,20 @@ def input_ids(folder: Path, cfg: dict[str, Any], text: str | Path | None) -> tup
     return arr, {"from": "text", "text": str(text), "sequences": 1, "tokens": int(arr.shape[1])}
 
 
-def _run(model: Any, ids: np.ndarray, kind: str, device: Any) -> tuple[np.ndarray, str]:
-    """float32 ``(sequences, tokens, V or hidden)`` on the host, and its name."""
+def _run(model: Any, ids: np.ndarray, device: Any) -> tuple[np.ndarray, str]:
+    """float32 ``(sequences, tokens, V or hidden)`` on the host, and its name.
+
+    Raises:
+        ModelError: the forward pass fails (mixed dtypes an architecture cannot take ...).
+    """
     import torch
 
     x = torch.from_numpy(ids).to(device)
     kwargs: dict[str, Any] = {"input_ids": x, "attention_mask": torch.ones_like(x)}
-    if kind == CAUSAL_LM:
+    if "use_cache" in inspect.signature(model.forward).parameters:
         kwargs["use_cache"] = False
     try:
-        with torch.inference_mode():
+        with torch.no_grad():  # (not inference_mode: the kernel's tensors cross DLPack)
             out = model(**kwargs)
     except (RuntimeError, TypeError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -165,9 +171,14 @@ def _run(model: Any, ids: np.ndarray, kind: str, device: Any) -> tuple[np.ndarra
 
 
 def _free(device: Any) -> None:
+    """Return a freed model's memory: Python's, glibc's heap (``malloc_trim``), the GPU pools."""
     import torch
 
     gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
     if device.type == "cuda":
         torch.cuda.empty_cache()
         from ..gpu.runtime import cupy_module
@@ -175,8 +186,13 @@ def _free(device: Any) -> None:
         cupy_module().get_default_memory_pool().free_all_blocks()
 
 
+#: Rows (positions) per chunk of the comparison, so that float64 temporaries stay small
+#: whatever the vocabulary.
+_CHUNK_ELEMENTS = 1 << 20
+
+
 def output_metrics(y: np.ndarray, ref: np.ndarray, *, encoder: bool, ids: np.ndarray | None) -> dict[str, Any]:
-    """Compare one model's output with the fp32 reference's.
+    """Compare one model's output with the fp32 reference's, a few positions at a time.
 
     Args:
         y, ref: float32 ``(sequences, tokens, features)``.
@@ -184,40 +200,60 @@ def output_metrics(y: np.ndarray, ref: np.ndarray, *, encoder: bool, ids: np.nda
         ids: the tokens, for the perplexity of ``y`` (causal LMs on ``--text``), or None.
 
     Returns:
-        ``mean_rel_err``, ``max_rel_err``, ``top1``, ``top5`` (see :class:`ModelReport`),
-        ``cosine`` and ``ppl`` when asked; errors are ``inf`` when ``y`` is not finite.
+        ``mean_rel_err`` (mean |y - ref| / mean |ref|), ``max_rel_err`` (max |y - ref| /
+        mean |ref|), ``top1``, ``top5`` (see :class:`ModelReport`), and when asked
+        ``cosine`` (lowest over sequences) and ``ppl``; errors are ``inf`` and the cosine
+        -1 when ``y`` is not finite. Temporaries: about ``_CHUNK_ELEMENTS`` float64 values.
     """
-    y64, r64 = y.astype(np.float64), ref.astype(np.float64)
-    finite = bool(np.isfinite(y64).all())
-    scale = float(np.abs(r64).mean()) or 1.0
-    diff = np.abs(y64 - r64)
+    b, t, v = y.shape
+    k = min(5, v)
+    rows = max(1, _CHUNK_ELEMENTS // max(v, 1))
+    sum_diff = sum_ref = 0.0
+    max_diff = 0.0
+    top1 = top5 = 0.0
+    finite = True
+    pooled_y = np.zeros((b, v)) if encoder else None
+    pooled_r = np.zeros((b, v)) if encoder else None
+    nll, n_nll = 0.0, 0
+    for i in range(b):
+        for t0 in range(0, t, rows):
+            yc = y[i, t0 : t0 + rows].astype(np.float64)
+            rc = ref[i, t0 : t0 + rows].astype(np.float64)
+            finite &= bool(np.isfinite(yc).all())
+            d = np.abs(yc - rc)
+            sum_diff += float(d.sum())
+            max_diff = max(max_diff, float(d.max()))
+            sum_ref += float(np.abs(rc).sum())
+            top1 += float(np.sum(np.argmax(yc, axis=1) == np.argmax(rc, axis=1)))
+            ty = np.argpartition(-yc, k - 1, axis=1)[:, :k]
+            tr = np.argpartition(-rc, k - 1, axis=1)[:, :k]
+            top5 += sum(len(set(a) & set(c)) / k for a, c in zip(ty.tolist(), tr.tolist()))
+            if encoder:
+                pooled_y[i] += yc.sum(axis=0)
+                pooled_r[i] += rc.sum(axis=0)
+            if ids is not None:
+                nxt = ids[i, t0 + 1 : t0 + 1 + len(yc)]  # position p predicts token p + 1
+                lg = yc[: len(nxt)]
+                if len(nxt):
+                    m = lg.max(axis=1, keepdims=True)
+                    logz = m[:, 0] + np.log(np.exp(lg - m).sum(axis=1))
+                    nll += float(np.sum(logz - lg[np.arange(len(nxt)), nxt]))
+                    n_nll += len(nxt)
+    n = b * t
+    scale = (sum_ref / (n * v)) or 1.0
     out: dict[str, Any] = {
-        "mean_rel_err": float(diff.mean()) / scale if finite else math.inf,
-        "max_rel_err": float(diff.max()) / scale if finite else math.inf,
+        "mean_rel_err": sum_diff / (n * v) / scale if finite else math.inf,
+        "max_rel_err": max_diff / scale if finite else math.inf,
+        "top1": top1 / n,
+        "top5": top5 / n,
     }
-    yf, rf = y64.reshape(-1, y.shape[-1]), r64.reshape(-1, y.shape[-1])
-    out["top1"] = float(np.mean(np.argmax(yf, axis=1) == np.argmax(rf, axis=1)))
-    k = min(5, y.shape[-1])
-    ty = np.argpartition(-yf, k - 1, axis=1)[:, :k]
-    tr = np.argpartition(-rf, k - 1, axis=1)[:, :k]
-    out["top5"] = float(np.mean([len(set(a) & set(b)) / k for a, b in zip(ty.tolist(), tr.tolist())]))
     if encoder:
-        py, pr = y64.mean(axis=1), r64.mean(axis=1)
-        cos = (py * pr).sum(axis=1) / (np.linalg.norm(py, axis=1) * np.linalg.norm(pr, axis=1) + 1e-30)
+        cos = (pooled_y * pooled_r).sum(axis=1) / (np.linalg.norm(pooled_y, axis=1) * np.linalg.norm(pooled_r, axis=1) + 1e-30)
         out["cosine"] = float(cos.min()) if finite else -1.0
     if ids is not None:
-        out["ppl"] = perplexity(y64, ids)
+        mean_nll = nll / max(n_nll, 1)
+        out["ppl"] = math.exp(mean_nll) if finite and math.isfinite(mean_nll) and mean_nll < 700 else math.inf
     return out
-
-
-def perplexity(logits: np.ndarray, ids: np.ndarray) -> float:
-    """``exp`` of the mean next-token negative log-likelihood (float64)."""
-    lg = logits[:, :-1, :]
-    m = lg.max(axis=-1, keepdims=True)
-    logz = (m[..., 0] + np.log(np.exp(lg - m).sum(axis=-1)))
-    target = np.take_along_axis(lg, ids[:, 1:, None], axis=-1)[..., 0]
-    nll = float(np.mean(logz - target))
-    return math.exp(nll) if math.isfinite(nll) else math.inf
 
 
 class _LayerProbe:
@@ -242,6 +278,7 @@ class _LayerProbe:
         self.handles.clear()
         for mod in self.modules.values():
             mod.keep_raw, mod.raw_output = False, None
+        self.modules = {}  # no reference may keep the converted model alive past its stage
 
     def _hook(self, mod: Any, args: tuple[Any, ...], out: Any) -> None:
         import torch
@@ -271,12 +308,16 @@ class _LayerProbe:
         e16 = float((y16 - ref).abs().mean()) / scale
         s = self.stats.setdefault(mod.layer_name, [0.0, 0.0])
         s[0], s[1] = max(s[0], e), max(s[1], e16)
+        from ..safetensors_io import release_mapped_pages
+
+        release_mapped_pages()
 
 
 def _tensor_checks(model: Any, load: Any, source: Any, report: ModelReport) -> None:
     """Every pass-through tensor the converted model loaded against the source's: dtype, then bytes."""
     import torch
 
+    from ..safetensors_io import release_mapped_pages
     from .modules import dtype_code
 
     named = dict(model.named_parameters(remove_duplicate=False))
@@ -296,11 +337,21 @@ def _tensor_checks(model: Any, load: Any, source: Any, report: ModelReport) -> N
             continue
         ours = t.detach().cpu().contiguous()
         ours_np = (ours.view(torch.int16) if ours.dtype == torch.bfloat16 else ours).numpy().reshape(-1)
-        src_np = np.ascontiguousarray(src.data).reshape(-1)
-        if ours_np.tobytes() != src_np.tobytes():
-            view = f"u{ours_np.dtype.itemsize}"
-            n = int(np.count_nonzero(ours_np.view(view) != src_np.view(view))) if ours_np.size == src_np.size else ours_np.size
+        src_np = np.asarray(src.data).reshape(-1)
+        n = _count_differing(ours_np, src_np)
+        if n:
             report.add("tensor_bytes", f"{tname}: {n} of {src_np.size} values differ from the source's", tname)
+        del ours, ours_np, src_np
+        release_mapped_pages()
+
+
+def _count_differing(a: np.ndarray, b: np.ndarray, chunk: int = 1 << 20) -> int:
+    """How many elements differ bitwise between two flat arrays of one item size (all, if the sizes differ)."""
+    if a.size != b.size or a.dtype.itemsize != b.dtype.itemsize:
+        return max(a.size, b.size)
+    view = f"u{a.dtype.itemsize}"
+    a, b = a.view(view), b.view(view)
+    return sum(int(np.count_nonzero(a[i : i + chunk] != b[i : i + chunk])) for i in range(0, a.size, chunk))
 
 
 def verify_model(
@@ -373,13 +424,22 @@ def verify_model(
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         cupy_peak = 0
+        encoder = None
+        ppl_ids = None
+        with stage("fp32 reference dequantized from the source"):
+            ref, _ = build_reference(source, FP32, device, attn_implementation=attn_implementation)
+            y32, report.output = _run(ref, ids, device)
+            del ref
+            _free(device)
+            encoder = report.output == "last_hidden_state"
         with stage(f"converted model on {device}"):
             model, load = build_converted(folder, device, strict=False, attn_implementation=attn_implementation,
                                           validate=False, kernel_factory=kernel_factory)
             report.architecture, report.kind, report.load = load.architecture, load.kind, load.to_json()
+            ppl_ids = ids if text is not None and load.kind == CAUSAL_LM else None
             probe = _LayerProbe(source, plans)
             probe.attach(swapped_modules(model))
-            y_conv, report.output = _run(model, ids, load.kind, device)
+            y, _ = _run(model, ids, device)
             probe.detach()
             _tensor_checks(model, load, source, report)
             if device.type == "cuda":
@@ -387,19 +447,20 @@ def verify_model(
 
                 cupy_peak = int(cupy_module().get_default_memory_pool().total_bytes())
             del model
-            _free(device)
-        with stage("fp32 reference dequantized from the source"):
-            ref, _ = build_reference(source, FP32, device, attn_implementation=attn_implementation)
-            y32, _ = _run(ref, ids, load.kind, device)
-            del ref
+            conv = output_metrics(y, y32, encoder=encoder, ids=ppl_ids)
+            del y
             _free(device)
         with stage("fp16-dequantized reference from the source"):
             ref, _ = build_reference(source, FP16, device, attn_implementation=attn_implementation)
-            y16, _ = _run(ref, ids, load.kind, device)
+            y, _ = _run(ref, ids, device)
             del ref
+            f16 = output_metrics(y, y32, encoder=encoder, ids=ppl_ids)
+            del y
             _free(device)
         with stage("comparing"):
-            _judge(report, load, probe, plans, y_conv, y16, y32, ids, text is not None)
+            ref32 = {"ppl": output_metrics(y32, y32, encoder=False, ids=ppl_ids)["ppl"]} if ppl_ids is not None else {}
+            del y32
+            _judge(report, load, probe, plans, conv, f16, ref32)
         if device.type == "cuda":
             report.gpu_peak_bytes = int(torch.cuda.max_memory_allocated(device)) + cupy_peak
     return _finish(report, t_start)
@@ -411,15 +472,9 @@ def _finish(report: ModelReport, t_start: float) -> ModelReport:
     return report
 
 
-def _judge(report: ModelReport, load: Any, probe: _LayerProbe, plans: dict[str, Any], y_conv: np.ndarray, y16: np.ndarray,
-           y32: np.ndarray, ids: np.ndarray, with_text: bool) -> None:
-    encoder = report.output == "last_hidden_state"
-    ppl_ids = ids if with_text and report.kind == CAUSAL_LM else None
-    conv = output_metrics(y_conv, y32, encoder=encoder, ids=ppl_ids)
-    f16 = output_metrics(y16, y32, encoder=encoder, ids=ppl_ids)
-    ref32: dict[str, Any] = {}
-    if ppl_ids is not None:
-        ref32["ppl"] = perplexity(y32.astype(np.float64), ids)
+def _judge(report: ModelReport, load: Any, probe: _LayerProbe, plans: dict[str, Any], conv: dict[str, Any], f16: dict[str, Any],
+           ref32: dict[str, Any]) -> None:
+    if "ppl" in ref32:
         for m in (conv, f16):
             m["ppl_rel_diff"] = abs(m["ppl"] - ref32["ppl"]) / ref32["ppl"] if math.isfinite(m["ppl"]) else math.inf
     report.metrics = {"converted": conv, "fp16_dequant": f16, "fp32": ref32}
