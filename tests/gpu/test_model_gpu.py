@@ -1,0 +1,70 @@
+"""load_model on CUDA: converted layers through our kernel (MarlinLinearModule), the rest
+as on the CPU; on the synthetic GPTQ Llama of tests/model_fixture.py (needs no checkpoints)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from converter.convert import convert
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from model_fixture import DEQUANT_LAYERS, FALLBACK_LAYERS, KERNEL_LAYERS, write_tiny_llama  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("tiny-gpu")
+    src = write_tiny_llama(root / "src")
+    convert(src, str(root / "out") + "/")
+    return src, root / "out"
+
+
+def test_load_model_cuda_runs_the_kernel(cp, tiny: tuple[Path, Path]) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    from converter import load_model
+    from converter.model.modules import KernelMarlinLinear
+
+    _, out = tiny
+    gpu = load_model(out, "cuda")
+    r = gpu.marlin_report
+    assert r.device.startswith("cuda")
+    assert r.layers == {**{n: "marlin-kernel" for n in KERNEL_LAYERS}, **{n: "exact" for n in FALLBACK_LAYERS},
+                        **{n: "dequant-fp16" for n in DEQUANT_LAYERS}}
+    assert set(r.kernel_fallback) == set(FALLBACK_LAYERS)
+    assert isinstance(gpu.model.layers[0].self_attn.q_proj, KernelMarlinLinear)
+    ids = torch.from_numpy(np.random.default_rng(1).integers(0, 200, (3, 33)))
+    cpu = load_model(out, "cpu")
+    with torch.no_grad():
+        y_gpu = gpu(input_ids=ids.cuda(), use_cache=False).logits.float().cpu()
+        y_cpu = cpu(input_ids=ids, use_cache=False).logits.float()
+    rel = float((y_gpu - y_cpu).abs().mean() / y_cpu.abs().mean())
+    assert rel < 3e-3, rel
+    # The swapped kernel module alone, on bf16 activations: cast in and out around the fp16 kernel.
+    q_gpu, q_cpu = gpu.model.layers[0].self_attn.q_proj, cpu.model.layers[0].self_attn.q_proj
+    x = torch.randn(5, 128, dtype=torch.bfloat16)
+    with torch.no_grad():
+        a, b = q_gpu(x.cuda()).float().cpu(), q_cpu(x).float()
+    assert q_gpu(x.cuda()).dtype == torch.bfloat16
+    assert float((a - b).abs().mean() / b.abs().mean()) < 5e-3
+
+
+def test_verify_model_on_the_gpu_passes(cp, tiny: tuple[Path, Path]) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    from converter.model.verify import verify_model
+
+    src, out = tiny
+    rep = verify_model(out, src, gpu=True)
+    assert rep.ok, [p.message for p in rep.problems]
+    assert rep.device.startswith("cuda") and rep.gpu_peak_bytes > 0
+    kernel = [r for r in rep.layers if r["path"] == "marlin-kernel"]
+    assert sorted(r["name"] for r in kernel) == sorted(KERNEL_LAYERS)
+    assert all(r["rel_err"] < 1e-3 for r in kernel), kernel
+    assert [p.tensor for p in rep.problems if p.code == "kernel_fallback"] == FALLBACK_LAYERS
