@@ -4,20 +4,24 @@
 #
 #   PYTHONPATH=$PWD bash scripts/gpu_model_parity.sh REALINPUT [OUTDIR]
 #
+# OUTDIR (default $OUT/model-parity, or /tmp/model-parity) gets the reports (<name>.json,
+# <name>.json.stderr, runs.tsv); the converted model folders go to $WORK (default
+# /tmp/model-parity-models), so that only the small reports come back from a device run.
 # REALINPUT holds llama-tiny/ and minilm/ (a copy of shared/realinput, e.g. .realinput/).
 # 1. the GPU tests of the model path (tests/gpu/test_model_gpu.py, synthetic model);
-# 2. every llama-tiny producer and the full MiniLM: marlin-convert SRC OUTDIR/<name>/, then
-#    marlin-verify OUTDIR/<name> --model --against SRC --gpu --json (OUTDIR/<name>.json);
+# 2. every llama-tiny producer and the full MiniLM: marlin-convert SRC WORK/<name>/, then
+#    marlin-verify WORK/<name> --model --against SRC --gpu --json (OUTDIR/<name>.json);
 # 3. one --text run (perplexities) on the act-order Llama;
 # then a table. Exit 1 if a test, a conversion or a verification failed.
 # DEVICE=--cpu runs the same on the CPU (a smoke test of this script without a GPU).
 set -uo pipefail
 real=${1:?usage: scripts/gpu_model_parity.sh REALINPUT [OUTDIR]}
 out=${2:-${OUT:-/tmp}/model-parity}
+work=${WORK:-/tmp/model-parity-models}
 export PYTHONPATH=${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 py=${PYTHON:-python3}
 device=${DEVICE:---gpu}
-mkdir -p "$out"
+mkdir -p "$out" "$work"
 conv() { "$py" -c "import sys; sys.argv[0]='marlin-convert'; from converter.cli import main_convert; main_convert()" "$@"; }
 now() { date +%s.%N; }
 fail=0
@@ -39,7 +43,7 @@ run() {  # run NAME SRC JSON [extra marlin-verify args]
   local name=$1 src=$2 json=$3 t0 rc
   shift 3
   t0=$(now)
-  timeout 600 "${verify_cmd[@]}" "$out/$name" --model --against "$src" "$device" --json "$@" > "$json" 2> "$json.stderr"
+  timeout 600 "${verify_cmd[@]}" "$work/$name" --model --against "$src" "$device" --json "$@" > "$json" 2> "$json.stderr"
   rc=$?
   printf '%s\t%s\t%s\t%s\n' "$(basename "$json" .json)" "$rc" "$(awk -v a="$t0" -v b="$(now)" 'BEGIN { print b - a }')" "$json" >> "$out/runs.tsv"
   [ "$rc" -eq 0 ] || fail=1
@@ -47,13 +51,13 @@ run() {  # run NAME SRC JSON [extra marlin-verify args]
 }
 for src in "${srcs[@]}"; do
   name=$(basename "$src")
-  if ! conv "$src" "$out/$name/" --force --quiet; then echo "CONVERT FAILED $name"; fail=1; continue; fi
+  if ! conv "$src" "$work/$name/" --force --quiet; then echo "CONVERT FAILED $name"; fail=1; continue; fi
   run "$name" "$src" "$out/$name.json"
 done
 
 echo "== 3. --text (perplexity) on the act-order Llama"
 descact="$real/llama-tiny/gptqmodel-gptq-w4g128-asym-descact"
-[ -d "$out/gptqmodel-gptq-w4g128-asym-descact" ] && run gptqmodel-gptq-w4g128-asym-descact "$descact" "$out/descact+text.json" --text README.md
+[ -d "$work/gptqmodel-gptq-w4g128-asym-descact" ] && run gptqmodel-gptq-w4g128-asym-descact "$descact" "$out/descact+text.json" --text README.md
 
 "$py" - "$out/runs.tsv" <<'PY' || fail=1
 import json, sys

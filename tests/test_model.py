@@ -33,7 +33,7 @@ from converter.marlin.layout import unpack_b, unpermute_scales  # noqa: E402
 from converter.model import ModelError  # noqa: E402
 from converter.model.loader import build_converted, dequantized_weight  # noqa: E402
 from converter.model.modules import DenseLinear, ExactMarlinLinear, KernelMarlinLinear  # noqa: E402
-from converter.model.names import LayerSlot, LinearSlot, bind, candidates  # noqa: E402
+from converter.model.names import LayerSlot, LinearSlot, bind, candidates, untie  # noqa: E402
 from converter.model.verify import verify_model  # noqa: E402
 from converter.verify import artifact_weight, unpack_layer  # noqa: E402
 
@@ -91,6 +91,18 @@ def test_bind_names_unmatched_layers_unbound_modules_and_shape_mismatches() -> N
     assert b.unmatched_layers == ["a.qq"]
     assert b.unbound_modules == ["a.q"]
     assert b.shape_errors == ["layer a.k is 32 -> 64 (K -> N), module a.k is 16 -> 64"]
+
+
+def test_untie_loads_differing_tied_tensors_separately() -> None:
+    b = bind(linears={"lm_head": LinearSlot(8, 4, False)}, model_tensors=[["model.embed.weight", "lm_head.weight"]], layers={},
+             tensors={"model.embed.weight", "lm_head.weight"}, prefix="model")
+    assert b.loads == {"model.embed.weight": ["model.embed.weight", "lm_head.weight"]}
+    assert b.aliases == [("lm_head.weight", "model.embed.weight", "lm_head.weight")] and b.unused == []
+    assert untie(b, lambda a, c: True) == [] and b.loads == {"model.embed.weight": ["model.embed.weight", "lm_head.weight"]}
+    assert untie(b, lambda a, c: False) == [
+        "lm_head.weight is tied to model.embed.weight by the config, but the checkpoint's lm_head.weight differs from "
+        "model.embed.weight: loaded untied, as transformers does"]
+    assert b.loads == {"model.embed.weight": ["model.embed.weight"], "lm_head.weight": ["lm_head.weight"]}
 
 
 # --------------------------------------------------------------------------- the synthetic Llama

@@ -227,7 +227,7 @@ def output_metrics(y: np.ndarray, ref: np.ndarray, *, encoder: bool, ids: np.nda
             top1 += float(np.sum(np.argmax(yc, axis=1) == np.argmax(rc, axis=1)))
             ty = np.argpartition(-yc, k - 1, axis=1)[:, :k]
             tr = np.argpartition(-rc, k - 1, axis=1)[:, :k]
-            top5 += sum(len(set(a) & set(c)) / k for a, c in zip(ty.tolist(), tr.tolist()))
+            top5 += sum(len(set(a) & set(c)) / k for a, c in zip(ty.tolist(), tr.tolist(), strict=True))
             if encoder:
                 pooled_y[i] += yc.sum(axis=0)
                 pooled_r[i] += rc.sum(axis=0)
