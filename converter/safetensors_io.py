@@ -11,54 +11,27 @@ that ``safetensors.safe_open`` reads what we write.
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import math
 import mmap
 import os
 import stat
 import struct
-import tempfile
-import time
 import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
 
+from .atomic import create_temporary, fsync_dir, remove_stale_temporaries
 from .constants import SAFETENSORS_DTYPES, SAFETENSORS_MAX_HEADER_BYTES, SAFETENSORS_METADATA_KEY
 from .errors import ConverterError, SourceFormatError
+from .jsonio import parse_object
 from .quant_weight import Tensor, TensorInfo
 
 #: Array limits (NumPy's): at most 64 dimensions, each below 2**63.
 MAX_NDIM = 64
 MAX_DIM = 2**63 - 1
-
-
-def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
-def parse_json_object(raw: bytes, *, path: Path, what: str, error: type[ConverterError] = SourceFormatError) -> dict:
-    """Decode UTF-8 JSON that must be an object with no duplicate keys.
-
-    Raises:
-        error (default SourceFormatError): not UTF-8, not JSON, duplicate keys, not an object.
-    """
-    try:
-        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except UnicodeDecodeError as exc:
-        raise error(f"{what} is not valid UTF-8 ({exc.reason} at byte {exc.start})", path=path) from None
-    except (ValueError, RecursionError) as exc:
-        raise error(f"{what} is not valid JSON: {exc}", path=path) from None
-    if not isinstance(obj, dict):
-        raise error(f"{what} must be a JSON object, found {type(obj).__name__}", path=path)
-    return obj
 
 
 class SafetensorsFile:
@@ -120,7 +93,8 @@ class SafetensorsFile:
         if 8 + n > self.file_size:
             self._fail(f"header length {n} runs past the end of the file ({self.file_size} bytes)")
         raw = self._fh.read(n)
-        header = parse_json_object(raw, path=self.path, what="safetensors header", error=self._error)
+        header = parse_object(raw, path=self.path, what="safetensors header", error=self._error,
+                              max_bytes=SAFETENSORS_MAX_HEADER_BYTES)
         #: Whitespace after the JSON object (writers pad with spaces to align the data).
         #: Readers of our own artifacts treat anything but spaces here as corruption.
         self.header_padding = raw[len(raw.rstrip(b" \t\r\n")) :]
@@ -306,17 +280,8 @@ class StreamingWriter:
         self.header_reserve = header_reserve + (-header_reserve % 8)
         self.data_start = 8 + self.header_reserve
         remove_stale_temporaries(self.path)
-        try:
-            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=TEMP_SUFFIX, dir=self.path.parent)
-        except OSError as exc:
-            raise ConverterError(f"cannot write to the output folder: {exc.strerror}", path=self.path.parent) from None
-        # Held until the file is renamed or deleted; the kernel drops it when this
-        # process dies, however it dies, which is how a later run tells stale files.
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        # mkstemp creates 0600; give the artifact the mode a plain open() would
-        # (umask applied), or keep the mode of the file it replaces.
-        os.fchmod(fd, target_mode(self.path))
-        self.tmp_path = Path(tmp)
+        # The lock is held until the file is renamed or deleted (converter.atomic).
+        fd, self.tmp_path = create_temporary(self.path)
         self._fd = fd
         self._done = False
         size = self.data_start + self.data_size
@@ -386,7 +351,7 @@ class StreamingWriter:
         # Rename while still holding the lock, so no cleaner can take the file first.
         os.replace(self.tmp_path, self.path)
         os.close(self._fd)
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
         self._done = True
         return self.path
 
@@ -408,101 +373,8 @@ class StreamingWriter:
             self.abort()
 
 
-TEMP_SUFFIX = ".incomplete"
-STAGED_SUFFIX = ".staged"
-#: Staged files older than this process cannot be a live sibling's (see remove_stale_temporaries).
-_PROCESS_START = time.time()
-
-
-def remove_stale_temporaries(path: str | Path) -> list[Path]:
-    """Delete temporaries that killed writers left next to the output ``path``.
-
-    Two kinds exist: a :class:`StreamingWriter`'s ``.<name>.*.incomplete`` and an
-    ``ArtifactWriter``'s ``.<name>.*.staged`` placeholder (whose own writer temp is
-    ``..<name>.*.staged.*.incomplete``).  A writer holds an exclusive ``flock`` on
-    its ``.incomplete`` file for as long as it lives, and the kernel releases it when
-    the process exits, even on SIGKILL; so an ``.incomplete`` file whose lock can be
-    taken belongs to no live writer and is removed, and a locked one (a concurrent
-    conversion to the same name) is kept.  A ``.staged`` file is removed when no
-    locked ``.incomplete`` file belongs to it and it is older than this process.
-
-    Returns:
-        The files removed.
-    """
-    path = Path(path)
-    prefix = f".{path.name}."
-    removed: list[Path] = []
-    try:
-        entries = [e for e in os.scandir(path.parent) if e.name.startswith((prefix, "." + prefix))]
-    except OSError:
-        return removed
-    live: set[str] = set()
-    for entry in entries:
-        if entry.name.endswith(TEMP_SUFFIX) and entry.is_file(follow_symlinks=False):
-            fd = _lock_if_free(entry.path)
-            if fd is None:
-                live.add(entry.name)
-                continue
-            try:
-                os.unlink(entry.path)
-                removed.append(Path(entry.path))
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-    for entry in entries:
-        if not (entry.name.endswith(STAGED_SUFFIX) and entry.name.startswith(prefix)) or not entry.is_file(follow_symlinks=False):
-            continue
-        if any(n.startswith(f".{entry.name}.") for n in live):
-            continue
-        try:
-            if entry.stat(follow_symlinks=False).st_mtime < _PROCESS_START:
-                os.unlink(entry.path)
-                removed.append(Path(entry.path))
-        except OSError:
-            pass
-    return removed
-
-
-def _lock_if_free(path: str) -> int | None:
-    """An open fd holding the file's exclusive lock, or None if a live writer holds it."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
-
-
 def header_size_for(entries_layout: Iterable[tuple[str, str, tuple[int, ...]]], metadata: Mapping[str, str]) -> int:
     """Bytes the header will take for this layout and metadata (offsets at worst-case width)."""
     big = 10**15
     entries = {n: {"dtype": d, "shape": list(s), "data_offsets": [big, big]} for n, d, s in entries_layout}
     return len(_header_bytes(entries, metadata))
-
-
-def target_mode(path: Path) -> int:
-    """File mode for an output at ``path``: that of the file it replaces, else ``0o666 & ~umask``."""
-    try:
-        return path.stat().st_mode & 0o777
-    except OSError:
-        umask = os.umask(0)
-        os.umask(umask)
-        return 0o666 & ~umask
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

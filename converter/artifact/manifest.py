@@ -16,7 +16,7 @@ from typing import Any
 
 import xxhash
 
-from .. import __version__
+from .. import __version__, jsonio
 from ..constants import (
     ARTIFACT_SCHEMA_VERSION,
     CHECKSUM_ALGORITHM,
@@ -26,6 +26,7 @@ from ..constants import (
     META_MANIFEST_CHECKSUM,
     META_SCHEMA_VERSION,
     PRODUCER_NAME,
+    SAFETENSORS_MAX_HEADER_BYTES,
     SUPPORTED_SCHEMA_VERSIONS,
 )
 from ..errors import ArtifactError, SchemaVersionError
@@ -125,11 +126,9 @@ def parse_metadata(metadata: dict[str, str], *, path: Path) -> tuple[dict[str, A
     if stored != actual:
         notes.append(f"manifest checksum mismatch: stored {stored}, computed {actual}")
     try:
-        manifest = json.loads(text)
-    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
-        raise ArtifactError(f"manifest is not valid JSON: {exc}", path=path, tensor=META_MANIFEST) from None
-    if not isinstance(manifest, dict):
-        raise ArtifactError("manifest must be a JSON object", path=path, tensor=META_MANIFEST)
+        manifest = jsonio.loads(text, object_required=True, max_bytes=SAFETENSORS_MAX_HEADER_BYTES)
+    except jsonio.JsonError as exc:
+        raise ArtifactError(exc.message("manifest"), path=path, tensor=META_MANIFEST) from None
     return manifest, notes
 
 

@@ -8,7 +8,6 @@ The writing side, and the naming rules, are :mod:`converter.artifact.sharding`.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ import numpy as np
 
 from ..constants import HF_INDEX_NAME
 from ..errors import ArtifactError, ConverterError
+from ..hf_index import HFIndex, read_index
 from ..quant_weight import Tensor, TensorInfo
 from ..safetensors_io import SafetensorsFile
 from .manifest import dump_manifest, parse_metadata
@@ -26,7 +26,7 @@ def _strip_shard(manifest: dict[str, Any]) -> str:
     return dump_manifest({k: v for k, v in manifest.items() if k != "shard"})
 
 
-def resolve_artifact(path: Path) -> tuple[Path | None, list[Path]]:
+def resolve_artifact(path: Path) -> tuple[HFIndex | None, list[Path]]:
     """``(index or None, shard files)`` of an artifact path: a file, an index, or a folder.
 
     A folder is read through its ``model.safetensors.index.json`` if present, else
@@ -53,14 +53,8 @@ def resolve_artifact(path: Path) -> tuple[Path | None, list[Path]]:
             return None, files
     if not path.name.endswith(".index.json"):
         return None, [path]
-    try:
-        index = json.loads(path.read_text("utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ArtifactError(f"index is not readable JSON ({exc})", path=path) from None
-    wmap = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(wmap, dict) or not all(isinstance(v, str) and Path(v).name == v for v in wmap.values()):
-        raise ArtifactError("weight_map must map tensor names to shard file names in the same folder", path=path, tensor="weight_map")
-    return path, [path.parent / f for f in sorted(set(wmap.values()))]
+    index = read_index(path, error=ArtifactError, allow_empty=True)
+    return index, [index.shard_path(f) for f in sorted(index.shard_names)]
 
 
 class ShardedFile:
@@ -83,15 +77,12 @@ class ShardedFile:
         ArtifactError: no shard could be opened, or a shard's container is malformed.
     """
 
-    def __init__(self, index: Path, files: list[Path]) -> None:
-        self.path = index
+    def __init__(self, index_file: HFIndex, files: list[Path]) -> None:
+        index = self.path = index_file.path
         self.shards: list[SafetensorsFile] = []
         self.shard_problems: list[tuple[str, str, str]] = []
         self._where: dict[str, SafetensorsFile] = {}
-        data = json.loads(index.read_text("utf-8"))
-        wmap = data.get("weight_map", {})
-        meta = data.get("metadata")
-        total = meta.get("total_size") if isinstance(meta, dict) else None
+        wmap, total = index_file.weight_map, index_file.total_size
         try:
             for f in files:
                 if not f.is_file():

@@ -33,7 +33,6 @@ import math
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,9 @@ import numpy as np
 from .. import __version__
 from ..constants import ARTIFACT_SCHEMA_VERSION, PRODUCER_NAME, SAFETENSORS_DTYPES, Suffix
 from ..errors import ConverterError, OutputExistsError
-from ..safetensors_io import StreamingWriter, _fsync_dir, header_size_for, remove_stale_temporaries, target_mode
+from ..atomic import BACKUP_SUFFIX, commit_all, remove_stale_temporaries, stage_placeholder, target_mode, write_durably  # noqa: F401
+from ..hf_index import index_bytes
+from ..safetensors_io import StreamingWriter, header_size_for
 from .manifest import metadata_for
 from .target import CONFIG_NAME, DIR_MODE_NAME, SHARD_NAME_RE, InputGuard, OutputTarget, artifact_stem, index_name_for, shard_name  # noqa: F401
 
@@ -210,12 +211,9 @@ class ArtifactWriter:
         return self.target.path if len(self.shards) == 1 else self.target.index
 
     def _stage_path(self, name: str) -> Path:
-        # A placeholder in the output folder (same filesystem, so the final rename is
-        # atomic); the hidden name keeps loaders from picking it up.
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".staged", dir=self.target.folder)
-        os.close(fd)
-        self._temps.append(Path(tmp))
-        return Path(tmp)
+        tmp = stage_placeholder(self.target.folder, name)
+        self._temps.append(tmp)
+        return tmp
 
     def _shard_manifest(self, manifest: dict[str, Any], i: int) -> dict[str, Any]:
         if len(self.shards) == 1:
@@ -249,11 +247,8 @@ class ArtifactWriter:
                 tmp = self._stage_bytes(name, content) if isinstance(content, bytes) else self._stage_copy(name, content)
                 self._commit.append((tmp, self.target.folder / name))
             if len(self.shards) > 1:
-                index = {
-                    "metadata": {"total_size": self.total_size},
-                    "weight_map": {n: self.names[i] for i, shard in enumerate(self.shards) for n, _, _ in shard},
-                }
-                text = json.dumps(index, indent=2, sort_keys=True).encode("utf-8") + b"\n"
+                wmap = {n: self.names[i] for i, shard in enumerate(self.shards) for n, _, _ in shard}
+                text = index_bytes(wmap, self.total_size)
                 self._commit.append((self._stage_bytes(self.target.index.name, text), self.target.index))
             stale = self.target.stale_paths(len(self.shards), self.extra_files)
             for old in stale:
@@ -266,7 +261,7 @@ class ArtifactWriter:
         for tmp, final in self._commit:
             os.chmod(tmp, target_mode(final))
         try:
-            _commit_all(self._commit, self.target.folder)
+            commit_all(self._commit, self.target.folder)
         except BaseException:
             self.abort()
             raise
@@ -278,10 +273,7 @@ class ArtifactWriter:
 
     def _stage_bytes(self, name: str, content: bytes) -> Path:
         tmp = self._stage_path(name)
-        with open(tmp, "wb") as fh:
-            fh.write(content)
-            fh.flush()
-            os.fsync(fh.fileno())
+        write_durably(tmp, content)
         return tmp
 
     def _stage_copy(self, name: str, src: Path) -> Path:
@@ -346,75 +338,3 @@ def folder_extras(source: Any, description: Mapping[str, Any], layers: list[dict
         if (folder / name).is_file():
             extras[name] = folder / name
     return extras
-
-
-BACKUP_SUFFIX = ".backup"
-
-
-def _commit_all(pairs: list[tuple[Path, Path]], folder: Path) -> None:
-    """Rename every staged file onto its final name: all of them, or none.
-
-    Each final name that exists is first hard-linked to a hidden backup in the same
-    folder (renamed there where the filesystem has no hard links), so the rename
-    itself stays atomic. If a rename fails, the ones already done are undone in reverse
-    order (backups renamed back, new names removed) and the error says so; if undoing
-    fails too, the error names exactly the files that now hold the new artifact.
-
-    Raises:
-        ConverterError: a rename failed (the message states what was left).
-    """
-    done: list[tuple[Path, Path | None]] = []
-    pending: tuple[Path, Path, bool] | None = None  # (final, backup, moved away)
-    try:
-        for tmp, final in pairs:
-            backup = None
-            if os.path.lexists(final):
-                fd, name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=BACKUP_SUFFIX, dir=folder)
-                os.close(fd)
-                backup = Path(name)
-                try:
-                    os.unlink(backup)
-                    os.link(final, backup, follow_symlinks=False)
-                    pending = (final, backup, False)
-                except OSError:
-                    os.replace(final, backup)
-                    pending = (final, backup, True)
-            os.replace(tmp, final)
-            pending = None
-            done.append((final, backup))
-    except BaseException as exc:
-        lost: list[Path] = []
-        if pending is not None:
-            final, backup, moved = pending
-            try:
-                if moved:
-                    os.replace(backup, final)
-                else:
-                    backup.unlink()
-            except OSError:
-                lost.append(final)
-        for final, backup in reversed(done):
-            try:
-                if backup is not None:
-                    os.replace(backup, final)
-                else:
-                    final.unlink()
-            except OSError:
-                lost.append(final)
-        _fsync_dir(folder)
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        if lost:
-            raise ConverterError(
-                f"could not rename the new artifact into place ({why}), and undoing the renames failed: "
-                f"{', '.join(str(p) for p in lost)} now hold the new artifact, every other output file is as "
-                "it was; re-run with --force", path=folder,
-            ) from None
-        raise ConverterError(
-            f"could not rename the new artifact into place ({why}); every output file is as it was", path=folder
-        ) from None
-    _fsync_dir(folder)
-    for _, backup in done:
-        if backup is not None:
-            backup.unlink(missing_ok=True)

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..errors import ConverterError, OutputExistsError
+from ..hf_index import read_index
 
 #: The artifact's file name in folder mode (HF's single-file name).
 DIR_MODE_NAME = "model.safetensors"
@@ -143,19 +144,16 @@ class OutputTarget:
         orphans, and deletes after its commit: old shards it does not overwrite, an old
         index when the new artifact is one file, and an old single file when the new
         one is sharded (either would shadow the new artifact for some loader)."""
-        import json
-
         finals = set(self.final_paths(count, extra_names))
         out: list[Path] = []
         if self.index.is_file():
             try:
-                old = json.loads(self.index.read_text("utf-8"))
-                files = {str(f) for f in old.get("weight_map", {}).values()}
-            except (OSError, ValueError, AttributeError, RecursionError):
+                files = set(read_index(self.index, error=ConverterError, allow_empty=True).shard_names)
+            except ConverterError:  # an unreadable old index orphans nothing we know of
                 files = set()
             for f in sorted(files):
                 p = self.folder / f
-                if Path(f).name == f and SHARD_NAME_RE.match(f) and p not in finals:
+                if SHARD_NAME_RE.match(f) and p not in finals:
                     out.append(p)
             if count == 1:
                 out.append(self.index)

@@ -17,8 +17,10 @@ import numpy as np
 
 from ..constants import HF_INDEX_NAME, MARLIN_ZERO
 from ..errors import ConfigError, SourceFormatError
+from ..hf_index import HFIndex, read_index
+from ..jsonio import read_object
 from ..quant_weight import QuantWeight, Tensor
-from ..safetensors_io import SafetensorsFile, parse_json_object
+from ..safetensors_io import SafetensorsFile
 from .base import LayerPlan, Source, SourcePlan, TensorInfo
 from .scales import scales_to_fp16
 
@@ -31,23 +33,15 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
     "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "generation_config.json",
 )  # fmt: skip
-_MAX_JSON_BYTES = 64 * 1024 * 1024
 
 
 def read_json_file(path: Path) -> dict[str, Any]:
-    """Read a JSON object from a small file.
+    """Read a config file that must hold a JSON object (:mod:`converter.jsonio`'s policy).
 
     Raises:
         ConfigError: unreadable, too large, not JSON, or not an object.
     """
-    try:
-        size = path.stat().st_size
-        if size > _MAX_JSON_BYTES:
-            raise ConfigError(f"{size} bytes is too large for a JSON config (limit {_MAX_JSON_BYTES})", path=path)
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read: {exc.strerror}", path=path) from None
-    return parse_json_object(raw, path=path, what="JSON file", error=ConfigError)
+    return read_object(path, what="JSON file", error=ConfigError)
 
 
 def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
@@ -82,6 +76,8 @@ class HFCheckpoint:
 
     def __init__(self, path: str | Path) -> None:
         path = Path(path)
+        #: The shard index, when the weights are sharded.
+        self.index: HFIndex | None = None
         if path.is_dir():
             self.folder = path
             self.files = self._find_weights(path)
@@ -130,20 +126,14 @@ class HFCheckpoint:
             )
         raise SourceFormatError("no weights: expected *.safetensors or model.safetensors.index.json", path=folder)
 
-    def _read_index(self, index: Path) -> list[Path]:
-        data = read_json_file(index)
-        wmap = data.get("weight_map")
-        if not isinstance(wmap, dict) or not wmap or not all(isinstance(v, str) for v in wmap.values()):
-            raise SourceFormatError("weight_map must be a non-empty map of tensor name to shard file", path=index, tensor="weight_map")
+    def _read_index(self, path: Path) -> list[Path]:
+        index = read_index(path, error=SourceFormatError, json_error=ConfigError)
         files = []
-        for name in dict.fromkeys(wmap.values()):
-            p = index.parent / name
-            if Path(name).name != name:
-                raise SourceFormatError(f"shard {name!r} must be a plain file name in the same folder", path=index, tensor="weight_map")
-            if not p.is_file():
-                raise SourceFormatError(f"shard {name} listed in the index does not exist", path=index, tensor="weight_map")
-            files.append(p)
-        self.index_map = wmap
+        for name in index.shard_names:
+            if not index.shard_path(name).is_file():
+                raise SourceFormatError(f"shard {name} listed in the index does not exist", path=path, tensor="weight_map")
+            files.append(index.shard_path(name))
+        self.index = index
         return files
 
     def _find_quant_config(self) -> tuple[dict[str, Any], str | None]:
@@ -188,7 +178,7 @@ class HFCheckpoint:
     def describe_files(self) -> list[dict[str, Any]]:
         """``[{"name", "bytes", "sha256"}]`` for the weight files and configs read."""
         paths = list(self.files)
-        for extra in (HF_INDEX_NAME if getattr(self, "index_map", None) is not None else None, "config.json", self.quant_config_file):
+        for extra in (HF_INDEX_NAME if self.index is not None else None, "config.json", self.quant_config_file):
             if extra and (self.folder / extra).is_file() and self.folder / extra not in paths:
                 paths.append(self.folder / extra)
         # Two threads: hashlib releases the GIL, so shards hash in parallel on 2 cores.

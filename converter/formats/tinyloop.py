@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
 import mmap
 import os
-import re
 import stat
 import struct
 from pathlib import Path
@@ -48,7 +46,9 @@ from ..constants import (
     SourceFormat,
     ZeroConvention,
 )
+from .. import jsonio
 from ..errors import ConverterError, SourceFormatError, UnsupportedQuantError
+from ..jsonio import JsonRule, json_type
 from ..marlin.shapes import check_convertible
 from ..quant_weight import QuantWeight, Tensor
 from ..safetensors_io import drop_pages
@@ -65,7 +65,6 @@ CHANNEL_REASONS = {
     ch: f"{ch}: TinyLoop stochastic-rounding channel; Marlin ignores it" for ch in TINYLOOP_EXTRA_CHANNELS
 }
 _SHA_CHUNK = 8 * 1024 * 1024
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _MiB = 1024 * 1024
 _LINEAR_INT_FIELDS = ("bits", "in_features", "out_features", "group_size")
 _LINEAR_REQUIRED_TENSORS = ("qweight", "scale", "zero")
@@ -159,11 +158,6 @@ def _round_up(x: int, m: int) -> int:
 def _is_int(x: object) -> bool:
     # JSON true/false arrive as bool, a subclass of int: never a valid size.
     return type(x) is int
-
-
-def _json_type(x: object) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
-            float: "number", type(None): "null"}.get(type(x), type(x).__name__)
 
 
 def _capped_numel(shape: tuple[int, ...], cap: int) -> int | None:
@@ -487,51 +481,18 @@ class TinyloopSource(Source):
         assert self._mm is not None
         raw = self._mm[TINYLOOP_PREAMBLE_SIZE : TINYLOOP_PREAMBLE_SIZE + header_len]
         try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            self._fail(f"header is not UTF-8: invalid byte at header offset {exc.start}", "header")
-        duplicates: list[tuple[int, str]] = []
-
-        def pairs_hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-            obj: dict[str, Any] = {}
-            for key, value in pairs:
-                if key in obj:
-                    duplicates.append((id(obj), key))
-                obj[key] = value
-            return obj
-
-        def reject_constant(token: str) -> NoReturn:
-            raise ValueError(f"non-standard JSON constant {token}")
-
-        def strict_float(token: str) -> float:
-            value = float(token)
-            if not math.isfinite(value):
-                raise ValueError(f"number {token[:40]} overflows a float")
-            return value
-
-        try:
-            header = json.loads(
-                text, object_pairs_hook=pairs_hook, parse_constant=reject_constant, parse_float=strict_float
-            )
-        except RecursionError:
-            self._fail("header is not valid JSON: nested too deeply", "header")
-        except ValueError as exc:  # JSONDecodeError, our hooks, int digit limits
-            self._fail(f"header is not valid JSON: {str(exc)[:200]}", "header")
-        if _SURROGATE_ESCAPE.search(text):
-            try:
-                json.dumps(header, ensure_ascii=False).encode("utf-8")
-            except UnicodeEncodeError as exc:
-                # A "\\ud800" escape decodes to a lone surrogate: not a UTF-8 string.
-                self._fail(f"header JSON escapes a lone UTF-16 surrogate: {exc.object[exc.start:exc.end]!a}", "header")
-        if not isinstance(header, dict):
-            self._fail(f"header must be a JSON object, found a JSON {_json_type(header)}", "header")
-        if duplicates:
-            # Python's dict keeps the last value: a name appearing twice is ambiguous.
-            where = {id(header.get("tensors")): "tensor name", id(header.get("linears")): "linear name"}
-            obj_id, key = duplicates[0]
-            what = where.get(obj_id, "key")
-            self._fail(f"duplicate {what} {key!r} in header JSON; names must be unique", key)
-        return header
+            # Spec numbers are finite: NaN, Infinity and overflowing floats are refused.
+            return jsonio.loads(raw, object_required=True, finite_numbers=True, max_bytes=TINYLOOP_MAX_HEADER_BYTES)
+        except jsonio.JsonError as exc:
+            if exc.rule is JsonRule.NOT_UTF8:
+                self._fail(f"header is not UTF-8: invalid byte at header offset {exc.offset}", "header")
+            if exc.rule is JsonRule.NOT_OBJECT:
+                self._fail(f"header must be a JSON object, found a JSON {exc.detail}", "header")
+            if exc.rule is JsonRule.DUPLICATE_KEY:
+                # Python's dict keeps the last value: a name appearing twice is ambiguous.
+                what = {("tensors",): "tensor name", ("linears",): "linear name"}.get(exc.where, "key")
+                self._fail(f"duplicate {what} {exc.key!r} in header JSON; names must be unique", exc.key)
+            self._fail(exc.message("header"), "header")
 
     def _check_header_padding(self, header_len: int) -> None:
         assert self._mm is not None
@@ -545,7 +506,7 @@ class TinyloopSource(Source):
     def _parse_model(self) -> dict[str, Any]:
         model = self._header.get("model", {})
         if not isinstance(model, dict):
-            self._fail(f"'model' must be a JSON object, found a JSON {_json_type(model)}", "model")
+            self._fail(f"'model' must be a JSON object, found a JSON {json_type(model)}", "model")
         return model
 
     def _section(self, key: str) -> dict[str, Any]:
@@ -553,7 +514,7 @@ class TinyloopSource(Source):
             self._fail(f"header has no {key!r} object (required by the spec)", key)
         section = self._header[key]
         if not isinstance(section, dict):
-            self._fail(f"{key!r} must be a JSON object, found a JSON {_json_type(section)}", key)
+            self._fail(f"{key!r} must be a JSON object, found a JSON {json_type(section)}", key)
         return section
 
     # --- tensor table --------------------------------------------------------------
@@ -578,7 +539,7 @@ class TinyloopSource(Source):
         if not name:
             self._fail("tensor names must be non-empty strings", "tensors")
         if not isinstance(raw, dict):
-            self._fail(f"tensor entry must be a JSON object, found a JSON {_json_type(raw)}", name)
+            self._fail(f"tensor entry must be a JSON object, found a JSON {json_type(raw)}", name)
         for key in ("dtype", "shape", "offset", "nbytes"):
             if key not in raw:
                 self._fail(f"tensor entry has no {key!r} field (required: dtype, shape, offset, nbytes)", name)
@@ -587,7 +548,7 @@ class TinyloopSource(Source):
             self._fail(f"unknown dtype {dtype!r}: expected one of {sorted(TINYLOOP_DTYPES)}", name)
         shape = raw["shape"]
         if not isinstance(shape, list):
-            self._fail(f"shape must be a JSON array of ints, found a JSON {_json_type(shape)}", name)
+            self._fail(f"shape must be a JSON array of ints, found a JSON {json_type(shape)}", name)
         if len(shape) > MAX_NDIM:
             self._fail(f"shape has {len(shape)} dimensions; this reader allows at most {MAX_NDIM}", name)
         for d in shape:
@@ -659,7 +620,7 @@ class TinyloopSource(Source):
         if not name:
             self._fail("linear names must be non-empty strings", "linears")
         if not isinstance(raw, dict):
-            self._fail(f"linear entry must be a JSON object, found a JSON {_json_type(raw)}", name)
+            self._fail(f"linear entry must be a JSON object, found a JSON {json_type(raw)}", name)
         for key in (*_LINEAR_INT_FIELDS, *_LINEAR_REQUIRED_TENSORS):
             if key not in raw:
                 self._fail(f"linear has no {key!r} field (required: "

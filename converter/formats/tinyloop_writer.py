@@ -9,12 +9,10 @@ and the file padded with zeros to a multiple of 64.
 from __future__ import annotations
 
 import json
-import os
 import struct
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, BinaryIO, Union
 
 import numpy as np
 
@@ -28,7 +26,7 @@ from ..constants import (
     TINYLOOP_SUPPORTED_BITS,
     TINYLOOP_SUPPORTED_VERSIONS,
 )
-from ..safetensors_io import target_mode
+from ..atomic import write_atomically
 
 __all__ = ["TensorArg", "pack_codes", "quantize_linear_tinyloop", "write_tinyloop"]
 
@@ -83,7 +81,7 @@ def write_tinyloop(
 
     Args:
         path: destination; written as a temporary file in the same folder, fsynced,
-            then renamed over ``path``.
+            then renamed over ``path`` (:func:`converter.atomic.write_atomically`).
         model: free-form hyper-parameters (the header's ``model`` object).
         tensors: ``{name: array}`` or ``{name: (code, array)}``; codes as in
             ``TINYLOOP_DTYPES`` (``u8 i8 i32 f16 bf16 f32``); bf16 only as
@@ -118,47 +116,24 @@ def write_tinyloop(
     )
     data_start = _round_up(TINYLOOP_PREAMBLE_SIZE + len(header_bytes), TINYLOOP_ALIGNMENT)
 
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.fchmod(fd, target_mode(path))  # mkstemp's 0600 would hide the file from other users
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(preamble)
-            fh.write(header_bytes)
-            fh.write(b"\0" * (data_start - TINYLOOP_PREAMBLE_SIZE - len(header_bytes)))
-            pos = 0
-            for name, (_, arr) in arrays.items():
-                fh.write(b"\0" * (table[name]["offset"] - pos))
-                fh.write(arr.reshape(-1).view(np.uint8).data)
-                pos = table[name]["offset"] + arr.nbytes
-            fh.write(b"\0" * (_round_up(pos, TINYLOOP_ALIGNMENT) - pos))
-            fh.flush()
-            os.fsync(fh.fileno())
-        if check:
-            from .tinyloop import TinyloopSource
+    def write(fh: BinaryIO) -> None:
+        fh.write(preamble)
+        fh.write(header_bytes)
+        fh.write(b"\0" * (data_start - TINYLOOP_PREAMBLE_SIZE - len(header_bytes)))
+        pos = 0
+        for name, (_, arr) in arrays.items():
+            fh.write(b"\0" * (table[name]["offset"] - pos))
+            fh.write(arr.reshape(-1).view(np.uint8).data)
+            pos = table[name]["offset"] + arr.nbytes
+        fh.write(b"\0" * (_round_up(pos, TINYLOOP_ALIGNMENT) - pos))
 
-            with TinyloopSource(tmp) as src:
-                src.plan()
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-    return path
+    def plan_it(tmp: Path) -> None:
+        from .tinyloop import TinyloopSource
 
+        with TinyloopSource(tmp) as src:
+            src.plan()
 
-def _fsync_dir(folder: Path) -> None:
-    # Makes the rename durable; not every platform lets a directory be opened.
-    try:
-        dfd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)
+    return write_atomically(path, write, check=plan_it if check else None)
 
 
 def pack_codes(q: np.ndarray, bits: int) -> np.ndarray:

@@ -1,0 +1,271 @@
+"""Crash-safe files: hidden temporaries, their locks, fsync, stale-file cleanup, and
+the all-or-nothing rename of several files.
+
+Every output is first written under a hidden name in its target folder (same
+filesystem, so the final ``os.replace`` is atomic) and renamed only when complete and
+fsynced; nothing half-written ever appears under a final name.  A writer holds an
+exclusive ``flock`` on its temporary (``.<name>.<random>.incomplete``) for as long as
+it lives; the kernel drops the lock when the process dies, however it dies (SIGKILL,
+power loss), which is how :func:`remove_stale_temporaries` tells a dead writer's
+leftovers from a live concurrent writer's file.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+from .errors import ConverterError
+
+#: A writer's temporary, locked while its writer lives.
+TEMP_SUFFIX = ".incomplete"
+#: A multi-file commit's placeholder for one final file (its writer's temporary is
+#: ``..<name>.<random>.staged.<random>.incomplete``).
+STAGED_SUFFIX = ".staged"
+#: An existing final file, kept during a multi-file commit so that it can be undone.
+BACKUP_SUFFIX = ".backup"
+#: Staged files older than this process cannot be a live sibling's (see remove_stale_temporaries).
+_PROCESS_START = time.time()
+
+
+def target_mode(path: Path) -> int:
+    """File mode for an output at ``path``: that of the file it replaces, else ``0o666 & ~umask``.
+
+    ``mkstemp`` creates 0600 files; an artifact should get the mode a plain ``open()``
+    would give it.
+    """
+    try:
+        return path.stat().st_mode & 0o777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
+def fsync_dir(folder: Path) -> None:
+    """fsync a folder, making renames in it durable (a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def create_temporary(path: Path) -> tuple[int, Path]:
+    """A locked, hidden temporary beside ``path``, with the mode ``path`` will have.
+
+    Returns:
+        ``(fd, temporary path)``; the exclusive ``flock`` on ``fd`` lasts until it is closed.
+
+    Raises:
+        ConverterError: the folder is not writable.
+    """
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
+    except OSError as exc:
+        raise ConverterError(f"cannot write to the output folder: {exc.strerror}", path=path.parent) from None
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.fchmod(fd, target_mode(path))
+    return fd, Path(tmp)
+
+
+def write_atomically(path: Path, write: Callable[[BinaryIO], None], *, check: Callable[[Path], None] | None = None
+                     ) -> Path:
+    """Write a file through a locked temporary: ``write(fh)``, fsync, ``check(temporary)``, rename.
+
+    Args:
+        path: the final file.
+        write: writes the whole content to the binary file object it is given.
+        check: called with the complete temporary before the rename; whatever it
+            raises leaves ``path`` as it was.
+
+    Returns:
+        ``path``.
+
+    Raises:
+        ConverterError: the folder is not writable; anything ``write`` or ``check``
+            raises (the temporary is deleted first).
+    """
+    fd, tmp = create_temporary(path)
+    try:
+        with os.fdopen(fd, "wb", closefd=False) as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if check is not None:
+            check(tmp)
+        # Rename while still holding the lock, so no cleaner can take the file first.
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
+    fsync_dir(path.parent)
+    return path
+
+
+def write_durably(path: Path, content: bytes) -> None:
+    """Write ``content`` to an existing placeholder ``path`` and fsync it."""
+    with open(path, "wb") as fh:
+        fh.write(content)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def stage_placeholder(folder: Path, name: str) -> Path:
+    """An empty hidden placeholder ``.<name>.<random>.staged`` in ``folder`` for a multi-file commit.
+
+    The hidden name keeps loaders from picking it up; :func:`remove_stale_temporaries`
+    removes it if its process dies before the commit.
+    """
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=STAGED_SUFFIX, dir=folder)
+    os.close(fd)
+    return Path(tmp)
+
+
+def remove_stale_temporaries(path: str | Path) -> list[Path]:
+    """Delete temporaries that killed writers left next to the output ``path``.
+
+    Two kinds exist: a writer's ``.<name>.*.incomplete`` (:func:`create_temporary`)
+    and a multi-file commit's ``.<name>.*.staged`` placeholder (whose own writer temp
+    is ``..<name>.*.staged.*.incomplete``).  An ``.incomplete`` file whose lock can
+    be taken belongs to no live writer and is removed; a locked one (a concurrent
+    conversion to the same name) is kept.  A ``.staged`` file is removed when no
+    locked ``.incomplete`` file belongs to it and it is older than this process.
+
+    Returns:
+        The files removed.
+    """
+    path = Path(path)
+    prefix = f".{path.name}."
+    removed: list[Path] = []
+    try:
+        entries = [e for e in os.scandir(path.parent) if e.name.startswith((prefix, "." + prefix))]
+    except OSError:
+        return removed
+    live: set[str] = set()
+    for entry in entries:
+        if entry.name.endswith(TEMP_SUFFIX) and entry.is_file(follow_symlinks=False):
+            fd = _lock_if_free(entry.path)
+            if fd is None:
+                live.add(entry.name)
+                continue
+            try:
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+    for entry in entries:
+        if not (entry.name.endswith(STAGED_SUFFIX) and entry.name.startswith(prefix)) or not entry.is_file(
+            follow_symlinks=False
+        ):
+            continue
+        if any(n.startswith(f".{entry.name}.") for n in live):
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_mtime < _PROCESS_START:
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+        except OSError:
+            pass
+    return removed
+
+
+def _lock_if_free(path: str) -> int | None:
+    """An open fd holding the file's exclusive lock, or None if a live writer holds it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def commit_all(pairs: list[tuple[Path, Path]], folder: Path) -> None:
+    """Rename every staged file onto its final name: all of them, or none.
+
+    Each final name that exists is first hard-linked to a hidden backup in the same
+    folder (renamed there where the filesystem has no hard links), so the rename
+    itself stays atomic. If a rename fails, the ones already done are undone in reverse
+    order (backups renamed back, new names removed) and the error says so; if undoing
+    fails too, the error names exactly the files that now hold the new artifact.
+
+    Args:
+        pairs: ``(staged, final)`` in commit order.
+        folder: the folder holding all of them.
+
+    Raises:
+        ConverterError: a rename failed (the message states what was left).
+    """
+    done: list[tuple[Path, Path | None]] = []
+    pending: tuple[Path, Path, bool] | None = None  # (final, backup, moved away)
+    try:
+        for tmp, final in pairs:
+            backup = None
+            if os.path.lexists(final):
+                fd, name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=BACKUP_SUFFIX, dir=folder)
+                os.close(fd)
+                backup = Path(name)
+                try:
+                    os.unlink(backup)
+                    os.link(final, backup, follow_symlinks=False)
+                    pending = (final, backup, False)
+                except OSError:
+                    os.replace(final, backup)
+                    pending = (final, backup, True)
+            os.replace(tmp, final)
+            pending = None
+            done.append((final, backup))
+    except BaseException as exc:
+        lost: list[Path] = []
+        if pending is not None:
+            final, backup, moved = pending
+            try:
+                if moved:
+                    os.replace(backup, final)
+                else:
+                    backup.unlink()
+            except OSError:
+                lost.append(final)
+        for final, backup in reversed(done):
+            try:
+                if backup is not None:
+                    os.replace(backup, final)
+                else:
+                    final.unlink()
+            except OSError:
+                lost.append(final)
+        fsync_dir(folder)
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        if lost:
+            raise ConverterError(
+                f"could not rename the new artifact into place ({why}), and undoing the renames failed: "
+                f"{', '.join(str(p) for p in lost)} now hold the new artifact, every other output file is as "
+                "it was; re-run with --force", path=folder,
+            ) from None
+        raise ConverterError(
+            f"could not rename the new artifact into place ({why}); every output file is as it was", path=folder
+        ) from None
+    fsync_dir(folder)
+    for _, backup in done:
+        if backup is not None:
+            backup.unlink(missing_ok=True)
