@@ -259,10 +259,9 @@ def _write_layer(source: Source, layer: LayerPlan, writer: StreamingWriter, behi
     hashers = {suf: xxhash.xxh3_128() for suf in names}
     step = _chunk_rows(layer)
     groups_done = 0
-    fast = getattr(source, "load_packed", None)
     for k0 in range(0, layer.size_k, step):
         k1 = min(k0 + step, layer.size_k)
-        packed = fast(layer, k0, k1) if fast is not None else None
+        packed = source.load_packed(layer, k0, k1)
         if packed is None:
             qw = source.load_layer(layer, k0, k1)
             b = pack_b(qw.marlin_codes())

@@ -22,6 +22,7 @@ from ..constants import (
     META_SCHEMA_VERSION,
     Suffix,
 )
+from ..formats import CONVENTIONS as READER_CONVENTIONS
 from ..marlin.shapes import LayerShape, kernel_compatible, marlin_shapes, upstream_compatible
 from ..quant_weight import marlin_code_offset
 from .manifest import schema_errors
@@ -174,11 +175,8 @@ def validate_artifact(path: str | Path, *, checksums: bool = True) -> tuple[Repo
     return report, art
 
 
-#: The zero conventions each source format can produce.
-CONVENTIONS = {
-    "tinyloop": {"tinyloop_additive"}, "gptq": {"gptq_v1", "gptq_v2"},
-    "awq": {"awq"}, "compressed-tensors": {"ct_offset8"},
-}
+#: The zero conventions each source format can produce (from the reader registry).
+CONVENTIONS = READER_CONVENTIONS
 
 
 def _check_layer_facts(art: Artifact, report: Report) -> None:

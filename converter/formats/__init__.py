@@ -1,81 +1,73 @@
 """Source formats: sniff a path and open the right reader.
 
-One module per on-disk format; every reader yields the same
-:class:`~converter.quant_weight.QuantWeight`.  Adding a format means adding a module
-and one entry in :data:`HF_READERS` (or a sniff branch for a container of its own).
+One module per on-disk format, every reader yielding the same
+:class:`~converter.quant_weight.QuantWeight`.  Readers register themselves when their
+class is defined (:class:`~converter.formats.base.Source`); every module of this
+package is imported below, so adding a format is one module with one reader class
+(plus its :class:`~converter.constants.SourceFormat` and
+:class:`~converter.constants.ZeroConvention` members).  What the rest of the package
+needs to know about formats is derived from that registry here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+import pkgutil
 from pathlib import Path
+from types import MappingProxyType
 
 from ..constants import META_SCHEMA_VERSION
 from ..errors import ConverterError, UnsupportedQuantError
-from .base import LayerPlan, Source, SourcePlan, TensorInfo
-from .hf import HFCheckpoint
+from .base import READERS, LayerPlan, Source, SourcePlan, TensorInfo
+from .hf import HFCheckpoint, HFSource, already_marlin
 
-__all__ = ["LayerPlan", "Source", "SourcePlan", "TensorInfo", "open_source", "HF_READERS"]
+__all__ = [
+    "CONVENTIONS", "HF_READERS", "LayerPlan", "READABLE_METHODS", "READERS", "Source", "SourcePlan", "TensorInfo",
+    "open_source",
+]
 
+# Importing a module is what registers its reader: import them all, so that a new
+# format needs no line here.
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
 
-def _gptq(ckpt: HFCheckpoint) -> Source:
-    from .gptq import GptqSource
-
-    return GptqSource(ckpt)
-
-
-def _awq(ckpt: HFCheckpoint) -> Source:
-    from .awq import AwqSource
-
-    return AwqSource(ckpt)
-
-
-def _compressed_tensors(ckpt: HFCheckpoint) -> Source:
-    from .compressed_tensors import CompressedTensorsSource
-
-    return CompressedTensorsSource(ckpt)
-
-
-def _already_marlin(ckpt: HFCheckpoint) -> Source:
+#: quant_method (lower case) -> the reader of HF-style checkpoints that converts it.
+HF_READERS: MappingProxyType[str, type[HFSource]] = MappingProxyType(
+    {m: cls for cls in READERS.values() if issubclass(cls, HFSource) for m in cls.quant_methods}
+)
+#: The quant methods that convert, sorted.
+READABLE_METHODS = tuple(sorted(HF_READERS))
+#: Source format (JSON value) -> the zero conventions its reader records (JSON values).
+CONVENTIONS: MappingProxyType[str, frozenset[str]] = MappingProxyType(
+    {fmt.value: frozenset(c.value for c in cls.zero_conventions) for fmt, cls in READERS.items()}
+)
+#: quant_method values refused with the reason instead of "not supported".
+REFUSED_METHODS = {
     # AutoGPTQ's legacy ``quant_method: marlin`` (spec 5.1, 5.3): B and s are stored
-    # already Marlin-packed and symmetric; say so instead of "not supported".
-    raise UnsupportedQuantError(
-        "quant_method 'marlin' checkpoints are already Marlin-packed (tensors B and s, symmetric only; "
-        "spec 5.1); marlin-convert never packs twice: use the file as it is, or convert from the "
-        "original GPTQ checkpoint",
-        path=ckpt.folder / (ckpt.quant_config_file or "config.json"), tensor="quant_method",
-    )
-
-
-#: quant_method (lower-case) -> reader factory for HF-style checkpoints.
-HF_READERS: dict[str, Callable[[HFCheckpoint], Source]] = {
-    "gptq": _gptq,
-    "awq": _awq,
-    "compressed-tensors": _compressed_tensors,
-    "marlin": _already_marlin,
+    # already Marlin-packed and symmetric.
+    "marlin": already_marlin(
+        "quant_method 'marlin' checkpoints are", "tensors B and s, symmetric only; spec 5.1",
+        advice="use the file as it is, or convert from the original GPTQ checkpoint",
+    ),
 }
-#: The methods that actually convert (HF_READERS also has refusals with a message).
-READABLE_METHODS = ("gptq", "awq", "compressed-tensors")
+
+
+def _named_method(cfg: dict) -> str:
+    return str(cfg.get("quant_method", cfg.get("method", ""))).lower()
 
 
 def _sniff_method(ckpt: HFCheckpoint) -> str:
-    """The quant method of a config that does not name one.
+    """The quant method of a checkpoint whose quant config names none.
 
-    AutoAWQ's legacy ``quant_config.json`` has ``w_bit``/``q_group_size``/``version``
-    and no ``quant_method`` (spec section 3); a sidecar file may also shadow a
-    ``config.json`` whose ``quantization_config`` does name the method.
+    A reader may claim it (AutoAWQ's legacy ``quant_config.json``; GPTQ tensors with
+    no config); else a sidecar file may shadow a ``config.json`` whose
+    ``quantization_config`` does name the method.
     """
-    qc = ckpt.quant_config
-    if "w_bit" in qc or ("version" in qc and "zero_point" in qc):
-        return "awq"
+    for method, cls in HF_READERS.items():
+        if cls.claims_checkpoint(ckpt):
+            return method
     inner = ckpt.config.get("quantization_config")
-    if isinstance(inner, dict):
-        named = str(inner.get("quant_method", inner.get("method", ""))).lower()
-        if named:
-            return named
-    from .gptq import sniff
-
-    return "gptq" if sniff(ckpt) else ""
+    return _named_method(inner) if isinstance(inner, dict) else ""
 
 
 def open_source(path: str | Path) -> Source:
@@ -97,16 +89,13 @@ def open_source(path: str | Path) -> Source:
     if not path.exists():
         raise ConverterError("no such file or directory", path=path)
     if path.is_file():
-        from .tinyloop import TinyloopSource, sniff
-
-        if path.suffix == ".tinyloop" or sniff(path):
-            return TinyloopSource(path)
+        for cls in READERS.values():
+            if cls.claims(path):
+                return cls(path)  # type: ignore[call-arg]  # single-file readers take the path
     ckpt = HFCheckpoint(path)
     try:
         qc = ckpt.quant_config
-        method = str(qc.get("quant_method", qc.get("method", ""))).lower() if qc else ""
-        if not method:
-            method = _sniff_method(ckpt)
+        method = (_named_method(qc) if qc else "") or _sniff_method(ckpt)
         if not method and any(META_SCHEMA_VERSION in f.metadata for f in ckpt.shards):
             raise UnsupportedQuantError(
                 "this is already a marlin-convert artifact; check it with marlin-verify", path=path
@@ -117,11 +106,13 @@ def open_source(path: str | Path) -> Source:
                 "quant_config.json and config.json[quantization_config]); is this a quantized checkpoint?",
                 path=ckpt.folder,
             )
+        where = ckpt.folder / (ckpt.quant_config_file or "config.json")
+        if method in REFUSED_METHODS:
+            raise UnsupportedQuantError(REFUSED_METHODS[method], path=where, tensor="quant_method")
         if method not in HF_READERS:
-            where = ckpt.quant_config_file or "config.json"
             raise UnsupportedQuantError(
-                f"{method!r} is not supported (supported: {', '.join(sorted(READABLE_METHODS))})",
-                path=ckpt.folder / where, tensor="quant_method",
+                f"{method!r} is not supported (supported: {', '.join(READABLE_METHODS)})",
+                path=where, tensor="quant_method",
             )
         return HF_READERS[method](ckpt)
     except BaseException:

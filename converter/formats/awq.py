@@ -21,25 +21,33 @@ modules are stored unquantized and pass through with that reason.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from ..constants import MARLIN_ZERO, SourceFormat, ZeroConvention
+from ..dtypes import FLOAT_DTYPES
 from ..errors import ConfigError, SourceFormatError, UnsupportedQuantError
 from ..marlin.shapes import check_convertible
-from ..quant_weight import QuantWeight, Tensor
-from .base import LayerPlan, Source, SourcePlan, TensorInfo
-from .hf import HFSource, HFCheckpoint, as_f32, assemble_plan, config_field, integer_zero_weight, not_convert_match, string_list
-from .packing import unpack_awq
-from .scales import scales_to_fp16
+from ..quant_weight import QuantWeight
+from .base import LayerPlan, SourcePlan
+from .hf import (
+    HFCheckpoint,
+    HFSource,
+    already_marlin,
+    assemble_plan,
+    config_field,
+    integer_zero_weight,
+    not_convert_match,
+    string_list,
+)
+from .packing import codes_per_word, unpack_awq
 
 AWQ_BITS = 4
-FLOAT_DTYPES = ("F16", "BF16", "F32")
+#: Codes per int32 word (AWQ GEMM packs 4-bit codes along N).
+AWQ_PACK = codes_per_word(AWQ_BITS)
 READ_VERSIONS = ("gemm",)
 
 
-class AwqSource(HFSource):
+class AwqSource(HFSource, format=SourceFormat.AWQ, methods=("awq",), conventions=(ZeroConvention.AWQ,)):
     """Reader for AutoAWQ GEMM checkpoints; conventions in the module docstring.
 
     Args:
@@ -51,13 +59,19 @@ class AwqSource(HFSource):
             own message), bits other than 4.
     """
 
-    format = SourceFormat.AWQ
+    missing_note = " (AWQ GEMM always stores zeros and scales)"
+
+    @classmethod
+    def claims_checkpoint(cls, ckpt: HFCheckpoint) -> bool:
+        """AutoAWQ's legacy ``quant_config.json``: ``w_bit``/``q_group_size``/``version``
+        and no ``quant_method`` (spec section 3)."""
+        qc = ckpt.quant_config
+        return "w_bit" in qc or ("version" in qc and "zero_point" in qc)
 
     def __init__(self, ckpt: HFCheckpoint) -> None:
-        self.ckpt = ckpt
-        self.path = ckpt.folder
+        super().__init__(ckpt)
         qc = ckpt.quant_config
-        self.cfg_path = cfg_path = ckpt.folder / (ckpt.quant_config_file or "config.json")
+        cfg_path = self.cfg_path
         # AutoAWQ's own quant_config.json spells them w_bit / q_group_size (spec section 3).
         bits_key = "bits" if "bits" in qc else "w_bit"
         group_key = "group_size" if "group_size" in qc else "q_group_size"
@@ -79,10 +93,6 @@ class AwqSource(HFSource):
         if self.group_size != -1 and self.group_size <= 0:
             raise ConfigError(f"must be -1 or positive, found {self.group_size}", path=cfg_path, tensor=group_key)
 
-    def describe(self) -> dict[str, Any]:
-        """The manifest's ``source``: format, files (weights, index, configs with sha256), quant config."""
-        return {"format": self.format.value, "files": self.ckpt.describe_files(), "quant_config": self.ckpt.quant_config}
-
     # -- planning --------------------------------------------------------------------
     def plan(self) -> SourcePlan:
         """Plan every ``*.qweight`` layer; reads qzeros and scales (small) only.
@@ -99,27 +109,13 @@ class AwqSource(HFSource):
         entry = not_convert_match(module, self.not_convert)
         return f"kept unquantized by the producer: module matches modules_to_not_convert entry {entry!r}" if entry else None
 
-    def _need(self, prefix: str, suffix: str, dtypes: tuple[str, ...], shape: tuple[int, ...] | None = None) -> TensorInfo:
-        name = f"{prefix}.{suffix}"
-        if name not in self.ckpt:
-            raise SourceFormatError(f"layer {prefix} has qweight but no {suffix} (AWQ GEMM always stores zeros and scales)", path=self.ckpt.folder, tensor=name)
-        info = self.ckpt.info(name)
-        path = self.ckpt.file_of(name)
-        if info.dtype not in dtypes:
-            raise SourceFormatError(f"dtype {info.dtype}, expected {' or '.join(dtypes)}", path=path, tensor=name)
-        if len(info.shape) != (len(shape) if shape else 2):
-            raise SourceFormatError(f"expected a {len(shape) if shape else 2}-D tensor, found shape {list(info.shape)}", path=path, tensor=name)
-        if shape is not None and info.shape != shape:
-            raise SourceFormatError(f"shape {list(info.shape)} disagrees with K, N and group_size (expected {list(shape)})", path=path, tensor=name)
-        return info
-
     def _plan_layer(self, prefix: str) -> LayerPlan:
-        qw = self._need(prefix, "qweight", ("I32",))
+        qw = self.need(prefix, "qweight", ("I32",))
         qw_path = self.ckpt.file_of(qw.name)
-        scales = self._need(prefix, "scales", FLOAT_DTYPES)
+        scales = self.need(prefix, "scales", FLOAT_DTYPES)
         num_groups, size_n = scales.shape
         size_k = qw.shape[0]
-        if qw.shape[1] != size_n // 8 or size_n % 8:
+        if qw.shape[1] != size_n // AWQ_PACK or size_n % AWQ_PACK:
             if qw.shape[1] == 2 * size_n:
                 # Marlin's B is (K/16, 2N): the file is Marlin-packed whatever its label says.
                 raise UnsupportedQuantError(
@@ -137,9 +133,9 @@ class AwqSource(HFSource):
                 f"shape {list(scales.shape)} has {num_groups} groups, expected {expect_groups} for K = {size_k} "
                 f"and group_size = {self.group_size}", path=self.ckpt.file_of(scales.name), tensor=scales.name,
             )
-        qzeros = self._need(prefix, "qzeros", ("I32",), (num_groups, size_n // 8))
-        bias = self._need(prefix, "bias", FLOAT_DTYPES, (size_n,)) if f"{prefix}.bias" in self.ckpt else None
-        scales_to_fp16(as_f32(self.ckpt.array(scales.name), scales.dtype), path=self.ckpt.file_of(scales.name), tensor=scales.name)
+        qzeros = self.need(prefix, "qzeros", ("I32",), (num_groups, size_n // AWQ_PACK))
+        bias = self.need(prefix, "bias", FLOAT_DTYPES, (size_n,)) if f"{prefix}.bias" in self.ckpt else None
+        self.check_scales(scales)
         warnings = []
         entry = not_convert_match(prefix, self.not_convert)
         if entry:
@@ -176,15 +172,10 @@ class AwqSource(HFSource):
         z = unpack_awq(np.asarray(self.ckpt.array(f"{layer.name}.qzeros")[g0:g1]))
         return integer_zero_weight(self.ckpt, layer, q=q, z=z, scales=f"{layer.name}.scales", g0=g0, g1=g1, k_start=k_start)
 
-    def load_tensor(self, name: str) -> Tensor:
-        return self.ckpt.tensor(name)
-
-    def close(self) -> None:
-        self.ckpt.close()
 
 
-ALREADY_MARLIN = (
-    "AutoAWQ 'marlin' checkpoints are already upstream-Marlin packed and symmetric (qweight is Marlin B "
-    "[K/16, 2N], scales are Marlin-permuted; spec section 3); marlin-convert never packs twice: serve the "
-    "file as it is, or convert from the AWQ GEMM checkpoint"
+ALREADY_MARLIN = already_marlin(
+    "AutoAWQ 'marlin' checkpoints are", "qweight is Marlin B [K/16, 2N], scales are Marlin-permuted; spec section 3",
+    packing="upstream-Marlin packed and symmetric",
+    advice="serve the file as it is, or convert from the AWQ GEMM checkpoint",
 )

@@ -11,7 +11,9 @@ from __future__ import annotations
 import abc
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
+
+import numpy as np
 
 from ..constants import SourceFormat, ZeroConvention
 from ..quant_weight import QuantWeight, Tensor, TensorInfo  # noqa: F401 (re-exported)
@@ -75,10 +77,43 @@ class SourcePlan:
 
 
 class Source(abc.ABC):
-    """A readable checkpoint.  Subclasses live one per format in ``formats/``."""
+    """A readable checkpoint.  Subclasses live one per format in ``formats/``.
 
-    format: SourceFormat
+    A reader registers itself when its class is defined, by naming its format and the
+    zero conventions it produces in the class statement::
+
+        class TinyloopSource(Source, format=SourceFormat.TINYLOOP,
+                             conventions=(ZeroConvention.TINYLOOP_ADDITIVE,)): ...
+
+    :data:`READERS` (and what ``converter.formats`` derives from it: the HF quant
+    methods, the conventions each format may record) is that registry; a test checks
+    it against the enums and the artifact schema.  A class without ``format`` (a base
+    such as ``HFSource``) registers nothing.
+    """
+
+    format: ClassVar[SourceFormat]
+    #: The ``zero_convention`` values this reader records in the manifest.
+    zero_conventions: ClassVar[tuple[ZeroConvention, ...]]
     path: Path
+
+    def __init_subclass__(cls, *, format: SourceFormat | None = None,
+                          conventions: tuple[ZeroConvention, ...] = (), **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if format is None:
+            return
+        if format in READERS:
+            raise TypeError(f"{cls.__name__}: format {format.value!r} is already read by {READERS[format].__name__}")
+        if not conventions:
+            raise TypeError(f"{cls.__name__}: a reader must name the zero conventions it produces")
+        cls.format = format
+        cls.zero_conventions = tuple(conventions)
+        READERS[format] = cls
+
+    @classmethod
+    def claims(cls, path: Path) -> bool:
+        """Whether ``path``, a single file, is in this reader's own container format
+        (``.tinyloop``); HF checkpoints are claimed by their quant config instead."""
+        return False
 
     @abc.abstractmethod
     def describe(self) -> dict[str, Any]:
@@ -96,6 +131,18 @@ class Source(abc.ABC):
         per-channel layer).  The returned ``QuantWeight`` holds just those rows and the
         groups they cover, with ``k_offset = k_start``.
         """
+
+    def load_packed(self, layer: LayerPlan, k_start: int = 0, k_stop: int | None = None
+                    ) -> tuple[np.ndarray, QuantWeight] | None:
+        """Optional conversion fast path: Marlin ``B`` (int32 ``(rows // 16, 2N)``) for
+        rows ``[k_start, k_stop)`` made straight from the source's packed words, and
+        the chunk's :class:`QuantWeight` with an empty ``q`` (scales, delta, bias, perm).
+
+        Returns None where the reader has none (the default) or it does not apply to
+        this layer; the converter then packs ``load_layer(...).marlin_codes()``, which
+        must give the same bits.
+        """
+        return None
 
     @abc.abstractmethod
     def load_tensor(self, name: str) -> Tensor:
@@ -127,3 +174,7 @@ class Source(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: Every reader, by the format it reads, in definition order (see :class:`Source`).
+READERS: dict[SourceFormat, type[Source]] = {}

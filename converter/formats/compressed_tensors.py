@@ -36,17 +36,16 @@ from typing import Any
 import numpy as np
 
 from ..constants import SourceFormat, ZeroConvention
+from ..dtypes import FLOAT_DTYPES
 from ..errors import ConfigError, SourceFormatError, UnsupportedQuantError
 from ..marlin.shapes import check_convertible
-from ..quant_weight import QuantWeight, Tensor
-from .base import LayerPlan, Source, SourcePlan, TensorInfo
-from .hf import HFSource, HFCheckpoint, as_f32, assemble_plan, integer_zero_weight
+from ..quant_weight import QuantWeight
+from .base import LayerPlan, SourcePlan
+from .hf import HFCheckpoint, HFSource, assemble_plan, integer_zero_weight
 from .packing import act_order_perm, codes_per_word, gather_rows, symmetric_zero, unpack_words
-from .scales import scales_to_fp16
 
 PACK_QUANTIZED = "pack-quantized"
 CONVERTIBLE_BITS = (2, 4)
-FLOAT_DTYPES = ("F16", "BF16", "F32")
 SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape")
 
 
@@ -76,7 +75,8 @@ def _is_class_name(target: str) -> bool:
     return not target.startswith("re:") and "." not in target and target[:1].isupper()
 
 
-class CompressedTensorsSource(HFSource):
+class CompressedTensorsSource(HFSource, format=SourceFormat.COMPRESSED_TENSORS, methods=("compressed-tensors",),
+                              conventions=(ZeroConvention.CT_OFFSET8,)):
     """Reader for compressed-tensors ``pack-quantized`` checkpoints (module docstring).
 
     Args:
@@ -88,13 +88,12 @@ class CompressedTensorsSource(HFSource):
             ``marlin-24``, ``float-quantized``) or a non-dense sparsity format.
     """
 
-    format = SourceFormat.COMPRESSED_TENSORS
+    anchor = "weight_packed"
+    shape_rule = "weight_shape, bits and group_size"
 
     def __init__(self, ckpt: HFCheckpoint) -> None:
-        self.ckpt = ckpt
-        self.path = ckpt.folder
+        super().__init__(ckpt)
         qc = ckpt.quant_config
-        self.cfg_path = ckpt.folder / (ckpt.quant_config_file or "config.json")
         self.top_format = str(qc.get("format") or "")
         groups = qc.get("config_groups")
         if not isinstance(groups, dict) or not groups:
@@ -182,10 +181,6 @@ class CompressedTensorsSource(HFSource):
                 return entry
         return None
 
-    def describe(self) -> dict[str, Any]:
-        """The manifest's ``source``: format, files (weights, index, configs with sha256), quant config."""
-        return {"format": self.format.value, "files": self.ckpt.describe_files(), "quant_config": self.ckpt.quant_config}
-
     # -- planning --------------------------------------------------------------------
     def plan(self) -> SourcePlan:
         """Plan every ``*.weight_packed`` layer (reads the small tensors only).
@@ -209,22 +204,9 @@ class CompressedTensorsSource(HFSource):
         entry = self.ignored(module)
         return f"kept unquantized by the producer: listed in quantization_config.ignore ({entry!r})" if entry else None
 
-    def _info(self, prefix: str, suffix: str, dtypes: tuple[str, ...], shape: tuple[int, ...] | None, ndim: int) -> TensorInfo:
-        name = f"{prefix}.{suffix}"
-        if name not in self.ckpt:
-            raise SourceFormatError(f"layer {prefix} has weight_packed but no {suffix}", path=self.ckpt.folder, tensor=name)
-        info = self.ckpt.info(name)
-        path = self.ckpt.file_of(name)
-        if info.dtype not in dtypes:
-            raise SourceFormatError(f"dtype {info.dtype}, expected {' or '.join(dtypes)}", path=path, tensor=name)
-        if len(info.shape) != ndim or (shape is not None and info.shape != shape):
-            want = list(shape) if shape is not None else f"{ndim}-D"
-            raise SourceFormatError(f"shape {list(info.shape)} disagrees with weight_shape, bits and group_size (expected {want})", path=path, tensor=name)
-        return info
-
     def _plan_layer(self, prefix: str) -> LayerPlan:
-        packed = self._info(prefix, "weight_packed", ("I32",), None, 2)
-        shape_info = self._info(prefix, "weight_shape", ("I64", "I32"), (2,), 1)
+        packed = self.need(prefix, "weight_packed", ("I32",))
+        shape_info = self.need(prefix, "weight_shape", ("I64", "I32"), (2,))
         size_n, size_k = (int(v) for v in np.asarray(self.ckpt.array(shape_info.name)))
         owned = [packed.name, shape_info.name]
         warnings: list[str] = []
@@ -236,7 +218,7 @@ class CompressedTensorsSource(HFSource):
                     zero_convention=ZeroConvention.CT_OFFSET8, symmetric=False, act_order=False, warnings=warnings)
         bias = None
         if f"{prefix}.bias" in self.ckpt:
-            bias = self._info(prefix, "bias", FLOAT_DTYPES, (size_n,), 1)
+            bias = self.need(prefix, "bias", FLOAT_DTYPES, (size_n,))
         others = tuple(f"{prefix}.{s}" for s in SUFFIXES if f"{prefix}.{s}" in self.ckpt)
 
         def passthrough(reason: str) -> LayerPlan:
@@ -268,22 +250,22 @@ class CompressedTensorsSource(HFSource):
         else:
             return passthrough(f"strategy {strategy!r} (config group {args.group}) is not group or channel")
         num_groups = -(-size_k // g)
-        scale = self._info(prefix, "weight_scale", FLOAT_DTYPES, (size_n, num_groups), 2)
+        scale = self.need(prefix, "weight_scale", FLOAT_DTYPES, (size_n, num_groups))
         owned.append(scale.name)
         zp_name = f"{prefix}.weight_zero_point"
         has_zp = zp_name in self.ckpt
         if has_zp:
-            self._info(prefix, "weight_zero_point", ("I32",), (-(-size_n // per), num_groups), 2)
+            self.need(prefix, "weight_zero_point", ("I32",), (-(-size_n // per), num_groups))
             owned.append(zp_name)
         elif not args.symmetric:
             raise SourceFormatError(f"config group {args.group} is asymmetric but the layer has no weight_zero_point", path=self.ckpt.folder, tensor=zp_name)
         perm = None
         gi_name = f"{prefix}.weight_g_idx"
         if gi_name in self.ckpt:
-            gi = self._info(prefix, "weight_g_idx", ("I32", "I64"), (size_k,), 1)
+            gi = self.need(prefix, "weight_g_idx", ("I32", "I64"), (size_k,))
             owned.append(gi.name)
             perm = act_order_perm(np.asarray(self.ckpt.array(gi.name)), g, num_groups, path=self.ckpt.file_of(gi.name), tensor=gi.name)
-        scales_to_fp16(as_f32(self.ckpt.array(scale.name), scale.dtype), path=self.ckpt.file_of(scale.name), tensor=scale.name)
+        self.check_scales(scale)
         layer = LayerPlan(
             name=prefix, size_k=size_k, size_n=size_n, group_size=g, bits=b,
             zero_convention=ZeroConvention.CT_OFFSET8, symmetric=False, act_order=perm is not None,
@@ -344,9 +326,3 @@ class CompressedTensorsSource(HFSource):
         z = self._zeros(layer, g0, g1)
         return integer_zero_weight(self.ckpt, layer, q=q, z=z, scales=f"{layer.name}.weight_scale", g0=g0, g1=g1,
                                    perm=perm, k_start=k_start, scales_transposed=True)
-
-    def load_tensor(self, name: str) -> Tensor:
-        return self.ckpt.tensor(name)
-
-    def close(self) -> None:
-        self.ckpt.close()

@@ -35,12 +35,22 @@ from typing import Any
 import numpy as np
 
 from ..constants import SourceFormat, ZeroConvention
+from ..dtypes import FLOAT_DTYPES
 from ..errors import ConfigError, SourceFormatError, UnsupportedQuantError
 from ..marlin.layout import pack_b_from_gptq4
 from ..marlin.shapes import check_convertible
 from ..quant_weight import QuantWeight
-from .base import LayerPlan, Source, SourcePlan, TensorInfo
-from .hf import HFSource, HFCheckpoint, as_f32, assemble_plan, config_field, integer_zero_weight, not_convert_match, string_list
+from .base import LayerPlan, SourcePlan, TensorInfo
+from .hf import (
+    HFCheckpoint,
+    HFSource,
+    already_marlin,
+    assemble_plan,
+    config_field,
+    integer_zero_weight,
+    not_convert_match,
+    string_list,
+)
 from .packing import (
     act_order_perm,
     decode_gptq_zeros,
@@ -51,7 +61,6 @@ from .packing import (
     unpack_words,
     unpacked_len,
 )
-from .scales import scales_to_fp16
 
 GPTQ_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "bias")
 #: Bit widths whose codes convert to Marlin 4-bit losslessly: a b-bit code is a valid
@@ -62,20 +71,7 @@ PASSTHROUGH_BITS = (8,)
 MARLIN_FORMATS = ("marlin",)
 #: Keys a ``dynamic`` override may set that change how we read a layer.
 DYNAMIC_KEYS = ("bits", "group_size", "sym", "desc_act")
-FLOAT_DTYPES = ("F16", "BF16", "F32")
 LM_HEAD = "lm_head"
-
-
-def _is_gptq_config(qc: dict[str, Any]) -> bool:
-    method = str(qc.get("quant_method", qc.get("method", ""))).lower()
-    return method == "gptq"
-
-
-def sniff(ckpt: HFCheckpoint) -> bool:
-    """True when the checkpoint's quant config says GPTQ, or it has ``.qzeros``+``.g_idx``."""
-    if ckpt.quant_config:
-        return _is_gptq_config(ckpt.quant_config)
-    return any(n.endswith(".qweight") for n in ckpt.infos) and any(n.endswith(".g_idx") for n in ckpt.infos)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +89,8 @@ class LayerConfig:
     rule: str = ""
 
 
-class GptqSource(HFSource):
+class GptqSource(HFSource, format=SourceFormat.GPTQ, methods=("gptq",),
+                 conventions=(ZeroConvention.GPTQ_V1, ZeroConvention.GPTQ_V2)):
     """Reader for HF GPTQ checkpoints; see the module docstring for the conventions.
 
     Args:
@@ -105,20 +102,25 @@ class GptqSource(HFSource):
             Marlin-packed or planar (``gptq_p``) format, or bits outside 2/3/4/8.
     """
 
-    format = SourceFormat.GPTQ
+    shape_rule = "K, N, bits and group_size"
+
+    @classmethod
+    def claims_checkpoint(cls, ckpt: HFCheckpoint) -> bool:
+        """A checkpoint with no quant config at all whose tensors are GPTQ's (``.qweight`` and ``.g_idx``)."""
+        if ckpt.quant_config:
+            return False
+        return any(n.endswith(".qweight") for n in ckpt.infos) and any(n.endswith(".g_idx") for n in ckpt.infos)
 
     def __init__(self, ckpt: HFCheckpoint) -> None:
-        self.ckpt = ckpt
-        self.path = ckpt.folder
+        super().__init__(ckpt)
         qc = ckpt.quant_config
-        cfg_path = ckpt.folder / (ckpt.quant_config_file or "config.json")
+        cfg_path = self.cfg_path
         if not qc:
             raise ConfigError(
                 "no GPTQ quantization config found (looked for quantize_config.json, "
                 "quantization_config.json, quant_config.json, config.json[quantization_config])",
                 path=ckpt.folder,
             )
-        self.cfg_path = cfg_path
         self.bits = config_field(qc, "bits", int, None, path=cfg_path, required=True)
         self.group_size = config_field(qc, "group_size", int, None, path=cfg_path, required=True)
         self.sym = config_field(qc, "sym", bool, True, path=cfg_path)
@@ -199,14 +201,6 @@ class GptqSource(HFSource):
             )
         return base
 
-    def describe(self) -> dict[str, Any]:
-        """The manifest's ``source``: format, files (weights, index, configs with sha256), quant config."""
-        return {
-            "format": self.format.value,
-            "files": self.ckpt.describe_files(),
-            "quant_config": self.ckpt.quant_config,
-        }
-
     # -- planning --------------------------------------------------------------------
     def plan(self) -> SourcePlan:
         """Plan every ``*.qweight`` layer from headers, configs and the small tensors
@@ -237,21 +231,6 @@ class GptqSource(HFSource):
         if module.split(".")[-1] == LM_HEAD and self.lm_head:
             return "config says lm_head: true but the checkpoint stores lm_head unquantized; carried over as stored"
         return None
-
-    def _need(self, prefix: str, suffix: str, dtypes: tuple[str, ...], shape: tuple[int, ...]) -> TensorInfo:
-        name = f"{prefix}.{suffix}"
-        if name not in self.ckpt:
-            raise SourceFormatError(f"layer {prefix} has qweight but no {suffix}", path=self.ckpt.folder, tensor=name)
-        info = self.ckpt.info(name)
-        path = self.ckpt.file_of(name)
-        if info.dtype not in dtypes:
-            raise SourceFormatError(f"dtype {info.dtype}, expected {' or '.join(dtypes)}", path=path, tensor=name)
-        if info.shape != shape:
-            raise SourceFormatError(
-                f"shape {list(info.shape)} disagrees with K, N, bits and group_size (expected {list(shape)})",
-                path=path, tensor=name,
-            )
-        return info
 
     def _plan_layer(self, prefix: str) -> LayerPlan:
         cfg = self.layer_config(prefix)
@@ -293,22 +272,21 @@ class GptqSource(HFSource):
         if g <= 0:
             raise ConfigError(f"group_size must be -1 or positive, found {g}", path=self.cfg_path, tensor=f"{prefix} group_size")
         num_groups = -(-size_k // g) if size_k else 0
-        scales = self._need(prefix, "scales", FLOAT_DTYPES, (num_groups, size_n))
+        scales = self.need(prefix, "scales", FLOAT_DTYPES, (num_groups, size_n))
         zeros_width = packed_len(size_n, b)
         if zeros_width is None:
             raise SourceFormatError(f"size_n = {size_n} cannot be packed into whole {b}-bit qzeros words", path=qw_path, tensor=f"{prefix}.qzeros")
-        qzeros = self._need(prefix, "qzeros", ("I32",), (num_groups, zeros_width))
+        qzeros = self.need(prefix, "qzeros", ("I32",), (num_groups, zeros_width))
         owned = [qw.name, qzeros.name, scales.name]
         bias = None
         if f"{prefix}.bias" in self.ckpt:
-            bias = self._need(prefix, "bias", FLOAT_DTYPES, (size_n,))
+            bias = self.need(prefix, "bias", FLOAT_DTYPES, (size_n,))
         perm = None
         if gi_name in self.ckpt:
-            gi = self._need(prefix, "g_idx", ("I32",), (size_k,))
+            gi = self.need(prefix, "g_idx", ("I32",), (size_k,))
             owned.append(gi.name)
             perm = act_order_perm(self.ckpt.array(gi.name), g, num_groups, path=self.ckpt.file_of(gi.name), tensor=gi.name)
-        # Range check now, so a bad bf16 scale fails before anything is written.
-        scales_to_fp16(as_f32(self.ckpt.array(scales.name), scales.dtype), path=self.ckpt.file_of(scales.name), tensor=scales.name)
+        self.check_scales(scales)
         convention, zwarn = self._layer_convention(prefix, b)
         warnings += zwarn
         layer = LayerPlan(
@@ -369,7 +347,7 @@ class GptqSource(HFSource):
                 how = (
                     "decoded per field as (stored + 1) mod 8 (GPTQModel's 3-bit rule)"
                     if bits == 3
-                    else f"decoded by the whole-word add of 0x{int(_ones(bits)):08X}, which undoes GPTQModel's borrow"
+                    else f"decoded by the whole-word add of 0x{int(field_ones(bits)):08X}, which undoes GPTQModel's borrow"
                 )
                 warnings.append(
                     f"{wrapped} v1 zero field(s) store {(1 << bits) - 1}, i.e. z - 1 = -1: a true zero of 0 that "
@@ -419,10 +397,10 @@ class GptqSource(HFSource):
                                    perm=perm, k_start=k_start)
 
     def load_packed(self, layer: LayerPlan, k_start: int = 0, k_stop: int | None = None) -> tuple[np.ndarray, QuantWeight] | None:
-        """Conversion fast path: Marlin ``B`` for rows ``[k_start, k_stop)`` made straight
-        from the 4-bit ``qweight`` words, plus the chunk's scales and delta (its ``q`` is
-        empty).  None where it does not apply (not 4-bit, act-order), and the caller
-        uses ``pack_b(load_layer(...).q)``, which gives the same bits.
+        """:meth:`Source.load_packed`: Marlin ``B`` for rows ``[k_start, k_stop)`` made
+        straight from the 4-bit ``qweight`` words (:func:`pack_b_from_gptq4`), plus the
+        chunk's scales and delta (its ``q`` is empty).  None where it does not apply
+        (not 4-bit, act-order, rows not on 16-row tiles).
         """
         k_stop = layer.size_k if k_stop is None else k_stop
         if layer.bits != 4 or layer.act_order or k_start % 16 or k_stop % 16:
@@ -430,29 +408,9 @@ class GptqSource(HFSource):
         words = np.asarray(self.ckpt.array(f"{layer.name}.qweight")[k_start // 8 : k_stop // 8])
         return pack_b_from_gptq4(words), self.load_layer(layer, k_start, k_stop, codes=False)
 
-    def load_tensor(self, name: str):
-        return self.ckpt.tensor(name)
-
-    def close(self) -> None:
-        self.ckpt.close()
 
 
-_ALREADY_MARLIN = (
-    "checkpoint is already Marlin-packed (AutoGPTQ checkpoint_format 'marlin': tensors B and s, "
-    "symmetric only, spec 5.1); marlin-convert reads GPTQ qweight/qzeros and never packs twice: "
-    "use the file as it is, or convert from the original GPTQ checkpoint"
+_ALREADY_MARLIN = already_marlin(
+    "checkpoint is", "AutoGPTQ checkpoint_format 'marlin': tensors B and s, symmetric only, spec 5.1",
+    advice="use the file as it is, or convert from the original GPTQ checkpoint",
 )
-
-
-def _ones(bits: int) -> int:
-    return int(field_ones(bits))
-
-
-def _as_f32(arr: np.ndarray, dtype: str) -> np.ndarray:
-    """Backward-compatible alias of :func:`converter.formats.hf.as_f32`."""
-    return as_f32(arr, dtype)
-
-
-def open_gptq(path: Path) -> GptqSource:
-    """Open a GPTQ checkpoint folder or file (see :class:`HFCheckpoint`)."""
-    return GptqSource(HFCheckpoint(path))

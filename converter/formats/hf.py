@@ -11,11 +11,12 @@ import hashlib
 import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from ..constants import HF_INDEX_NAME, MARLIN_ZERO
+from ..dtypes import as_f32
 from ..errors import ConfigError, SourceFormatError
 from ..hf_index import HFIndex, read_index
 from ..jsonio import read_object
@@ -200,9 +201,53 @@ class HFCheckpoint:
 
 
 class HFSource(Source):
-    """What the HF-checkpoint readers (GPTQ, AWQ, compressed-tensors) share."""
+    """What the HF-checkpoint readers (GPTQ, AWQ, compressed-tensors) share.
 
-    ckpt: HFCheckpoint
+    A subclass names the ``quant_method`` values it reads in its class statement,
+    beside its format and conventions (see :class:`~converter.formats.base.Source`)::
+
+        class AwqSource(HFSource, format=SourceFormat.AWQ, methods=("awq",),
+                        conventions=(ZeroConvention.AWQ,)): ...
+
+    Args:
+        ckpt: the opened checkpoint (closed by :meth:`close`).
+
+    Attributes:
+        ckpt: the checkpoint.
+        path: its folder.
+        cfg_path: the file the quant config came from (``config.json`` if none).
+    """
+
+    #: ``quant_method`` values (lower case) this reader converts.
+    quant_methods: ClassVar[tuple[str, ...]] = ()
+    #: The tensor whose presence makes a layer, as :meth:`need` names it.
+    anchor: ClassVar[str] = "qweight"
+    #: What a companion tensor's expected shape is derived from, as :meth:`need` names it.
+    shape_rule: ClassVar[str] = "K, N and group_size"
+    #: Appended to :meth:`need`'s "missing tensor" message.
+    missing_note: ClassVar[str] = ""
+
+    def __init_subclass__(cls, *, methods: tuple[str, ...] = (), **kwargs: Any) -> None:
+        cls.quant_methods = tuple(methods)
+        super().__init_subclass__(**kwargs)
+
+    def __init__(self, ckpt: HFCheckpoint) -> None:
+        self.ckpt = ckpt
+        self.path = ckpt.folder
+        self.cfg_path = ckpt.folder / (ckpt.quant_config_file or "config.json")
+
+    @classmethod
+    def claims_checkpoint(cls, ckpt: HFCheckpoint) -> bool:
+        """Whether a checkpoint whose quant config names no method is this format
+        (legacy configs, configs that are missing altogether)."""
+        return False
+
+    def describe(self) -> dict[str, Any]:
+        """The manifest's ``source``: format, files (weights, index, configs with sha256), quant config."""
+        return {"format": self.format.value, "files": self.ckpt.describe_files(), "quant_config": self.ckpt.quant_config}
+
+    def load_tensor(self, name: str) -> Tensor:
+        return self.ckpt.tensor(name)
 
     def input_files(self) -> list[Path]:
         return self.ckpt.input_files()
@@ -210,6 +255,58 @@ class HFSource(Source):
     @property
     def checkpoint_folder(self) -> Path | None:
         return self.ckpt.folder
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+    def need(self, prefix: str, suffix: str, dtypes: tuple[str, ...], shape: tuple[int, ...] | None = None, *,
+             ndim: int = 2) -> TensorInfo:
+        """The header facts of layer ``prefix``'s tensor ``suffix``, checked.
+
+        Args:
+            prefix, suffix: the tensor is ``<prefix>.<suffix>``.
+            dtypes: the dtype codes allowed.
+            shape: the exact shape required, or None for any shape of ``ndim`` dimensions.
+
+        Raises:
+            SourceFormatError: the tensor is missing, or its dtype or shape is wrong
+                (naming the file, the tensor, the expected and the found values).
+        """
+        name = f"{prefix}.{suffix}"
+        if name not in self.ckpt:
+            raise SourceFormatError(f"layer {prefix} has {self.anchor} but no {suffix}{self.missing_note}",
+                                    path=self.ckpt.folder, tensor=name)
+        info = self.ckpt.info(name)
+        path = self.ckpt.file_of(name)
+        if info.dtype not in dtypes:
+            raise SourceFormatError(f"dtype {info.dtype}, expected {' or '.join(dtypes)}", path=path, tensor=name)
+        if (shape is not None and info.shape != shape) or (shape is None and len(info.shape) != ndim):
+            want = list(shape) if shape is not None else f"{ndim}-D"
+            raise SourceFormatError(f"shape {list(info.shape)} disagrees with {self.shape_rule} (expected {want})",
+                                    path=path, tensor=name)
+        return info
+
+    def check_scales(self, scales: TensorInfo) -> None:
+        """Range-check a scale tensor now, so that a scale fp16 cannot hold fails before
+        anything is written.
+
+        Raises:
+            SourceFormatError: NaN/Inf, or a magnitude above the fp16 maximum.
+        """
+        raw = as_f32(self.ckpt.array(scales.name), scales.dtype)
+        scales_to_fp16(raw, path=self.ckpt.file_of(scales.name), tensor=scales.name)
+
+
+def already_marlin(subject: str, detail: str, *, advice: str, packing: str = "Marlin-packed") -> str:
+    """The refusal of a checkpoint that is already Marlin-packed: converting it would pack twice.
+
+    Args:
+        subject: what is packed, with its verb ("checkpoint is").
+        detail: how the format says so (the spec section).
+        advice: what to do instead.
+        packing: how it is packed.
+    """
+    return f"{subject} already {packing} ({detail}); marlin-convert never packs twice: {advice}"
 
 
 def config_field(cfg: dict[str, Any], key: str, types: type | tuple[type, ...], default: Any, *, path: Path, required: bool = False) -> Any:
@@ -333,13 +430,3 @@ def tag_excluded(plain: list[TensorInfo], reasons: dict[str, str], rule: Any) ->
         why = rule(module_of(info.name))
         if why:
             reasons[info.name] = why
-
-
-def as_f32(arr: np.ndarray, dtype: str) -> np.ndarray:
-    """float32 copy of an F16/BF16/F32 array (BF16 stored as raw uint16 bits).
-
-    bf16 -> f32 is exact: the bf16 bits are the top half of the f32 bits.
-    """
-    if dtype == "BF16":
-        return (np.asarray(arr, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
-    return np.asarray(arr, dtype=np.float32)

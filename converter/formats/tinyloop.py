@@ -173,7 +173,7 @@ def _capped_numel(shape: tuple[int, ...], cap: int) -> int | None:
     return n
 
 
-class TinyloopSource(Source):
+class TinyloopSource(Source, format=SourceFormat.TINYLOOP, conventions=(ZeroConvention.TINYLOOP_ADDITIVE,)):
     """A ``.tinyloop`` v1 file, validated on open and read through a read-only mmap.
 
     Args:
@@ -186,7 +186,10 @@ class TinyloopSource(Source):
         UnsupportedQuantError: a linear uses a bit width other than 2 or 4.
     """
 
-    format = SourceFormat.TINYLOOP
+    @classmethod
+    def claims(cls, path: Path) -> bool:
+        """A ``.tinyloop`` name, or the magic (:func:`sniff`)."""
+        return path.suffix == ".tinyloop" or sniff(path)
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)

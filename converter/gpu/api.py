@@ -14,14 +14,15 @@ from typing import Any
 import numpy as np
 
 from ..constants import Suffix
+from ..dtypes import bf16_to_f32
 from ..errors import KernelError
 from . import kernels, runtime
 
 
 def _bias_to_f16(raw: np.ndarray) -> np.ndarray:
     """Artifact bias (float16, float32, or bf16 stored as raw uint16) as float16."""
-    if raw.dtype == np.uint16:  # bf16 bits: the top half of a float32
-        return (raw.astype(np.uint32) << 16).view(np.float32).astype(np.float16)
+    if raw.dtype == np.uint16:
+        return bf16_to_f32(raw).astype(np.float16)
     return np.asarray(raw).astype(np.float16)
 
 

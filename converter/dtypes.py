@@ -1,0 +1,37 @@
+"""Storage dtypes: safetensors dtype codes as NumPy arrays, and widening floats to float32.
+
+NumPy has no bfloat16, so BF16 tensors are carried as their raw ``uint16`` bits
+(``SAFETENSORS_DTYPES["BF16"] == "<u2"``) and widened here, the one place that knows
+how: bf16 -> f32 is exact, the bf16 bits are the top half of the f32 bits.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .constants import SAFETENSORS_DTYPES
+
+#: Float dtype codes a source may store scales and biases in.
+FLOAT_DTYPES = ("F16", "BF16", "F32")
+
+
+def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor of safetensors dtype code ``dtype`` and ``shape``."""
+    return math.prod(shape) * np.dtype(SAFETENSORS_DTYPES[dtype]).itemsize
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """float32 array of the same shape from bf16 raw bits (uint16), exactly."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def as_f32(arr: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 copy of an F16/BF16/F32 array as stored (BF16 as raw uint16 bits).
+
+    Exact for every input: fp16 and bf16 values are all representable in float32.
+    """
+    if dtype == "BF16":
+        return bf16_to_f32(arr)
+    return np.asarray(arr, dtype=np.float32)
