@@ -24,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from . import __version__
+from .artifact.problems import Report
 from .errors import ConverterError
 
 # Piped output (logs, CI) gets wide tables instead of 80-column wrapping.
@@ -143,20 +144,20 @@ def convert_cmd(
     for col in ("layer", "K", "N", "group", "bits", "sym", "zeros", "upstream"):
         table.add_column(col, overflow="fold")
     for lay in report.converted:
-        table.add_row(escape(lay["name"]), str(lay["size_k"]), str(lay["size_n"]),
-                      "chan" if lay["group_size"] == lay["size_k"] else str(lay["group_size"]),
-                      str(lay["bits"]), "yes" if lay["symmetric"] else "no", lay["zero_convention"],
-                      "yes" if lay["upstream_marlin_compatible"] else "no")
+        table.add_row(escape(lay.name), str(lay.size_k), str(lay.size_n),
+                      "chan" if lay.group_size == lay.size_k else str(lay.group_size),
+                      str(lay.bits), "yes" if lay.symmetric else "no", lay.zero_convention.value,
+                      "yes" if lay.upstream_marlin_compatible else "no")
     err_console.print(table)
     reasons: dict[str, list[str]] = {}
     for p in report.passthrough:
-        reasons.setdefault(p["reason"], []).append(p["name"])
+        reasons.setdefault(p.reason, []).append(p.name)
     for reason, names in reasons.items():
         shown = ", ".join(names[:4]) + (f", ... ({len(names)} tensors)" if len(names) > 4 else "")
         err_console.print(f"pass-through: {escape(shown)}  [dim]({escape(reason)})[/]", soft_wrap=True)
     for lay in report.converted:
-        for w in lay["warnings"]:
-            err_console.print(f"[yellow]warning:[/] {escape(lay['name'])}: {escape(w)}", soft_wrap=True)
+        for w in lay.warnings:
+            err_console.print(f"[yellow]warning:[/] {escape(lay.name)}: {escape(w)}", soft_wrap=True)
     verb = "would write" if dry_run else "wrote"
     err_console.print(f"{len(report.converted)} layers converted, {len(report.passthrough)} tensors passed through; {verb} {report.bytes_out / 1e6:.2f} MB of tensor data")
 
@@ -225,7 +226,7 @@ def _jsonable(obj: Any) -> Any:
     raise TypeError(type(obj).__name__)
 
 
-def _render_verify(report: Any, quiet: bool) -> None:
+def _render_verify(report: Report, quiet: bool) -> None:
     errors = [p for p in report.problems if p.severity == "error"]
     bad_layers = {p.tensor.rsplit(".", 1)[0] for p in errors} | {p.tensor for p in errors}
     if not quiet and report.layers:

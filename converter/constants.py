@@ -84,6 +84,9 @@ SCALE_PERM_SINGLE = (
 #: Our own GEMM's limits (kernels/marlin_gemm.cu): K % 64, N % 64, and any group
 #: size that is a multiple of 16 dividing K, or per-channel.
 KERNEL_K_MULTIPLE = 64
+#: The bar for our fp16 GEMM against an fp32 reference: a layer fails above this mean
+#: relative error (marlin-verify's GPU mode and converter.gpu.verify).
+GPU_MEAN_REL_TOL = 1e-3
 
 # --- Artifact (schemas/marlin-artifact.v1.schema.json) --------------------------------
 PRODUCER_NAME = "marlin-convert"

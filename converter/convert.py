@@ -3,7 +3,7 @@
 Flow: ``plan`` (metadata and small tensors only; every check that can fail on the
 input runs here, before anything is written), then stream each layer in K chunks
 through :func:`~converter.marlin.layout.pack_b` into an
-:class:`~converter.artifact.sharding.ArtifactWriter` (one file, shards or a model
+:class:`~converter.artifact.writer.ArtifactWriter` (one file, shards or a model
 folder; temporary files, fsync, rename), hashing every tensor's bytes on the way.
 """
 
@@ -19,10 +19,14 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from .artifact.hf_config import folder_extras
 from .artifact.manifest import layer_entry, new_manifest
-from .artifact.sharding import ArtifactWriter, folder_extras, parse_size, plan_shards
+from .artifact.schema import Checksums, LayerEntry, Passthrough
+from .artifact.shards import Layout, parse_size, plan_shards
 from .artifact.target import InputGuard, OutputTarget
-from .constants import CHECKSUM_HEX_LEN, SAFETENSORS_DTYPES, SAFETENSORS_METADATA_KEY, Suffix
+from .artifact.writer import ArtifactWriter
+from .constants import CHECKSUM_HEX_LEN, SAFETENSORS_METADATA_KEY, Suffix
+from .dtypes import nbytes
 from .errors import SourceFormatError
 from .formats import open_source
 from .formats.base import LayerPlan, Source, SourcePlan
@@ -47,7 +51,7 @@ class ConvertReport:
         source: input path; output: artifact path (planned, for a dry run).
         source_format: detected format.
         converted: manifest records of the converted layers.
-        passthrough: ``[{"name", "reason"}]`` for every carried-over tensor.
+        passthrough: every carried-over tensor, with its reason.
         tensors: ``[(name, dtype, shape)]`` of the artifact.
         bytes_out: size of the tensor data written (or planned).
         dry_run: True when nothing was written.
@@ -56,14 +60,16 @@ class ConvertReport:
     source: str
     output: str | None
     source_format: str
-    converted: list[dict[str, Any]]
-    passthrough: list[dict[str, str]]
+    converted: list[LayerEntry]
+    passthrough: list[Passthrough]
     tensors: list[tuple[str, str, tuple[int, ...]]]
     bytes_out: int
     dry_run: bool
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        d["converted"] = [lay.to_json() for lay in self.converted]
+        d["passthrough"] = [p.to_json() for p in self.passthrough]
         d["tensors"] = [{"name": n, "dtype": t, "shape": list(s)} for n, t, s in self.tensors]
         d["ok"] = True
         return d
@@ -79,15 +85,15 @@ def layer_tensor_names(layer: LayerPlan) -> dict[Suffix, tuple[str, tuple[int, .
     return {suf: (f"{layer.name}.{suf.value}", shape, dtype) for suf, (dtype, shape) in shapes.items()}
 
 
-def build_layout(plan: SourcePlan, *, path: Path) -> tuple[list[tuple[str, str, tuple[int, ...]]], list[dict], list[dict[str, str]]]:
+def build_layout(plan: SourcePlan, *, path: Path) -> tuple[Layout, list[LayerEntry], list[Passthrough]]:
     """The artifact's tensors, layer records and pass-through list.
 
     Raises:
         SourceFormatError: two artifact tensors would get the same name.
     """
-    layout: list[tuple[str, str, tuple[int, ...]]] = []
-    layers: list[dict] = []
-    passthrough: list[dict[str, str]] = []
+    layout: Layout = []
+    layers: list[LayerEntry] = []
+    passthrough: list[Passthrough] = []
     for layer in plan.layers:
         if layer.convertible:
             layers.append(layer_entry(layer))
@@ -96,22 +102,22 @@ def build_layout(plan: SourcePlan, *, path: Path) -> tuple[list[tuple[str, str, 
     for layer in plan.layers:
         if not layer.convertible:
             for t in layer.source_tensors + ((layer.bias.name,) if layer.bias else ()):
-                passthrough.append({"name": t, "reason": plan.passthrough_reasons.get(t, layer.reason)})
+                passthrough.append(Passthrough(t, plan.passthrough_reasons.get(t, layer.reason)))
     for info in plan.tensors:
-        passthrough.append({"name": info.name, "reason": plan.passthrough_reasons.get(info.name, PLAIN_REASON)})
+        passthrough.append(Passthrough(info.name, plan.passthrough_reasons.get(info.name, PLAIN_REASON)))
     known = {n for n, _, _ in layout}
     for entry in passthrough:
-        if entry["name"] == SAFETENSORS_METADATA_KEY:
+        if entry.name == SAFETENSORS_METADATA_KEY:
             raise SourceFormatError(
                 f"a tensor may not be named {SAFETENSORS_METADATA_KEY!r}: safetensors reserves it; rename it in the source",
-                path=path, tensor=entry["name"],
+                path=path, tensor=entry.name,
             )
-        if entry["name"] in known:
+        if entry.name in known:
             raise SourceFormatError(
                 "tensor name collides with a converted layer's artifact tensor; rename it in the source",
-                path=path, tensor=entry["name"],
+                path=path, tensor=entry.name,
             )
-        known.add(entry["name"])
+        known.add(entry.name)
     return layout, layers, passthrough
 
 
@@ -151,7 +157,7 @@ def convert(
         src_path: ``.tinyloop`` file, or HF GPTQ folder / ``.safetensors`` / index.
         out_path: artifact path (``.safetensors``); an existing folder, or a path
             ending in ``/``, selects folder mode (``model.safetensors`` plus
-            ``config.json`` and tokenizer files; see ``artifact/sharding.py``).
+            ``config.json`` and tokenizer files; see ``artifact/writer.py``).
         force: overwrite an existing output.
         max_shard_size: bytes (or ``"5GB"``) of tensor data per file; more data is
             written as HF shards plus ``<stem>.safetensors.index.json``.
@@ -171,14 +177,14 @@ def convert(
     with open_source(src_path) as source:
         plan = source.plan()
         layout, layers, passthrough = build_layout(plan, path=src_path)
-        layout += _passthrough_infos(source, plan, [p["name"] for p in passthrough])
+        layout += _passthrough_infos(source, plan, [p.name for p in passthrough])
         desc = source.describe()
-        bytes_out = sum(math.prod(s) * np.dtype(SAFETENSORS_DTYPES[d]).itemsize for _, d, s in layout)
+        bytes_out = sum(nbytes(d, s) for _, d, s in layout)
         report = ConvertReport(
             str(src_path), str(out_path), source.format.value, layers, passthrough, layout, bytes_out, dry_run,
         )
         max_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
-        shards = plan_shards(layout, [lay["name"] for lay in layers], max_bytes)
+        shards = plan_shards(layout, [lay.name for lay in layers], max_bytes)
         target = OutputTarget(out_arg)
         artifact_path = target.path if len(shards) == 1 else target.index
         extras = folder_extras(source, desc, layers, artifact_path.name) if target.directory else {}
@@ -187,8 +193,10 @@ def convert(
         target.check(guard, force, count=len(shards), extra_names=extras, create=not dry_run)
         if dry_run:
             return report
+        # Placeholder checksums of the final length size the headers before any data.
         manifest = new_manifest(desc, layers, passthrough)
-        manifest["checksums"]["tensors"] = {n: "0" * CHECKSUM_HEX_LEN for n, _, _ in layout}
+        manifest = dataclasses.replace(manifest, checksums=Checksums(
+            manifest.checksums.algorithm, {n: "0" * CHECKSUM_HEX_LEN for n, _, _ in layout}))
         steps = sum(1 for lay in plan.layers if lay.convertible) + len(passthrough)
         if progress:
             progress(f"converting {src_path.name}", steps)
@@ -209,11 +217,12 @@ def convert(
                 behind.close()
             sums.update({n: h.hexdigest() for n, h in hashers.items()})
             for entry in passthrough:
-                tensor = source.load_tensor(entry["name"])
+                tensor = source.load_tensor(entry.name)
                 sums[tensor.name] = _copy_tensor(writer, tensor.name, tensor.data, source.release_pages)
                 if progress:
                     progress("", 1)
-            manifest["checksums"]["tensors"] = {n: sums[n] for n, _, _ in layout}
+            manifest = dataclasses.replace(manifest, checksums=Checksums(
+                manifest.checksums.algorithm, {n: sums[n] for n, _, _ in layout}))
             writer.finish(manifest)
     return report
 

@@ -11,9 +11,11 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from .artifact.reader import Artifact, LayerRecord
-from .artifact.validate import Report, broken_layers, validate_artifact
-from .constants import MARLIN_ZERO, Suffix
+from .artifact.problems import ProblemCode, Report
+from .artifact.reader import Artifact
+from .artifact.schema import LayerEntry
+from .artifact.validate import broken_layers, validate_artifact
+from .constants import GPU_MEAN_REL_TOL, MARLIN_ZERO, Suffix
 from .errors import ConverterError, GpuUnavailableError
 from .formats import open_source
 from .formats.base import Source
@@ -22,12 +24,12 @@ from .quant_weight import QuantWeight
 
 #: Both sides of the CPU check are fp32; they differ only by fp32 rounding.
 CPU_REL_TOL = 1e-5
-#: The issue's bar for the fp16 GPU GEMM against an fp32 reference.
-GPU_MEAN_REL_TOL = 1e-3
+#: Rows of random activations in the CPU check.
 CPU_M = 8
+P = ProblemCode
 
 
-def unpack_layer(art: Artifact, rec: LayerRecord) -> dict[str, np.ndarray | None]:
+def unpack_layer(art: Artifact, rec: LayerEntry) -> dict[str, np.ndarray | None]:
     """Exact inverse of the conversion for one layer.
 
     Returns:
@@ -37,13 +39,13 @@ def unpack_layer(art: Artifact, rec: LayerRecord) -> dict[str, np.ndarray | None
     p = rec.name + "."
     return {
         "q": unpack_b(art.tensor(p + Suffix.B.value), rec.size_n),
-        "scales": unpermute_scales(art.tensor(p + Suffix.SCALES.value), single=rec.num_groups == 1),
+        "scales": unpermute_scales(art.tensor(p + Suffix.SCALES.value), single=rec.shape.num_groups == 1),
         "delta": np.asarray(art.tensor(p + Suffix.DELTA.value), dtype=np.float32),
         "perm": np.asarray(art.tensor(p + Suffix.PERM.value)) if rec.act_order else None,
     }
 
 
-def artifact_weight(u: dict[str, np.ndarray | None], rec: LayerRecord) -> np.ndarray:
+def artifact_weight(u: dict[str, np.ndarray | None], rec: LayerEntry) -> np.ndarray:
     """float32 ``(size_k, size_n)`` = ``(q - 8) * s + delta``, rows in SOURCE channel order."""
     g = np.arange(rec.size_k) // rec.group_size
     w = (u["q"].astype(np.float32) - MARLIN_ZERO) * u["scales"].astype(np.float32)[g] + u["delta"][g]
@@ -82,44 +84,45 @@ def compare_against(art: Artifact, source: Source, report: Report, layer_rows: d
     Returns:
         ``{layer name: QuantWeight}`` of the source layers (for numerics).
     """
-    recorded = {f["name"]: f["sha256"] for f in art.manifest["source"]["files"]}
+    assert art.manifest is not None  # validate_artifact stops on a manifest that does not fit
+    recorded = {f.name: f.sha256 for f in art.manifest.source.files}
     actual = {f["name"]: f["sha256"] for f in source.describe()["files"]}
     changed = sorted(n for n in recorded.keys() & actual.keys() if recorded[n] != actual[n])
     if changed or not recorded.keys() & actual.keys():
         what = ", ".join(changed) if changed else "no file names in common"
-        report.add("source_differs", f"the source is not the one this artifact was converted from (sha256 differs: {what}); "
-                   "the comparisons below will show where", str(getattr(source, "path", "")))
+        report.add(P.SOURCE_DIFFERS, f"the source is not the one this artifact was converted from (sha256 differs: {what}); "
+                   "the comparisons below will show where", str(source.path))
     plan = source.plan()
     loaded: dict[str, QuantWeight] = {}
     src_layers = {lay.name: lay for lay in plan.layers if lay.convertible}
     for name in art.layers.keys() - src_layers.keys():
-        report.add("source_mismatch", f"layer {name} is in the artifact but not converted from the source", name)
+        report.add(P.SOURCE_MISMATCH, f"layer {name} is in the artifact but not converted from the source", name)
     for name in src_layers.keys() - art.layers.keys():
-        report.add("source_mismatch", f"layer {name} converts from the source but is missing from the artifact", name)
+        report.add(P.SOURCE_MISMATCH, f"layer {name} converts from the source but is missing from the artifact", name)
     from .convert import build_layout  # the conversion's own plan of the artifact
 
-    expected = {n for n, _, _ in build_layout(plan, path=Path(str(getattr(source, "path", ""))))[0]}
+    expected = {n for n, _, _ in build_layout(plan, path=source.path)[0]}
     expected |= {i.name for i in plan.tensors} | set(plan.passthrough_reasons)
     for lay in plan.layers:
         if not lay.convertible:
             expected |= set(lay.source_tensors) | ({lay.bias.name} if lay.bias else set())
     present = set(art.file.infos)
     for name in sorted(expected - present):
-        report.add("source_mismatch", f"{name}: a conversion of the source has this tensor; the artifact lacks it", name)
+        report.add(P.SOURCE_MISMATCH, f"{name}: a conversion of the source has this tensor; the artifact lacks it", name)
     for name in sorted(present - expected):
-        report.add("source_mismatch", f"{name}: in the artifact, but a conversion of the source has no such tensor", name)
+        report.add(P.SOURCE_MISMATCH, f"{name}: in the artifact, but a conversion of the source has no such tensor", name)
     for name, rec in art.layers.items():
         if name not in src_layers or name in skip:
             continue
         lay = src_layers[name]
         facts = {"size_k": (rec.size_k, lay.size_k), "size_n": (rec.size_n, lay.size_n),
                  "group_size": (rec.group_size, lay.group_size), "bits": (rec.bits, lay.bits),
-                 "zero_convention": (rec.raw["zero_convention"], lay.zero_convention.value),
+                 "zero_convention": (rec.zero_convention.value, lay.zero_convention.value),
                  "has_bias": (rec.has_bias, lay.bias is not None), "act_order": (rec.act_order, lay.act_order)}
         differ = [key for key, (mine, theirs) in facts.items() if mine != theirs]
         for key in differ:
             mine, theirs = facts[key]
-            report.add("source_mismatch", f"layer {name}: manifest says {key} = {mine}, the source gives {theirs}", name, theirs, mine)
+            report.add(P.SOURCE_MISMATCH, f"layer {name}: manifest says {key} = {mine}, the source gives {theirs}", name, theirs, mine)
         if differ:
             continue  # values of differently shaped layers cannot be compared
         qw = source.load_layer(lay)
@@ -131,37 +134,37 @@ def compare_against(art: Artifact, source: Source, report: Report, layer_rows: d
             "delta": (u["delta"], np.ascontiguousarray(qw.marlin_delta(), dtype=np.float32)),
         }
         if (u["perm"] is None) != (qw.perm is None):
-            report.add("source_mismatch", f"layer {name}: act-order permutation present in only one of artifact and source", name)
+            report.add(P.SOURCE_MISMATCH, f"layer {name}: act-order permutation present in only one of artifact and source", name)
         elif u["perm"] is not None:
             checks["perm"] = (u["perm"], qw.perm)
         row = layer_rows[name]
         for what, (mine, theirs) in checks.items():
             if mine.shape != theirs.shape:
-                report.add("source_mismatch", f"layer {name}: {what} shape {list(mine.shape)} vs source {list(theirs.shape)}", name)
+                report.add(P.SOURCE_MISMATCH, f"layer {name}: {what} shape {list(mine.shape)} vs source {list(theirs.shape)}", name)
                 row[f"{what}_exact"] = False
             elif not np.array_equal(_bits(mine), _bits(theirs)):
-                report.add("source_mismatch", f"layer {name}: {what} not bit-identical to the source: {_first_diff(mine, theirs)}", name)
+                report.add(P.SOURCE_MISMATCH, f"layer {name}: {what} not bit-identical to the source: {_first_diff(mine, theirs)}", name)
                 row[f"{what}_exact"] = False
             else:
                 row[f"{what}_exact"] = True
         if rec.has_bias:
             bias_name = f"{name}.{Suffix.BIAS.value}"
             if qw.bias is None or bytes(art.file.raw(bias_name)) != np.ascontiguousarray(qw.bias.data).tobytes():
-                report.add("source_mismatch", f"{bias_name}: bias differs from the source", bias_name)
-    for entry in art.manifest["passthrough"]:
-        name = entry["name"]
+                report.add(P.SOURCE_MISMATCH, f"{bias_name}: bias differs from the source", bias_name)
+    for entry in art.manifest.passthrough:
+        name = entry.name
         if name not in art.file:
             continue
         try:
             t = source.load_tensor(name)
         except (KeyError, ConverterError):
-            report.add("source_mismatch", f"{name}: pass-through tensor not found in the source", name)
+            report.add(P.SOURCE_MISMATCH, f"{name}: pass-through tensor not found in the source", name)
             continue
         info = art.file.infos[name]
         if (info.dtype, info.shape) != (t.dtype, tuple(t.shape)):
-            report.add("source_mismatch", f"{name}: {info.dtype} {list(info.shape)} vs source {t.dtype} {list(t.shape)}", name)
+            report.add(P.SOURCE_MISMATCH, f"{name}: {info.dtype} {list(info.shape)} vs source {t.dtype} {list(t.shape)}", name)
         elif xxhash.xxh3_128_hexdigest(art.file.raw(name)) != xxhash.xxh3_128_hexdigest(np.ascontiguousarray(t.data).tobytes()):
-            report.add("source_mismatch", f"{name}: bytes differ from the source", name)
+            report.add(P.SOURCE_MISMATCH, f"{name}: bytes differ from the source", name)
     return loaded
 
 
@@ -169,7 +172,7 @@ def _source_weight(qw: QuantWeight) -> np.ndarray:
     return _to_source_order(qw.source_weight(), qw.perm)
 
 
-def cpu_numerics(art: Artifact, rec: LayerRecord, qw: QuantWeight | None, rng: np.random.Generator) -> float:
+def cpu_numerics(art: Artifact, rec: LayerEntry, qw: QuantWeight | None, rng: np.random.Generator) -> float:
     """Relative error of the artifact's decomposed product against a reference, fp32.
 
     The artifact side computes what a Marlin kernel does: gather ``x[:, perm]``,
@@ -185,7 +188,7 @@ def cpu_numerics(art: Artifact, rec: LayerRecord, qw: QuantWeight | None, rng: n
     xp = x[:, u["perm"]] if u["perm"] is not None else x
     g = np.arange(rec.size_k) // rec.group_size
     w_sym = (u["q"].astype(np.float32) - MARLIN_ZERO) * u["scales"].astype(np.float32)[g]
-    xsum = xp.reshape(CPU_M, rec.num_groups, rec.group_size).sum(axis=2)
+    xsum = xp.reshape(CPU_M, rec.shape.num_groups, rec.group_size).sum(axis=2)
     y = xp @ w_sym + xsum @ u["delta"]
     w_ref = _source_weight(qw) if qw is not None else artifact_weight(u, rec)
     y_ref = x @ w_ref
@@ -222,7 +225,7 @@ def verify(
             for rec in art.layers.values()
         }
         report.layers = list(rows.values())
-        if any(p.code == "schema_violation" for p in report.problems):
+        if any(p.code is P.SCHEMA_VIOLATION for p in report.problems):
             return report
         # Numbers computed from a structurally broken layer would only add noise (or
         # fail on the mismatched shapes): such layers are reported once, above.
@@ -245,7 +248,7 @@ def verify(
             err = cpu_numerics(art, rec, source_layers.get(name), rng)
             rows[name]["cpu_rel_err"] = err
             if not err <= CPU_REL_TOL:
-                report.add("numerics", f"layer {name}: CPU relative error {err:.3g} exceeds {CPU_REL_TOL:g}", name, CPU_REL_TOL, err)
+                report.add(P.NUMERICS, f"layer {name}: CPU relative error {err:.3g} exceeds {CPU_REL_TOL:g}", name, CPU_REL_TOL, err)
             if progress:
                 progress("", 1)
         report.checked["cpu_numerics"] = True
@@ -263,7 +266,7 @@ def _gpu_numerics(art: Artifact, report: Report, rows: dict[str, dict[str, Any]]
     except (GpuUnavailableError, ImportError) as exc:
         msg = str(exc) if isinstance(exc, GpuUnavailableError) else f"GPU support is not installed ({exc})"
         if forced:
-            report.add("gpu", f"--gpu given but {msg}")
+            report.add(P.GPU, f"--gpu given but {msg}")
         else:
             report.checked["gpu_numerics"] = f"skipped: {msg}"
         return
@@ -272,9 +275,9 @@ def _gpu_numerics(art: Artifact, report: Report, rows: dict[str, dict[str, Any]]
     for name, rec in art.layers.items():
         if name in skip:
             continue
-        if not rec.raw.get("kernel_compatible", False):
+        if not rec.kernel_compatible:
             rows[name]["gpu"] = "skipped: layer is outside our kernel's limits (K % 64 == 0)"
-            report.add("gpu_skipped", f"layer {name}: {rows[name]['gpu']}", name, severity="warning")
+            report.add(P.GPU_SKIPPED, f"layer {name}: {rows[name]['gpu']}", name, severity="warning")
             continue
         u = unpack_layer(art, rec)
         w_ref = _source_weight(source_layers[name]) if name in source_layers else artifact_weight(u, rec)
@@ -294,7 +297,7 @@ def _gpu_numerics(art: Artifact, report: Report, rows: dict[str, dict[str, Any]]
         if not res["ok"]:
             g = rows[name]["gpu"]
             report.add(
-                "gpu_numerics",
+                P.GPU_NUMERICS,
                 f"layer {name}: GPU mean relative error {g['mean_rel_err']:.3g} (limit {GPU_MEAN_REL_TOL:g}), "
                 f"deterministic over repeats: {g['deterministic']}", name, GPU_MEAN_REL_TOL, g["mean_rel_err"],
             )

@@ -24,7 +24,8 @@ from test_bad_input import REPO, small_gptq
 from converter.convert import convert
 from converter.errors import ConverterError, OutputExistsError
 from converter.formats.gptq import GptqSource
-from converter.safetensors_io import StreamingWriter, remove_stale_temporaries
+from converter.atomic import remove_stale_temporaries
+from converter.safetensors_io import StreamingWriter
 
 OLD = b"previous artifact, must survive\n" * 1000
 

@@ -29,7 +29,7 @@ def test_int2_layer_is_centred(tmp_path: Path) -> None:
     assert qw.bits == 2 and int(qw.q.max()) <= 3
     with open_artifact(out) as art:
         rec = art.layers[INT2_LAYER]
-        assert rec.raw["code_offset"] == 6 and rec.bits == 2
+        assert rec.code_offset == 6 and rec.bits == 2
         u = unpack_layer(art, rec)
         np.testing.assert_array_equal(u["q"].astype(np.int16), qw.q.astype(np.int16) + 6)
         assert 6 <= int(u["q"].min()) and int(u["q"].max()) <= 9
@@ -43,4 +43,4 @@ def test_int2_layer_is_centred(tmp_path: Path) -> None:
         # Centred, |delta| is no larger than the weights it corrects (uncentred it was ~4x).
         assert float(np.abs(u["delta"]).max()) <= 1.01 * float(np.abs(w_art).max())
         four_bit = art.layers["pre.0.mlp_down"]
-        assert four_bit.raw["code_offset"] == 0
+        assert four_bit.code_offset == 0

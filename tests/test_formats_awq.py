@@ -47,7 +47,7 @@ def test_awq_fixture_converts_exactly(tmp_path: Path, group: int, bias: bool) ->
     src = write_checkpoint(tmp_path / "src", {**awq_tensors(P, lay), **plain_tensors(rng)}, awq_config(group_size=group))
     report = convert(src, tmp_path / "a.safetensors")
     (rec,) = report.converted
-    assert (rec["zero_convention"], rec["group_size"], rec["has_bias"]) == ("awq", 256 if group == -1 else group, bias)
+    assert (rec.zero_convention, rec.group_size, rec.has_bias) == ("awq", 256 if group == -1 else group, bias)
     rep = verify(tmp_path / "a.safetensors", against=src, gpu=False)
     assert rep.ok, [p.message for p in rep.problems]
     assert_truth(tmp_path / "a.safetensors", P, lay)
@@ -58,7 +58,7 @@ def test_awq_symmetric_zeros_give_zero_delta(tmp_path: Path) -> None:
     lay = make_layer(rng, 128, 64, sym=True)
     src = write_checkpoint(tmp_path / "src", awq_tensors(P, lay), awq_config())
     (rec,) = convert(src, tmp_path / "a.safetensors").converted
-    assert rec["symmetric"] is True
+    assert rec.symmetric is True
     np.testing.assert_array_equal(assert_truth(tmp_path / "a.safetensors", P, lay)["delta"], 0)
 
 
@@ -102,7 +102,7 @@ def test_modules_to_not_convert_pass_through_with_reason(tmp_path: Path) -> None
     tensors = {**awq_tensors(P, lay), "model.layers.0.mlp.gate.weight": rng.standard_normal((8, 128)).astype(np.float16)}
     src = write_checkpoint(tmp_path / "src", tensors, awq_config(modules_to_not_convert=["mlp.gate"]))
     report = convert(src, tmp_path / "a.safetensors")
-    reasons = {p["name"]: p["reason"] for p in report.passthrough}
+    reasons = {p.name: p.reason for p in report.passthrough}
     assert reasons == {"model.layers.0.mlp.gate.weight": "kept unquantized by the producer: module matches modules_to_not_convert entry 'mlp.gate'"}
     assert verify(tmp_path / "a.safetensors", against=src, gpu=False).ok
 
@@ -114,6 +114,6 @@ def test_legacy_autoawq_quant_config_json_without_quant_method(tmp_path: Path) -
     legacy = {"zero_point": True, "q_group_size": 64, "w_bit": 4, "version": "GEMM"}
     src = write_checkpoint(tmp_path / "src", awq_tensors(P, lay), legacy, where="quant_config.json")
     report = convert(src, tmp_path / "a.safetensors")
-    assert report.source_format == "awq" and report.converted[0]["group_size"] == 64
+    assert report.source_format == "awq" and report.converted[0].group_size == 64
     assert verify(tmp_path / "a.safetensors", against=src, gpu=False).ok
     assert_truth(tmp_path / "a.safetensors", P, lay)

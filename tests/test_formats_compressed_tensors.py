@@ -56,9 +56,9 @@ def test_pack_quantized_fixture_converts_exactly(tmp_path: Path, bits: int, grou
                                                                  actorder="group" if act else "static"))
     report = convert(src, tmp_path / "a.safetensors")
     (rec,) = report.converted
-    assert (rec["zero_convention"], rec["bits"], rec["group_size"]) == ("ct_offset8", bits, group or 256)
-    assert rec.get("act_order", False) is act
-    assert rec["symmetric"] is (sym and bits == 4)
+    assert (rec.zero_convention, rec.bits, rec.group_size) == ("ct_offset8", bits, group or 256)
+    assert rec.act_order is act
+    assert rec.symmetric is (sym and bits == 4)
     rep = verify(tmp_path / "a.safetensors", against=src, gpu=False)
     assert rep.ok, [p.message for p in rep.problems]
     assert_truth(tmp_path / "a.safetensors", P, lay)
@@ -76,8 +76,8 @@ def test_ignore_and_targets(tmp_path: Path) -> None:
     cfg = ct_config(targets=[r"re:.*self_attn\..*"], ignore=["lm_head", r"re:.*gate_proj$"], extra_groups={"group_1": eight})
     src = write_checkpoint(tmp_path / "src", tensors, cfg)
     report = convert(src, tmp_path / "a.safetensors")
-    assert [r["name"] for r in report.converted] == [P]
-    reasons = {p["name"]: p["reason"] for p in report.passthrough}
+    assert [r.name for r in report.converted] == [P]
+    reasons = {p.name: p.reason for p in report.passthrough}
     assert reasons["lm_head.weight"] == "kept unquantized by the producer: listed in quantization_config.ignore ('lm_head')"
     assert reasons["model.layers.0.mlp.gate_proj.weight"] == "kept unquantized by the producer: listed in quantization_config.ignore ('re:.*gate_proj$')"
     assert reasons["model.layers.0.mlp.down_proj.weight_packed"] == (

@@ -44,9 +44,9 @@ def test_real_checkpoint_converts_and_verifies_exactly(realinput: Path, tmp_path
     report = convert(src, tmp_path / "a.safetensors")
     assert report.source_format == fmt and report.converted
     for rec in report.converted:
-        assert rec["zero_convention"] == convention
-        assert rec.get("act_order", False) is act
-        assert rec["warnings"] == []
+        assert rec.zero_convention == convention
+        assert rec.act_order is act
+        assert rec.warnings == ()
     rep = verify(tmp_path / "a.safetensors", against=src, gpu=False)
     assert rep.ok, [p.message for p in rep.problems]
     assert all(row["codes_exact"] and row["scales_exact"] and row["delta_exact"] for row in rep.layers)

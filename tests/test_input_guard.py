@@ -17,7 +17,7 @@ from fixtures.producers import gptq_config, gptq_tensors, make_layer, plain_tens
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from converter.artifact import sharding
+from converter import atomic
 from converter.convert import convert
 from converter.errors import ConverterError, OutputExistsError
 
@@ -175,7 +175,7 @@ def test_a_failed_rename_midway_leaves_every_old_file(tmp_path: Path, monkeypatc
                 raise OSError(5, "Input/output error")
         real(a, b)
 
-    monkeypatch.setattr(sharding.os, "replace", flaky)
+    monkeypatch.setattr(atomic.os, "replace", flaky)
     with pytest.raises(ConverterError, match=r"out: could not rename the new artifact into place \(Input/output error\); "
                                              r"every output file is as it was"):
         convert(src, str(out) + "/", max_shard_size="20KB", force=True)
@@ -190,7 +190,7 @@ def test_a_failed_rollback_names_the_files_it_left_new(tmp_path: Path, monkeypat
     state = {"n": 0, "failing": False}
 
     def flaky(a: object, b: object) -> None:
-        if state["failing"] and Path(str(a)).name.endswith(sharding.BACKUP_SUFFIX):
+        if state["failing"] and Path(str(a)).name.endswith(atomic.BACKUP_SUFFIX):
             raise OSError(13, "Permission denied")  # undoing fails too
         if str(b).startswith(str(out)) and not Path(str(b)).name.startswith("."):
             state["n"] += 1
@@ -199,7 +199,7 @@ def test_a_failed_rollback_names_the_files_it_left_new(tmp_path: Path, monkeypat
                 raise OSError(5, "Input/output error")
         real(a, b)
 
-    monkeypatch.setattr(sharding.os, "replace", flaky)
+    monkeypatch.setattr(atomic.os, "replace", flaky)
     first = sorted(out.glob("model-*.safetensors"))[0]
     with pytest.raises(ConverterError, match=rf"undoing the renames failed: {first} now hold the new artifact, every "
                                              r"other output file is as it was; re-run with --force"):

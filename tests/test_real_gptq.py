@@ -9,7 +9,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from converter.artifact.manifest import load_schema
+from converter.artifact.schema import load_schema
 from converter.artifact.reader import open_artifact
 from converter.convert import convert
 from converter.verify import unpack_layer, verify
@@ -47,19 +47,19 @@ def test_real_checkpoint_verifies_exactly(name: str, artifacts: dict[str, Path],
 def test_real_manifest_records_conventions(name: str, artifacts: dict[str, Path], realinput: Path) -> None:
     convention, symmetric, per_channel, act_order = REAL_GPTQ[name]
     with open_artifact(artifacts[name]) as art:
-        jsonschema.validate(art.manifest, load_schema())
-        assert art.manifest["source"]["format"] == "gptq"
-        assert art.manifest["producer"]["name"] == "marlin-convert"
-        files = {f["name"] for f in art.manifest["source"]["files"]}
+        jsonschema.validate(art.document.data, load_schema())
+        assert art.manifest.source.format == "gptq"
+        assert art.manifest.producer.name == "marlin-convert"
+        files = {f.name for f in art.manifest.source.files}
         assert any(f.endswith(".safetensors") for f in files)
         assert art.file.metadata["format"] == "pt"
         assert art.file.metadata["marlin.schema_version"] == "1"
-        for entry in art.manifest["layers"]:
-            assert entry["zero_convention"] == convention
-            assert entry["symmetric"] is symmetric
-            assert entry.get("act_order", False) is act_order
-            assert (entry["group_size"] == entry["size_k"]) is per_channel
-            rec = art.layers[entry["name"]]
+        for entry in art.manifest.layers:
+            assert entry.zero_convention == convention
+            assert entry.symmetric is symmetric
+            assert entry.act_order is act_order
+            assert (entry.group_size == entry.size_k) is per_channel
+            rec = art.layers[entry.name]
             u = unpack_layer(art, rec)
             assert (not np.any(u["delta"])) is symmetric
             if act_order:
@@ -77,15 +77,15 @@ def test_real_sym_checkpoint_keeps_autogptq_zero_bias(artifacts: dict[str, Path]
 def test_minilm_biases_and_shapes(artifacts: dict[str, Path], realinput: Path) -> None:
     name = "minilm/minilm-autoround-gptq-w4g128-asym-layers0-1"
     with open_artifact(artifacts[name]) as art:
-        layers = art.manifest["layers"]
+        layers = art.manifest.layers
         assert len(layers) == 12
-        by_name = {lay["name"]: lay for lay in layers}
+        by_name = {lay.name: lay for lay in layers}
         inter = next(n for n in by_name if n.endswith("intermediate.dense"))
-        assert (by_name[inter]["size_k"], by_name[inter]["size_n"]) == (384, 1536)
+        assert (by_name[inter].size_k, by_name[inter].size_n) == (384, 1536)
         # 384 = 3 x 128: fine for us and our kernel, not for upstream Marlin (N % 256).
         q = next(n for n in by_name if n.endswith("attention.self.query"))
-        assert by_name[q]["kernel_compatible"] and not by_name[q]["upstream_marlin_compatible"]
-        assert all(lay["has_bias"] for lay in layers)
+        assert by_name[q].kernel_compatible and not by_name[q].upstream_marlin_compatible
+        assert all(lay.has_bias for lay in layers)
         bias = art.tensor(q + ".bias")
         assert bias.dtype == np.float16 and np.any(bias)
 
@@ -112,7 +112,7 @@ def test_dry_run_writes_nothing(tmp_path: Path, realinput: Path) -> None:
     report = convert(realinput / "llama-tiny/autoround-gptq-w4g128-asym", out, dry_run=True)
     assert report.dry_run and not out.exists() and not list(tmp_path.iterdir())
     assert len(report.converted) == 7
-    assert {p["name"] for p in report.passthrough} == {
+    assert {p.name for p in report.passthrough} == {
         "model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
         "model.layers.0.post_attention_layernorm.weight", "model.norm.weight",
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -11,8 +12,8 @@ import pytest
 from fixtures.producers import assert_truth, gptq_config, gptq_tensors, make_layer, plain_tensors, write_checkpoint
 from typer.testing import CliRunner
 
-from converter.artifact.manifest import parse_metadata
-from converter.artifact.sharding import parse_size, plan_shards
+from converter.artifact.schema import Manifest, Shard, read_document
+from converter.artifact.shards import parse_size, plan_shards
 from converter.cli import convert_app, verify_app
 from converter.convert import convert
 from converter.errors import ConverterError, OutputExistsError
@@ -75,10 +76,11 @@ def test_sharded_output(tmp_path: Path, src: tuple[Path, dict]) -> None:
     for i, f in enumerate(files, 1):
         with SafetensorsFile(tmp_path / "out" / f) as sf:
             total += sum(sf.byte_range(n)[1] - sf.byte_range(n)[0] for n in sf.infos)
-            m, notes = parse_metadata(sf.metadata, path=sf.path)
-            assert notes == [] and m["shard"] == {"index": i, "count": count}
-            assert set(m["checksums"]["tensors"]) == set(data["weight_map"])  # whole model in every shard
-            manifests.append({k: v for k, v in m.items() if k != "shard"})
+            doc = read_document(sf.metadata, path=sf.path)
+            m = Manifest.parse(sf.metadata, path=sf.path)
+            assert doc.notes == () and m.shard == Shard(index=i, count=count)
+            assert set(m.checksums.tensors) == set(data["weight_map"])  # whole model in every shard
+            manifests.append(dataclasses.replace(m, shard=None))
     assert all(m == manifests[0] for m in manifests) and data["metadata"]["total_size"] == total
     for name in NAMES:  # a converted layer never straddles shards
         assert len({f for t, f in data["weight_map"].items() if t.startswith(name + ".")}) == 1
@@ -221,7 +223,7 @@ def test_source_files_of_sharded_input_include_the_index(tmp_path: Path, src: tu
     from converter.artifact.reader import open_artifact
 
     with open_artifact(report.output) as art:
-        names = [f["name"] for f in art.manifest["source"]["files"]]
+        names = [f.name for f in art.manifest.source.files]
     assert names == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json", "config.json"]
 
 

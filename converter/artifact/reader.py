@@ -2,45 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from ..errors import ArtifactError, ConverterError
-from .manifest import parse_metadata
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerRecord:
-    """One converted layer as the manifest records it (see the v1 schema).
-
-    ``group_size == size_k`` means per-channel.
-    """
-
-    name: str
-    size_k: int
-    size_n: int
-    group_size: int
-    bits: int
-    act_order: bool
-    symmetric: bool
-    has_bias: bool
-    raw: dict[str, Any]
-
-    @classmethod
-    def from_manifest(cls, entry: dict[str, Any]) -> LayerRecord:
-        return cls(
-            name=entry["name"], size_k=int(entry["size_k"]), size_n=int(entry["size_n"]),
-            group_size=int(entry["group_size"]), bits=int(entry["bits"]),
-            act_order=bool(entry.get("act_order", False)), symmetric=bool(entry["symmetric"]),
-            has_bias=bool(entry["has_bias"]), raw=entry,
-        )
-
-    @property
-    def num_groups(self) -> int:
-        return self.size_k // self.group_size
+from .schema import LayerEntry, Manifest, read_document
 
 
 class Artifact:
@@ -51,10 +18,13 @@ class Artifact:
         file: the underlying :class:`SafetensorsFile`, or for a sharded artifact (an
             index or a folder) a :class:`~converter.artifact.sharded_reader.ShardedFile`
             presenting all shards as one (its ``shard_problems`` list inconsistencies).
-        manifest: the parsed manifest dict.
+        document: the manifest as stored (:class:`~converter.artifact.schema.ManifestDocument`:
+            its JSON object, what the JSON Schema validates, and non-fatal notes).
+        manifest: the typed :class:`~converter.artifact.schema.Manifest`, or None when the
+            stored object does not fit the schema's shape
+            (:func:`~converter.artifact.validate.validate_artifact` reports why).
         notes: non-fatal findings from parsing (manifest checksum mismatch).
-        layers: ``{prefix: LayerRecord}`` (empty if the manifest's layer list is malformed;
-            :func:`~converter.artifact.validate.validate_artifact` reports why).
+        layers: ``{prefix: LayerEntry}`` of the converted layers (empty without a manifest).
 
     Raises:
         ArtifactError: the container is malformed or has no manifest.
@@ -67,17 +37,19 @@ class Artifact:
 
         self.file = open_artifact_file(self.path)
         try:
-            self.manifest, self.notes = parse_metadata(self.file.metadata, path=self.path)
+            self.document = read_document(self.file.metadata, path=self.path)
         except BaseException:
             self.file.close()
             raise
-        self.layers: dict[str, LayerRecord] = {}
+        self.notes = list(self.document.notes)
+        self.manifest: Manifest | None = None
+        #: Why :attr:`manifest` is None (the typed reader's message), else None.
+        self.manifest_error: str | None = None
         try:
-            for entry in self.manifest.get("layers", []):
-                rec = LayerRecord.from_manifest(entry)
-                self.layers[rec.name] = rec
-        except (KeyError, TypeError, ValueError, AttributeError, OverflowError):  # e.g. int(Infinity)
-            self.layers = {}
+            self.manifest = self.document.manifest()
+        except ArtifactError as exc:
+            self.manifest_error = exc.rule
+        self.layers: dict[str, LayerEntry] = {rec.name: rec for rec in self.manifest.layers} if self.manifest else {}
 
     def tensor(self, name: str) -> np.ndarray:
         """Array view of a tensor in its storage dtype (BF16 as uint16).

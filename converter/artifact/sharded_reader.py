@@ -3,7 +3,7 @@
 :class:`ShardedFile` presents the shards as one
 :class:`~converter.safetensors_io.SafetensorsFile`-like object, and lists what is
 inconsistent between them in ``shard_problems`` for ``marlin-verify`` to report.
-The writing side, and the naming rules, are :mod:`converter.artifact.sharding`.
+The writing side is :mod:`converter.artifact.writer`; the naming rules, :mod:`converter.artifact.target`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from ..errors import ArtifactError, ConverterError
 from ..hf_index import HFIndex, read_index
 from ..quant_weight import Tensor, TensorInfo
 from ..safetensors_io import SafetensorsFile
-from .manifest import dump_manifest, parse_metadata
-from .sharding import DIR_MODE_NAME, SHARD_NAME_RE, artifact_stem, index_name_for
+from .manifest import dump_manifest
+from .problems import Problem, ProblemCode
+from .schema import read_document
+from .target import DIR_MODE_NAME, SHARD_NAME_RE, artifact_stem, index_name_for
 
 
 def _strip_shard(manifest: dict[str, Any]) -> str:
@@ -68,7 +70,7 @@ class ShardedFile:
     Attributes:
         path: the index (or folder).
         shards: the opened shard files, in name order.
-        shard_problems: ``[(code, message, tensor)]``: a shard listed but missing, a
+        shard_problems: ``[Problem]``: a shard listed but missing, a
             tensor in two shards or in a shard the index does not name, index
             entries without a tensor, ``total_size`` wrong, a shard whose manifest
             differs from the others or whose ``shard`` object is wrong.
@@ -80,23 +82,23 @@ class ShardedFile:
     def __init__(self, index_file: HFIndex, files: list[Path]) -> None:
         index = self.path = index_file.path
         self.shards: list[SafetensorsFile] = []
-        self.shard_problems: list[tuple[str, str, str]] = []
+        self.shard_problems: list[Problem] = []
         self._where: dict[str, SafetensorsFile] = {}
         wmap, total = index_file.weight_map, index_file.total_size
         try:
             for f in files:
                 if not f.is_file():
-                    self.shard_problems.append(("missing_shard", f"{f.name}: shard listed in {index.name} is missing", f.name))
+                    self._problem(ProblemCode.MISSING_SHARD, f"{f.name}: shard listed in {index.name} is missing", f.name)
                     continue
                 shard = SafetensorsFile(f, error=ArtifactError)
                 self.shards.append(shard)
                 for name in shard.infos:
                     if name in self._where:
-                        self.shard_problems.append(("duplicate_tensor", f"{name}: in two shards ({self._where[name].path.name} and {f.name})", name))
+                        self._problem(ProblemCode.DUPLICATE_TENSOR, f"{name}: in two shards ({self._where[name].path.name} and {f.name})", name)
                         continue
                     self._where[name] = shard
                     if wmap.get(name) != f.name:
-                        self.shard_problems.append(("index_mismatch", f"{name}: stored in {f.name} but the index says {wmap.get(name)}", name))
+                        self._problem(ProblemCode.INDEX_MISMATCH, f"{name}: stored in {f.name} but the index says {wmap.get(name)}", name)
         except BaseException:
             self.close()
             raise
@@ -104,33 +106,36 @@ class ShardedFile:
             raise ArtifactError("none of the shards named by the index exists", path=index)
         for name, fname in wmap.items():
             if name not in self._where and (index.parent / fname).is_file():
-                self.shard_problems.append(("index_mismatch", f"{name}: the index places it in {fname}, which does not hold it", name))
+                self._problem(ProblemCode.INDEX_MISMATCH, f"{name}: the index places it in {fname}, which does not hold it", name)
         size = sum(s.byte_range(n)[1] - s.byte_range(n)[0] for n, s in self._where.items())
-        if total is not None and total != size and not any(p[0] == "missing_shard" for p in self.shard_problems):
-            self.shard_problems.append(("index_mismatch", f"metadata.total_size is {total}, the shards hold {size} bytes of tensor data", "metadata.total_size"))
+        if total is not None and total != size and not any(p.code is ProblemCode.MISSING_SHARD for p in self.shard_problems):
+            self._problem(ProblemCode.INDEX_MISMATCH, f"metadata.total_size is {total}, the shards hold {size} bytes of tensor data", "metadata.total_size")
         self.metadata = self.shards[0].metadata
         self._check_manifests(len(files))
 
+    def _problem(self, code: ProblemCode, message: str, tensor: str) -> None:
+        self.shard_problems.append(Problem(code, message, tensor))
+
     def _check_manifests(self, count: int) -> None:
         ref = None
-        for i, shard in enumerate(self.shards):
+        for shard in self.shards:
             try:
-                manifest, _ = parse_metadata(shard.metadata, path=shard.path)
+                manifest = read_document(shard.metadata, path=shard.path).data
             except ArtifactError as exc:
-                self.shard_problems.append(("shard_manifest", f"{shard.path.name}: {exc.rule}", shard.path.name))
+                self._problem(ProblemCode.SHARD_MANIFEST, f"{shard.path.name}: {exc.rule}", shard.path.name)
                 continue
             m = SHARD_NAME_RE.match(shard.path.name)
             want = {"index": int(m.group("i")), "count": int(m.group("n"))} if m else None
             got = manifest.get("shard")
             if want is not None and got != want:
-                self.shard_problems.append(("shard_manifest", f"{shard.path.name}: manifest shard is {got}, expected {want} from the file name", shard.path.name))
+                self._problem(ProblemCode.SHARD_MANIFEST, f"{shard.path.name}: manifest shard is {got}, expected {want} from the file name", shard.path.name)
             if want is not None and want["count"] != count:
-                self.shard_problems.append(("shard_manifest", f"{shard.path.name}: name says {want['count']} shards, the index lists {count}", shard.path.name))
+                self._problem(ProblemCode.SHARD_MANIFEST, f"{shard.path.name}: name says {want['count']} shards, the index lists {count}", shard.path.name)
             text = _strip_shard(manifest)
             if ref is None:
                 ref = (shard.path.name, text)
             elif text != ref[1]:
-                self.shard_problems.append(("shard_manifest", f"{shard.path.name}: manifest differs from {ref[0]}'s (shards of different conversions?)", shard.path.name))
+                self._problem(ProblemCode.SHARD_MANIFEST, f"{shard.path.name}: manifest differs from {ref[0]}'s (shards of different conversions?)", shard.path.name)
 
     @property
     def infos(self) -> dict[str, TensorInfo]:
@@ -197,7 +202,7 @@ def open_artifact_file(path: str | Path) -> SafetensorsFile | ShardedFile:
 def _refuse_lone_shard(file: SafetensorsFile) -> None:
     """A shard opened on its own would report most of the model as missing: say why instead."""
     try:
-        manifest, _ = parse_metadata(file.metadata, path=file.path)
+        manifest = read_document(file.metadata, path=file.path).data
     except ArtifactError:
         return  # not an artifact at all: the caller reports that
     shard = manifest.get("shard")

@@ -1,15 +1,14 @@
 """Structural validation of an artifact: every problem, not just the first.
 
 ``validate_artifact`` never raises on bad *content*: it returns a report listing
-each problem with a stable code.  Only an unreadable container (or a schema version
-from the future) raises, because then nothing further can be checked.
+each problem with a stable code (:class:`~converter.artifact.problems.ProblemCode`).
+Only an unreadable container (or a schema version from the future) raises, because
+then nothing further can be checked.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import xxhash
@@ -22,73 +21,26 @@ from ..constants import (
     META_SCHEMA_VERSION,
     Suffix,
 )
-from ..formats import CONVENTIONS as READER_CONVENTIONS
-from ..marlin.shapes import LayerShape, kernel_compatible, marlin_shapes, upstream_compatible
+from ..dtypes import FLOAT_DTYPES
+from ..formats import CONVENTIONS
+from ..marlin.shapes import kernel_compatible, marlin_shapes, upstream_compatible
 from ..quant_weight import marlin_code_offset
-from .manifest import schema_errors
-from .reader import Artifact, LayerRecord, open_artifact
+from .problems import Problem, ProblemCode, Report
+from .reader import Artifact, open_artifact
+from .schema import LayerEntry, Manifest, schema_errors
 
-BIAS_DTYPES = ("F16", "BF16", "F32")
+__all__ = ["CONVENTIONS", "Problem", "ProblemCode", "Report", "broken_layers", "validate_artifact"]
 
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    """One finding.
-
-    Attributes:
-        code: stable identifier (``missing_tensor``, ``shape_mismatch``,
-            ``dtype_mismatch``, ``checksum_mismatch``, ``checksum_missing``,
-            ``unknown_tensor``, ``schema_violation``, ``manifest_checksum``,
-            ``source_mismatch``, ``numerics``, ``gpu``...).
-        message: one line, naming the tensor and the rule.
-        tensor: the tensor or layer concerned ("" for the whole file).
-        expected, actual: the numbers or values compared, when there are any.
-        severity: ``"error"`` (fails verification) or ``"warning"``.
-    """
-
-    code: str
-    message: str
-    tensor: str = ""
-    expected: Any = None
-    actual: Any = None
-    severity: str = "error"
+P = ProblemCode
 
 
-@dataclasses.dataclass
-class Report:
-    """Outcome of ``marlin-verify``; ``to_json`` is what ``--json`` prints."""
-
-    artifact: str
-    schema_version: int | None = None
-    checked: dict[str, Any] = dataclasses.field(default_factory=dict)
-    layers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    problems: list[Problem] = dataclasses.field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not any(p.severity == "error" for p in self.problems)
-
-    def add(self, code: str, message: str, tensor: str = "", expected: Any = None, actual: Any = None, severity: str = "error") -> None:
-        self.problems.append(Problem(code, message, tensor, expected, actual, severity))
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "artifact": self.artifact,
-            "ok": self.ok,
-            "schema_version": self.schema_version,
-            "checked": self.checked,
-            "layers": self.layers,
-            "problems": [dataclasses.asdict(p) for p in self.problems],
-        }
-
-
-def expected_layer_tensors(art: Artifact, rec: LayerRecord) -> dict[Suffix, tuple[str, tuple[int, ...]]]:
+def expected_layer_tensors(art: Artifact, rec: LayerEntry) -> dict[Suffix, tuple[str, tuple[int, ...]]]:
     """``{suffix: (dtype, shape)}`` the manifest implies for one layer."""
     bias_name = f"{rec.name}.{Suffix.BIAS.value}"
     bias_dtype = None
     if rec.has_bias:
         bias_dtype = art.file.infos[bias_name].dtype if bias_name in art.file else "F16"
-    return marlin_shapes(LayerShape(rec.size_k, rec.size_n, rec.group_size), act_order=rec.act_order, bias_dtype=bias_dtype)
+    return marlin_shapes(rec.shape, act_order=rec.act_order, bias_dtype=bias_dtype)
 
 
 def validate_artifact(path: str | Path, *, checksums: bool = True) -> tuple[Report, Artifact]:
@@ -112,109 +64,117 @@ def validate_artifact(path: str | Path, *, checksums: bool = True) -> tuple[Repo
         SchemaVersionError: unsupported schema version.
     """
     art = open_artifact(path)
-    report = Report(str(path), schema_version=art.manifest.get("schema_version"))
+    report = Report(str(path), schema_version=art.document.data.get("schema_version"))
     for note in art.notes:
-        report.add("manifest_checksum", note, "marlin.manifest")
+        report.add(P.MANIFEST_CHECKSUM, note, META_MANIFEST)
     # Sharded artifacts: inconsistencies between the index and the shards.
-    for code, message, tensor in getattr(art.file, "shard_problems", ()):
-        report.add(code, message, tensor)
+    report.extend(getattr(art.file, "shard_problems", []))
     _check_header_extras(art, report)
-    errors = schema_errors(art.manifest)
+    errors = schema_errors(art.document.data, art.document.version)
     if errors is None:
-        report.add("schema_unchecked", "jsonschema is not installed; manifest not validated against the schema", severity="warning")
+        report.add(P.SCHEMA_UNCHECKED, "jsonschema is not installed; manifest not validated against the schema",
+                   severity="warning")
     else:
         for err in errors:
-            report.add("schema_violation", f"manifest does not match schema v1: {err}", "marlin.manifest")
+            report.add(P.SCHEMA_VIOLATION, f"manifest does not match schema v{art.document.version}: {err}", META_MANIFEST)
+    if not errors and art.manifest is None:  # the typed reader is the last word without jsonschema
+        report.add(P.SCHEMA_VIOLATION, f"manifest does not match schema v{art.document.version}: {art.manifest_error}",
+                   META_MANIFEST)
     infos = art.file.infos
-    accounted: set[str] = set()
-    if errors:  # field access below assumes a well-formed manifest
+    if errors or art.manifest is None:  # field access below assumes a well-formed manifest
         report.checked = {"layers": 0, "tensors": len(infos), "checksums": False}
         return report, art
+    manifest = art.manifest
+    accounted: set[str] = set()
     for rec in art.layers.values():
-        if rec.size_k % rec.group_size or rec.size_k // rec.group_size != rec.raw["num_groups"]:
-            report.add("shape_mismatch", f"layer {rec.name}: group_size {rec.group_size} and num_groups {rec.raw['num_groups']} disagree with size_k {rec.size_k}", rec.name)
+        if rec.size_k % rec.group_size or rec.shape.num_groups != rec.num_groups:
+            report.add(P.SHAPE_MISMATCH, f"layer {rec.name}: group_size {rec.group_size} and num_groups "
+                       f"{rec.num_groups} disagree with size_k {rec.size_k}", rec.name)
         for suffix, (dtype, shape) in expected_layer_tensors(art, rec).items():
             name = f"{rec.name}.{suffix.value}"
             accounted.add(name)
             if name not in infos:
-                report.add("missing_tensor", f"{name}: missing (layer {rec.name} needs it)", name)
+                report.add(P.MISSING_TENSOR, f"{name}: missing (layer {rec.name} needs it)", name)
                 continue
             info = infos[name]
-            ok_dtype = info.dtype in BIAS_DTYPES if suffix is Suffix.BIAS else info.dtype == dtype
+            ok_dtype = info.dtype in FLOAT_DTYPES if suffix is Suffix.BIAS else info.dtype == dtype
             if not ok_dtype:
-                report.add("dtype_mismatch", f"{name}: dtype {info.dtype}, expected {dtype}", name, dtype, info.dtype)
+                report.add(P.DTYPE_MISMATCH, f"{name}: dtype {info.dtype}, expected {dtype}", name, dtype, info.dtype)
             if info.shape != shape:
-                report.add("shape_mismatch", f"{name}: shape {list(info.shape)}, expected {list(shape)} from size_k={rec.size_k}, size_n={rec.size_n}, group_size={rec.group_size}", name, list(shape), list(info.shape))
-    for entry in art.manifest["passthrough"]:
-        name = entry["name"]
-        if name in accounted:
-            report.add("duplicate_entry", f"{name}: listed both as a layer tensor and as pass-through", name)
-        accounted.add(name)
-        if name not in infos:
-            report.add("missing_tensor", f"{name}: pass-through tensor is missing", name)
+                report.add(P.SHAPE_MISMATCH, f"{name}: shape {list(info.shape)}, expected {list(shape)} from "
+                           f"size_k={rec.size_k}, size_n={rec.size_n}, group_size={rec.group_size}",
+                           name, list(shape), list(info.shape))
+    for entry in manifest.passthrough:
+        if entry.name in accounted:
+            report.add(P.DUPLICATE_ENTRY, f"{entry.name}: listed both as a layer tensor and as pass-through", entry.name)
+        accounted.add(entry.name)
+        if entry.name not in infos:
+            report.add(P.MISSING_TENSOR, f"{entry.name}: pass-through tensor is missing", entry.name)
     for name in infos:
         if name not in accounted:
-            report.add("unknown_tensor", f"{name}: tensor is neither a layer tensor nor listed as pass-through", name)
-    sums = art.manifest["checksums"]["tensors"]
+            report.add(P.UNKNOWN_TENSOR, f"{name}: tensor is neither a layer tensor nor listed as pass-through", name)
+    sums = manifest.checksums.tensors
     for name in sums:
         if name not in infos:
-            report.add("checksum_orphan", f"{name}: has a checksum but no tensor", name)
+            report.add(P.CHECKSUM_ORPHAN, f"{name}: has a checksum but no tensor", name)
     if checksums:
         for name in infos:
             want = sums.get(name)
             if want is None:
-                report.add("checksum_missing", f"{name}: no checksum in the manifest", name)
+                report.add(P.CHECKSUM_MISSING, f"{name}: no checksum in the manifest", name)
                 continue
             got = xxhash.xxh3_128_hexdigest(art.file.raw(name))
             if got != want:
-                report.add("checksum_mismatch", f"{name}: xxh3-128 {got} does not match the manifest's {want} (corrupted bytes)", name, want, got)
+                report.add(P.CHECKSUM_MISMATCH, f"{name}: xxh3-128 {got} does not match the manifest's {want} "
+                           "(corrupted bytes)", name, want, got)
             art.file.release_pages()  # keep RSS bounded on multi-GB artifacts
     _check_finite(art, report)
-    _check_layer_facts(art, report)
+    _check_layer_facts(art, manifest, report)
     report.checked = {"layers": len(art.layers), "tensors": len(infos), "checksums": checksums}
     return report, art
 
 
-#: The zero conventions each source format can produce (from the reader registry).
-CONVENTIONS = READER_CONVENTIONS
-
-
-def _check_layer_facts(art: Artifact, report: Report) -> None:
+def _check_layer_facts(art: Artifact, manifest: Manifest, report: Report) -> None:
     """Manifest facts that are derived, so they can be checked: a manifest whose
     tensors and checksums are consistent but whose flags lie would make a runtime
     compute the wrong thing (skip the correction, drop a bias, skip a gather)."""
-    names = [entry["name"] for entry in art.manifest["layers"]]
+    names = [entry.name for entry in manifest.layers]
     for name in sorted({n for n in names if names.count(n) > 1}):
-        report.add("duplicate_entry", f"layer {name} is listed {names.count(name)} times", name)
-    fmt = art.manifest["source"]["format"]
+        report.add(P.DUPLICATE_ENTRY, f"layer {name} is listed {names.count(name)} times", name)
+    fmt = manifest.source.format.value
     owned_suffixes = tuple(f".{s.value}" for s in Suffix)
     layer_names = set(art.layers)
-    for entry in art.manifest["passthrough"]:
-        prefix, dot, suffix = entry["name"].rpartition(".")
+    for entry in manifest.passthrough:
+        prefix, _, suffix = entry.name.rpartition(".")
         if prefix in layer_names and f".{suffix}" in owned_suffixes:
-            report.add("layer_tensor_as_passthrough", f"{entry['name']}: belongs to converted layer {prefix} but is listed as pass-through", entry["name"])
+            report.add(P.LAYER_TENSOR_AS_PASSTHROUGH,
+                       f"{entry.name}: belongs to converted layer {prefix} but is listed as pass-through", entry.name)
     for rec in art.layers.values():
-        raw = rec.raw
-        if raw["code_offset"] != marlin_code_offset(rec.bits):
-            report.add("manifest_inconsistent", f"layer {rec.name}: code_offset {raw['code_offset']} but {rec.bits}-bit codes are stored with offset {marlin_code_offset(rec.bits)}", rec.name, marlin_code_offset(rec.bits), raw["code_offset"])
-        if raw["zero_convention"] not in CONVENTIONS.get(fmt, ()):
-            report.add("manifest_inconsistent", f"layer {rec.name}: zero_convention {raw['zero_convention']!r} cannot come from a {fmt!r} source", rec.name)
+        offset = marlin_code_offset(rec.bits)
+        if rec.code_offset != offset:
+            report.add(P.MANIFEST_INCONSISTENT, f"layer {rec.name}: code_offset {rec.code_offset} but {rec.bits}-bit "
+                       f"codes are stored with offset {offset}", rec.name, offset, rec.code_offset)
+        if rec.zero_convention.value not in CONVENTIONS.get(fmt, ()):
+            report.add(P.MANIFEST_INCONSISTENT, f"layer {rec.name}: zero_convention {rec.zero_convention.value!r} "
+                       f"cannot come from a {fmt!r} source", rec.name)
         for key, fn in (("upstream_marlin_compatible", upstream_compatible), ("kernel_compatible", kernel_compatible)):
-            want = fn(rec.size_k, rec.size_n, rec.group_size)
-            if raw[key] is not want:
-                report.add("manifest_inconsistent", f"layer {rec.name}: {key} is {raw[key]} but the sizes say {want}", rec.name, want, raw[key])
+            want, recorded = fn(rec.size_k, rec.size_n, rec.group_size), getattr(rec, key)
+            if recorded is not want:
+                report.add(P.MANIFEST_INCONSISTENT, f"layer {rec.name}: {key} is {recorded} but the sizes say {want}",
+                           rec.name, want, recorded)
         delta_name = f"{rec.name}.{Suffix.DELTA.value}"
         info = art.file.infos.get(delta_name)
-        if info is not None and info.dtype == "F32" and info.shape == (rec.num_groups, rec.size_n):
+        if info is not None and info.dtype == "F32" and info.shape == (rec.shape.num_groups, rec.size_n):
             zero = not np.any(art.file.array(delta_name))
             if zero is not rec.symmetric:
-                report.add("manifest_inconsistent", f"layer {rec.name}: symmetric is {rec.symmetric} but marlin_delta is {'all zero' if zero else 'not zero'}", rec.name, zero, rec.symmetric)
+                report.add(P.MANIFEST_INCONSISTENT, f"layer {rec.name}: symmetric is {rec.symmetric} but marlin_delta "
+                           f"is {'all zero' if zero else 'not zero'}", rec.name, zero, rec.symmetric)
         perm_name = f"{rec.name}.{Suffix.PERM.value}"
         info = art.file.infos.get(perm_name)
         if rec.act_order and info is not None and info.dtype == "I32" and info.shape == (rec.size_k,):
             perm = art.file.array(perm_name)
             if not np.array_equal(np.sort(perm), np.arange(rec.size_k)):
-                report.add("bad_permutation", f"{perm_name}: not a permutation of 0..{rec.size_k - 1}", perm_name)
+                report.add(P.BAD_PERMUTATION, f"{perm_name}: not a permutation of 0..{rec.size_k - 1}", perm_name)
         art.file.release_pages()
 
 
@@ -250,7 +210,7 @@ def _check_finite(art: Artifact, report: Report) -> None:
             bad = int(values.size - np.count_nonzero(np.isfinite(values)))
             if bad:
                 what = suffix.value.removeprefix("marlin_")
-                report.add("non_finite", f"{name}: {bad} NaN or Inf value(s); {what} must be finite", name, 0, bad)
+                report.add(P.NON_FINITE, f"{name}: {bad} NaN or Inf value(s); {what} must be finite", name, 0, bad)
         art.file.release_pages()
 
 
@@ -261,18 +221,21 @@ METADATA_KEYS = (META_FORMAT, META_SCHEMA_VERSION, META_MANIFEST, META_MANIFEST_
 def _check_header_extras(art: Artifact, report: Report) -> None:
     """The header bytes no checksum covers: ``__metadata__`` keys and values outside the
     manifest, and the padding after the JSON.  With these checks a flipped byte
-    anywhere in an artifact is reported (tests/test_corruption.py)."""
+    anywhere in an artifact is reported (tests/artifact/test_corruption.py)."""
     for f in getattr(art.file, "shards", None) or [art.file]:
         where = Path(f.path).name
         padding = getattr(f, "header_padding", b"")
         odd = len(padding) - padding.count(b" ")
         if odd:
-            report.add("header_padding", f"{where}: {odd} header padding byte(s) are not spaces (corrupted header)", "__metadata__", 0, odd)
+            report.add(P.HEADER_PADDING, f"{where}: {odd} header padding byte(s) are not spaces (corrupted header)",
+                       "__metadata__", 0, odd)
         meta = f.metadata
         for key in METADATA_KEYS:
             if key not in meta:
-                report.add("metadata", f"{where}: __metadata__ lacks {key!r}", "__metadata__", key, None)
+                report.add(P.METADATA, f"{where}: __metadata__ lacks {key!r}", "__metadata__", key, None)
         if META_FORMAT in meta and meta[META_FORMAT] != META_FORMAT_VALUE:
-            report.add("metadata", f"{where}: __metadata__[{META_FORMAT!r}] is {meta[META_FORMAT]!r}, expected {META_FORMAT_VALUE!r}", "__metadata__", META_FORMAT_VALUE, meta[META_FORMAT])
+            report.add(P.METADATA, f"{where}: __metadata__[{META_FORMAT!r}] is {meta[META_FORMAT]!r}, expected "
+                       f"{META_FORMAT_VALUE!r}", "__metadata__", META_FORMAT_VALUE, meta[META_FORMAT])
         for key in sorted(meta.keys() - set(METADATA_KEYS)):
-            report.add("metadata", f"{where}: unknown __metadata__ key {key!r}", "__metadata__", None, key, severity="warning")
+            report.add(P.METADATA, f"{where}: unknown __metadata__ key {key!r}", "__metadata__", None, key,
+                       severity="warning")

@@ -160,7 +160,7 @@ def _passthrough_quantized(folder: Path, cfg: dict[str, Any], art: Any) -> tuple
     qc = cfg["quantization_config"]
     fmt = str(qc.get("source_format", ""))
     marker = _QUANT_MARKERS.get(fmt)
-    reasons = {e["name"]: e["reason"] for e in art.manifest.get("passthrough", []) if isinstance(e, dict) and "name" in e}
+    reasons = {e.name: e.reason for e in (art.manifest.passthrough if art.manifest else ())}
     if marker is None or not any(n.endswith(marker) for n in reasons):
         return None, {}, {}
     from ..formats import HF_READERS
@@ -276,7 +276,7 @@ def build_converted(path: str | Path, device: Any = "cuda", *, strict: bool = Tr
             if use_kernel:
                 report.kernel_fallback[layer] = f"K = {rec.size_k} is outside the kernel's limits (K % 64 == 0)"
             q = unpack_b(B, rec.size_n)
-            scales = unpermute_scales(S, single=rec.num_groups == 1)
+            scales = unpermute_scales(S, single=rec.shape.num_groups == 1)
             report.layers[layer] = EXACT
             return ExactMarlinLinear(layer, q, scales, D, perm, bias, rec.group_size).to(dev)
 

@@ -403,7 +403,7 @@ def verify_model(
     with contextlib.ExitStack() as stack:
         with stage("checking the artifact and the source"):
             vrep, art = validate_artifact(folder)
-            recorded = {f["name"]: f["sha256"] for f in art.manifest.get("source", {}).get("files", []) if isinstance(f, dict)}
+            recorded = {f.name: f.sha256 for f in art.manifest.source.files} if art.manifest else {}
             art.close()
             if not vrep.ok:
                 for p in vrep.problems:

@@ -1,0 +1,85 @@
+"""How an artifact's tensors split into HF shards (``--max-shard-size``).
+
+Tensors are grouped into units (all tensors of one converted layer form one unit, so a
+layer's ``B``, scales, ``delta``, ``perm`` and bias are always in the same shard; every
+pass-through tensor is its own unit) and packed greedily in layout order into shards
+of at most ``max_shard_size`` bytes of tensor data; a unit larger than the limit gets
+a shard of its own, as Hugging Face's ``save_pretrained`` does.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..constants import Suffix
+from ..dtypes import nbytes
+from ..errors import ConverterError
+
+#: ``[(tensor name, safetensors dtype code, shape)]`` in write order.
+Layout = list[tuple[str, str, tuple[int, ...]]]
+
+#: Decimal and binary units, as ``huggingface_hub``'s ``parse_size_to_int`` reads them.
+_SIZE_UNITS = {
+    "": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}  # fmt: skip
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from a size such as ``5GB`` (10^9), ``500MiB`` (2^20) or ``1000000``.
+
+    Raises:
+        ConverterError: not a positive size (names the option and the value).
+    """
+    if isinstance(text, int):
+        value = text
+    else:
+        m = _SIZE_RE.match(text)
+        if not m:
+            raise ConverterError(
+                f"{text!r} is not a size (expected a number with an optional unit: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)",
+                tensor="--max-shard-size",
+            )
+        value = int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").upper()])
+    if value <= 0:
+        raise ConverterError(f"must be positive, found {text!r}", tensor="--max-shard-size")
+    return value
+
+
+def plan_shards(layout: Layout, layer_names: list[str], max_bytes: int | None) -> list[Layout]:
+    """Split the artifact's tensors into shards.
+
+    Args:
+        layout: ``[(name, dtype, shape)]`` of every artifact tensor, in write order.
+        layer_names: the converted layers' prefixes; every tensor named
+            ``<prefix>.<marlin suffix or bias>`` belongs to that layer's unit.
+        max_bytes: the most tensor-data bytes per shard, or None for one shard.
+
+    Returns:
+        The shards' layouts, in order; never empty (one empty shard for an empty layout).
+    """
+    suffixes = {s.value for s in Suffix}
+    layers = set(layer_names)
+    units: dict[str, Layout] = {}
+    for entry in layout:
+        name = entry[0]
+        prefix, _, suffix = name.rpartition(".")
+        key = f"layer:{prefix}" if prefix in layers and suffix in suffixes else f"tensor:{name}"
+        units.setdefault(key, []).append(entry)
+    if max_bytes is None:
+        return [list(layout)]
+    shards: list[Layout] = []
+    current: Layout = []
+    size = 0
+    for unit in units.values():
+        ubytes = sum(nbytes(d, s) for _, d, s in unit)
+        if current and size + ubytes > max_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current += unit
+        size += ubytes
+    shards.append(current)
+    return shards
+
+

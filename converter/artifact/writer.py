@@ -1,0 +1,187 @@
+"""Writing an artifact: one file, or HF shards plus an index, plus folder-mode extras.
+
+* One shard: a single file at the output path, no index.  More: files
+  ``<stem>-0000i-of-0000n.safetensors`` beside an HF index
+  ``<stem>.safetensors.index.json`` (:mod:`converter.hf_index`; spec section 7).
+* Every shard carries the whole-model manifest (``layers``, ``passthrough`` and
+  ``checksums`` describe the whole model) plus ``shard: {index, count}`` (schema v1).
+* Atomicity: every shard (and, in folder mode, ``config.json`` and the tokenizer
+  files) is first written under a temporary name in the output folder; only when all
+  of them are complete and fsynced are they renamed onto their final names, the index
+  last (:func:`converter.atomic.commit_all`).  A failure before that point leaves the
+  output folder as it was.
+
+Where the files go, and what they may replace, is :mod:`converter.artifact.target`;
+how tensors split into shards, :mod:`converter.artifact.shards`; reading them back as
+one file, :mod:`converter.artifact.sharded_reader`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from ..atomic import commit_all, remove_stale_temporaries, stage_placeholder, target_mode, write_durably
+from ..dtypes import nbytes
+from ..errors import ConverterError
+from ..hf_index import index_bytes
+from ..safetensors_io import StreamingWriter, header_size_for
+from .manifest import metadata_for
+from .schema import Manifest, Shard
+from .shards import Layout
+from .target import InputGuard, OutputTarget
+
+
+class ArtifactWriter:
+    """Writes an artifact as one file or as shards, plus folder-mode extras, atomically.
+
+    Same ``write``/``write_flat`` interface as :class:`StreamingWriter`; tensors are
+    routed to their shard by name.  :meth:`finish` takes the manifest (it adds the
+    ``shard`` object per file) and commits everything.
+
+    Args:
+        target: where to write (already checked by :meth:`OutputTarget.check`).
+        shards: the artifact's tensors per shard (:func:`~converter.artifact.shards.plan_shards`).
+        manifest: the manifest with placeholder checksums of final length (sizes the headers).
+        guard: the input's files: nothing the commit deletes may be one of them.
+        extra_files: folder-mode files ``{name: bytes or source Path}`` committed with the shards.
+
+    Raises:
+        ConverterError: the folder is not writable.
+    """
+
+    def __init__(self, target: OutputTarget, shards: list[Layout], manifest: Manifest, *,
+                 guard: InputGuard, extra_files: Mapping[str, bytes | Path] | None = None) -> None:
+        self.target = target
+        self.guard = guard
+        self.shards = shards
+        count = len(self.shards)
+        self.names = [p.name for p in target.shard_paths(count)]
+        self.extra_files = dict(extra_files or {})
+        self.total_size = sum(nbytes(d, s) for shard in shards for _, d, s in shard)
+        self._route: dict[str, StreamingWriter] = {}
+        self._writers: list[StreamingWriter] = []
+        #: every staged file (deleted by abort), and (staged, final) pairs to commit.
+        self._temps: list[Path] = []
+        self._commit: list[tuple[Path, Path]] = []
+        self._done = False
+        for name in [*self.names, target.index.name]:
+            remove_stale_temporaries(target.folder / name)  # left by a killed earlier run
+        try:
+            for i, (shard, name) in enumerate(zip(self.shards, self.names)):
+                meta = metadata_for(self._shard_manifest(manifest, i))
+                staged = self._stage_path(name)
+                writer = StreamingWriter(staged, shard, header_reserve=header_size_for(shard, meta))
+                self._writers.append(writer)
+                self._commit.append((staged, target.folder / name))
+                for entry in shard:
+                    self._route[entry[0]] = writer
+        except BaseException:
+            self.abort()
+            raise
+
+    @property
+    def artifact_path(self) -> Path:
+        """What to open the artifact by: the file, or the index when sharded."""
+        return self.target.path if len(self.shards) == 1 else self.target.index
+
+    def _stage_path(self, name: str) -> Path:
+        tmp = stage_placeholder(self.target.folder, name)
+        self._temps.append(tmp)
+        return tmp
+
+    def _shard_manifest(self, manifest: Manifest, i: int) -> Manifest:
+        if len(self.shards) == 1:
+            return manifest
+        return dataclasses.replace(manifest, shard=Shard(i + 1, len(self.shards)))
+
+    def write(self, name: str, data: np.ndarray, row_start: int = 0) -> None:
+        """See :meth:`StreamingWriter.write`."""
+        self._route[name].write(name, data, row_start)
+
+    def write_flat(self, name: str, data: np.ndarray, elem_start: int) -> None:
+        """See :meth:`StreamingWriter.write_flat`."""
+        self._route[name].write_flat(name, data, elem_start)
+
+    def finish(self, manifest: Manifest) -> list[Path]:
+        """Write every header, stage the index and extra files, then rename all of
+        them onto their final names (the index last).
+
+        Returns:
+            The final paths, in commit order.
+
+        Raises:
+            ValueError: a header outgrew its reserve (nothing is renamed then).
+            ConverterError: an extra file cannot be staged (nothing is renamed then).
+        """
+        try:
+            for i, writer in enumerate(self._writers):
+                writer.finish(metadata_for(self._shard_manifest(manifest, i)))
+            for name, content in self.extra_files.items():
+                remove_stale_temporaries(self.target.folder / name)
+                tmp = self._stage_bytes(name, content) if isinstance(content, bytes) else self._stage_copy(name, content)
+                self._commit.append((tmp, self.target.folder / name))
+            if len(self.shards) > 1:
+                wmap = {n: self.names[i] for i, shard in enumerate(self.shards) for n, _, _ in shard}
+                text = index_bytes(wmap, self.total_size)
+                self._commit.append((self._stage_bytes(self.target.index.name, text), self.target.index))
+            stale = self.target.stale_paths(len(self.shards), self.extra_files)
+            for old in stale:
+                self.guard.check_delete(old)
+        except BaseException:
+            self.abort()
+            raise
+        # Temporary files are created 0600; give each result the mode a plain open()
+        # would, or that of the file it replaces.
+        for tmp, final in self._commit:
+            os.chmod(tmp, target_mode(final))
+        try:
+            commit_all(self._commit, self.target.folder)
+        except BaseException:
+            self.abort()
+            raise
+        self._done = True
+        self._temps.clear()
+        for old in stale:
+            old.unlink(missing_ok=True)
+        return [final for _, final in self._commit]
+
+    def _stage_bytes(self, name: str, content: bytes) -> Path:
+        tmp = self._stage_path(name)
+        write_durably(tmp, content)
+        return tmp
+
+    def _stage_copy(self, name: str, src: Path) -> Path:
+        tmp = self._stage_path(name)
+        try:
+            shutil.copyfile(src, tmp)
+        except OSError as exc:
+            raise ConverterError(f"cannot copy into the output folder: {exc.strerror}", path=src) from None
+        return tmp
+
+    def abort(self) -> None:
+        """Delete every temporary and staged file; the output folder is left as it was."""
+        if self._done:
+            return
+        self._done = True
+        for writer in self._writers:
+            writer.abort()
+        for tmp in self._temps:
+            tmp.unlink(missing_ok=True)
+        if self.target.created:
+            try:
+                self.target.folder.rmdir()  # only succeeds while empty
+            except OSError:
+                pass
+
+    def __enter__(self) -> ArtifactWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if not self._done:
+            self.abort()
