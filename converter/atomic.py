@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import secrets
 import tempfile
 import time
 from collections.abc import Callable
@@ -61,22 +62,36 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def create_temporary(path: Path) -> tuple[int, Path]:
-    """A locked, hidden temporary beside ``path``, with the mode ``path`` will have.
+def temporary_name(path: Path, suffix: str = TEMP_SUFFIX) -> Path:
+    """A fresh hidden name beside ``path``: ``.<name>.<random><suffix>``.
+
+    Callers record the name *before* :func:`open_temporary` creates the file, so that an
+    interrupt (SIGTERM, Ctrl-C) landing between the two still finds it to delete.
+    """
+    return path.parent / f".{path.name}.{secrets.token_hex(6)}{suffix}"
+
+
+def open_temporary(tmp: Path, path: Path) -> int:
+    """Create ``tmp`` (exclusively), lock it, and give it the mode ``path`` will have.
 
     Returns:
-        ``(fd, temporary path)``; the exclusive ``flock`` on ``fd`` lasts until it is closed.
+        The fd; the exclusive ``flock`` on it lasts until it is closed.
 
     Raises:
         ConverterError: the folder is not writable.
     """
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
     except OSError as exc:
         raise ConverterError(f"cannot write to the output folder: {exc.strerror}", path=path.parent) from None
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    os.fchmod(fd, target_mode(path))
-    return fd, Path(tmp)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.fchmod(fd, target_mode(path))
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    return fd
 
 
 def write_atomically(path: Path, write: Callable[[BinaryIO], None], *, check: Callable[[Path], None] | None = None
@@ -96,8 +111,10 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], None], *, check: Ca
         ConverterError: the folder is not writable; anything ``write`` or ``check``
             raises (the temporary is deleted first).
     """
-    fd, tmp = create_temporary(path)
+    tmp = temporary_name(path)
+    fd = -1
     try:
+        fd = open_temporary(tmp, path)
         with os.fdopen(fd, "wb", closefd=False) as fh:
             write(fh)
             fh.flush()
@@ -110,7 +127,8 @@ def write_atomically(path: Path, write: Callable[[BinaryIO], None], *, check: Ca
         tmp.unlink(missing_ok=True)
         raise
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
     fsync_dir(path.parent)
     return path
 
@@ -123,21 +141,23 @@ def write_durably(path: Path, content: bytes) -> None:
         os.fsync(fh.fileno())
 
 
-def stage_placeholder(folder: Path, name: str) -> Path:
+def stage_placeholder(folder: Path, name: str, created: list[Path]) -> Path:
     """An empty hidden placeholder ``.<name>.<random>.staged`` in ``folder`` for a multi-file commit.
 
     The hidden name keeps loaders from picking it up; :func:`remove_stale_temporaries`
-    removes it if its process dies before the commit.
+    removes it if its process dies before the commit.  Its path is appended to
+    ``created`` before the file exists, so an interrupt cannot orphan it.
     """
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=STAGED_SUFFIX, dir=folder)
-    os.close(fd)
-    return Path(tmp)
+    tmp = temporary_name(folder / name, STAGED_SUFFIX)
+    created.append(tmp)
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    return tmp
 
 
 def remove_stale_temporaries(path: str | Path) -> list[Path]:
     """Delete temporaries that killed writers left next to the output ``path``.
 
-    Two kinds exist: a writer's ``.<name>.*.incomplete`` (:func:`create_temporary`)
+    Two kinds exist: a writer's ``.<name>.*.incomplete`` (:func:`open_temporary`)
     and a multi-file commit's ``.<name>.*.staged`` placeholder (whose own writer temp
     is ``..<name>.*.staged.*.incomplete``).  An ``.incomplete`` file whose lock can
     be taken belongs to no live writer and is removed; a locked one (a concurrent

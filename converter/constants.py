@@ -67,6 +67,9 @@ MARLIN_ZERO = 8
 CONVERT_K_MULTIPLE = MARLIN_TILE
 CONVERT_N_MULTIPLE = 64
 CONVERT_GROUP_MULTIPLE = MARLIN_TILE
+#: Rows in a whole block of every packed bit width (3-bit packs 32 codes in 3 words,
+#: 2-bit 16 in one): K chunks that start on it never split a source word.
+PACKED_ROW_BLOCK = 32
 #: Upstream IST-DASLab Marlin's own limits (marlin.Layer), recorded per layer.
 UPSTREAM_K_MULTIPLE = 128
 UPSTREAM_N_MULTIPLE = 256
@@ -84,6 +87,8 @@ SCALE_PERM_SINGLE = (
 #: Our own GEMM's limits (kernels/marlin_gemm.cu): K % 64, N % 64, and any group
 #: size that is a multiple of 16 dividing K, or per-channel.
 KERNEL_K_MULTIPLE = 64
+#: Columns of one output block of our GEMM (and of the other kernels' grids): N % 64.
+KERNEL_N_MULTIPLE = 64
 #: The bar for our fp16 GEMM against an fp32 reference: a layer fails above this mean
 #: relative error (marlin-verify's GPU mode and converter.gpu.verify).
 GPU_MEAN_REL_TOL = 1e-3

@@ -25,7 +25,7 @@ from .artifact.schema import Checksums, LayerEntry, Passthrough
 from .artifact.shards import Layout, parse_size, plan_shards
 from .artifact.target import InputGuard, OutputTarget
 from .artifact.writer import ArtifactWriter
-from .constants import CHECKSUM_HEX_LEN, SAFETENSORS_METADATA_KEY, Suffix
+from .constants import CHECKSUM_HEX_LEN, MARLIN_TILE, PACKED_ROW_BLOCK, SAFETENSORS_METADATA_KEY, Suffix
 from .dtypes import nbytes
 from .errors import SourceFormatError
 from .formats import open_source
@@ -137,7 +137,7 @@ def _passthrough_infos(source: Source, plan: SourcePlan, names: list[str]) -> li
 def _chunk_rows(layer: LayerPlan) -> int:
     # Chunks start on group boundaries (or any 16-row boundary when per-channel)
     # and on 32-row boundaries so 2- and 3-bit words are never split.
-    unit = math.lcm(16 if layer.group_size == layer.size_k else layer.group_size, 32)
+    unit = math.lcm(MARLIN_TILE if layer.group_size == layer.size_k else layer.group_size, PACKED_ROW_BLOCK)
     rows = max(unit, (CHUNK_CODE_BYTES // max(layer.size_n, 1)) // unit * unit)
     return min(rows, layer.size_k)
 
@@ -276,7 +276,7 @@ def _write_layer(source: Source, layer: LayerPlan, writer: StreamingWriter, behi
             b = pack_b(qw.marlin_codes())
         else:  # same bits, without materialising the uint8 codes (4-bit: no code offset)
             b, qw = packed
-        jobs: list[tuple[str, np.ndarray, int, Any]] = [(names[Suffix.B], b, k0 // 16, hashers[Suffix.B])]
+        jobs: list[tuple[str, np.ndarray, int, Any]] = [(names[Suffix.B], b, k0 // MARLIN_TILE, hashers[Suffix.B])]
         g0 = k0 // layer.group_size
         # A per-channel layer returns its one group with every chunk: write it once.
         skip = max(groups_done - g0, 0)

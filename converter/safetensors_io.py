@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .atomic import create_temporary, fsync_dir, remove_stale_temporaries
+from .atomic import fsync_dir, open_temporary, remove_stale_temporaries, temporary_name
 from .constants import SAFETENSORS_DTYPES, SAFETENSORS_MAX_HEADER_BYTES, SAFETENSORS_METADATA_KEY
 from .errors import ConverterError, SourceFormatError
 from .jsonio import parse_object
@@ -281,11 +281,12 @@ class StreamingWriter:
         self.data_start = 8 + self.header_reserve
         remove_stale_temporaries(self.path)
         # The lock is held until the file is renamed or deleted (converter.atomic).
-        fd, self.tmp_path = create_temporary(self.path)
-        self._fd = fd
+        self.tmp_path = temporary_name(self.path)
+        self._fd = -1
         self._done = False
         size = self.data_start + self.data_size
         try:
+            self._fd = fd = open_temporary(self.tmp_path, self.path)
             os.ftruncate(fd, size)
             if size:
                 # Reserve the blocks now: a full disk fails here, before any work, and
@@ -297,6 +298,9 @@ class StreamingWriter:
                 self.abort()
                 need = f" (needs {size} bytes)" if exc.errno == errno.ENOSPC else ""
                 raise ConverterError(f"cannot allocate the output file: {exc.strerror}{need}", path=self.path) from None
+        except BaseException:  # SIGTERM/Ctrl-C during a long fallocate: no temporary may stay
+            self.abort()
+            raise
 
     def write(self, name: str, data: np.ndarray, row_start: int = 0) -> None:
         """Write ``data`` into tensor ``name`` starting at row ``row_start``.
@@ -359,10 +363,11 @@ class StreamingWriter:
         """Delete the temporary file; the target path is left as it was."""
         if not self._done:
             self._done = True
-            try:
-                os.close(self._fd)
-            except OSError:
-                pass
+            if self._fd >= 0:
+                try:
+                    os.close(self._fd)
+                except OSError:
+                    pass
             self.tmp_path.unlink(missing_ok=True)
 
     def __enter__(self) -> StreamingWriter:

@@ -15,7 +15,7 @@ from .artifact.problems import ProblemCode, Report
 from .artifact.reader import Artifact
 from .artifact.schema import LayerEntry
 from .artifact.validate import broken_layers, validate_artifact
-from .constants import GPU_MEAN_REL_TOL, MARLIN_ZERO, Suffix
+from .constants import GPU_MEAN_REL_TOL, KERNEL_K_MULTIPLE, MARLIN_ZERO, Suffix
 from .errors import ConverterError, GpuUnavailableError
 from .formats import open_source
 from .formats.base import Source
@@ -276,7 +276,7 @@ def _gpu_numerics(art: Artifact, report: Report, rows: dict[str, dict[str, Any]]
         if name in skip:
             continue
         if not rec.kernel_compatible:
-            rows[name]["gpu"] = "skipped: layer is outside our kernel's limits (K % 64 == 0)"
+            rows[name]["gpu"] = f"skipped: layer is outside our kernel's limits (K % {KERNEL_K_MULTIPLE} == 0)"
             report.add(P.GPU_SKIPPED, f"layer {name}: {rows[name]['gpu']}", name, severity="warning")
             continue
         u = unpack_layer(art, rec)

@@ -20,6 +20,7 @@ Usage: PYTHONPATH=$PWD python3 scripts/bench_gemm.py --json-out scripts/bench_ge
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -110,7 +111,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--calls", type=int, default=24, help="launches per graph (at least the copy count)")
     ap.add_argument("--force-wk", type=int, default=None, choices=(1, 4),
-                    help="force the GEMM block shape (experiments; see kernels.FORCE_WK)")
+                    help="force the GEMM block shape (experiments; see converter.gpu.plan.Tuning.force_wk)")
     ap.add_argument("--sweep", default=None,
                     help="extra our-kernel variants to time, e.g. d1x4x3w1,t1x4x3w1 (d = decode kernel with NT "
                          "8-row tiles, w = the same with per-weight scaling, t = tile kernel with MT "
@@ -121,9 +122,10 @@ def main() -> int:
     import torch
 
     from converter.gpu import kernels, runtime
+    from converter.gpu.plan import KernelKind, Tuning
 
     info = runtime.require_gpu()
-    kernels.FORCE_WK = args.force_wk
+    base = Tuning(force_wk=args.force_wk)
     shapes = SHAPES if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ms = MS if not args.ms else [int(v) for v in args.ms.split(",")]
     bw, rate = ceilings(cp, torch)
@@ -158,9 +160,9 @@ def main() -> int:
         for m in ms:
             a = (cp.random.standard_normal((m, k), dtype=cp.float32)).astype(cp.float16)
             out = cp.empty((m, n), dtype=cp.float16)
-            kw = dict(size_k=k, size_n=n, group_size=GROUP)
+            kw = dict(size_k=k, size_n=n, group_size=GROUP, tuning=base)
             calls = max(args.calls, copies)
-            row = {"K": k, "N": n, "M": m, "plan": kernels.gemm_plan(m, k, n, GROUP)}
+            row = {"K": k, "N": n, "M": m, "plan": dataclasses.asdict(kernels.gemm_plan(m, k, n, GROUP, tuning=base))}
             def safe(fn, *a):
                 try:
                     return fn(*a)
@@ -182,21 +184,16 @@ def main() -> int:
                 # d|w|t R x U x NS w waves [o blocks per SM], e.g. d1x4x3w1, t1x4x3w1, d1x4x3w1o3
                 pipe_s, w = spec.rsplit("w", 1)
                 w, _, occ = w.partition("o")
-                kind = {"d": "decode", "w": "decode_w", "t": "tile"}[pipe_s[0]]
+                kind = KernelKind({"d": "decode", "w": "decode_w", "t": "tile"}[pipe_s[0]])
                 pipe = (kind,) + tuple(int(v) for v in pipe_s[1:].split("x"))
-                old_w, kernels.WAVES = kernels.WAVES, int(w)
-                old_occ = dict(kernels.OCC_CAP)
-                kernels.OCC_CAP[kind] = int(occ) if occ else old_occ[kind]
-                try:
-                    row[f"sym_{spec}"] = safe(timed_graph, cp, [
-                        (lambda i=i: kernels.marlin_gemm(a, Bs[i % copies], Ss[i % copies], out=out, pipe=pipe, **kw))
-                        for i in range(calls)], args.reps)
-                    row[f"fused_{spec}"] = safe(timed_graph, cp, [
-                        (lambda i=i: kernels.marlin_gemm(a, Bs[i % copies], Ss[i % copies], delta=Ds16[i % copies],
-                                                         out=out, pipe=pipe, **kw)) for i in range(calls)], args.reps)
-                finally:
-                    kernels.WAVES = old_w
-                    kernels.OCC_CAP.update(old_occ)
+                cap = ((kind, int(occ)),) if occ else base.occupancy_cap
+                skw = {**kw, "tuning": dataclasses.replace(base, waves=int(w), occupancy_cap=cap)}
+                row[f"sym_{spec}"] = safe(timed_graph, cp, [
+                    (lambda i=i: kernels.marlin_gemm(a, Bs[i % copies], Ss[i % copies], out=out, pipe=pipe, **skw))
+                    for i in range(calls)], args.reps)
+                row[f"fused_{spec}"] = safe(timed_graph, cp, [
+                    (lambda i=i: kernels.marlin_gemm(a, Bs[i % copies], Ss[i % copies], delta=Ds16[i % copies],
+                                                     out=out, pipe=pipe, **skw)) for i in range(calls)], args.reps)
             at = torch.randn(m, k, device="cuda", dtype=torch.float16)
             fc = max(args.calls, f16_copies)
             row["fp16"] = timed_torch_graph(torch, [(lambda i=i: torch.matmul(at, Ws[i % f16_copies]))

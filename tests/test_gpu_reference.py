@@ -147,23 +147,24 @@ def test_prepared_delta_order_matches_the_scales(g):
 
 
 def test_gemm_path_rule_and_pipes():
-    from converter.gpu import kernels
+    from converter.gpu import plan
 
-    wide, narrow = kernels.WIDE_N * 2, kernels.WIDE_N // 2
-    assert kernels.gemm_path(1, narrow) == kernels.gemm_path(8, narrow) == "decode"
-    assert kernels.gemm_path(16, kernels.WIDE_N) == "decode" and kernels.gemm_path(9, narrow) == "tile"
-    assert kernels.gemm_path(17, wide) == kernels.gemm_path(kernels.DECODE_MAX_M, wide) == "decode_w"
-    assert kernels.gemm_path(32, kernels.WIDE_N) == "tile" and kernels.gemm_path(33, wide) == "tile"
-    assert kernels.gemm_arith(1, narrow) == "group" and kernels.gemm_arith(32, wide) == "weight"
+    tuning = plan.Tuning()
+    wide, narrow = tuning.wide_n * 2, tuning.wide_n // 2
+    assert plan.gemm_path(1, narrow) == plan.gemm_path(8, narrow) == "decode"
+    assert plan.gemm_path(16, tuning.wide_n) == "decode" and plan.gemm_path(9, narrow) == "tile"
+    assert plan.gemm_path(17, wide) == plan.gemm_path(tuning.decode_max_m, wide) == "decode_w"
+    assert plan.gemm_path(32, tuning.wide_n) == "tile" and plan.gemm_path(33, wide) == "tile"
+    assert plan.gemm_arith(1, narrow) == "group" and plan.gemm_arith(32, wide) == "weight"
     for m in (1, 8, 9, 16, 17, 32, 33, 64, 128):
         for n in (narrow, wide):
-            pipe = kernels.default_pipe(m, 4096, n, 8)
-            assert pipe in kernels.GEMM_PIPES and pipe[0] == kernels.gemm_path(m, n)
+            pipe = plan.default_pipe(m, 4096, n, 8)
+            assert pipe in plan.GEMM_PIPES and pipe[0] == plan.gemm_path(m, n)
             rows = 16 * pipe[1] if pipe[0] == "tile" else 8 * pipe[1]
             assert rows >= min(m, 32)
     # shared memory: 4 rings of NS stages (B, A, scales, deltas), or the parked sums
-    assert kernels._gemm_smem(("decode", 1, 4, 3), 1) == 4 * 3 * (4 * 512 + 4 * 256 + 256)
-    assert kernels._gemm_smem(("tile", 4, 2, 3), 1) == 4 * max(3 * (2 * 512 + 2 * 2048 + 256), 16384)
+    assert plan.Pipe.of(("decode", 1, 4, 3)).smem(1) == 4 * 3 * (4 * 512 + 4 * 256 + 256)
+    assert plan.Pipe.of(("tile", 4, 2, 3)).smem(1) == 4 * max(3 * (2 * 512 + 2 * 2048 + 256), 16384)
 
 
 def test_reference_weight_orders_rows_by_perm():
@@ -226,15 +227,16 @@ def test_no_cupy_gives_one_line_error(monkeypatch):
 
 def test_package_imports_without_cupy(monkeypatch):
     _without_cupy(monkeypatch)
-    code = "import converter.gpu, converter.gpu.api, converter.gpu.verify, converter.gpu.kernels; " \
+    code = "import converter.gpu, converter.gpu.api, converter.gpu.verify, converter.gpu.kernels, " \
+           "converter.gpu.build, converter.gpu.plan; " \
            "import sys; assert 'cupy' not in sys.modules and 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
 def test_kernel_sources_found_and_headers_name_their_twins():
-    from converter.gpu import kernels
+    from converter.gpu import build
 
-    folder = kernels.kernel_dir()
+    folder = build.kernel_dir()
     for cu in ("marlin_gemm.cu", "marlin_decode.cu", "dequant.cu", "asym_correction.cu"):
         head = (folder / cu).read_text().split("#include")[0]
         names = re.findall(r"converter\.gpu\.reference\.(\w+)", head)
@@ -261,6 +263,6 @@ def test_kernels_ship_in_wheel(tmp_path):
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target",
                     str(target), str(wheel)], check=True, capture_output=True)
-    out = subprocess.run([sys.executable, "-c", "from converter.gpu.kernels import kernel_dir; print(kernel_dir())"],
+    out = subprocess.run([sys.executable, "-c", "from converter.gpu.build import kernel_dir; print(kernel_dir())"],
                          cwd=tmp_path, env={"PYTHONPATH": str(target)}, capture_output=True, text=True, check=True)
     assert Path(out.stdout.strip()) == target / "converter" / "_kernels"

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..atomic import commit_all, remove_stale_temporaries, stage_placeholder, target_mode, write_durably
+from ..atomic import TEMP_SUFFIX, commit_all, remove_stale_temporaries, stage_placeholder, target_mode, write_durably
 from ..dtypes import nbytes
 from ..errors import ConverterError
 from ..hf_index import index_bytes
@@ -91,9 +91,7 @@ class ArtifactWriter:
         return self.target.path if len(self.shards) == 1 else self.target.index
 
     def _stage_path(self, name: str) -> Path:
-        tmp = stage_placeholder(self.target.folder, name)
-        self._temps.append(tmp)
-        return tmp
+        return stage_placeholder(self.target.folder, name, self._temps)
 
     def _shard_manifest(self, manifest: Manifest, i: int) -> Manifest:
         if len(self.shards) == 1:
@@ -172,6 +170,10 @@ class ArtifactWriter:
         for writer in self._writers:
             writer.abort()
         for tmp in self._temps:
+            # A shard writer interrupted before it was registered leaves its temporary
+            # beside its placeholder, under the placeholder's (random, so ours) name.
+            for orphan in tmp.parent.glob(f".{tmp.name}.*{TEMP_SUFFIX}"):
+                orphan.unlink(missing_ok=True)
             tmp.unlink(missing_ok=True)
         if self.target.created:
             try:

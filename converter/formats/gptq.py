@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from ..constants import SourceFormat, ZeroConvention
+from ..constants import MARLIN_TILE, SourceFormat, ZeroConvention
 from ..dtypes import FLOAT_DTYPES
 from ..errors import ConfigError, SourceFormatError, UnsupportedQuantError
 from ..marlin.layout import pack_b_from_gptq4
@@ -53,6 +53,7 @@ from .hf import (
 )
 from .packing import (
     act_order_perm,
+    codes_per_word,
     decode_gptq_zeros,
     field_ones,
     gather_rows,
@@ -403,9 +404,10 @@ class GptqSource(HFSource, format=SourceFormat.GPTQ, methods=("gptq",),
         (not 4-bit, act-order, rows not on 16-row tiles).
         """
         k_stop = layer.size_k if k_stop is None else k_stop
-        if layer.bits != 4 or layer.act_order or k_start % 16 or k_stop % 16:
+        if layer.bits != 4 or layer.act_order or k_start % MARLIN_TILE or k_stop % MARLIN_TILE:
             return None
-        words = np.asarray(self.ckpt.array(f"{layer.name}.qweight")[k_start // 8 : k_stop // 8])
+        per = codes_per_word(4)
+        words = np.asarray(self.ckpt.array(f"{layer.name}.qweight")[k_start // per : k_stop // per])
         return pack_b_from_gptq4(words), self.load_layer(layer, k_start, k_stop, codes=False)
 
 

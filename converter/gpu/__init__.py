@@ -7,7 +7,9 @@ one-line message when CuPy or a suitable GPU (compute capability 8.0+) is missin
 
 Modules:
     runtime:   CuPy import on demand, device checks.
-    kernels:   one NVRTC ``RawModule`` per ``.cu`` file and checked launchers.
+    plan:      pure GEMM planning: kernel kinds, variants, routing, the K split, ``Tuning``.
+    build:     one NVRTC ``RawModule`` per ``.cu`` file, built once per process and device.
+    kernels:   the checked launchers.
     reference: NumPy twins of every launcher, same signatures.
     verify:    :func:`verify_layer_gpu` for ``marlin-verify --gpu``.
     api:       :func:`load_artifact_gpu`, :class:`MarlinLinear`, ``MarlinLinearModule``.
@@ -15,4 +17,4 @@ Modules:
 
 from __future__ import annotations
 
-__all__ = ["api", "kernels", "reference", "runtime", "verify"]
+__all__ = ["api", "build", "kernels", "plan", "reference", "runtime", "verify"]

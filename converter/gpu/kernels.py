@@ -1,213 +1,34 @@
-"""NVRTC modules for ``kernels/*.cu`` and their checked launchers.
+"""Checked launchers of our CUDA kernels (``kernels/*.cu``).
 
-One CuPy ``RawModule`` per ``.cu`` file and device architecture, built on first use and
-kept for the life of the process (CuPy also caches the cubin on disk). Templates are
-reached through ``name_expressions``. A compile failure is raised as
-:class:`KernelError` carrying NVRTC's log (``err.nvrtc_log``) and the same error object
-is raised again on later calls instead of recompiling.
-
-Every launcher checks dtype, shape, contiguity and alignment of its arguments before it
-launches anything, and raises :class:`KernelError` naming the argument. Launchers take
-CuPy arrays (NumPy arrays are copied to the device; dtypes are never converted
+Every launcher checks dtype, shape, contiguity and alignment of its arguments before
+it launches anything, and raises :class:`KernelError` naming the argument. Launchers
+take CuPy arrays (NumPy arrays are copied to the device; dtypes are never converted
 silently) and run on CuPy's current stream. Their NumPy twins, with the same
 signatures, are in :mod:`converter.gpu.reference`.
 
-Kernel sources are found by :func:`kernel_dir`: ``converter/_kernels`` inside an
-installed wheel, else the repository's top-level ``kernels/``.
+Which GEMM variant runs and how K is split is :mod:`converter.gpu.plan` (pure; its
+knobs are a :class:`~converter.gpu.plan.Tuning` passed explicitly); the modules are
+built by :mod:`converter.gpu.build`.
 """
 
 from __future__ import annotations
 
 import functools
-import math
-import threading
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..constants import KERNEL_N_MULTIPLE, MARLIN_TILE
 from ..errors import GpuUnavailableError, KernelError
 from ..marlin.layout import permute_scales
-from . import runtime
+from ..marlin.shapes import kernel_layer_sizes, resolve_group_size
+from . import build, runtime
+from .plan import DEFAULT_TUNING, GemmPlan, Pipe, Tuning, default_pipe, kernel_variant, plan_gemm
 
-_SOURCES = ("marlin_gemm.cu", "marlin_decode.cu", "dequant.cu", "asym_correction.cu", "marlin_common.cuh",
-            "marlin_stream.cuh")
-
-#: GEMM instantiations, as pipes ``(kind, R, U, NS)``: ``kind`` "tile"
-#: (``kernels/marlin_gemm.cu``, R = MT 16-row m-tiles per warp), "decode"
-#: (``kernels/marlin_decode.cu`` with per-group fp32 scaling, R = NT 8-row activation
-#: tiles per warp) or "decode_w" (the same kernel with the tile kernel's per-weight fp16
-#: scaling); U k-tiles per step; NS shared-memory ring stages. Each is built for every
-#: GPI (group slots per step) in GEMM_GPIS[U], with and without the fused delta.
-GEMM_PIPES = (("tile", 1, 4, 3), ("tile", 1, 8, 3), ("tile", 2, 4, 3), ("tile", 4, 2, 3),
-              ("decode", 1, 4, 3), ("decode", 1, 8, 3), ("decode", 2, 4, 3), ("decode", 2, 8, 3),
-              ("decode", 4, 4, 3), ("decode_w", 2, 8, 3), ("decode_w", 4, 4, 3))
-GEMM_GPIS = {8: (1,), 4: (1, 2, 4), 2: (1, 2)}
-#: The arithmetic of each kind, as the twin (``reference.marlin_gemm``) names it:
-#: "weight" multiplies by the fp16 weight ``fp16((q - 8) s + fp16(delta))``, "group"
-#: sums ``A (q - 8)`` and A per group in fp32 and applies ``s`` and ``fp16(delta)`` there.
-ARITH = {"tile": "weight", "decode": "group", "decode_w": "weight"}
-#: Routing (gemm_path), measured on an H200 (scripts/perf_notes.md): the decode kernel
-#: with per-group scaling up to GROUP_MAX_M rows (up to 8 rows always; 9..16 rows when
-#: N >= WIDE_N, where enough column blocks keep the device busy without deep K splits),
-#: the per-weight decode variant for 17..DECODE_MAX_M rows when N > WIDE_N, and the
-#: tile kernel otherwise.
-GROUP_MAX_M = 16
-DECODE_MAX_M = 32
-WIDE_N = 8192
-#: Target number of full waves of resident warps for the K split (tuned on an H200).
-WAVES = 1
-#: A block's pipeline fill, in k-tile times, charged per wave by the split's cost model.
-LATENCY_TILES = 6
-#: The split's reduction cost per extra split and 8 rows, in k-tile times (tuned on an
-#: H200: 4096 x 4096 at M = 1 ran 7.5 us with 4 splits against 8.5 us with 8).
-REDUCE_TILES = 2.5
-#: Cost of staging one A row of a k-tile, in B-tile units per 16 rows (the split's
-#: cost model; A comes from L2, B from DRAM).
-A_WEIGHT = 0.5
-#: Tests set this to 1 or 4 to force a block shape; None lets the cost model choose.
-FORCE_WK: int | None = None
-#: Blocks per multiprocessor the split may count on, per GEMM kind (None: as many as
-#: fit). Fewer resident warps stream the weights faster at small M on an H200
-#: (scripts/perf_notes.md), so the split is sized for this many.
-OCC_CAP: dict[str, int | None] = {"tile": None, "decode": None, "decode_w": None}
-
-
-Pipe = tuple[str, int, int, int]
-
-
-def gemm_path(m: int, size_n: int) -> str:
-    """The GEMM kind that serves an (M, N) call: "decode", "decode_w" or "tile" (see WIDE_N)."""
-    if m <= 8 or (m <= GROUP_MAX_M and size_n >= WIDE_N):
-        return "decode"
-    if m <= DECODE_MAX_M and size_n > WIDE_N:
-        return "decode_w"
-    return "tile"
-
-
-def gemm_arith(m: int, size_n: int) -> str:
-    """The arithmetic (``ARITH``) of the kernel that serves (M, N): "group" or "weight"."""
-    return ARITH[gemm_path(m, size_n)]
-
-
-def default_pipe(m: int, size_k: int, size_n: int, group_tiles: int, smem_limit: int = 227 * 1024) -> Pipe:
-    """The GEMM variant for batch size m (measured on an H200, scripts/perf_notes.md).
-
-    The kind from :func:`gemm_path`; the decode kernels with the fewest 8-row activation
-    tiles that hold M, the tile kernel with 2 (M <= 32) or 4 m-tiles per warp.
-
-    Args:
-        m: rows of A. size_k, size_n: K, N. group_tiles: group size / 16 (K / 16
-            per-channel).
-        smem_limit: the device's opt-in shared memory per block, bytes.
-
-    Returns:
-        ``(kind, R, U, NS)``, one of GEMM_PIPES.
-    """
-    kind = gemm_path(m, size_n)
-    if kind == "tile":
-        return ("tile", 2, 4, 3) if m <= 32 else ("tile", 4, 2, 3)
-    if kind == "decode_w":
-        return ("decode_w", 4, 4, 3)
-    if m <= 8:
-        return ("decode", 1, 4, 3)
-    # 8-tile steps when every step holds one group slot (group size >= 128, per-channel)
-    u8 = (size_k // 16) % 8 == 0 and group_tiles % 8 == 0 and _gemm_smem(("decode", 2, 8, 3), 1) <= smem_limit
-    return ("decode", 2, 8 if u8 else 4, 3)
-
-
-def _gemm_name(pipe: Pipe, gpi: int, delta: bool) -> str:
-    kind, r, u, ns = pipe
-    d = "true" if delta else "false"
-    if kind == "tile":
-        return f"marlin_gemm<{r}, {u}, {gpi}, {ns}, {d}>"
-    return f"marlin_decode<{r}, {u}, {gpi}, {ns}, {d}, {'true' if kind == 'decode' else 'false'}>"
-
-
-def _gemm_source(pipe: Pipe) -> str:
-    return "marlin_gemm.cu" if pipe[0] == "tile" else "marlin_decode.cu"
-
-
-def _gemm_smem(pipe: Pipe, gpi: int) -> int:
-    """Dynamic shared memory of one 4-warp block: 4 rings (``kernels/marlin_stream.cuh``,
-    struct Ring, AR rows of A per tile), each padded to hold the warp's fp32 sums."""
-    kind, r, u, ns = pipe
-    rows, sums = (16 * r, 4096 * r) if kind == "tile" else (8 * r, 2048 * r)
-    stage = u * 512 + u * rows * 32 + gpi * 128 + gpi * 128
-    return 4 * max(ns * stage, sums)
-
-
-_NAMES = {
-    "marlin_gemm.cu": [_gemm_name(p, gpi, d) for p in GEMM_PIPES if p[0] == "tile" for gpi in GEMM_GPIS[p[2]]
-                       for d in (False, True)] + ["gather_columns"],
-    "marlin_decode.cu": [_gemm_name(p, gpi, d) for p in GEMM_PIPES if p[0] != "tile"
-                         for gpi in GEMM_GPIS[p[2]] for d in (False, True)],
-    "dequant.cu": ["marlin_dequant<false>", "marlin_dequant<true>"],
-    "asym_correction.cu": ["group_sums", "add_correction"],
-}
-
-
-def kernel_dir() -> Path:
-    """Folder holding the ``.cu`` sources.
-
-    Looks first at ``converter/_kernels`` (where the wheel's force-include puts them),
-    then at ``<repo>/kernels`` (a source checkout).
-
-    Raises:
-        KernelError: neither folder holds ``marlin_gemm.cu``.
-    """
-    here = Path(__file__).resolve().parent
-    candidates = (here.parent / "_kernels", here.parents[1] / "kernels")
-    for c in candidates:
-        if all((c / s).is_file() for s in _SOURCES):
-            return c
-    raise KernelError(
-        "kernel sources not found; looked in " + ", ".join(str(c) for c in candidates)
-    )
-
-
-_lock = threading.Lock()
-_modules: dict[tuple[str, int], Any] = {}
-_failures: dict[tuple[str, int], KernelError] = {}
-
-
-def module(source: str) -> Any:
-    """The compiled ``RawModule`` for ``source`` (e.g. ``"marlin_gemm.cu"``) on this device.
-
-    Raises:
-        GpuUnavailableError: no CuPy / GPU / sm_80+.
-        KernelError: NVRTC failed; ``err.nvrtc_log`` holds the full log. Raised once
-            per process per file and device, then re-raised without recompiling.
-    """
-    cp = runtime.cupy_module()
-    info = runtime.device_info()
-    key = (source, info.index)
-    with _lock:
-        if key in _modules:
-            return _modules[key]
-        if key in _failures:
-            raise _failures[key]
-        folder = kernel_dir()
-        code = (folder / source).read_text(encoding="utf-8")
-        options = ("-std=c++17", f"--gpu-architecture={info.arch}", f"-I{folder}")
-        try:
-            mod = cp.RawModule(code=code, options=options, name_expressions=_NAMES[source])
-            for name in _NAMES[source]:
-                mod.get_function(name)  # forces the compile now, not at first launch
-        except Exception as exc:  # cupy.cuda.compiler.CompileException and driver errors
-            log = str(exc)
-            first = next((ln.strip() for ln in log.splitlines() if "error" in ln), log.strip()[:200])
-            err = KernelError(f"NVRTC could not build {source} for {info.arch}: {first}",
-                              path=folder / source)
-            err.nvrtc_log = log  # type: ignore[attr-defined]
-            _failures[key] = err
-            raise err from None
-        _modules[key] = mod
-        return mod
-
-
-def _fn(source: str, name: str) -> Any:
-    return module(source).get_function(name)
+#: Threads per block of every kernel but the gather (4 warps; ``kernels/*.cu`` launch geometry).
+BLOCK_THREADS = 128
+#: Threads per block of ``gather_columns``.
+GATHER_THREADS = 256
 
 
 # ----------------------------------------------------------------------------- checks
@@ -243,14 +64,8 @@ def _dev(x: Any, name: str, dtype: Any, shape: tuple[int, ...] | None) -> Any:
 
 
 def _layer_sizes(size_k: int, size_n: int, group_size: int) -> tuple[int, int, bool]:
-    """(group_size, num_groups, per_channel) after checking the kernel's limits."""
-    if size_k <= 0 or size_n <= 0 or size_k % 16 or size_n % 64:
-        raise KernelError(f"need size_k % 16 == 0 and size_n % 64 == 0, got K={size_k}, N={size_n}")
-    per_channel = group_size in (-1, size_k)
-    gs = size_k if per_channel else group_size
-    if gs <= 0 or gs % 16 or size_k % gs:
-        raise KernelError(f"group_size {group_size} must be a multiple of 16 dividing K={size_k}")
-    return gs, size_k // gs, per_channel
+    """(group_size, num_groups, per_channel) after checking the kernels' limits."""
+    return kernel_layer_sizes(size_k, size_n, group_size, error=KernelError)
 
 
 _NULL = np.uint64(0)
@@ -286,25 +101,16 @@ def _workspace(ws_floats: int, n_locks: int) -> tuple[Any, Any]:
 
 
 def gemm_plan(m: int, size_k: int, size_n: int, group_size: int, *, delta: bool = False,
-              pipe: Pipe | None = None) -> dict[str, Any]:
-    """Kernel variant and K split the GEMM launcher uses for one call.
-
-    The work is ``m_chunks x N/64`` units (the variant's rows x 64 columns each), each
-    split into ``splits`` contiguous K ranges; a 4-warp block takes either 4 units with
-    the whole range (``wk = 1``) or one unit with a quarter of the range per warp
-    (``wk = 4``). With ``R`` blocks resident on the device (from the variant's
-    registers and shared memory), the plan minimises
-    ``ceil(blocks / R) * (tiles per warp + LATENCY_TILES)`` (the slowest wave plus its
-    pipeline fill) plus a small charge per split for the partial-sum reduction.
+              pipe: tuple[str, int, int, int] | None = None, tuning: Tuning = DEFAULT_TUNING) -> GemmPlan:
+    """Kernel variant and K split the GEMM launcher uses for one call on this device
+    (:func:`converter.gpu.plan.plan_gemm`, with the variant's compiled register count).
 
     Args:
         m, size_k, size_n, group_size: the problem (group_size -1 / size_k: per-channel).
         delta: fused asymmetric variant.
-        pipe: ``(kind, R, U, NS)`` override of :func:`default_pipe` (benchmarking).
-
-    Returns:
-        dict with ``kind, r, u, gpi, ns, smem, regs, rows, m_chunks, wk, splits,
-        tiles_per_split, warps, blocks, resident_warps`` (``rows``: A rows per chunk).
+        pipe: ``(kind, R, U, NS)`` override of :func:`~converter.gpu.plan.default_pipe`
+            (benchmarking).
+        tuning: the planner's knobs.
 
     Raises:
         KernelError: K not a multiple of 16 U (64 always works), an unknown pipe, or
@@ -313,73 +119,17 @@ def gemm_plan(m: int, size_k: int, size_n: int, group_size: int, *, delta: bool 
     """
     gs, _, _ = _layer_sizes(size_k, size_n, group_size)
     info = runtime.device_info()
-    pipe = pipe or default_pipe(m, size_k, size_n, gs // 16, info.smem_per_block_optin)
-    return dict(_plan(m, size_k, size_n, group_size, delta, tuple(pipe), WAVES, FORCE_WK,
-                      OCC_CAP.get(pipe[0]), info))
-
-
-def _resident_blocks(regs: int, smem: int, smem_per_sm: int) -> int:
-    """4-warp blocks one multiprocessor holds (sm_80..sm_90 allocation rules).
-
-    Each of the 4 sub-partitions has 16 K registers, given to a warp in units of 256
-    (so 102 registers per thread cost 3328 per warp: 4 warps per sub-partition, not
-    5); a block's 4 warps take one warp slot in every sub-partition. Shared memory:
-    1 KB is reserved per block. At most 16 such blocks (64 warps).
-    """
-    per_warp = -(-max(regs, 1) * 32 // 256) * 256
-    return max(1, min(16384 // per_warp, smem_per_sm // (smem + 1024), 16))
+    if pipe is None:
+        pipe = default_pipe(m, size_k, size_n, gs // MARLIN_TILE, info.smem_per_block_optin, tuning)
+    return _plan(m, size_k, size_n, group_size, delta, Pipe.of(pipe), tuning, info)
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(m: int, size_k: int, size_n: int, group_size: int, delta: bool, pipe: Pipe,
-          waves_target: int, force_wk: int | None, occ_cap: int | None,
-          info: runtime.DeviceInfo) -> dict[str, Any]:
-    gs, _, per_channel = _layer_sizes(size_k, size_n, group_size)
-    kt = size_k // 16
-    if pipe not in GEMM_PIPES:
-        raise KernelError(f"unknown GEMM variant {pipe}; built: {GEMM_PIPES}")
-    kind, r, u, ns = pipe
-    if kt % u:
-        raise KernelError(f"size_k={size_k}: K must be a multiple of {16 * u} for this kernel")
-    gt = kt if per_channel else gs // 16
-    gpi = 1 if per_channel else u // math.gcd(gt, u)
-    if gpi not in GEMM_GPIS[u]:
-        raise KernelError(f"group_size {group_size} is not supported by GEMM variant {pipe}")
-    smem = _gemm_smem(pipe, gpi)
-    if smem > info.smem_per_block_optin:
-        raise KernelError(f"GEMM variant {pipe} needs {smem} bytes of shared memory per block; "
-                          f"{info.arch} allows {info.smem_per_block_optin}")
-    regs = int(_fn(_gemm_source(pipe), _gemm_name(pipe, gpi, delta)).num_regs)
-    blocks_per_sm = _resident_blocks(regs, smem, info.smem_per_sm)
-    if occ_cap:
-        blocks_per_sm = min(blocks_per_sm, occ_cap)
-    resident = info.sm_count * blocks_per_sm
-    chunk_rows = 16 * r if kind == "tile" else 8 * r
-    m_chunks = -(-m // chunk_rows)
-    nblk = size_n // 64
-    rows = min(m, chunk_rows)
-    best = None
-    for wk in (force_wk,) if force_wk else (1, 4):
-        blocks_n = m_chunks * -(-nblk // (4 // wk))
-        quantum = wk * u  # each warp's share of a K split is whole steps
-        for splits in range(1, -(-kt // quantum) + 1):
-            tps = -(-(-(-kt // splits)) // quantum) * quantum
-            if -(-kt // tps) != splits:
-                continue
-            waves = -(-blocks_n * splits // (resident * waves_target))
-            # slowest wave: per-warp tiles (each also moving its A rows, rows / 16 of a
-            # B tile's bytes, once per block in the decode kernel's wk = 1 form) plus
-            # the pipeline fill (about LATENCY_TILES), then the final reduction (about
-            # REDUCE_TILES per extra split and 8 rows: partial writes, the counter, reads)
-            a_share = 4 if (kind != "tile" and wk == 1) else 1
-            tile_cost = 1 + A_WEIGHT * rows / 16 / a_share
-            cost = waves * (tps // wk * tile_cost + LATENCY_TILES) + REDUCE_TILES * (splits - 1) * -(-rows // 8)
-            if best is None or cost < best[0]:
-                best = (cost, wk, splits, tps, blocks_n * splits)
-    _, wk, splits, tps, blocks = best
-    return {"kind": kind, "r": r, "u": u, "gpi": gpi, "ns": ns, "smem": smem, "regs": regs,
-            "rows": chunk_rows, "m_chunks": m_chunks, "wk": wk, "splits": splits, "tiles_per_split": tps,
-            "warps": 4 * blocks, "blocks": blocks, "resident_warps": 4 * resident}
+def _plan(m: int, size_k: int, size_n: int, group_size: int, delta: bool, pipe: Pipe, tuning: Tuning,
+          info: runtime.DeviceInfo) -> GemmPlan:
+    variant = kernel_variant(size_k, size_n, group_size, pipe, smem_limit=info.smem_per_block_optin, arch=info.arch)
+    regs = int(build.function(pipe.spec.source, variant.name(delta)).num_regs)
+    return plan_gemm(m, size_k, size_n, variant, regs=regs, device=info, tuning=tuning)
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -408,7 +158,7 @@ def gather_columns(A: Any, perm: Any, *, out: Any = None) -> Any:
     out = cp.empty((m, k), dtype=cp.float16) if out is None else _dev(out, "out", np.float16, (m, k))
     total = m * k
     if total:
-        _fn("marlin_gemm.cu", "gather_columns")(((total + 255) // 256,), (256,),
+        build.function("marlin_gemm.cu", "gather_columns")((-(-total // GATHER_THREADS),), (GATHER_THREADS,),
                                                 (A, perm, out, np.int32(m), np.int32(k)))
     return out
 
@@ -438,8 +188,8 @@ def prepare_delta(delta: Any) -> Any:
     if getattr(delta, "ndim", 0) != 2:
         raise KernelError(f"delta must be 2-D (G, N), got {getattr(delta, 'shape', None)}", tensor="delta")
     g, n = (int(v) for v in delta.shape)
-    if n % 64:
-        raise KernelError(f"delta: N={n} must be a multiple of 64", tensor="delta")
+    if n % KERNEL_N_MULTIPLE:
+        raise KernelError(f"delta: N={n} must be a multiple of {KERNEL_N_MULTIPLE}", tensor="delta")
     d = _dev(delta, "delta", np.float32, (g, n))
     order = cp.asarray(_scale_order(n, g == 1))
     return cp.ascontiguousarray(d.astype(cp.float16)[:, order])
@@ -463,7 +213,8 @@ def marlin_gemm(
     perm: Any = None,
     bias: Any = None,
     out: Any = None,
-    pipe: Pipe | None = None,
+    pipe: tuple[str, int, int, int] | None = None,
+    tuning: Tuning = DEFAULT_TUNING,
 ) -> Any:
     """INT4 x FP16 GEMM on Marlin tensors; fused asymmetric correction when ``delta`` given.
 
@@ -489,7 +240,8 @@ def marlin_gemm(
         bias: float16 ``(size_n,)`` or None.
         out: optional float16 ``(M, size_n)`` destination.
         pipe: ``(kind, R, U, NS)`` variant override (benchmarking); default
-            :func:`default_pipe`.
+            :func:`~converter.gpu.plan.default_pipe`.
+        tuning: the planner's knobs (:class:`~converter.gpu.plan.Tuning`).
 
     Returns:
         float16 ``(M, size_n)`` CuPy array. Bitwise deterministic for fixed inputs
@@ -505,7 +257,7 @@ def marlin_gemm(
         raise KernelError(f"A must be (M >= 1, {size_k}), got {getattr(A, 'shape', None)}", tensor="A")
     m = int(A.shape[0])
     A = _dev(A, "A", np.float16, (m, size_k))
-    B = _dev(B, "B", np.int32, (size_k // 16, 2 * size_n))
+    B = _dev(B, "B", np.int32, (size_k // MARLIN_TILE, 2 * size_n))
     scales = _dev(scales, "scales", np.float16, (g, size_n))
     if delta is not None:
         if getattr(delta, "dtype", None) == np.float16:
@@ -517,22 +269,21 @@ def marlin_gemm(
     if perm is not None:
         perm = _dev(perm, "perm", np.int32, (size_k,))
     out = cp.empty((m, size_n), dtype=cp.float16) if out is None else _dev(out, "out", np.float16, (m, size_n))
-    plan = gemm_plan(m, size_k, size_n, group_size, delta=delta is not None, pipe=pipe)
+    plan = gemm_plan(m, size_k, size_n, group_size, delta=delta is not None, pipe=pipe, tuning=tuning)
     if perm is not None:
         A = gather_columns(A, perm)
-    ws, locks = _workspace(plan["splits"] * m * size_n if plan["splits"] > 1 else 0,
-                           plan["m_chunks"] * (size_n // 64))
-    variant = (plan["kind"], plan["r"], plan["u"], plan["ns"])
-    fn = _fn(_gemm_source(variant), _gemm_name(variant, plan["gpi"], delta is not None))
-    if plan["smem"] > 48 * 1024 and fn.max_dynamic_shared_size_bytes < plan["smem"]:
-        fn.max_dynamic_shared_size_bytes = plan["smem"]  # opt in above the 48 KB default
-    gt = size_k // 16 if per_channel else gs // 16
-    fn((plan["blocks"],), (128,), (
+    ws, locks = _workspace(plan.splits * m * size_n if plan.splits > 1 else 0,
+                           plan.m_chunks * (size_n // KERNEL_N_MULTIPLE))
+    fn = build.function(plan.pipe.spec.source, plan.pipe.name(plan.gpi, delta is not None))
+    if plan.smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < plan.smem:
+        fn.max_dynamic_shared_size_bytes = plan.smem  # opt in above the 48 KB default
+    gt = size_k // MARLIN_TILE if per_channel else gs // MARLIN_TILE
+    fn((plan.blocks,), (BLOCK_THREADS,), (
         A, B, scales, _ptr_or_null(delta), _ptr_or_null(bias), out, ws, locks,
         np.int32(m), np.int32(size_k), np.int32(size_n), np.int32(gt),
-        np.int32(1 if per_channel else 0), np.int32(plan["splits"]),
-        np.int32(plan["tiles_per_split"]), np.int32(plan["wk"]),
-    ), shared_mem=plan["smem"])
+        np.int32(1 if per_channel else 0), np.int32(plan.splits),
+        np.int32(plan.tiles_per_split), np.int32(plan.wk),
+    ), shared_mem=plan.smem)
     return out
 
 
@@ -561,16 +312,16 @@ def dequant(
     """
     cp = runtime.cupy_module()
     gs, g, per_channel = _layer_sizes(size_k, size_n, group_size)
-    B = _dev(B, "B", np.int32, (size_k // 16, 2 * size_n))
+    B = _dev(B, "B", np.int32, (size_k // MARLIN_TILE, 2 * size_n))
     scales = _dev(scales, "scales", np.float16, (g, size_n))
     if delta is not None:
         delta = _dev(delta, "delta", np.float32, (g, size_n))
-    if size_k // 16 > 65535:
+    if size_k // MARLIN_TILE > 65535:
         raise KernelError(f"size_k={size_k} too large for dequant's grid (K/16 <= 65535)")
     out = cp.empty((size_k, size_n), dtype=cp.float16) if out is None else _dev(
         out, "out", np.float16, (size_k, size_n))
     name = "marlin_dequant<true>" if delta is not None else "marlin_dequant<false>"
-    _fn("dequant.cu", name)((size_n // 64, size_k // 16), (128,), (
+    build.function("dequant.cu", name)((size_n // KERNEL_N_MULTIPLE, size_k // MARLIN_TILE), (BLOCK_THREADS,), (
         B, scales, _ptr_or_null(delta), out, np.int32(size_k), np.int32(size_n),
         np.int32(gs), np.int32(1 if per_channel else 0)))
     return out
@@ -594,14 +345,14 @@ def group_sums(A: Any, *, group_size: int, out: Any = None) -> Any:
     if A is None or getattr(A, "ndim", 0) != 2:
         raise KernelError("A must be 2-D (M, K)", tensor="A")
     m, k = (int(s) for s in A.shape)
-    gs = k if group_size in (-1, k) else group_size
+    gs = resolve_group_size(k, group_size)
     if gs <= 0 or gs % 2 or k % gs:
         raise KernelError(f"group_size {group_size} must be even and divide K={k}")
     A = _dev(A, "A", np.float16, (m, k))
     g = k // gs
     out = cp.empty((m, g), dtype=cp.float32) if out is None else _dev(out, "out", np.float32, (m, g))
     if m * g:
-        _fn("asym_correction.cu", "group_sums")((-(-m * g // 4),), (128,),
+        build.function("asym_correction.cu", "group_sums")((-(-m * g // 4),), (BLOCK_THREADS,),
                                                 (A, out, np.int32(m), np.int32(k), np.int32(gs)))
     return out
 
@@ -624,10 +375,10 @@ def add_correction(C: Any, xsum: Any, delta: Any) -> Any:
     C = _dev(C, "C", np.float16, (m, n))
     xsum = _dev(xsum, "xsum", np.float32, (m, g))
     delta = _dev(delta, "delta", np.float32, (g, n))
-    if n % 64:
-        raise KernelError(f"N={n} must be a multiple of 64", tensor="C")
+    if n % KERNEL_N_MULTIPLE:
+        raise KernelError(f"N={n} must be a multiple of {KERNEL_N_MULTIPLE}", tensor="C")
     if m:
-        _fn("asym_correction.cu", "add_correction")((-(-n // 128), -(-m // 8)), (128,),
+        build.function("asym_correction.cu", "add_correction")((-(-n // 128), -(-m // 8)), (BLOCK_THREADS,),
                                                     (C, xsum, delta, np.int32(m), np.int32(n), np.int32(g)))
     return C
 
@@ -644,6 +395,7 @@ def marlin_gemm_two_kernel(
     perm: Any = None,
     bias: Any = None,
     out: Any = None,
+    tuning: Tuning = DEFAULT_TUNING,
 ) -> Any:
     """The two-kernel asymmetric path: symmetric GEMM, ``group_sums``, ``add_correction``.
 
@@ -659,7 +411,7 @@ def marlin_gemm_two_kernel(
     if perm is not None:
         a = gather_columns(a, perm)
     c = marlin_gemm(a, B, scales, size_k=size_k, size_n=size_n, group_size=group_size,
-                    bias=bias, out=out)
+                    bias=bias, out=out, tuning=tuning)
     return add_correction(c, group_sums(a, group_size=gs), delta)
 
 

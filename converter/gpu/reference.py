@@ -10,7 +10,7 @@ Each twin computes what its kernel computes, from the same artifact tensors:
 * :func:`marlin_gemm` follows the launcher's kernels: with the "weight" arithmetic
   (tile kernel, per-weight decode variant) it uses that same fp16 weight; with
   "group" (decode kernel, small M: scale and delta applied per group in fp32) the
-  unrounded ``(q - 8) * s + fp16(delta)``; ``kernels.gemm_arith`` says which for
+  unrounded ``(q - 8) * s + fp16(delta)``; ``plan.gemm_arith`` says which for
   (M, N). It multiplies in float64 and rounds once to float16; the kernels accumulate exact products in fp32 in
   another order, so the two differ by at most the bound in :func:`gemm_error_bound`.
 * :func:`group_sums`, :func:`add_correction`, :func:`gather_columns` mirror
@@ -28,15 +28,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..constants import MARLIN_ZERO
 from ..marlin.layout import unpack_b, unpermute_scales
-
-
-def _groups(size_k: int, group_size: int) -> tuple[int, int]:
-    """(group_size, num_groups) with -1 / size_k meaning per-channel."""
-    gs = size_k if group_size in (-1, size_k) else group_size
-    if gs <= 0 or size_k % gs:
-        raise ValueError(f"group_size {group_size} does not divide size_k {size_k}")
-    return gs, size_k // gs
+from ..marlin.shapes import group_count as _groups
+from .plan import Arith, gemm_arith
 
 
 def dequant(
@@ -67,7 +62,7 @@ def dequant(
     gs, g = _groups(size_k, group_size)
     if scales.shape != (g, size_n):
         raise ValueError(f"scales shape {scales.shape} != {(g, size_n)}")
-    q = unpack_b(np.asarray(B), size_n).astype(np.float64) - 8.0
+    q = unpack_b(np.asarray(B), size_n).astype(np.float64) - MARLIN_ZERO
     s = unpermute_scales(np.asarray(scales, dtype=np.float16)).astype(np.float64)
     rows = np.arange(size_k) // gs
     w = q * s[rows]
@@ -91,14 +86,13 @@ def gather_columns(A: np.ndarray, perm: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(A)[:, np.asarray(perm, dtype=np.intp)])
 
 
-def _arith(m: int, size_n: int, arith: str | None) -> str:
+def _arith(m: int, size_n: int, arith: str | None) -> Arith:
     if arith is None:
-        from .kernels import gemm_arith  # the launcher's rule (plain Python, no GPU needed)
-
-        return gemm_arith(m, size_n)
-    if arith not in ("weight", "group"):
-        raise ValueError(f"arith must be 'weight' or 'group', got {arith!r}")
-    return arith
+        return gemm_arith(m, size_n)  # the launcher's rule (converter.gpu.plan, no GPU needed)
+    try:
+        return Arith(arith)
+    except ValueError:
+        raise ValueError(f"arith must be 'weight' or 'group', got {arith!r}") from None
 
 
 def _delta16(delta: np.ndarray | None, size_n: int) -> np.ndarray | None:
@@ -118,7 +112,7 @@ def _decode_parts(B: np.ndarray, scales: np.ndarray, delta: np.ndarray | None, *
     if scales.shape != (g, size_n):
         raise ValueError(f"scales shape {scales.shape} != {(g, size_n)}")
     rows = np.arange(size_k) // gs
-    q8 = unpack_b(np.asarray(B), size_n).astype(np.float64) - 8.0
+    q8 = unpack_b(np.asarray(B), size_n).astype(np.float64) - MARLIN_ZERO
     s = unpermute_scales(np.asarray(scales, dtype=np.float16)).astype(np.float64)[rows]
     d = _delta16(delta, size_n)
     if d is not None and d.shape != (g, size_n):
@@ -155,8 +149,8 @@ def marlin_gemm(
             ``kernels.prepare_delta`` (permuted like the scales), or None.
         perm: int32 ``(size_k,)`` or None.
         bias: float16 ``(size_n,)`` or None, added before the final rounding.
-        arith: "weight" or "group" (``kernels.ARITH``); None picks the arithmetic of
-            the kernel the launcher picks for (M, N) (``kernels.gemm_arith``).
+        arith: "weight" or "group" (``plan.Arith``); None picks the arithmetic of
+            the kernel the launcher picks for (M, N) (``plan.gemm_arith``).
 
     Returns:
         float16 ``(M, size_n)``, the product in float64 and one rounding:
@@ -174,7 +168,7 @@ def marlin_gemm(
 
 def _weight(m: int, B: np.ndarray, scales: np.ndarray, delta: np.ndarray | None, *, size_k: int, size_n: int,
             group_size: int, arith: str | None) -> np.ndarray:
-    if _arith(m, size_n, arith) == "group":
+    if _arith(m, size_n, arith) is Arith.GROUP:
         return _decode_weight(B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size)
     d = _delta16(delta, size_n)
     return dequant(B, scales, size_k=size_k, size_n=size_n, group_size=group_size,
@@ -219,7 +213,7 @@ def gemm_error_bound(
     a = gather_columns(A, perm) if perm is not None else np.asarray(A)
     m = a.shape[0]
     a64 = a.astype(np.float64)
-    if _arith(m, size_n, arith) == "group":
+    if _arith(m, size_n, arith) is Arith.GROUP:
         _, g = _groups(size_k, group_size)
         q8, sc, d = _decode_parts(B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size)
         wmag = np.abs(q8 * sc) + (0.0 if d is None else np.abs(d))
@@ -309,7 +303,7 @@ def reference_weight(
     :func:`converter.gpu.verify.verify_layer_gpu` when no source checkpoint is given.
     """
     gs, _ = _groups(size_k, group_size)
-    q = unpack_b(np.asarray(B), size_n).astype(np.float64) - 8.0
+    q = unpack_b(np.asarray(B), size_n).astype(np.float64) - MARLIN_ZERO
     s = unpermute_scales(np.asarray(scales, dtype=np.float16)).astype(np.float64)
     rows = np.arange(size_k) // gs
     w = q * s[rows]

@@ -23,11 +23,13 @@ from __future__ import annotations
 import numpy as np
 
 from ..constants import (
+    CONVERT_N_MULTIPLE,
     MARLIN_PACK_FACTOR,
     MARLIN_TILE,
     SCALE_PERM_GROUPED_CHUNK,
     SCALE_PERM_SINGLE,
 )
+from .shapes import tile_error
 
 # Axis order of q viewed as (kt, rh, rp, rl, nb, j, ch, cl) that yields
 # (kt, nb, cl, rp, j | rl, ch, rh): word index first, then nibble index.
@@ -36,14 +38,16 @@ _UNPACK_AXES = tuple(int(i) for i in np.argsort(_PACK_AXES))
 _NIBBLE_SHIFTS = np.arange(MARLIN_PACK_FACTOR, dtype=np.uint32) * 4
 _SCALE_PERM_SINGLE = np.asarray(SCALE_PERM_SINGLE, dtype=np.intp)
 _SCALE_UNPERM_SINGLE = np.argsort(_SCALE_PERM_SINGLE)
+#: Columns per chunk of the per-channel scale permutation.
+_SINGLE_CHUNK = len(SCALE_PERM_SINGLE)
+#: Columns of one block of ``B``'s tile order: 4 tiles of 16 (the ``j`` and ``nb`` axes).
+_N_BLOCK = CONVERT_N_MULTIPLE
 
 
 def _check_codes_shape(size_k: int, size_n: int) -> None:
-    if size_k % MARLIN_TILE or size_n % 64:
-        raise ValueError(
-            f"Marlin B needs size_k % {MARLIN_TILE} == 0 and size_n % 64 == 0, "
-            f"got size_k={size_k}, size_n={size_n}"
-        )
+    # An empty layer packs to an empty B: only the divisibility part of the rule applies.
+    if size_k % MARLIN_TILE or size_n % _N_BLOCK:
+        raise ValueError(tile_error(size_k, size_n))
 
 
 def pack_b(q: np.ndarray) -> np.ndarray:
@@ -66,7 +70,7 @@ def pack_b(q: np.ndarray) -> np.ndarray:
     _check_codes_shape(size_k, size_n)
     if q.size and int(q.max()) > 15:
         raise ValueError(f"codes must be in [0, 15], found {int(q.max())}")
-    kt, nb = size_k // MARLIN_TILE, size_n // 64
+    kt, nb = size_k // MARLIN_TILE, size_n // _N_BLOCK
     # Nibble = 4*rl + 2*ch + rh: byte 2*rl + ch of the little-endian word holds rh=0
     # in its low and rh=1 in its high nibble.  Combine the two rh halves bytewise in
     # source order, then one byte transpose to (kt, nb, cl, rp, j | rl, ch); this is
@@ -102,7 +106,7 @@ def pack_b_from_gptq4(words: np.ndarray) -> np.ndarray:
         raise ValueError(f"qweight must be 2-D int32, got {words.dtype} {words.shape}")
     rows, size_n = words.shape
     _check_codes_shape(rows * MARLIN_PACK_FACTOR, size_n)
-    kt, nb = rows // 2, size_n // 64
+    kt, nb = rows // 2, size_n // _N_BLOCK
     u = np.ascontiguousarray(words).view(np.uint32).reshape(kt, 2, nb, 4, 2, 8)  # kt rh nb j ch cl
     out = np.empty((kt, nb, 8, 4, 4), dtype=np.uint32)  # kt nb cl rp j
     # Blocks of ~512 KB of input keep the temporaries in cache.  (Two packing threads
@@ -149,11 +153,11 @@ def unpack_b(b: np.ndarray, size_n: int | None = None) -> np.ndarray:
         raise ValueError(f"B must be 2-D int32, got {b.dtype} {b.shape}")
     kt, width = b.shape
     n = width // 2 if size_n is None else size_n
-    if width != 2 * n or n % 64:
-        raise ValueError(f"B width {width} != 2 * size_n with size_n % 64 == 0 (size_n={n})")
+    if width != 2 * n or n % _N_BLOCK:
+        raise ValueError(f"B width {width} != 2 * size_n with size_n % {_N_BLOCK} == 0 (size_n={n})")
     words = np.ascontiguousarray(b).view(np.uint32)
     nib = ((words[..., None] >> _NIBBLE_SHIFTS) & 0xF).astype(np.uint8)
-    nib = nib.reshape(kt, n // 64, 8, 4, 4, 2, 2, 2).transpose(_UNPACK_AXES)
+    nib = nib.reshape(kt, n // _N_BLOCK, 8, 4, 4, 2, 2, 2).transpose(_UNPACK_AXES)
     return np.ascontiguousarray(nib).reshape(kt * MARLIN_TILE, n)
 
 
@@ -178,7 +182,7 @@ def permute_scales(s: np.ndarray, *, single: bool | None = None) -> np.ndarray:
     """
     g, n = _check_scales(s)
     if single if single is not None else g == 1:
-        return np.ascontiguousarray(s.reshape(g, n // 32, 32)[:, :, _SCALE_PERM_SINGLE].reshape(g, n))
+        return np.ascontiguousarray(s.reshape(g, n // _SINGLE_CHUNK, _SINGLE_CHUNK)[:, :, _SCALE_PERM_SINGLE].reshape(g, n))
     c = SCALE_PERM_GROUPED_CHUNK
     return np.ascontiguousarray(s.reshape(g, n // c, 8, 8).transpose(0, 1, 3, 2).reshape(g, n))
 
@@ -187,12 +191,12 @@ def unpermute_scales(s: np.ndarray, *, single: bool | None = None) -> np.ndarray
     """Exact inverse of :func:`permute_scales` (same arguments, shapes, dtypes and errors)."""
     g, n = _check_scales(s)
     if single if single is not None else g == 1:
-        return np.ascontiguousarray(s.reshape(g, n // 32, 32)[:, :, _SCALE_UNPERM_SINGLE].reshape(g, n))
+        return np.ascontiguousarray(s.reshape(g, n // _SINGLE_CHUNK, _SINGLE_CHUNK)[:, :, _SCALE_UNPERM_SINGLE].reshape(g, n))
     # The 8x8 transpose is its own inverse.
     return permute_scales(s, single=False)
 
 
 def _check_scales(s: np.ndarray) -> tuple[int, int]:
     if s.ndim != 2 or s.shape[1] % SCALE_PERM_GROUPED_CHUNK:
-        raise ValueError(f"scales must be (num_groups, size_n) with size_n % 64 == 0, got {s.shape}")
+        raise ValueError(f"scales must be (num_groups, size_n) with size_n % {SCALE_PERM_GROUPED_CHUNK} == 0, got {s.shape}")
     return int(s.shape[0]), int(s.shape[1])

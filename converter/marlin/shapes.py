@@ -66,6 +66,43 @@ def marlin_shapes(shape: LayerShape, *, act_order: bool, bias_dtype: str | None)
     return out
 
 
+def per_channel(size_k: int, group_size: int) -> bool:
+    """One group spanning K: ``group_size`` -1 (the HF convention) or ``size_k``."""
+    return group_size in (-1, size_k)
+
+
+def resolve_group_size(size_k: int, group_size: int) -> int:
+    """Rows per group, with per-channel (-1) written as ``size_k``."""
+    return size_k if per_channel(size_k, group_size) else group_size
+
+
+def tiles_fit(size_k: int, size_n: int) -> bool:
+    """The rule Marlin's ``B`` layout imposes: ``K % 16 == 0`` and ``N % 64 == 0`` (positive)."""
+    return size_k > 0 and size_n > 0 and size_k % CONVERT_K_MULTIPLE == 0 and size_n % CONVERT_N_MULTIPLE == 0
+
+
+def groups_fit(size_k: int, group_size: int) -> bool:
+    """The group rule: per-channel, or a multiple of 16 that divides K."""
+    if per_channel(size_k, group_size):
+        return True
+    return group_size > 0 and group_size % CONVERT_GROUP_MULTIPLE == 0 and size_k % group_size == 0
+
+
+def tile_error(size_k: int, size_n: int) -> str | None:
+    """Why :func:`tiles_fit` fails, in one line with the numbers; None when it holds."""
+    if tiles_fit(size_k, size_n):
+        return None
+    return (f"Marlin B needs size_k % {CONVERT_K_MULTIPLE} == 0 and size_n % {CONVERT_N_MULTIPLE} == 0, "
+            f"got size_k={size_k}, size_n={size_n}")
+
+
+def group_error(size_k: int, group_size: int) -> str | None:
+    """Why :func:`groups_fit` fails, in one line with the numbers; None when it holds."""
+    if groups_fit(size_k, group_size):
+        return None
+    return f"group_size = {group_size} is not a multiple of {CONVERT_GROUP_MULTIPLE} that divides size_k = {size_k}"
+
+
 def check_convertible(size_k: int, size_n: int, group_size: int) -> tuple[bool, str]:
     """Whether our layout can hold the layer, and if not, why.
 
@@ -75,9 +112,9 @@ def check_convertible(size_k: int, size_n: int, group_size: int) -> tuple[bool, 
         group_size: rows per group, or -1 / ``size_k`` for per-channel.
 
     Returns:
-        ``(True, "")`` or ``(False, reason)`` with the rule and the numbers.
-        The rule: ``K % 16 == 0``, ``N % 64 == 0``, and the group size is a
-        multiple of 16 that divides K, or per-channel.
+        ``(True, "")`` or ``(False, reason)`` with the rule and the numbers (the
+        reason is recorded in the manifest for the layer's pass-through tensors).
+        The rule: :func:`tiles_fit` and :func:`groups_fit`.
     """
     if size_k <= 0 or size_n <= 0:
         return False, f"empty layer (size_k={size_k}, size_n={size_n})"
@@ -85,14 +122,35 @@ def check_convertible(size_k: int, size_n: int, group_size: int) -> tuple[bool, 
         return False, f"size_k = {size_k} is not a multiple of {CONVERT_K_MULTIPLE} (Marlin tile)"
     if size_n % CONVERT_N_MULTIPLE:
         return False, f"size_n = {size_n} is not a multiple of {CONVERT_N_MULTIPLE} (Marlin tile)"
-    if group_size in (-1, size_k):
-        return True, ""
-    if group_size <= 0 or group_size % CONVERT_GROUP_MULTIPLE or size_k % group_size:
-        return False, (
-            f"group_size = {group_size} is not a multiple of {CONVERT_GROUP_MULTIPLE} "
-            f"that divides size_k = {size_k}"
-        )
-    return True, ""
+    reason = group_error(size_k, group_size)
+    return (False, reason) if reason else (True, "")
+
+
+def group_count(size_k: int, group_size: int) -> tuple[int, int]:
+    """``(group_size, num_groups)`` with per-channel resolved, for code that only needs
+    the groups to tile K (the NumPy twins accept any such size).
+
+    Raises:
+        ValueError: the group size does not divide ``size_k``.
+    """
+    gs = resolve_group_size(size_k, group_size)
+    if gs <= 0 or size_k % gs:
+        raise ValueError(f"group_size {group_size} does not divide size_k {size_k}")
+    return gs, size_k // gs
+
+
+def kernel_layer_sizes(size_k: int, size_n: int, group_size: int, *, error: type[Exception] = ValueError
+                       ) -> tuple[int, int, bool]:
+    """``(group_size, num_groups, per_channel)`` of a layer our kernels can run.
+
+    Raises:
+        error: the sizes break :func:`tiles_fit` or :func:`groups_fit`.
+    """
+    reason = tile_error(size_k, size_n) or group_error(size_k, group_size)
+    if reason:
+        raise error(reason)
+    gs = resolve_group_size(size_k, group_size)
+    return gs, size_k // gs, per_channel(size_k, group_size)
 
 
 def upstream_compatible(size_k: int, size_n: int, group_size: int) -> bool:
@@ -101,11 +159,10 @@ def upstream_compatible(size_k: int, size_n: int, group_size: int) -> bool:
     Its limits: ``K % 128 == 0``, ``N % 256 == 0``, group 128 or per-channel
     (checkpoint-formats.md section 4.5).
     """
-    per_channel = group_size in (-1, size_k)
     return (
         size_k % UPSTREAM_K_MULTIPLE == 0
         and size_n % UPSTREAM_N_MULTIPLE == 0
-        and (per_channel or group_size in UPSTREAM_GROUP_SIZES)
+        and (per_channel(size_k, group_size) or group_size in UPSTREAM_GROUP_SIZES)
     )
 
 
@@ -113,6 +170,6 @@ def kernel_compatible(size_k: int, size_n: int, group_size: int) -> bool:
     """Whether our own CUDA GEMM (kernels/marlin_gemm.cu) runs the layer.
 
     Its limits: ``K % 64 == 0``, ``N % 64 == 0``, and a group size that is a multiple
-    of 16 dividing K, or per-channel (``converter.gpu.kernels.gemm_plan``).
+    of 16 dividing K, or per-channel (:func:`kernel_layer_sizes`, ``converter.gpu.plan``).
     """
     return size_k % KERNEL_K_MULTIPLE == 0 and check_convertible(size_k, size_n, group_size)[0]

@@ -13,8 +13,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from converter.errors import KernelError
 from converter.gpu import kernels
 from converter.gpu import reference as ref
+from converter.gpu.plan import ARITH, GEMM_PIPES, Pipe, Tuning
 from converter.marlin.layout import pack_b, permute_scales
 
 pytestmark = pytest.mark.gpu
@@ -69,7 +71,7 @@ def test_gemm_matches_twin(cp, m, k, n, group_size, act_order, asym):
     assert np.array_equal(cp.asnumpy(c).view(np.uint16), cp.asnumpy(again).view(np.uint16)), "not deterministic"
     host = dict(delta=L["delta"], perm=L["perm"], bias=L["bias"])
     twin = ref.marlin_gemm(a, L["B"], L["S"], **kw, **host).astype(np.float64)
-    splits = kernels.gemm_plan(m, k, n, group_size, delta=asym)["splits"]
+    splits = kernels.gemm_plan(m, k, n, group_size, delta=asym).splits
     bound = ref.gemm_error_bound(a, L["B"], L["S"], **kw, **host, splits=splits)
     bad = np.abs(got - twin) > bound
     assert not bad.any(), f"{bad.sum()} outputs out of bound; worst {np.abs(got - twin).max():.3g}"
@@ -93,26 +95,26 @@ def test_gemm_matches_twin(cp, m, k, n, group_size, act_order, asym):
 @pytest.mark.parametrize("wk", [1, 4])
 @pytest.mark.parametrize("m,k,n,group_size", [(1, 1024, 320, 128), (17, 512, 192, 32), (65, 768, 448, -1),
                                               (128, 256, 64, 64), (9, 2048, 320, 128)])
-def test_gemm_block_shapes(cp, monkeypatch, wk, m, k, n, group_size):
+def test_gemm_block_shapes(cp, wk, m, k, n, group_size):
     """Both block shapes (4 column blocks per block, or 4 K quarters), ragged N / 256."""
-    monkeypatch.setattr(kernels, "FORCE_WK", wk)
+    tuning = Tuning(force_wk=wk)
     rng = np.random.default_rng([m, k, n, wk])
     L = make_layer(rng, k, n, group_size, True, True)
     a = rng.standard_normal((m, k), dtype=np.float32).astype(np.float16)
     kw = dict(size_k=k, size_n=n, group_size=group_size)
-    plan = kernels.gemm_plan(m, k, n, group_size, delta=True)
-    assert plan["wk"] == wk
+    plan = kernels.gemm_plan(m, k, n, group_size, delta=True, tuning=tuning)
+    assert plan.wk == wk
     c = kernels.marlin_gemm(cp.asarray(a), cp.asarray(L["B"]), cp.asarray(L["S"]), delta=cp.asarray(L["delta"]),
-                            perm=cp.asarray(L["perm"]), out=poisoned(cp, (m, n)), **kw)
+                            perm=cp.asarray(L["perm"]), out=poisoned(cp, (m, n)), tuning=tuning, **kw)
     got = cp.asnumpy(c).astype(np.float64)
     assert np.isfinite(got).all()
     host = dict(delta=L["delta"], perm=L["perm"])
     twin = ref.marlin_gemm(a, L["B"], L["S"], **kw, **host).astype(np.float64)
-    bound = ref.gemm_error_bound(a, L["B"], L["S"], **kw, **host, splits=plan["splits"])
+    bound = ref.gemm_error_bound(a, L["B"], L["S"], **kw, **host, splits=plan.splits)
     assert (np.abs(got - twin) <= bound).all()
 
 
-DECODE_CASES = [(p, m, k, n, gs) for p in kernels.GEMM_PIPES if p[0] != "tile"
+DECODE_CASES = [(p, m, k, n, gs) for p in GEMM_PIPES if p[0] != "tile"
                 for (m, k, n, gs) in ((1, 1024, 192, 128), (8 * p[1], 512, 320, 32), (8 * p[1] + 3, 2048, 128, -1),
                                       (5, 768, 256, 48), (2, 4096, 4096, 128))
                 if k % (16 * p[2]) == 0]
@@ -120,39 +122,40 @@ DECODE_CASES = [(p, m, k, n, gs) for p in kernels.GEMM_PIPES if p[0] != "tile"
 
 @pytest.mark.parametrize("wk", [1, 4])
 @pytest.mark.parametrize("pipe,m,k,n,group_size", DECODE_CASES)
-def test_every_gemm_variant(cp, monkeypatch, wk, pipe, m, k, n, group_size):
+def test_every_gemm_variant(cp, wk, pipe, m, k, n, group_size):
     """Every built variant (both kernels, forced), several row chunks, both block shapes
     (wk = 1 shares A across the block), against the twin of its own kernel; the prepared
     fp16 delta gives the same bits as the artifact's fp32."""
-    monkeypatch.setattr(kernels, "FORCE_WK", wk)
+    tuning = Tuning(force_wk=wk)
     rng = np.random.default_rng([pipe[1], pipe[2], pipe[3], m, k, n])
     L = make_layer(rng, k, n, group_size, False, True)
     a = rng.standard_normal((m, k), dtype=np.float32).astype(np.float16)
     kw = dict(size_k=k, size_n=n, group_size=group_size)
     for variant in (pipe, ("tile", 1, 4, 3)):
         try:
-            plan = kernels.gemm_plan(m, k, n, group_size, delta=True, pipe=variant)
-        except kernels.KernelError as exc:  # group size not served by this U
+            plan = kernels.gemm_plan(m, k, n, group_size, delta=True, pipe=variant, tuning=tuning)
+        except KernelError as exc:  # group size not served by this U
             assert "not supported" in str(exc)
             continue
         c = kernels.marlin_gemm(cp.asarray(a), cp.asarray(L["B"]), cp.asarray(L["S"]), delta=cp.asarray(L["delta"]),
                                 bias=cp.asarray(L["bias"]) if L["bias"] is not None else None,
-                                out=poisoned(cp, (m, n)), pipe=variant, **kw)
+                                out=poisoned(cp, (m, n)), pipe=variant, tuning=tuning, **kw)
         c16 = kernels.marlin_gemm(cp.asarray(a), cp.asarray(L["B"]), cp.asarray(L["S"]),
                                   delta=kernels.prepare_delta(cp.asarray(L["delta"])),
                                   bias=cp.asarray(L["bias"]) if L["bias"] is not None else None,
-                                  out=poisoned(cp, (m, n)), pipe=variant, **kw)
+                                  out=poisoned(cp, (m, n)), pipe=variant, tuning=tuning, **kw)
         got = cp.asnumpy(c)
         assert np.array_equal(got.view(np.uint16), cp.asnumpy(c16).view(np.uint16))
-        host = dict(delta=L["delta"], bias=L["bias"], arith=kernels.ARITH[variant[0]])
+        arith = ARITH[Pipe.of(variant).kind]
+        host = dict(delta=L["delta"], bias=L["bias"], arith=arith)
         twin = ref.marlin_gemm(a, L["B"], L["S"], **kw, **host).astype(np.float64)
-        bound = ref.gemm_error_bound(a, L["B"], L["S"], **kw, **host, splits=plan["splits"] * plan["wk"])
+        bound = ref.gemm_error_bound(a, L["B"], L["S"], **kw, **host, splits=plan.splits * plan.wk)
         bad = np.abs(got.astype(np.float64) - twin) > bound
         assert np.isfinite(got).all() and not bad.any(), (variant, plan, int(bad.sum()))
         sym = kernels.marlin_gemm(cp.asarray(a), cp.asarray(L["B"]), cp.asarray(L["S"]), out=poisoned(cp, (m, n)),
-                                  pipe=variant, **kw)
-        twin_s = ref.marlin_gemm(a, L["B"], L["S"], **kw, arith=kernels.ARITH[variant[0]]).astype(np.float64)
-        bound_s = ref.gemm_error_bound(a, L["B"], L["S"], **kw, arith=kernels.ARITH[variant[0]], splits=plan["splits"] * plan["wk"])
+                                  pipe=variant, tuning=tuning, **kw)
+        twin_s = ref.marlin_gemm(a, L["B"], L["S"], **kw, arith=arith).astype(np.float64)
+        bound_s = ref.gemm_error_bound(a, L["B"], L["S"], **kw, arith=arith, splits=plan.splits * plan.wk)
         assert (np.abs(cp.asnumpy(sym).astype(np.float64) - twin_s) <= bound_s).all(), (variant, "sym")
 
 
@@ -202,8 +205,6 @@ def test_gather_columns_exact(cp):
 
 
 def test_launcher_checks_before_launch(cp):
-    from converter.errors import KernelError
-
     a = cp.zeros((4, 128), cp.float16)
     b = cp.zeros((8, 128), cp.int32)
     s = cp.zeros((1, 64), cp.float16)

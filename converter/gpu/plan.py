@@ -1,0 +1,391 @@
+"""GEMM planning: which kernel serves a call, which compiled variant, and how K is split.
+
+Pure Python, no CuPy and no module state: everything a plan depends on is an argument
+(the problem, the device's limits, the variant's register count, and the
+:class:`Tuning` knobs measured on an H200, scripts/perf_notes.md), so the same inputs
+always give the same :class:`GemmPlan`, on any machine, GPU or not.
+
+Kernel kinds (:class:`KernelKind`) are a table (:data:`KINDS`): each names its
+``.cu`` file, its template instantiation, its arithmetic (what its NumPy twin in
+:mod:`converter.gpu.reference` computes) and the shape of its shared-memory rings.
+Adding a kind is a member, a :class:`KindSpec`, its variants in :data:`GEMM_PIPES`,
+and a routing rule in :func:`gemm_path`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Callable
+from types import MappingProxyType
+from typing import NamedTuple, Protocol
+
+from ..constants import KERNEL_N_MULTIPLE, MARLIN_TILE
+from ..errors import KernelError
+from ..marlin.shapes import kernel_layer_sizes
+
+#: Warps per GEMM block (``kernels/marlin_stream.cuh``: one ring per warp).
+BLOCK_WARPS = 4
+
+
+class KernelKind(str, enum.Enum):
+    """The GEMM kernels (JSON-visible values, as ``--sweep`` and the benchmark record them)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    TILE = "tile"
+    """``kernels/marlin_gemm.cu``: 16-row m-tiles of A per warp, per-weight fp16 scaling."""
+    DECODE = "decode"
+    """``kernels/marlin_decode.cu``: 8-row activation tiles, per-group fp32 scale and delta."""
+    DECODE_W = "decode_w"
+    """The decode kernel with the tile kernel's per-weight fp16 scaling."""
+
+
+class Arith(str, enum.Enum):
+    """What a kernel multiplies, as its twin (``reference.marlin_gemm(arith=...)``) names it."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    WEIGHT = "weight"
+    """The fp16 weight ``fp16((q - 8) s + fp16(delta))``."""
+    GROUP = "group"
+    """``A (q - 8)`` and A summed per group in fp32; ``s`` and ``fp16(delta)`` applied there."""
+
+
+class Pipe(NamedTuple):
+    """One compiled GEMM variant: ``(kind, R, U, NS)``.
+
+    R: A-row tiles per warp (16-row m-tiles for the tile kernel, 8-row activation tiles
+    for the decode kernels); U: k-tiles per pipeline step; NS: shared-memory ring stages.
+    Plain tuples ``("tile", 1, 4, 3)`` are accepted wherever a Pipe is (:meth:`of`).
+    """
+
+    kind: KernelKind
+    r: int
+    u: int
+    ns: int
+
+    def __repr__(self) -> str:  # as the plain tuple reads, in messages and benchmark logs
+        return repr((self.kind.value, self.r, self.u, self.ns))
+
+    @classmethod
+    def of(cls, pipe: tuple[str, int, int, int]) -> Pipe:
+        kind, r, u, ns = pipe
+        return cls(KernelKind(kind), int(r), int(u), int(ns))
+
+    @property
+    def spec(self) -> KindSpec:
+        return KINDS[self.kind]
+
+    def name(self, gpi: int, delta: bool) -> str:
+        """The template instantiation of this variant with ``gpi`` group slots per step."""
+        return self.spec.template.format(r=self.r, u=self.u, gpi=gpi, ns=self.ns, delta=str(delta).lower())
+
+    def smem(self, gpi: int) -> int:
+        """Dynamic shared memory of one block, bytes."""
+        return self.spec.smem(self, gpi)
+
+
+def ring_smem(pipe: Pipe, gpi: int) -> int:
+    """Shared memory of one 4-warp block of the ring kernels: 4 rings
+    (``kernels/marlin_stream.cuh``, struct Ring: per stage U 512-byte B tiles, U tiles
+    of the warp's A rows, and GPI 128-byte scale and delta rows), each padded to hold
+    the warp's fp32 sums."""
+    spec = pipe.spec
+    rows, sums = spec.tile_rows * pipe.r, spec.sums_floats * pipe.r
+    stage = pipe.u * 512 + pipe.u * rows * 32 + gpi * 128 + gpi * 128
+    return BLOCK_WARPS * max(pipe.ns * stage, sums)
+
+
+@dataclasses.dataclass(frozen=True)
+class KindSpec:
+    """What the planner and the module builder need to know about one kernel kind.
+
+    Attributes:
+        source: the ``.cu`` file under ``kernels/``.
+        template: its instantiation name, with ``{r} {u} {gpi} {ns} {delta}`` fields.
+        arith: what it multiplies (:class:`Arith`).
+        tile_rows: A rows per unit of R.
+        sums_floats: fp32 sums a warp parks in shared memory, per unit of R.
+        shares_a: with one output unit per block (``wk == 1``) its 4 warps stage A once.
+        smem: shared memory of a block, ``smem(pipe, gpi)`` bytes.
+    """
+
+    source: str
+    template: str
+    arith: Arith
+    tile_rows: int
+    sums_floats: int
+    shares_a: bool
+    smem: Callable[[Pipe, int], int] = ring_smem
+
+
+KINDS: MappingProxyType[KernelKind, KindSpec] = MappingProxyType({
+    KernelKind.TILE: KindSpec("marlin_gemm.cu", "marlin_gemm<{r}, {u}, {gpi}, {ns}, {delta}>", Arith.WEIGHT,
+                              tile_rows=16, sums_floats=4096, shares_a=False),
+    KernelKind.DECODE: KindSpec("marlin_decode.cu", "marlin_decode<{r}, {u}, {gpi}, {ns}, {delta}, true>",
+                                Arith.GROUP, tile_rows=8, sums_floats=2048, shares_a=True),
+    KernelKind.DECODE_W: KindSpec("marlin_decode.cu", "marlin_decode<{r}, {u}, {gpi}, {ns}, {delta}, false>",
+                                  Arith.WEIGHT, tile_rows=8, sums_floats=2048, shares_a=True),
+})
+#: The arithmetic of each kind (``KINDS[kind].arith``), keyed by kind.
+ARITH: MappingProxyType[KernelKind, Arith] = MappingProxyType({k: s.arith for k, s in KINDS.items()})
+
+#: The variants compiled, each for every GPI (group slots per step) in GEMM_GPIS[U],
+#: with and without the fused delta.
+GEMM_PIPES: tuple[Pipe, ...] = tuple(Pipe(KernelKind(k), r, u, ns) for k, r, u, ns in (
+    ("tile", 1, 4, 3), ("tile", 1, 8, 3), ("tile", 2, 4, 3), ("tile", 4, 2, 3),
+    ("decode", 1, 4, 3), ("decode", 1, 8, 3), ("decode", 2, 4, 3), ("decode", 2, 8, 3),
+    ("decode", 4, 4, 3), ("decode_w", 2, 8, 3), ("decode_w", 4, 4, 3),
+))
+GEMM_GPIS: MappingProxyType[int, tuple[int, ...]] = MappingProxyType({8: (1,), 4: (1, 2, 4), 2: (1, 2)})
+
+
+def kernel_names(source: str) -> list[str]:
+    """Every GEMM instantiation compiled from ``source``, in :data:`GEMM_PIPES` order."""
+    return [p.name(gpi, d) for p in GEMM_PIPES if p.spec.source == source for gpi in GEMM_GPIS[p.u]
+            for d in (False, True)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """The planner's knobs, measured on an H200 (scripts/perf_notes.md); the defaults
+    are what every launch uses unless a caller (a test, the benchmark) passes others.
+
+    Attributes:
+        group_max_m: the decode kernel with per-group scaling serves up to 8 rows
+            always, and 9..group_max_m rows when N >= wide_n (enough column blocks keep
+            the device busy without deep K splits).
+        decode_max_m: the per-weight decode variant serves 17..decode_max_m rows when
+            N > wide_n; the tile kernel serves everything else.
+        wide_n: see above.
+        waves: target number of full waves of resident warps for the K split.
+        latency_tiles: a block's pipeline fill, in k-tile times, charged per wave.
+        reduce_tiles: the split's reduction cost per extra split and 8 rows, in k-tile
+            times (4096 x 4096 at M = 1 ran 7.5 us with 4 splits against 8.5 us with 8).
+        a_weight: cost of staging one A row of a k-tile, in B-tile units per 16 rows
+            (A comes from L2, B from DRAM).
+        force_wk: 1 or 4 forces the block shape; None lets the cost model choose.
+        occupancy_cap: ``((kind, blocks per SM), ...)``: the split counts on at most
+            that many resident blocks of a kind (fewer resident warps stream the
+            weights faster at small M); kinds not listed get as many as fit.
+    """
+
+    group_max_m: int = 16
+    decode_max_m: int = 32
+    wide_n: int = 8192
+    waves: int = 1
+    latency_tiles: float = 6
+    reduce_tiles: float = 2.5
+    a_weight: float = 0.5
+    force_wk: int | None = None
+    occupancy_cap: tuple[tuple[KernelKind, int], ...] = ()
+
+    def cap(self, kind: KernelKind) -> int | None:
+        """The occupancy cap of ``kind``, or None."""
+        return dict(self.occupancy_cap).get(kind)
+
+
+DEFAULT_TUNING = Tuning()
+
+
+class DeviceLimits(Protocol):
+    """What the planner needs of a device (:class:`converter.gpu.runtime.DeviceInfo` has it)."""
+
+    sm_count: int
+    smem_per_block_optin: int
+    smem_per_sm: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A compiled variant chosen for one layer's sizes: the pipe, its group slots per
+    step (``gpi``), its shared memory, and the layer's group facts."""
+
+    pipe: Pipe
+    gpi: int
+    smem: int
+    group_tiles: int
+    per_channel: bool
+
+    def name(self, delta: bool) -> str:
+        return self.pipe.name(self.gpi, delta)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmPlan:
+    """Kernel variant and K split of one GEMM call.
+
+    Attributes:
+        kind, r, u, gpi, ns: the variant (``Pipe(kind, r, u, ns)`` with ``gpi`` slots).
+        smem: dynamic shared memory per block, bytes.
+        regs: registers per thread of the variant.
+        rows: A rows per chunk (``tile_rows * r``).
+        m_chunks: chunks of A rows.
+        wk: 1 (a block takes 4 column units with the whole K range) or 4 (one unit,
+            a quarter of the range per warp).
+        splits: contiguous K ranges per unit; tiles_per_split: k-tiles in each.
+        warps, blocks: the launch; resident_warps: warps the device holds at once.
+    """
+
+    kind: KernelKind
+    r: int
+    u: int
+    gpi: int
+    ns: int
+    smem: int
+    regs: int
+    rows: int
+    m_chunks: int
+    wk: int
+    splits: int
+    tiles_per_split: int
+    warps: int
+    blocks: int
+    resident_warps: int
+
+    @property
+    def pipe(self) -> Pipe:
+        return Pipe(self.kind, self.r, self.u, self.ns)
+
+
+def gemm_path(m: int, size_n: int, tuning: Tuning = DEFAULT_TUNING) -> KernelKind:
+    """The kernel kind that serves an (M, N) call (see :class:`Tuning`)."""
+    if m <= 8 or (m <= tuning.group_max_m and size_n >= tuning.wide_n):
+        return KernelKind.DECODE
+    if m <= tuning.decode_max_m and size_n > tuning.wide_n:
+        return KernelKind.DECODE_W
+    return KernelKind.TILE
+
+
+def gemm_arith(m: int, size_n: int, tuning: Tuning = DEFAULT_TUNING) -> Arith:
+    """The arithmetic of the kernel that serves (M, N)."""
+    return ARITH[gemm_path(m, size_n, tuning)]
+
+
+def default_pipe(m: int, size_k: int, size_n: int, group_tiles: int, smem_limit: int = 227 * 1024,
+                 tuning: Tuning = DEFAULT_TUNING) -> Pipe:
+    """The GEMM variant for batch size m (measured on an H200, scripts/perf_notes.md).
+
+    The kind from :func:`gemm_path`; the decode kernels with the fewest 8-row activation
+    tiles that hold M, the tile kernel with 2 (M <= 32) or 4 m-tiles per warp.
+
+    Args:
+        m: rows of A. size_k, size_n: K, N. group_tiles: group size / 16 (K / 16
+            per-channel).
+        smem_limit: the device's opt-in shared memory per block, bytes.
+
+    Returns:
+        One of GEMM_PIPES.
+    """
+    kind = gemm_path(m, size_n, tuning)
+    if kind is KernelKind.TILE:
+        return Pipe(kind, 2, 4, 3) if m <= 32 else Pipe(kind, 4, 2, 3)
+    if kind is KernelKind.DECODE_W:
+        return Pipe(kind, 4, 4, 3)
+    if m <= 8:
+        return Pipe(kind, 1, 4, 3)
+    # 8-tile steps when every step holds one group slot (group size >= 128, per-channel)
+    u8 = (size_k // MARLIN_TILE) % 8 == 0 and group_tiles % 8 == 0 and Pipe(kind, 2, 8, 3).smem(1) <= smem_limit
+    return Pipe(kind, 2, 8 if u8 else 4, 3)
+
+
+def kernel_variant(size_k: int, size_n: int, group_size: int, pipe: tuple[str, int, int, int], *, smem_limit: int,
+                   arch: str = "this device") -> Variant:
+    """Check that ``pipe`` can run a layer and work out its group slots and shared memory.
+
+    Raises:
+        KernelError: the sizes break the kernels' rule (:func:`converter.marlin.shapes.kernel_layer_sizes`),
+            an unknown pipe, K not a multiple of 16 U, a group size the pipe's U does
+            not serve, or more shared memory than ``smem_limit`` (``arch`` names the device).
+    """
+    gs, _, per_channel = kernel_layer_sizes(size_k, size_n, group_size, error=KernelError)
+    try:
+        pipe = Pipe.of(pipe)
+    except ValueError:
+        raise KernelError(f"unknown GEMM variant {pipe}; built: {GEMM_PIPES}") from None
+    if pipe not in GEMM_PIPES:
+        raise KernelError(f"unknown GEMM variant {pipe}; built: {GEMM_PIPES}")
+    kt = size_k // MARLIN_TILE
+    if kt % pipe.u:
+        raise KernelError(f"size_k={size_k}: K must be a multiple of {MARLIN_TILE * pipe.u} for this kernel")
+    gt = kt if per_channel else gs // MARLIN_TILE
+    gpi = 1 if per_channel else pipe.u // math.gcd(gt, pipe.u)
+    if gpi not in GEMM_GPIS[pipe.u]:
+        raise KernelError(f"group_size {group_size} is not supported by GEMM variant {pipe}")
+    smem = pipe.smem(gpi)
+    if smem > smem_limit:
+        raise KernelError(f"GEMM variant {pipe} needs {smem} bytes of shared memory per block; "
+                          f"{arch} allows {smem_limit}")
+    return Variant(pipe, gpi, smem, gt, per_channel)
+
+
+def resident_blocks(regs: int, smem: int, smem_per_sm: int) -> int:
+    """4-warp blocks one multiprocessor holds (sm_80..sm_90 allocation rules).
+
+    Each of the 4 sub-partitions has 16 K registers, given to a warp in units of 256
+    (so 102 registers per thread cost 3328 per warp: 4 warps per sub-partition, not
+    5); a block's 4 warps take one warp slot in every sub-partition. Shared memory:
+    1 KB is reserved per block. At most 16 such blocks (64 warps).
+    """
+    per_warp = -(-max(regs, 1) * 32 // 256) * 256
+    return max(1, min(16384 // per_warp, smem_per_sm // (smem + 1024), 16))
+
+
+def plan_gemm(m: int, size_k: int, size_n: int, variant: Variant, *, regs: int, device: DeviceLimits,
+              tuning: Tuning = DEFAULT_TUNING) -> GemmPlan:
+    """The K split of one call of ``variant``.
+
+    The work is ``m_chunks x N/64`` units (the variant's rows x 64 columns each), each
+    split into ``splits`` contiguous K ranges; a 4-warp block takes either 4 units with
+    the whole range (``wk = 1``) or one unit with a quarter of the range per warp
+    (``wk = 4``). With ``R`` blocks resident on the device (from the variant's
+    registers and shared memory), the plan minimises
+    ``ceil(blocks / R) * (tiles per warp + latency_tiles)`` (the slowest wave plus its
+    pipeline fill) plus a small charge per split for the partial-sum reduction.
+
+    Args:
+        m, size_k, size_n: the problem (the variant already checked the sizes).
+        variant: from :func:`kernel_variant`.
+        regs: registers per thread of the variant's compiled function.
+        device: the device's multiprocessors and shared memory.
+        tuning: the knobs.
+    """
+    pipe, spec = variant.pipe, variant.pipe.spec
+    kt = size_k // MARLIN_TILE
+    blocks_per_sm = resident_blocks(regs, variant.smem, device.smem_per_sm)
+    cap = tuning.cap(pipe.kind)
+    if cap:
+        blocks_per_sm = min(blocks_per_sm, cap)
+    resident = device.sm_count * blocks_per_sm
+    chunk_rows = spec.tile_rows * pipe.r
+    m_chunks = -(-m // chunk_rows)
+    nblk = size_n // KERNEL_N_MULTIPLE
+    rows = min(m, chunk_rows)
+    best = None
+    for wk in (tuning.force_wk,) if tuning.force_wk else (1, BLOCK_WARPS):
+        blocks_n = m_chunks * -(-nblk // (BLOCK_WARPS // wk))
+        quantum = wk * pipe.u  # each warp's share of a K split is whole steps
+        for splits in range(1, -(-kt // quantum) + 1):
+            tps = -(-(-(-kt // splits)) // quantum) * quantum
+            if -(-kt // tps) != splits:
+                continue
+            waves = -(-blocks_n * splits // (resident * tuning.waves))
+            # slowest wave: per-warp tiles (each also moving its A rows, rows / 16 of a
+            # B tile's bytes, once per block in the decode kernel's wk = 1 form) plus
+            # the pipeline fill, then the final reduction (per extra split and 8 rows:
+            # partial writes, the counter, reads)
+            a_share = BLOCK_WARPS if (spec.shares_a and wk == 1) else 1
+            tile_cost = 1 + tuning.a_weight * rows / MARLIN_TILE / a_share
+            cost = (waves * (tps // wk * tile_cost + tuning.latency_tiles)
+                    + tuning.reduce_tiles * (splits - 1) * -(-rows // 8))
+            if best is None or cost < best[0]:
+                best = (cost, wk, splits, tps, blocks_n * splits)
+    assert best is not None
+    _, wk, splits, tps, blocks = best
+    return GemmPlan(kind=pipe.kind, r=pipe.r, u=pipe.u, gpi=variant.gpi, ns=pipe.ns, smem=variant.smem, regs=regs,
+                    rows=chunk_rows, m_chunks=m_chunks, wk=wk, splits=splits, tiles_per_split=tps,
+                    warps=BLOCK_WARPS * blocks, blocks=blocks, resident_warps=BLOCK_WARPS * resident)
