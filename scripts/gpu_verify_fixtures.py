@@ -1,6 +1,6 @@
 """Synthetic GPTQ layers in every bit width and a few group sizes, proven on the GPU.
 
-Usage (GPU machine): PYTHONPATH=$PWD:$PWD/tests python3 scripts/gpu_verify_fixtures.py OUTDIR
+Usage (GPU machine): PYTHONPATH=$PWD python3 scripts/gpu_verify_fixtures.py OUTDIR
 Prints one line per case: bits, group, act-order, worst GPU mean/max relative error.
 """
 
@@ -13,7 +13,7 @@ import numpy as np
 
 from converter.convert import convert
 from converter.verify import verify
-from fixtures.producers import gptq_config, gptq_tensors, make_layer, plain_tensors, write_checkpoint
+from tests.helpers.producers import gptq_config, gptq_tensors, make_layer, plain_tensors, write_checkpoint
 
 P = "model.layers.0.mlp.down_proj"
 out = Path(sys.argv[1])

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("MARLIN_SHARED", REPO.parent / "shared"))
-REALINPUT = SHARED / "realinput"
-SAMPLE = REPO / "tests" / "data" / "sample.tinyloop"
+from tests.helpers.paths import REALINPUT
 
 
 def _gpu_skip_reason() -> str | None:
@@ -26,7 +22,8 @@ def _gpu_skip_reason() -> str | None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    gpu_items = [i for i in items if "gpu" in i.keywords]
+    # The marker, not the keyword: tests/gpu/ also holds CPU tests of the GPU package.
+    gpu_items = [i for i in items if i.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return
     reason = _gpu_skip_reason()

@@ -18,14 +18,15 @@ import time
 from pathlib import Path
 
 import pytest
-from clirun import run_cli
-from test_bad_input import REPO, small_gptq
 
 from converter.convert import convert
 from converter.errors import ConverterError, OutputExistsError
 from converter.formats.gptq import GptqSource
 from converter.atomic import remove_stale_temporaries
 from converter.safetensors_io import StreamingWriter
+from tests.helpers.clirun import run_cli
+from tests.helpers.paths import REPO, SAMPLE
+from tests.helpers.synthetic_gptq import small_gptq
 
 OLD = b"previous artifact, must survive\n" * 1000
 
@@ -175,9 +176,8 @@ def test_never_writes_into_the_input(tmp_path: Path, how: str) -> None:
 
 
 def test_never_writes_into_a_tinyloop_input(tmp_path: Path) -> None:
-    sample = REPO / "tests" / "data" / "sample.tinyloop"
     src = tmp_path / "m.tinyloop"
-    src.write_bytes(sample.read_bytes())
+    src.write_bytes(SAMPLE.read_bytes())
     before = _sha(src)
     with pytest.raises(ConverterError, match=r"output would overwrite the input"):
         convert(src, src, force=True)

@@ -1,14 +1,20 @@
-"""The two commands as a user runs them: help, main paths, JSON, exit codes, bad input."""
+"""The two commands as a user runs them: help, main paths, JSON, exit codes, bad input
+(exit 2 with one line naming the file, the tensor and the rule, no traceback, no output)."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from clirun import run_cli
+
+from converter.convert import convert
+from tests.helpers.checkpoints import LAYER, T, edit_tensor, only_shard, set_quant_config, small_gptq, st_bytes
+from tests.helpers.clirun import assert_one_line_error, run_cli
 
 AUTOROUND = "llama-tiny/autoround-gptq-w4g128-asym"
 
@@ -172,3 +178,119 @@ def test_layer_without_qweight_is_refused(gptq_copy: Path, tmp_path: Path) -> No
     assert res.returncode == 2
     assert "model.layers.0.self_attn.q_proj.g_idx: layer model.layers.0.self_attn.q_proj has g_idx but no qweight" in res.stderr
     assert not (tmp_path / "o.safetensors").exists()
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.fixture()
+def gptq(tmp_path: Path) -> Path:
+    return small_gptq(tmp_path / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("art")
+    src = small_gptq(root / "src")
+    out = root / "model.marlin.safetensors"
+    convert(src, out)
+    return out
+
+
+
+def copy_of(path: Path, tmp_path: Path, data: bytes | None = None) -> Path:
+    p = tmp_path / path.name
+    p.write_bytes(path.read_bytes() if data is None else data)
+    return p
+
+
+
+
+
+def test_cli_convert_truncated_shard(gptq: Path, tmp_path: Path) -> None:
+    shard = only_shard(gptq)
+    os.truncate(shard, shard.stat().st_size - 1)
+    out = tmp_path / "out.safetensors"
+    r = run_cli("marlin-convert", gptq, out)
+    assert_one_line_error(r, str(shard), "file truncated?")
+    assert not out.exists() and not list(tmp_path.glob(".out.safetensors.*"))
+
+
+def test_cli_convert_nan_scale(gptq: Path, tmp_path: Path) -> None:
+    s = np.full((2, 128), 0.01, dtype=np.float16)
+    s[0, 0] = np.nan
+    edit_tensor(gptq, f"{LAYER}.scales", raw=s.tobytes())
+    out = tmp_path / "out.safetensors"
+    r = run_cli("marlin-convert", gptq, out)
+    assert_one_line_error(r, f"{LAYER}.scales", "NaN or Inf")
+    assert not out.exists() and not list(tmp_path.glob(".out.safetensors.*"))
+
+
+def test_cli_convert_config_wrong_type(gptq: Path, tmp_path: Path) -> None:
+    set_quant_config(gptq, bits="four")
+    out = tmp_path / "out.safetensors"
+    r = run_cli("marlin-convert", gptq, out, "--json")
+    assert r.returncode == 2
+    doc = json.loads(r.stdout)
+    assert doc["ok"] is False and doc["error"]["type"] == "ConfigError" and doc["error"]["tensor"] == "bits"
+    assert "Traceback" not in r.stderr and not out.exists()
+
+
+def test_cli_convert_empty_file(tmp_path: Path) -> None:
+    p = tmp_path / "model.safetensors"
+    p.write_bytes(b"")
+    out = tmp_path / "out.safetensors"
+    r = run_cli("marlin-convert", p, out)
+    assert_one_line_error(r, str(p), "need at least 8")
+    assert not out.exists()
+
+
+def test_cli_verify_truncated_artifact(artifact: Path, tmp_path: Path) -> None:
+    data = artifact.read_bytes()
+    p = copy_of(artifact, tmp_path, data[: len(data) - 7])
+    r = run_cli("marlin-verify", p, "--shapes")
+    assert_one_line_error(r, str(p), "file truncated?")
+
+
+def test_cli_verify_garbage(tmp_path: Path) -> None:
+    p = tmp_path / "garbage.safetensors"
+    p.write_bytes(os.urandom(4096))
+    r = run_cli("marlin-verify", p, "--shapes")
+    assert_one_line_error(r, str(p), "header length")
+
+
+def test_cli_debug_shows_traceback(tmp_path: Path) -> None:
+    p = tmp_path / "model.safetensors"
+    p.write_bytes(b"")
+    r = run_cli("marlin-convert", p, tmp_path / "out.safetensors", "--debug")
+    assert r.returncode != 0 and "Traceback" in r.stderr and "SourceFormatError" in r.stderr
+
+
+def test_messages_are_single_line_for_hostile_names(tmp_path: Path) -> None:
+    """A tensor name with a newline must not break the one-line contract."""
+    p = tmp_path / "x.safetensors"
+    p.write_bytes(st_bytes({"evil\nname": {**T, "dtype": "F7"}}, b"\x00" * 16))
+    r = run_cli("marlin-convert", p, tmp_path / "out.safetensors")
+    assert_one_line_error(r, "unknown dtype")
+
+
+
+
+def test_cli_environment_oserror_is_one_line_exit_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Disk full (or any OSError from the environment) mid-write: one line, exit 2."""
+    import errno
+
+    from typer.testing import CliRunner
+
+    from converter.cli import convert_app
+
+    convert_module = sys.modules["converter.convert"]  # the package re-exports a function of that name
+
+    def full_disk(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out.safetensors"))
+
+    monkeypatch.setattr(convert_module, "convert", full_disk)
+    r = CliRunner().invoke(convert_app, [str(tmp_path), str(tmp_path / "out.safetensors")])
+    assert r.exit_code == 2
+    out = r.output.strip().splitlines()
+    assert out == [f"error: {tmp_path / 'out.safetensors'}: No space left on device"]

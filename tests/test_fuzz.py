@@ -1,37 +1,25 @@
 """Fuzzing in CI (issue 5, item 2), with a small budget: 200 examples per target.
 
-Hypothesis drives the mutators and targets of ``scripts/fuzz.py`` (which runs the
-same for 10^5+ examples): a valid seed file, 1-4 byte or structural JSON mutations,
+Hypothesis drives the mutators and targets of ``tests/helpers/fuzzing.py``
+(``scripts/fuzz.py`` runs the same for 10^5+ examples): a valid seed file, 1-4 byte or structural JSON mutations,
 then the parser and the code that consumes it.  Only ConverterError may escape, and
 each example must finish within a time limit (SIGALRM; a hang fails the test).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
-import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_bad_input import REPO
+
+from tests.helpers import fuzzing as FUZZ
 
 BUDGET = settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-
-
-def _load_fuzz():
-    sys.path.insert(0, str(REPO / "scripts"))
-    spec = importlib.util.spec_from_file_location("marlin_fuzz", REPO / "scripts" / "fuzz.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["marlin_fuzz"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-FUZZ = _load_fuzz()
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +40,7 @@ def _check(kind: str, data: bytes, workdir: Path, seeds: dict[str, Path]) -> Non
 @pytest.mark.parametrize("kind", ["safetensors", "artifact", "tinyloop", "gptq_config"])
 def test_seeds_are_valid(kind: str, seeds: dict[str, Path], workdir: Path) -> None:
     """The unmutated seeds parse without error (so mutations start from valid input)."""
-    stats = FUZZ.Counter()
+    stats = Counter()
     assert FUZZ.check_one(kind, seeds[kind].read_bytes(), workdir, seeds, stats=stats) is None
     assert stats["accepted"] == 1
 

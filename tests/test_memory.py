@@ -21,14 +21,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_bad_input import REPO, small_gptq
 
 from converter.artifact.validate import validate_artifact
-from converter.formats.gptq import GptqSource
-from converter.formats.hf import HFCheckpoint
-from converter.formats.packing import unpack_words
-from converter.marlin.layout import pack_b, pack_b_from_gptq4
 from converter.safetensors_io import SafetensorsFile
+from tests.helpers.paths import REPO
+from tests.helpers.synthetic_gptq import small_gptq
 
 MIB = 2**20
 
@@ -85,55 +82,3 @@ def test_peak_rss_bounded_2gb(tmp_path: Path) -> None:
     src = small_gptq(tmp_path / "src", hidden=4096, intermediate=14336, kv=1024, blocks=14, vocab=32000, shards=4, group_size=128)
     in_bytes, bound, rss = _check_memory(src, tmp_path / "out.safetensors")
     assert in_bytes > 2e9
-
-
-def test_release_pages_drops_touched_mmap_pages(tmp_path: Path) -> None:
-    """The mechanism: touched file-backed pages leave RSS after release_pages()."""
-    p = tmp_path / "big.safetensors"
-    n = 64 * MIB
-    header = json.dumps({"x": {"dtype": "U8", "shape": [n], "data_offsets": [0, n]}}).encode()
-    header += b" " * (-len(header) % 8)
-    with open(p, "wb") as fh:
-        fh.write(len(header).to_bytes(8, "little") + header)
-        fh.write(np.ones(n, np.uint8).tobytes())
-
-    def rss() -> int:
-        with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    with SafetensorsFile(p) as sf:
-        before = rss()
-        assert int(sf.array("x")[:: 4096].sum()) == n // 4096  # touch every page
-        touched = rss()
-        sf.release_pages()
-        after = rss()
-        assert touched - before > 48 * MIB
-        assert touched - after > 48 * MIB
-        assert int(sf.array("x")[-1]) == 1  # still readable
-
-
-def test_gptq_fast_path_is_bit_identical(tmp_path: Path) -> None:
-    """convert uses GptqSource.load_packed (B straight from qweight words); it must
-    equal the reference path pack_b(load_layer().q) for every chunk."""
-    src = small_gptq(tmp_path / "src", hidden=256, intermediate=512, kv=64, blocks=1, vocab=64)
-    with GptqSource(HFCheckpoint(src)) as s:
-        for layer in s.plan().layers:
-            for k0, k1 in ((0, layer.size_k), (0, 128), (128, layer.size_k)):
-                b, meta = s.load_packed(layer, k0, k1)
-                full = s.load_layer(layer, k0, k1)
-                assert np.array_equal(b, pack_b(full.q))
-                assert np.array_equal(meta.scales, full.scales) and np.array_equal(meta.delta, full.delta)
-
-
-@pytest.mark.parametrize("k,n", [(16, 64), (32, 128), (256, 192), (128, 4096)])
-def test_pack_b_from_gptq4_matches_pack_b(k: int, n: int) -> None:
-    rng = np.random.default_rng(k * n)
-    words = rng.integers(-(2**31), 2**31, (k // 8, n), dtype=np.int64).astype(np.int32)
-    assert np.array_equal(pack_b_from_gptq4(words), pack_b(unpack_words(words, 4, axis=0)))
-
-
-def test_pack_b_from_gptq4_rejects_bad_shapes() -> None:
-    with pytest.raises(ValueError, match=r"size_k % 16 == 0 and size_n % 64 == 0"):
-        pack_b_from_gptq4(np.zeros((1, 64), np.int32))
-    with pytest.raises(ValueError, match=r"qweight must be 2-D int32"):
-        pack_b_from_gptq4(np.zeros((2, 64), np.float32))

@@ -16,8 +16,8 @@ from converter.convert import convert
 from converter.errors import GpuUnavailableError
 from converter.marlin.layout import unpack_b, unpermute_scales
 from converter.verify import verify
+from tests.helpers.paths import SAMPLE
 
-SAMPLE = Path(__file__).parent / "data" / "sample.tinyloop"
 
 
 def _standin(scale_error: float):

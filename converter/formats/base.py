@@ -101,10 +101,10 @@ class Source(abc.ABC):
         super().__init_subclass__(**kwargs)
         if format is None:
             return
-        if format in READERS:
-            raise TypeError(f"{cls.__name__}: format {format.value!r} is already read by {READERS[format].__name__}")
         if not conventions:
             raise TypeError(f"{cls.__name__}: a reader must name the zero conventions it produces")
+        if format in READERS:
+            raise TypeError(f"{cls.__name__}: format {format.value!r} is already read by {READERS[format].__name__}")
         cls.format = format
         cls.zero_conventions = tuple(conventions)
         READERS[format] = cls

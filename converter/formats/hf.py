@@ -22,7 +22,7 @@ from ..hf_index import HFIndex, read_index
 from ..jsonio import read_object
 from ..quant_weight import QuantWeight, Tensor
 from ..safetensors_io import SafetensorsFile
-from .base import LayerPlan, Source, SourcePlan, TensorInfo
+from .base import READERS, LayerPlan, Source, SourcePlan, TensorInfo
 from .scales import scales_to_fp16
 
 #: Where producers put the quant config, in lookup order (checkpoint-formats.md 1.7;
@@ -228,6 +228,10 @@ class HFSource(Source):
     missing_note: ClassVar[str] = ""
 
     def __init_subclass__(cls, *, methods: tuple[str, ...] = (), **kwargs: Any) -> None:
+        for other in READERS.values():
+            taken = set(methods) & set(getattr(other, "quant_methods", ()))
+            if taken:
+                raise TypeError(f"{cls.__name__}: quant_method {sorted(taken)[0]!r} is already read by {other.__name__}")
         cls.quant_methods = tuple(methods)
         super().__init_subclass__(**kwargs)
 

@@ -10,9 +10,9 @@ import pytest
 from converter.artifact.reader import open_artifact
 from converter.convert import convert
 from converter.verify import artifact_weight, unpack_layer
+from tests.helpers.paths import SAMPLE
 
 pytestmark = pytest.mark.gpu
-SAMPLE = Path(__file__).resolve().parents[1] / "data" / "sample.tinyloop"
 
 
 @pytest.fixture(scope="module")

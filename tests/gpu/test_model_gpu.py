@@ -1,5 +1,5 @@
 """load_model on CUDA: converted layers through our kernel (MarlinLinearModule), the rest
-as on the CPU; on the synthetic GPTQ Llama of tests/model_fixture.py (needs no checkpoints)."""
+as on the CPU; on the synthetic GPTQ Llama of tests/helpers/model_fixture.py (needs no checkpoints)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from model_fixture import DEQUANT_LAYERS, FALLBACK_LAYERS, KERNEL_LAYERS, write_tiny_llama  # noqa: E402
+from tests.helpers.model_fixture import DEQUANT_LAYERS, FALLBACK_LAYERS, KERNEL_LAYERS, write_tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fixtures.producers import assert_truth, ct_pack_to_int32, ct_tensors, make_layer, plain_tensors, write_checkpoint
+from tests.helpers.producers import assert_truth, ct_pack_to_int32, ct_tensors, make_layer, plain_tensors, write_checkpoint
 
 from converter.convert import convert
 from converter.errors import SourceFormatError, UnsupportedQuantError

@@ -8,8 +8,8 @@ import pytest
 
 from converter.convert import convert
 from converter.errors import ArtifactError
+from tests.helpers.paths import SAMPLE
 
-SAMPLE = Path(__file__).parent / "data" / "sample.tinyloop"
 
 
 def test_corrupted_artifact_never_reaches_the_gpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -15,8 +15,8 @@ import pytest
 from converter.errors import GpuUnavailableError
 from converter.gpu import reference as ref
 from converter.marlin.layout import pack_b, permute_scales
+from tests.helpers.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def make_layer(rng, k, n, group_size, *, asym=True, act_order=False):

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fixtures.producers import gptq_config, gptq_tensors, make_layer, plain_tensors, save_safetensors, write_checkpoint
+from tests.helpers.producers import gptq_config, gptq_tensors, make_layer, plain_tensors, save_safetensors, write_checkpoint
+from tests.helpers.paths import SAMPLE
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,8 +22,6 @@ from converter import atomic
 from converter.convert import convert
 from converter.errors import ConverterError, OutputExistsError
 
-REPO = Path(__file__).resolve().parent.parent
-SAMPLE = REPO / "tests" / "data" / "sample.tinyloop"
 NAMES = [f"model.layers.{i}.mlp.{p}" for i in range(2) for p in ("up_proj", "down_proj")]
 READ_BACK = r"output is inside the input checkpoint folder .*, where reading the checkpoint again would pick it up as input"
 

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from artifact_edit import rewrite_artifact_arrays
-from clirun import REPO, run_cli
 
 from converter.convert import convert
 from converter.errors import SourceFormatError
 from converter.verify import verify
+from tests.helpers.artifact_edit import rewrite_artifact_arrays
+from tests.helpers.clirun import run_cli
+from tests.helpers.paths import REPO, SAMPLE
 
-SAMPLE = REPO / "tests" / "data" / "sample.tinyloop"
 L = "pre.0.attn_qkv"
 
 Tensors = dict[str, tuple[str, np.ndarray]]  # as rewrite_artifact_arrays hands them to an edit

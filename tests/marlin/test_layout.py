@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from converter.constants import SCALE_PERM_SINGLE
-from converter.marlin.layout import pack_b, permute_scales, unpack_b, unpermute_scales
-from converter.marlin.shapes import check_convertible, kernel_compatible, upstream_compatible
+from converter.formats.packing import unpack_words
+from converter.marlin.layout import pack_b, pack_b_from_gptq4, permute_scales, unpack_b, unpermute_scales
 
 
 def slow_pack_b(q: np.ndarray) -> np.ndarray:
@@ -122,32 +122,15 @@ def test_one_row_slice_of_grouped_layer_uses_grouped_perm() -> None:
     assert permute_scales(s)[0, 1] == 1
 
 
-@pytest.mark.parametrize(
-    "k,n,g,ok,match",
-    [
-        (512, 512, 128, True, ""),
-        (512, 512, -1, True, ""),
-        (512, 512, 512, True, ""),
-        (512, 50257, 128, False, "size_n = 50257 is not a multiple of 64"),
-        (520, 512, 8, False, "size_k = 520 is not a multiple of 16"),
-        (512, 512, 24, False, "group_size = 24 is not a multiple of 16"),
-        (512, 512, 48, False, "group_size = 48 is not a multiple of 16 that divides size_k = 512"),
-    ],
-)
-def test_check_convertible(k: int, n: int, g: int, ok: bool, match: str) -> None:
-    got, reason = check_convertible(k, n, g)
-    assert got is ok
-    assert match in reason
+@pytest.mark.parametrize("k,n", [(16, 64), (32, 128), (256, 192), (128, 4096)])
+def test_pack_b_from_gptq4_matches_pack_b(k: int, n: int) -> None:
+    rng = np.random.default_rng(k * n)
+    words = rng.integers(-(2**31), 2**31, (k // 8, n), dtype=np.int64).astype(np.int32)
+    assert np.array_equal(pack_b_from_gptq4(words), pack_b(unpack_words(words, 4, axis=0)))
 
 
-def test_upstream_and_kernel_limits() -> None:
-    assert upstream_compatible(4096, 4096, 128)
-    assert upstream_compatible(4096, 4096, -1)
-    assert not upstream_compatible(4096, 4096, 64)
-    assert not upstream_compatible(384, 384, 128)  # MiniLM: N % 256 != 0
-    assert kernel_compatible(384, 384, 128)
-    assert kernel_compatible(512, 256, 32)
-    assert kernel_compatible(512, 256, 256)
-    assert kernel_compatible(192, 64, 48)
-    assert not kernel_compatible(80, 64, 16)  # K % 64
-    assert not kernel_compatible(512, 96, 128)
+def test_pack_b_from_gptq4_rejects_bad_shapes() -> None:
+    with pytest.raises(ValueError, match=r"size_k % 16 == 0 and size_n % 64 == 0"):
+        pack_b_from_gptq4(np.zeros((1, 64), np.int32))
+    with pytest.raises(ValueError, match=r"qweight must be 2-D int32"):
+        pack_b_from_gptq4(np.zeros((2, 64), np.float32))

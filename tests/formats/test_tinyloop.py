@@ -8,7 +8,6 @@ files are built by writing a good one and then patching its bytes or its header.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import struct
@@ -32,9 +31,9 @@ from converter.errors import ConverterError, SourceFormatError, UnsupportedQuant
 from converter.formats.base import LayerPlan
 from converter.formats.tinyloop import EXACT_INT4_REASON, TinyloopSource, sniff
 from converter.formats.tinyloop_writer import pack_codes, quantize_linear_tinyloop, write_tinyloop
+from tests.helpers.paths import SAMPLE
+from tests.helpers.sample import build_sample
 
-REPO = Path(__file__).resolve().parent.parent
-SAMPLE = REPO / "tests" / "data" / "sample.tinyloop"
 
 
 # --------------------------------------------------------------------------- helpers
@@ -240,14 +239,6 @@ def test_sniff(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- the sample
 
 
-def _load_make_sample() -> Any:
-    spec = importlib.util.spec_from_file_location("make_sample", REPO / "scripts" / "make_sample.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_sample_plan() -> None:
     with TinyloopSource(SAMPLE) as src:
         plan = src.plan()
@@ -279,9 +270,8 @@ def test_sample_plan() -> None:
 
 
 def test_sample_is_deterministic_and_up_to_date(tmp_path: Path) -> None:
-    make_sample = _load_make_sample()
-    a = make_sample.build_sample(tmp_path / "a.tinyloop").read_bytes()
-    b = make_sample.build_sample(tmp_path / "b.tinyloop").read_bytes()
+    a = build_sample(tmp_path / "a.tinyloop").read_bytes()
+    b = build_sample(tmp_path / "b.tinyloop").read_bytes()
     assert a == b
     assert a == SAMPLE.read_bytes(), "tests/data/sample.tinyloop is stale: run scripts/make_sample.py"
 

@@ -1,8 +1,8 @@
 """Whole-model parity (issue 13): ``load_model`` and ``marlin-verify OUTDIR --model``, on the CPU.
 
-The synthetic tiny Llama (tests/model_fixture.py) needs no ../shared; the real
+The synthetic tiny Llama (tests/helpers/model_fixture.py) needs no ../shared; the real
 checkpoints (every llama-tiny producer, the full MiniLM) skip without it. Planted
-mistakes are re-sealed (tests/artifact_edit.py), so ``--shapes`` passes and only the
+mistakes are re-sealed (tests/helpers/artifact_edit.py), so ``--shapes`` passes and only the
 whole-model check is left to catch them.
 """
 
@@ -20,8 +20,6 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from artifact_edit import rewrite_artifact_arrays  # noqa: E402
-from model_fixture import DEQUANT_LAYERS, FALLBACK_LAYERS, KERNEL_LAYERS, LAYERS, write_tiny_llama  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from converter import load_model  # noqa: E402
@@ -36,9 +34,9 @@ from converter.model.modules import DenseLinear, ExactMarlinLinear, KernelMarlin
 from converter.model.names import LayerSlot, LinearSlot, bind, candidates, untie  # noqa: E402
 from converter.model.verify import verify_model  # noqa: E402
 from converter.verify import artifact_weight, unpack_layer  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
-SAMPLE = REPO / "tests" / "data" / "sample.tinyloop"
+from tests.helpers.artifact_edit import rewrite_artifact_arrays  # noqa: E402
+from tests.helpers.model_fixture import DEQUANT_LAYERS, FALLBACK_LAYERS, KERNEL_LAYERS, LAYERS, write_tiny_llama  # noqa: E402
+from tests.helpers.paths import REPO, SAMPLE  # noqa: E402
 LLAMA = ["autoawq-gemm-w4g128-asym", "autogptq-w4g128-sym", "autoround-gptq-w4g128-asym", "autoround-gptq-w4gchan-asym",
          "gptqmodel-gptq-w4g128-asym-descact", "gptqmodel-gptqv2-w4g128-asym", "llmcompressor-packq-w4g128-asym"]
 MINILM = "minilm-autoround-gptq-w4g128-asym-full"

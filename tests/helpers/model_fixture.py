@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fixtures.producers import gptq_config, gptq_tensors, make_layer, save_safetensors
+from .producers import gptq_config, gptq_tensors, make_layer, save_safetensors
 
 HIDDEN, INTER, VOCAB, HEADS, KV_HEADS = 128, 80, 200, 4, 2
 HEAD_DIM = HIDDEN // HEADS

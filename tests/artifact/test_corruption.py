@@ -21,12 +21,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from clirun import run_cli
-from test_bad_input import small_gptq
 
 from converter.artifact.validate import validate_artifact
 from converter.convert import convert
 from converter.errors import ConverterError
+from tests.helpers.clirun import run_cli
+from tests.helpers.synthetic_gptq import small_gptq
 
 
 @pytest.fixture(scope="module")

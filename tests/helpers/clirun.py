@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from .paths import REPO
 
 
 def run_cli(tool: str, *args: object, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -18,3 +18,14 @@ def run_cli(tool: str, *args: object, timeout: float = 300) -> subprocess.Comple
         capture_output=True, text=True, timeout=timeout, cwd=REPO,
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "COLUMNS": "200", "HOME": str(Path.home())},
     )
+
+
+def assert_one_line_error(r: subprocess.CompletedProcess[str], *needles: str) -> None:
+    """Exit 2 with exactly one ``error: ...`` line on stderr holding every needle, no traceback."""
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in r.stderr + r.stdout
+    for n in needles:
+        assert n in lines[0], (n, lines[0])

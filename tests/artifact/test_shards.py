@@ -9,7 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fixtures.producers import assert_truth, gptq_config, gptq_tensors, make_layer, plain_tensors, write_checkpoint
+from tests.helpers.producers import assert_truth, gptq_config, gptq_tensors, make_layer, plain_tensors, write_checkpoint
+from tests.helpers.paths import SAMPLE
 from typer.testing import CliRunner
 
 from converter.artifact.schema import Manifest, Shard, read_document
@@ -20,8 +21,6 @@ from converter.errors import ConverterError, OutputExistsError
 from converter.safetensors_io import SafetensorsFile
 from converter.verify import verify
 
-REPO = Path(__file__).resolve().parent.parent
-SAMPLE = REPO / "tests" / "data" / "sample.tinyloop"
 NAMES = [f"model.layers.{i}.mlp.{p}" for i in range(3) for p in ("up_proj", "down_proj")]
 
 
@@ -243,3 +242,21 @@ def test_verifying_one_shard_alone_points_to_the_index(tmp_path: Path, src: tupl
     with pytest.raises(ArtifactError, match=rf"{shard.name}: shard: this file is shard 1 of \d+ of a sharded artifact; "
                                             r"verify its index \(m.safetensors.index.json\) or its folder"):
         verify(shard, shapes_only=True)
+
+
+@pytest.mark.parametrize(("index_text", "match"), [
+    ('{"weight_map": {"a": "../m-00001-of-00002.safetensors"}}',
+     r"weight_map: shard '../m-00001-of-00002.safetensors' must be a plain file name in the same folder"),
+    ('{"weight_map": ["m-00001-of-00002.safetensors"]}', r"weight_map: weight_map must be a map of tensor name to shard file"),
+    ('{"weight_map": {"a": 1', r"m.safetensors.index.json: JSON file is not valid JSON: "),
+])
+def test_verifying_a_bad_index(tmp_path: Path, src: tuple[Path, dict], index_text: str, match: str) -> None:
+    """Documented change: the artifact's index is read by the one HF index reader
+    (converter/hf_index.py), with its messages."""
+    folder, _ = src
+    convert(folder, tmp_path / "m.safetensors", max_shard_size="40KB")
+    (tmp_path / "m.safetensors.index.json").write_text(index_text)
+    from converter.errors import ArtifactError
+
+    with pytest.raises(ArtifactError, match=match):
+        verify(tmp_path / "m.safetensors.index.json", shapes_only=True)

@@ -1,7 +1,7 @@
 """GPTQ reader extensions (issue 4): 2/3/8-bit, group sizes, mislabelled files, zero
 borrows, bf16 scales, dynamic overrides, modules_to_not_convert, lm_head, sharded input.
 
-Every fixture is packed by tests/fixtures/producers.py the way its producer packs it,
+Every fixture is packed by tests/helpers/producers.py the way its producer packs it,
 converted, verified exactly against its source, and then checked against the TRUE
 codes and zeros that were generated (the independent proof: ``--against`` uses our
 own reader).
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fixtures.producers import (
+from tests.helpers.producers import (
     assert_truth,
     autogptq_pack_cols,
     autogptq_pack_rows,
@@ -39,6 +39,10 @@ from converter.formats.packing import (
     unpack_words,
 )
 from converter.verify import verify
+from converter.formats.gptq import GptqSource
+from converter.formats.hf import HFCheckpoint
+from converter.marlin.layout import pack_b
+from tests.helpers.synthetic_gptq import small_gptq
 
 P = "model.layers.0.mlp.up_proj"
 
@@ -275,8 +279,13 @@ def test_pack_dtype_other_than_int32_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("cfg", "field"), [({"checkpoint_format": "marlin"}, "checkpoint_format"), ({"is_marlin_format": True}, "is_marlin_format")])
 def test_already_marlin_gptq_is_refused(tmp_path: Path, cfg: dict, field: str) -> None:
     src = write_checkpoint(tmp_path / "src", plain_tensors(np.random.default_rng(0)), {**gptq_config(), **cfg})
-    with pytest.raises(UnsupportedQuantError, match=rf"config.json: {field}: checkpoint is already Marlin-packed .* never packs twice"):
+    with pytest.raises(UnsupportedQuantError, match=rf"config.json: {field}: checkpoint is already Marlin-packed .* never packs twice") as err:
         convert(src, tmp_path / "a.safetensors")
+    # Documented change: the refusal is the one shared by every reader (formats.hf.already_marlin).
+    assert err.value.rule == (
+        "checkpoint is already Marlin-packed (AutoGPTQ checkpoint_format 'marlin': tensors B and s, symmetric only, "
+        "spec 5.1); marlin-convert never packs twice: use the file as it is, or convert from the original GPTQ checkpoint"
+    )
 
 
 # --------------------------------------------------------------------------- per-module config
@@ -371,3 +380,19 @@ def test_unknown_quant_method_lists_supported(tmp_path: Path) -> None:
     src = write_checkpoint(tmp_path / "src", plain_tensors(np.random.default_rng(0)), {"quant_method": "bitsandbytes"})
     with pytest.raises(UnsupportedQuantError, match=r"quant_method: 'bitsandbytes' is not supported \(supported: awq, compressed-tensors, gptq\)"):
         convert(src, tmp_path / "a.safetensors")
+
+
+# --------------------------------------------------------------------------- conversion fast path
+
+
+def test_gptq_fast_path_is_bit_identical(tmp_path: Path) -> None:
+    """convert uses GptqSource.load_packed (B straight from qweight words); it must
+    equal the reference path pack_b(load_layer().q) for every chunk."""
+    src = small_gptq(tmp_path / "src", hidden=256, intermediate=512, kv=64, blocks=1, vocab=64)
+    with GptqSource(HFCheckpoint(src)) as s:
+        for layer in s.plan().layers:
+            for k0, k1 in ((0, layer.size_k), (0, 128), (128, layer.size_k)):
+                b, meta = s.load_packed(layer, k0, k1)
+                full = s.load_layer(layer, k0, k1)
+                assert np.array_equal(b, pack_b(full.q))
+                assert np.array_equal(meta.scales, full.scales) and np.array_equal(meta.delta, full.delta)

@@ -11,8 +11,8 @@ from converter.convert import convert
 from converter.formats import open_source
 from converter.quant_weight import marlin_code_offset
 from converter.verify import unpack_layer
+from tests.helpers.paths import SAMPLE
 
-SAMPLE = Path(__file__).parent / "data" / "sample.tinyloop"
 INT2_LAYER = "pre.1.attn_qkv"
 
 

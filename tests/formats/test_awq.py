@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fixtures.producers import assert_truth, awq_pack, awq_tensors, make_layer, plain_tensors, write_checkpoint
+from tests.helpers.producers import assert_truth, awq_pack, awq_tensors, make_layer, plain_tensors, write_checkpoint
 
 from converter.convert import convert
 from converter.errors import SourceFormatError, UnsupportedQuantError
@@ -93,6 +93,18 @@ def test_awq_missing_qzeros_is_a_format_error(tmp_path: Path) -> None:
     del t[f"{P}.qzeros"]
     src = write_checkpoint(tmp_path / "src", t, awq_config())
     with pytest.raises(SourceFormatError, match=rf"{P}.qzeros: layer {P} has qweight but no qzeros"):
+        convert(src, tmp_path / "a.safetensors")
+
+
+def test_awq_companion_of_the_wrong_rank_is_a_format_error(tmp_path: Path) -> None:
+    """Documented change: the shared companion check (HFSource.need) names a wrong rank in
+    the same words as a wrong shape."""
+    rng = np.random.default_rng(3)
+    t = awq_tensors(P, make_layer(rng, 128, 64))
+    t[f"{P}.scales"] = t[f"{P}.scales"].reshape(-1)
+    src = write_checkpoint(tmp_path / "src", t, awq_config())
+    with pytest.raises(SourceFormatError, match=rf"{P}.scales: shape \[64\] disagrees with K, N and group_size "
+                                                r"\(expected 2-D\)$"):
         convert(src, tmp_path / "a.safetensors")
 
 

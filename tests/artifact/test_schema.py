@@ -1,0 +1,168 @@
+"""The typed manifest (converter/artifact/schema.py) against the schema file it mirrors,
+its versioned reader, and the problem codes against the README."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from converter.artifact.problems import ProblemCode
+from converter.artifact.reader import open_artifact
+from converter.artifact.schema import (
+    PARSERS,
+    SCHEMA_OBJECTS,
+    LayerEntry,
+    Manifest,
+    from_json,
+    load_schema,
+    read_document,
+    schema_errors,
+)
+from converter.artifact.validate import validate_artifact
+from converter.constants import (
+    ARTIFACT_SCHEMA_VERSION,
+    META_SCHEMA_VERSION,
+    SUPPORTED_SCHEMA_VERSIONS,
+    SourceFormat,
+    ZeroConvention,
+)
+from converter.convert import convert
+from converter.errors import ArtifactError, SchemaVersionError
+from converter.verify import verify
+from tests.helpers.artifact_edit import read_st, rewrite_artifact, write_st
+from tests.helpers.paths import REPO, SAMPLE
+
+
+def _schema_object(path: str) -> dict:
+    """The schema of the object at ``path`` in SCHEMA_OBJECTS' notation."""
+    node = load_schema()
+    for part in filter(None, path.split(".")):
+        node = node["properties"][part.removesuffix("[]")]
+        if part.endswith("[]"):
+            node = node["items"]
+    return node
+
+
+@pytest.mark.parametrize("path", sorted(SCHEMA_OBJECTS))
+def test_dataclass_fields_are_the_schema_properties(path: str) -> None:
+    """A field added to one side only fails here: the schema's properties are the
+    dataclass's fields, its required list the fields without a default."""
+    node, cls = _schema_object(path), SCHEMA_OBJECTS[path]
+    fields = dataclasses.fields(cls)
+    assert node["additionalProperties"] is False
+    assert sorted(f.name for f in fields) == sorted(node["properties"])
+    required = [f.name for f in fields if f.default is dataclasses.MISSING]
+    assert sorted(required) == sorted(node["required"])
+
+
+def test_every_schema_object_has_a_dataclass() -> None:
+    found = set()
+
+    def walk(node: dict, path: str) -> None:
+        if node.get("type") == "object" and "properties" in node:
+            found.add(path)
+            for key, child in node["properties"].items():
+                walk(child, f"{path}.{key}" if path else key)
+        if node.get("type") == "array" and "items" in node:
+            walk(node["items"], path + "[]")
+
+    walk(load_schema(), "")
+    assert found == set(SCHEMA_OBJECTS)
+
+
+def test_enums_are_the_schema_enums() -> None:
+    assert [f.value for f in SourceFormat] == _schema_object("source")["properties"]["format"]["enum"]
+    layer = _schema_object("layers[]")["properties"]
+    assert [z.value for z in ZeroConvention] == layer["zero_convention"]["enum"]
+    assert load_schema()["properties"]["schema_version"]["const"] == ARTIFACT_SCHEMA_VERSION
+
+
+def test_every_supported_version_has_a_parser_and_a_schema_file() -> None:
+    assert sorted(PARSERS) == sorted(SUPPORTED_SCHEMA_VERSIONS)
+    for version in PARSERS:
+        schema = json.loads((REPO / "schemas" / f"marlin-artifact.v{version}.schema.json").read_text())
+        assert schema["properties"]["schema_version"]["const"] == version
+
+
+def test_every_problem_code_is_in_the_readme_table() -> None:
+    readme = (REPO / "README.md").read_text()
+    start = readme.index("Problem codes (`problems[].code`")
+    table = readme[start : readme.index("\n\n", readme.index("| code |", start))]
+    documented = re.findall(r"^\| `([a-z_]+)` \|", table, flags=re.M)
+    assert documented == [c.value for c in ProblemCode]
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("schema") / "s.safetensors"
+    convert(SAMPLE, out)
+    return out
+
+
+def test_parse_then_write_gives_the_stored_object(artifact: Path) -> None:
+    meta, _ = read_st(artifact)
+    doc = read_document(meta, path=artifact)
+    manifest = Manifest.parse(meta, path=artifact)
+    assert manifest.to_json() == doc.data
+    assert schema_errors(doc.data) == []
+    assert isinstance(manifest.layers[0], LayerEntry) and manifest.source.format is SourceFormat.TINYLOOP
+    # act_order is written only when true: no sample layer is act-order.
+    assert all("act_order" not in entry for entry in doc.data["layers"])
+
+
+def test_integral_floats_read_as_ints() -> None:
+    """JSON Schema's "integer" includes 128.0; the typed reader must agree with it."""
+    entry = {"name": "x", "size_k": 128.0, "size_n": 64, "group_size": 64, "num_groups": 2, "bits": 4,
+             "code_offset": 0, "symmetric": False, "zero_convention": "gptq_v1", "has_bias": False,
+             "upstream_marlin_compatible": False, "kernel_compatible": True, "warnings": []}
+    rec = from_json(LayerEntry, entry)
+    assert rec.size_k == 128 and type(rec.size_k) is int and rec.act_order is False
+    with pytest.raises(ArtifactError, match=r"manifest does not fit its schema: size_k: expected an integer, found number"):
+        from_json(LayerEntry, {**entry, "size_k": 128.5})
+    with pytest.raises(ArtifactError, match=r"unknown field 'padded_n'"):
+        from_json(LayerEntry, {**entry, "padded_n": 64})
+    with pytest.raises(ArtifactError, match=r"zero_convention: 'gptq_v3' is not one of"):
+        from_json(LayerEntry, {**entry, "zero_convention": "gptq_v3"})
+    with pytest.raises(ArtifactError, match=r"has_bias: required field is missing"):
+        from_json(LayerEntry, {k: v for k, v in entry.items() if k != "has_bias"})
+
+
+@pytest.mark.parametrize(("version", "match"), [
+    ("2", r"artifact schema version '2' is not supported \(this tool reads 1\); upgrade marlin-convert"),
+    ("0", r"artifact schema version '0' is not supported \(this tool reads 1\)$"),
+    ("one", r"artifact schema version 'one' is not supported \(this tool reads 1\)$"),
+])
+def test_version_is_read_first(artifact: Path, tmp_path: Path, version: str, match: str) -> None:
+    meta, tensors = read_st(artifact)
+    meta[META_SCHEMA_VERSION] = version
+    with pytest.raises(SchemaVersionError, match=match):
+        Manifest.parse(meta, path=artifact)
+
+
+def test_manifest_that_does_not_fit_lists_no_layers(artifact: Path, tmp_path: Path) -> None:
+    """Documented change: a manifest that fails its schema is reported (schema_violation)
+    and its layers are no longer listed from a best-effort reading of it."""
+    def edit(m: dict, t: dict) -> None:
+        m["layers"][0]["size_k"] = "128"
+
+    bad = rewrite_artifact(artifact, tmp_path / "bad.safetensors", edit)
+    with open_artifact(bad) as art:
+        assert art.manifest is None and art.layers == {}
+        assert art.manifest_error.startswith("manifest does not fit its schema: layers[0].size_k: expected an integer")
+    report = verify(bad, gpu=False)
+    assert report.layers == [] and not report.ok
+    assert {p.code for p in report.problems} == {ProblemCode.SCHEMA_VIOLATION}
+
+
+def test_duplicate_key_in_manifest_is_refused(artifact: Path, tmp_path: Path) -> None:
+    """Documented change: the manifest goes through the one JSON policy (converter.jsonio)."""
+    meta, tensors = read_st(artifact)
+    meta["marlin.manifest"] = meta["marlin.manifest"][:-1] + ',"passthrough":[]}'
+    p = tmp_path / "dup.safetensors"
+    write_st(p, tensors, meta)
+    with pytest.raises(ArtifactError, match=r"marlin.manifest: manifest is not valid JSON: duplicate key 'passthrough'"):
+        validate_artifact(p)
