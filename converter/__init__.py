@@ -19,6 +19,13 @@ from .quant_weight import QuantWeight, Tensor  # noqa: E402
 from .verify import verify  # noqa: E402
 
 __all__ = [
-    "QuantWeight", "Tensor", "__version__", "convert", "load_model", "open_artifact", "open_source",
-    "validate_artifact", "verify",
+    "QuantWeight",
+    "Tensor",
+    "__version__",
+    "convert",
+    "load_model",
+    "open_artifact",
+    "open_source",
+    "validate_artifact",
+    "verify",
 ]

@@ -94,8 +94,9 @@ def open_temporary(tmp: Path, path: Path) -> int:
     return fd
 
 
-def write_atomically(path: Path, write: Callable[[BinaryIO], None], *, check: Callable[[Path], None] | None = None
-                     ) -> Path:
+def write_atomically(
+    path: Path, write: Callable[[BinaryIO], None], *, check: Callable[[Path], None] | None = None
+) -> Path:
     """Write a file through a locked temporary: ``write(fh)``, fsync, ``check(temporary)``, rename.
 
     Args:
@@ -280,7 +281,8 @@ def commit_all(pairs: list[tuple[Path, Path]], folder: Path) -> None:
             raise ConverterError(
                 f"could not rename the new artifact into place ({why}), and undoing the renames failed: "
                 f"{', '.join(str(p) for p in lost)} now hold the new artifact, every other output file is as "
-                "it was; re-run with --force", path=folder,
+                "it was; re-run with --force",
+                path=folder,
             ) from None
         raise ConverterError(
             f"could not rename the new artifact into place ({why}); every output file is as it was", path=folder

@@ -31,10 +31,28 @@ from .errors import ConverterError
 err_console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
 out_console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 
-InPath = Annotated[Path, typer.Argument(help="Input: a .tinyloop file, or a GPTQ / AWQ (gemm) / compressed-tensors (pack-quantized) checkpoint folder / .safetensors / index.json.", show_default=False)]
+InPath = Annotated[
+    Path,
+    typer.Argument(
+        help="Input: a .tinyloop file, or a GPTQ / AWQ (gemm) / compressed-tensors (pack-quantized) checkpoint folder / .safetensors / index.json.",
+        show_default=False,
+    ),
+]
 # str, not Path: a trailing "/" (folder mode) must survive parsing.
-OutPath = Annotated[str, typer.Argument(help="Output artifact (.safetensors), or a folder (existing, or ending in '/') for model.safetensors + config.json + tokenizer files.", show_default=False)]
-ArtPath = Annotated[Path, typer.Argument(help="Artifact to verify: a .safetensors file, a sharded artifact's index.json, or its folder.", show_default=False)]
+OutPath = Annotated[
+    str,
+    typer.Argument(
+        help="Output artifact (.safetensors), or a folder (existing, or ending in '/') for model.safetensors + config.json + tokenizer files.",
+        show_default=False,
+    ),
+]
+ArtPath = Annotated[
+    Path,
+    typer.Argument(
+        help="Artifact to verify: a .safetensors file, a sharded artifact's index.json, or its folder.",
+        show_default=False,
+    ),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")]
 
@@ -45,7 +63,9 @@ def _version(value: bool) -> None:
         raise typer.Exit(0)
 
 
-VersionOpt = Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")]
+VersionOpt = Annotated[
+    bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")
+]
 
 
 def _one_line(text: str) -> str:
@@ -71,7 +91,19 @@ def _errors_to_exit(debug: bool, as_json: bool) -> Iterator[None]:
             raise typer.Exit(exc.exit_code) from None
         err_console.print(f"[bold red]error:[/] {escape(_one_line(str(exc)))}", soft_wrap=True)
         if as_json:
-            print(json.dumps({"ok": False, "error": {"type": type(exc).__name__, "message": str(exc), "file": exc.path, "tensor": exc.tensor}}))
+            print(
+                json.dumps(
+                    {
+                        "ok": False,
+                        "error": {
+                            "type": type(exc).__name__,
+                            "message": str(exc),
+                            "file": exc.path,
+                            "tensor": exc.tensor,
+                        },
+                    }
+                )
+            )
         raise typer.Exit(exc.exit_code) from None
     except OSError as exc:
         # The environment, not the input's content (disk full, folder vanished): one
@@ -83,7 +115,14 @@ def _errors_to_exit(debug: bool, as_json: bool) -> Iterator[None]:
         msg = _one_line(f"{where}{exc.strerror or exc}")
         err_console.print(f"[bold red]error:[/] {escape(msg)}", soft_wrap=True)
         if as_json:
-            print(json.dumps({"ok": False, "error": {"type": type(exc).__name__, "message": msg, "file": exc.filename, "tensor": None}}))
+            print(
+                json.dumps(
+                    {
+                        "ok": False,
+                        "error": {"type": type(exc).__name__, "message": msg, "file": exc.filename, "tensor": None},
+                    }
+                )
+            )
         raise typer.Exit(2) from None
     except KeyboardInterrupt:
         err_console.print("[bold red]interrupted[/]; no output was written")
@@ -95,7 +134,14 @@ def _progress(enabled: bool) -> Iterator[Callable[[str, int], None] | None]:
     if not enabled:
         yield None
         return
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err_console, transient=True)
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,
+    )
     task: list[Any] = []
 
     def step(desc: str, n: int) -> None:
@@ -119,7 +165,10 @@ def _show_progress(quiet: bool, as_json: bool) -> bool:
 convert_app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False)
 
 
-@convert_app.command(help="Convert an asymmetric 4-bit checkpoint (.tinyloop, GPTQ, AWQ, compressed-tensors) into a Marlin safetensors artifact (one file, HF shards with --max-shard-size, or a model folder).\n\nExit codes: 0 ok; 2 bad input or usage (nothing is written).", epilog="Example: marlin-convert model.tinyloop model.marlin.safetensors")
+@convert_app.command(
+    help="Convert an asymmetric 4-bit checkpoint (.tinyloop, GPTQ, AWQ, compressed-tensors) into a Marlin safetensors artifact (one file, HF shards with --max-shard-size, or a model folder).\n\nExit codes: 0 ok; 2 bad input or usage (nothing is written).",
+    epilog="Example: marlin-convert model.tinyloop model.marlin.safetensors",
+)
 def convert_cmd(
     source: InPath,
     output: OutPath,
@@ -127,7 +176,14 @@ def convert_cmd(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; write nothing.")] = False,
     as_json: JsonOpt = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress or summary on stderr.")] = False,
-    max_shard_size: Annotated[str | None, typer.Option("--max-shard-size", help="Split the output into HF shards of at most this much tensor data (e.g. 5GB, 500MiB), plus an index.", show_default=False)] = None,
+    max_shard_size: Annotated[
+        str | None,
+        typer.Option(
+            "--max-shard-size",
+            help="Split the output into HF shards of at most this much tensor data (e.g. 5GB, 500MiB), plus an index.",
+            show_default=False,
+        ),
+    ] = None,
     debug: DebugOpt = False,
     version: VersionOpt = False,
 ) -> None:
@@ -144,10 +200,16 @@ def convert_cmd(
     for col in ("layer", "K", "N", "group", "bits", "sym", "zeros", "upstream"):
         table.add_column(col, overflow="fold")
     for lay in report.converted:
-        table.add_row(escape(lay.name), str(lay.size_k), str(lay.size_n),
-                      "chan" if lay.group_size == lay.size_k else str(lay.group_size),
-                      str(lay.bits), "yes" if lay.symmetric else "no", lay.zero_convention.value,
-                      "yes" if lay.upstream_marlin_compatible else "no")
+        table.add_row(
+            escape(lay.name),
+            str(lay.size_k),
+            str(lay.size_n),
+            "chan" if lay.group_size == lay.size_k else str(lay.group_size),
+            str(lay.bits),
+            "yes" if lay.symmetric else "no",
+            lay.zero_convention.value,
+            "yes" if lay.upstream_marlin_compatible else "no",
+        )
     err_console.print(table)
     reasons: dict[str, list[str]] = {}
     for p in report.passthrough:
@@ -159,23 +221,45 @@ def convert_cmd(
         for w in lay.warnings:
             err_console.print(f"[yellow]warning:[/] {escape(lay.name)}: {escape(w)}", soft_wrap=True)
     verb = "would write" if dry_run else "wrote"
-    err_console.print(f"{len(report.converted)} layers converted, {len(report.passthrough)} tensors passed through; {verb} {report.bytes_out / 1e6:.2f} MB of tensor data")
+    err_console.print(
+        f"{len(report.converted)} layers converted, {len(report.passthrough)} tensors passed through; {verb} {report.bytes_out / 1e6:.2f} MB of tensor data"
+    )
 
 
 verify_app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False)
 
 
-@verify_app.command(help="Verify a Marlin artifact: structure and checksums (--shapes, no GPU), exact agreement with its source (--against), and numerics on CPU and GPU.\n\nExit codes: 0 all good; 1 problems found; 2 unreadable input or bad usage.", epilog="Example: marlin-verify model.marlin.safetensors --shapes --against model.tinyloop")
+@verify_app.command(
+    help="Verify a Marlin artifact: structure and checksums (--shapes, no GPU), exact agreement with its source (--against), and numerics on CPU and GPU.\n\nExit codes: 0 all good; 1 problems found; 2 unreadable input or bad usage.",
+    epilog="Example: marlin-verify model.marlin.safetensors --shapes --against model.tinyloop",
+)
 def verify_cmd(
     artifact: ArtPath,
-    shapes: Annotated[bool, typer.Option("--shapes", help="Structure, shapes and checksums only; needs no GPU.")] = False,
-    against: Annotated[Path | None, typer.Option("--against", help="Source checkpoint to compare with, exactly.", show_default=False)] = None,
+    shapes: Annotated[
+        bool, typer.Option("--shapes", help="Structure, shapes and checksums only; needs no GPU.")
+    ] = False,
+    against: Annotated[
+        Path | None, typer.Option("--against", help="Source checkpoint to compare with, exactly.", show_default=False)
+    ] = None,
     gpu: Annotated[bool, typer.Option("--gpu", help="Require GPU numerics (fail if no GPU).")] = False,
     cpu: Annotated[bool, typer.Option("--cpu", help="Skip GPU numerics even if a GPU is present.")] = False,
     as_json: JsonOpt = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only problems and the summary line.")] = False,
-    model: Annotated[bool, typer.Option("--model", help="Whole-model parity: ART is a converted model folder; run it, and fp32 and fp16 models dequantized from --against, on the same tokens (needs the [model] extra).")] = False,
-    text: Annotated[Path | None, typer.Option("--text", help="With --model: a UTF-8 text file to tokenize as the input (default: fixed tokens); perplexities for causal LMs.", show_default=False)] = None,
+    model: Annotated[
+        bool,
+        typer.Option(
+            "--model",
+            help="Whole-model parity: ART is a converted model folder; run it, and fp32 and fp16 models dequantized from --against, on the same tokens (needs the [model] extra).",
+        ),
+    ] = False,
+    text: Annotated[
+        Path | None,
+        typer.Option(
+            "--text",
+            help="With --model: a UTF-8 text file to tokenize as the input (default: fixed tokens); perplexities for causal LMs.",
+            show_default=False,
+        ),
+    ] = None,
     debug: DebugOpt = False,
     version: VersionOpt = False,
 ) -> None:
@@ -185,10 +269,21 @@ def verify_cmd(
         err_console.print("[bold red]error:[/] --gpu and --cpu contradict each other")
         raise typer.Exit(2)
     if model or text is not None:
-        _verify_model_cmd(artifact, against, text, model=model, gpu=True if gpu else (False if cpu else None), shapes=shapes,
-                          as_json=as_json, quiet=quiet, debug=debug)
+        _verify_model_cmd(
+            artifact,
+            against,
+            text,
+            model=model,
+            gpu=True if gpu else (False if cpu else None),
+            shapes=shapes,
+            as_json=as_json,
+            quiet=quiet,
+            debug=debug,
+        )
     with _errors_to_exit(debug, as_json), _progress(_show_progress(quiet, as_json)) as prog:
-        report = verify(artifact, shapes_only=shapes, against=against, gpu=True if gpu else (False if cpu else None), progress=prog)
+        report = verify(
+            artifact, shapes_only=shapes, against=against, gpu=True if gpu else (False if cpu else None), progress=prog
+        )
     if as_json:
         print(json.dumps(report.to_json(), default=_jsonable))
     else:
@@ -196,12 +291,28 @@ def verify_cmd(
     raise typer.Exit(0 if report.ok else 1)
 
 
-def _verify_model_cmd(folder: Path, against: Path | None, text: Path | None, *, model: bool, gpu: bool | None,
-                      shapes: bool, as_json: bool, quiet: bool, debug: bool) -> None:
+def _verify_model_cmd(
+    folder: Path,
+    against: Path | None,
+    text: Path | None,
+    *,
+    model: bool,
+    gpu: bool | None,
+    shapes: bool,
+    as_json: bool,
+    quiet: bool,
+    debug: bool,
+) -> None:
     """``marlin-verify OUTDIR --model --against SRC``: see :mod:`converter.model.verify`."""
-    usage = ("--text needs --model" if not model else
-             "--model and --shapes contradict each other (--shapes checks structure only)" if shapes else
-             "--model needs --against SRC: the reference model is built from the source checkpoint" if against is None else None)
+    usage = (
+        "--text needs --model"
+        if not model
+        else "--model and --shapes contradict each other (--shapes checks structure only)"
+        if shapes
+        else "--model needs --against SRC: the reference model is built from the source checkpoint"
+        if against is None
+        else None
+    )
     if usage:
         err_console.print(f"[bold red]error:[/] {usage}")
         raise typer.Exit(2)
@@ -232,19 +343,28 @@ def _render_verify(report: Report, quiet: bool) -> None:
     if not quiet and report.layers:
         with_gpu = any(isinstance(row.get("gpu"), dict) for row in report.layers)
         table = Table(title=f"{report.artifact}", title_justify="left")
-        cols = ["", "layer", "K", "N", "group", "sym", "exact", "cpu rel err"] + (["gpu mean / max rel err"] if with_gpu else [])
+        cols = ["", "layer", "K", "N", "group", "sym", "exact", "cpu rel err"] + (
+            ["gpu mean / max rel err"] if with_gpu else []
+        )
         for col in cols:
             table.add_column(col, overflow="fold")
         for row in report.layers:
             exact = [row[k] for k in ("codes_exact", "scales_exact", "delta_exact") if k in row]
             gpu = row.get("gpu")
-            cells = ["❌" if row["name"] in bad_layers else "✅", escape(row["name"]), str(row["size_k"]), str(row["size_n"]),
-                     "chan" if row["group_size"] == row["size_k"] else str(row["group_size"]),
-                     "yes" if row["symmetric"] else "no",
-                     ("yes" if all(exact) else "NO") if exact else "-",
-                     f"{row['cpu_rel_err']:.2e}" if "cpu_rel_err" in row else "-"]
+            cells = [
+                "❌" if row["name"] in bad_layers else "✅",
+                escape(row["name"]),
+                str(row["size_k"]),
+                str(row["size_n"]),
+                "chan" if row["group_size"] == row["size_k"] else str(row["group_size"]),
+                "yes" if row["symmetric"] else "no",
+                ("yes" if all(exact) else "NO") if exact else "-",
+                f"{row['cpu_rel_err']:.2e}" if "cpu_rel_err" in row else "-",
+            ]
             if with_gpu:
-                cells.append(f"{gpu['mean_rel_err']:.2e} / {gpu['max_rel_err']:.2e}" if isinstance(gpu, dict) else "skipped")
+                cells.append(
+                    f"{gpu['mean_rel_err']:.2e} / {gpu['max_rel_err']:.2e}" if isinstance(gpu, dict) else "skipped"
+                )
             table.add_row(*cells)
         out_console.print(table)
     for p in report.problems:
@@ -255,9 +375,16 @@ def _render_verify(report: Report, quiet: bool) -> None:
         err_console.print(f"[dim]GPU numerics {escape(gpu_note)}[/]", soft_wrap=True)
     errors = sum(p.severity == "error" for p in report.problems)
     checked = report.checked
-    what = ["shapes", "checksums"] + (["against source"] if "against" in checked else []) + (["CPU numerics"] if checked.get("cpu_numerics") else []) + (["GPU numerics"] if checked.get("gpu_numerics") is True else [])
+    what = (
+        ["shapes", "checksums"]
+        + (["against source"] if "against" in checked else [])
+        + (["CPU numerics"] if checked.get("cpu_numerics") else [])
+        + (["GPU numerics"] if checked.get("gpu_numerics") is True else [])
+    )
     status = "OK" if report.ok else f"FAILED: {errors} problem(s)"
-    out_console.print(f"{status}: {checked.get('layers', 0)} layers, {checked.get('tensors', 0)} tensors; checked {', '.join(what)}")
+    out_console.print(
+        f"{status}: {checked.get('layers', 0)} layers, {checked.get('tensors', 0)} tensors; checked {', '.join(what)}"
+    )
 
 
 def main_convert() -> None:

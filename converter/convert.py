@@ -110,12 +110,14 @@ def build_layout(plan: SourcePlan, *, path: Path) -> tuple[Layout, list[LayerEnt
         if entry.name == SAFETENSORS_METADATA_KEY:
             raise SourceFormatError(
                 f"a tensor may not be named {SAFETENSORS_METADATA_KEY!r}: safetensors reserves it; rename it in the source",
-                path=path, tensor=entry.name,
+                path=path,
+                tensor=entry.name,
             )
         if entry.name in known:
             raise SourceFormatError(
                 "tensor name collides with a converted layer's artifact tensor; rename it in the source",
-                path=path, tensor=entry.name,
+                path=path,
+                tensor=entry.name,
             )
         known.add(entry.name)
     return layout, layers, passthrough
@@ -181,7 +183,14 @@ def convert(
         desc = source.describe()
         bytes_out = sum(nbytes(d, s) for _, d, s in layout)
         report = ConvertReport(
-            str(src_path), str(out_path), source.format.value, layers, passthrough, layout, bytes_out, dry_run,
+            str(src_path),
+            str(out_path),
+            source.format.value,
+            layers,
+            passthrough,
+            layout,
+            bytes_out,
+            dry_run,
         )
         max_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
         shards = plan_shards(layout, [lay.name for lay in layers], max_bytes)
@@ -195,8 +204,10 @@ def convert(
             return report
         # Placeholder checksums of the final length size the headers before any data.
         manifest = new_manifest(desc, layers, passthrough)
-        manifest = dataclasses.replace(manifest, checksums=Checksums(
-            manifest.checksums.algorithm, {n: "0" * CHECKSUM_HEX_LEN for n, _, _ in layout}))
+        manifest = dataclasses.replace(
+            manifest,
+            checksums=Checksums(manifest.checksums.algorithm, {n: "0" * CHECKSUM_HEX_LEN for n, _, _ in layout}),
+        )
         steps = sum(1 for lay in plan.layers if lay.convertible) + len(passthrough)
         if progress:
             progress(f"converting {src_path.name}", steps)
@@ -221,8 +232,9 @@ def convert(
                 sums[tensor.name] = _copy_tensor(writer, tensor.name, tensor.data, source.release_pages)
                 if progress:
                     progress("", 1)
-            manifest = dataclasses.replace(manifest, checksums=Checksums(
-                manifest.checksums.algorithm, {n: sums[n] for n, _, _ in layout}))
+            manifest = dataclasses.replace(
+                manifest, checksums=Checksums(manifest.checksums.algorithm, {n: sums[n] for n, _, _ in layout})
+            )
             writer.finish(manifest)
     return report
 

@@ -21,9 +21,7 @@ class ConverterError(Exception):
 
     exit_code = 2
 
-    def __init__(
-        self, message: str, *, path: str | Path | None = None, tensor: str | None = None
-    ) -> None:
+    def __init__(self, message: str, *, path: str | Path | None = None, tensor: str | None = None) -> None:
         self.rule = message
         self.path = str(path) if path is not None else None
         self.tensor = tensor

@@ -48,8 +48,13 @@ class HFIndex:
         return self.path.parent / name
 
 
-def read_index(path: Path, *, error: type[ConverterError], json_error: type[ConverterError] | None = None,
-               allow_empty: bool = False) -> HFIndex:
+def read_index(
+    path: Path,
+    *,
+    error: type[ConverterError],
+    json_error: type[ConverterError] | None = None,
+    allow_empty: bool = False,
+) -> HFIndex:
     """Read an index and check its own rules (not whether the shards exist).
 
     Args:

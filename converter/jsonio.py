@@ -67,8 +67,17 @@ class JsonError(ValueError):
         limit: the size bound (``TOO_LARGE``).
     """
 
-    def __init__(self, rule: JsonRule, detail: str, *, offset: int | None = None, key: str | None = None,
-                 where: tuple[str | int, ...] = (), found: type | None = None, limit: int | None = None) -> None:
+    def __init__(
+        self,
+        rule: JsonRule,
+        detail: str,
+        *,
+        offset: int | None = None,
+        key: str | None = None,
+        where: tuple[str | int, ...] = (),
+        found: type | None = None,
+        limit: int | None = None,
+    ) -> None:
         super().__init__(f"{rule.value}: {detail}")
         self.rule, self.detail, self.offset, self.key = rule, detail, offset, key
         self.where, self.found, self.limit = where, found, limit
@@ -90,8 +99,15 @@ class JsonError(ValueError):
 
 def json_type(value: object) -> str:
     """The JSON name of a parsed value's type ("object", "array", "integer", ...)."""
-    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
-            float: "number", type(None): "null"}.get(type(value), type(value).__name__)
+    return {
+        dict: "object",
+        list: "array",
+        str: "string",
+        bool: "boolean",
+        int: "integer",
+        float: "number",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
 
 
 def _reject_constant(token: str) -> NoReturn:
@@ -105,8 +121,9 @@ def _finite_float(token: str) -> float:
     return value
 
 
-def loads(data: bytes | str, *, object_required: bool = False, finite_numbers: bool = False,
-          max_bytes: int = MAX_JSON_BYTES) -> Any:
+def loads(
+    data: bytes | str, *, object_required: bool = False, finite_numbers: bool = False, max_bytes: int = MAX_JSON_BYTES
+) -> Any:
     """Parse one JSON document under the policy in the module docstring.
 
     Args:
@@ -181,8 +198,14 @@ def _path_to(root: Any, target: int) -> tuple[str | int, ...]:
     return ()
 
 
-def parse_object(raw: bytes | str, *, path: str | Path, what: str, error: type[ConverterError] = SourceFormatError,
-                 max_bytes: int = MAX_JSON_BYTES) -> dict[str, Any]:
+def parse_object(
+    raw: bytes | str,
+    *,
+    path: str | Path,
+    what: str,
+    error: type[ConverterError] = SourceFormatError,
+    max_bytes: int = MAX_JSON_BYTES,
+) -> dict[str, Any]:
     """:func:`loads` a document that must be an object, raising the caller's error.
 
     Raises:
@@ -195,8 +218,9 @@ def parse_object(raw: bytes | str, *, path: str | Path, what: str, error: type[C
         raise error(exc.message(what), path=path) from None
 
 
-def read_object(path: Path, *, what: str, error: type[ConverterError], max_bytes: int = MAX_JSON_BYTES
-                ) -> dict[str, Any]:
+def read_object(
+    path: Path, *, what: str, error: type[ConverterError], max_bytes: int = MAX_JSON_BYTES
+) -> dict[str, Any]:
     """Read a whole JSON file that must hold an object (configs, indexes).
 
     The size is checked from ``stat`` before anything is read.

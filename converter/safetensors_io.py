@@ -72,9 +72,7 @@ class SafetensorsFile:
         try:
             self.file_size = os.fstat(self._fh.fileno()).st_size
             self._parse_header()
-            self._mm = (
-                mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ) if self.file_size else None
-            )
+            self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ) if self.file_size else None
         except BaseException:
             self._fh.close()
             raise
@@ -89,21 +87,22 @@ class SafetensorsFile:
             self._fail(f"not a safetensors file: {self.file_size} bytes, need at least 8 for the header length")
         (n,) = struct.unpack("<Q", self._fh.read(8))
         if n > SAFETENSORS_MAX_HEADER_BYTES:
-            self._fail(f"not a safetensors file: header length {n} exceeds the {SAFETENSORS_MAX_HEADER_BYTES}-byte limit")
+            self._fail(
+                f"not a safetensors file: header length {n} exceeds the {SAFETENSORS_MAX_HEADER_BYTES}-byte limit"
+            )
         if 8 + n > self.file_size:
             self._fail(f"header length {n} runs past the end of the file ({self.file_size} bytes)")
         raw = self._fh.read(n)
-        header = parse_object(raw, path=self.path, what="safetensors header", error=self._error,
-                              max_bytes=SAFETENSORS_MAX_HEADER_BYTES)
+        header = parse_object(
+            raw, path=self.path, what="safetensors header", error=self._error, max_bytes=SAFETENSORS_MAX_HEADER_BYTES
+        )
         #: Whitespace after the JSON object (writers pad with spaces to align the data).
         #: Readers of our own artifacts treat anything but spaces here as corruption.
         self.header_padding = raw[len(raw.rstrip(b" \t\r\n")) :]
         self.header_size = n
         self.data_start = 8 + n
         meta = header.pop(SAFETENSORS_METADATA_KEY, None)
-        if meta is not None and (
-            not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values())
-        ):
+        if meta is not None and (not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values())):
             self._fail("__metadata__ must be a map of strings to strings", SAFETENSORS_METADATA_KEY)
         self.metadata: dict[str, str] = dict(meta or {})
         self._infos: dict[str, TensorInfo] = {}
@@ -118,7 +117,9 @@ class SafetensorsFile:
                 self._fail(f"data_offsets [{begin}, {end}) {kind} (expected begin {expect})", name)
             expect = end
         if expect != data_len:
-            self._fail(f"{data_len - expect} trailing bytes after the last tensor (data ends at {expect}, buffer is {data_len})")
+            self._fail(
+                f"{data_len - expect} trailing bytes after the last tensor (data ends at {expect}, buffer is {data_len})"
+            )
 
     def _parse_entry(self, name: str, entry: object, data_len: int) -> tuple[TensorInfo, tuple[int, int]]:
         if not isinstance(entry, dict):
@@ -140,7 +141,9 @@ class SafetensorsFile:
             self._fail(f"data_offsets must be [begin, end] with 0 <= begin <= end, found {offsets!r}", name)
         begin, end = offsets
         if end > data_len:
-            self._fail(f"data_offsets end {end} is past the end of the data buffer ({data_len} bytes; file truncated?)", name)
+            self._fail(
+                f"data_offsets end {end} is past the end of the data buffer ({data_len} bytes; file truncated?)", name
+            )
         itemsize = np.dtype(SAFETENSORS_DTYPES[dtype]).itemsize
         nbytes = math.prod(shape) * itemsize
         if nbytes != end - begin:
@@ -262,7 +265,9 @@ class StreamingWriter:
         ConverterError: the folder is not writable.
     """
 
-    def __init__(self, path: str | Path, layout: Iterable[tuple[str, str, tuple[int, ...]]], *, header_reserve: int) -> None:
+    def __init__(
+        self, path: str | Path, layout: Iterable[tuple[str, str, tuple[int, ...]]], *, header_reserve: int
+    ) -> None:
         self.path = Path(path)
         items = list(layout)
         order = sorted(range(len(items)), key=lambda i: -np.dtype(SAFETENSORS_DTYPES[items[i][1]]).itemsize)
@@ -315,7 +320,9 @@ class StreamingWriter:
         """
         offset, nbytes, dt = self._spans[name]
         data = np.ascontiguousarray(data)
-        if data.dtype.newbyteorder("<") != dt.newbyteorder("<") and not (data.dtype.kind == dt.kind and data.dtype.itemsize == dt.itemsize):
+        if data.dtype.newbyteorder("<") != dt.newbyteorder("<") and not (
+            data.dtype.kind == dt.kind and data.dtype.itemsize == dt.itemsize
+        ):
             raise ValueError(f"{name}: dtype {data.dtype} does not match {dt}")
         shape = self.entries[name]["shape"]
         row_bytes = dt.itemsize * math.prod(shape[1:]) if len(shape) > 1 else dt.itemsize

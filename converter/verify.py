@@ -71,8 +71,9 @@ def _first_diff(a: np.ndarray, b: np.ndarray) -> str:
     return f"{len(bad)} of {a.size} differ; first at {list(idx)}: {a[idx].item()} vs source {b[idx].item()}"
 
 
-def compare_against(art: Artifact, source: Source, report: Report, layer_rows: dict[str, dict[str, Any]],
-                    skip: set[str] = frozenset()) -> dict[str, QuantWeight]:
+def compare_against(
+    art: Artifact, source: Source, report: Report, layer_rows: dict[str, dict[str, Any]], skip: set[str] = frozenset()
+) -> dict[str, QuantWeight]:
     """Compare the artifact with its source exactly; append problems to ``report``.
 
     Checks that the artifact holds exactly the tensors a conversion of this source
@@ -90,8 +91,12 @@ def compare_against(art: Artifact, source: Source, report: Report, layer_rows: d
     changed = sorted(n for n in recorded.keys() & actual.keys() if recorded[n] != actual[n])
     if changed or not recorded.keys() & actual.keys():
         what = ", ".join(changed) if changed else "no file names in common"
-        report.add(P.SOURCE_DIFFERS, f"the source is not the one this artifact was converted from (sha256 differs: {what}); "
-                   "the comparisons below will show where", str(source.path))
+        report.add(
+            P.SOURCE_DIFFERS,
+            f"the source is not the one this artifact was converted from (sha256 differs: {what}); "
+            "the comparisons below will show where",
+            str(source.path),
+        )
     plan = source.plan()
     loaded: dict[str, QuantWeight] = {}
     src_layers = {lay.name: lay for lay in plan.layers if lay.convertible}
@@ -108,21 +113,36 @@ def compare_against(art: Artifact, source: Source, report: Report, layer_rows: d
             expected |= set(lay.source_tensors) | ({lay.bias.name} if lay.bias else set())
     present = set(art.file.infos)
     for name in sorted(expected - present):
-        report.add(P.SOURCE_MISMATCH, f"{name}: a conversion of the source has this tensor; the artifact lacks it", name)
+        report.add(
+            P.SOURCE_MISMATCH, f"{name}: a conversion of the source has this tensor; the artifact lacks it", name
+        )
     for name in sorted(present - expected):
-        report.add(P.SOURCE_MISMATCH, f"{name}: in the artifact, but a conversion of the source has no such tensor", name)
+        report.add(
+            P.SOURCE_MISMATCH, f"{name}: in the artifact, but a conversion of the source has no such tensor", name
+        )
     for name, rec in art.layers.items():
         if name not in src_layers or name in skip:
             continue
         lay = src_layers[name]
-        facts = {"size_k": (rec.size_k, lay.size_k), "size_n": (rec.size_n, lay.size_n),
-                 "group_size": (rec.group_size, lay.group_size), "bits": (rec.bits, lay.bits),
-                 "zero_convention": (rec.zero_convention.value, lay.zero_convention.value),
-                 "has_bias": (rec.has_bias, lay.bias is not None), "act_order": (rec.act_order, lay.act_order)}
+        facts = {
+            "size_k": (rec.size_k, lay.size_k),
+            "size_n": (rec.size_n, lay.size_n),
+            "group_size": (rec.group_size, lay.group_size),
+            "bits": (rec.bits, lay.bits),
+            "zero_convention": (rec.zero_convention.value, lay.zero_convention.value),
+            "has_bias": (rec.has_bias, lay.bias is not None),
+            "act_order": (rec.act_order, lay.act_order),
+        }
         differ = [key for key, (mine, theirs) in facts.items() if mine != theirs]
         for key in differ:
             mine, theirs = facts[key]
-            report.add(P.SOURCE_MISMATCH, f"layer {name}: manifest says {key} = {mine}, the source gives {theirs}", name, theirs, mine)
+            report.add(
+                P.SOURCE_MISMATCH,
+                f"layer {name}: manifest says {key} = {mine}, the source gives {theirs}",
+                name,
+                theirs,
+                mine,
+            )
         if differ:
             continue  # values of differently shaped layers cannot be compared
         qw = source.load_layer(lay)
@@ -134,16 +154,28 @@ def compare_against(art: Artifact, source: Source, report: Report, layer_rows: d
             "delta": (u["delta"], np.ascontiguousarray(qw.marlin_delta(), dtype=np.float32)),
         }
         if (u["perm"] is None) != (qw.perm is None):
-            report.add(P.SOURCE_MISMATCH, f"layer {name}: act-order permutation present in only one of artifact and source", name)
+            report.add(
+                P.SOURCE_MISMATCH,
+                f"layer {name}: act-order permutation present in only one of artifact and source",
+                name,
+            )
         elif u["perm"] is not None:
             checks["perm"] = (u["perm"], qw.perm)
         row = layer_rows[name]
         for what, (mine, theirs) in checks.items():
             if mine.shape != theirs.shape:
-                report.add(P.SOURCE_MISMATCH, f"layer {name}: {what} shape {list(mine.shape)} vs source {list(theirs.shape)}", name)
+                report.add(
+                    P.SOURCE_MISMATCH,
+                    f"layer {name}: {what} shape {list(mine.shape)} vs source {list(theirs.shape)}",
+                    name,
+                )
                 row[f"{what}_exact"] = False
             elif not np.array_equal(_bits(mine), _bits(theirs)):
-                report.add(P.SOURCE_MISMATCH, f"layer {name}: {what} not bit-identical to the source: {_first_diff(mine, theirs)}", name)
+                report.add(
+                    P.SOURCE_MISMATCH,
+                    f"layer {name}: {what} not bit-identical to the source: {_first_diff(mine, theirs)}",
+                    name,
+                )
                 row[f"{what}_exact"] = False
             else:
                 row[f"{what}_exact"] = True
@@ -162,8 +194,12 @@ def compare_against(art: Artifact, source: Source, report: Report, layer_rows: d
             continue
         info = art.file.infos[name]
         if (info.dtype, info.shape) != (t.dtype, tuple(t.shape)):
-            report.add(P.SOURCE_MISMATCH, f"{name}: {info.dtype} {list(info.shape)} vs source {t.dtype} {list(t.shape)}", name)
-        elif xxhash.xxh3_128_hexdigest(art.file.raw(name)) != xxhash.xxh3_128_hexdigest(np.ascontiguousarray(t.data).tobytes()):
+            report.add(
+                P.SOURCE_MISMATCH, f"{name}: {info.dtype} {list(info.shape)} vs source {t.dtype} {list(t.shape)}", name
+            )
+        elif xxhash.xxh3_128_hexdigest(art.file.raw(name)) != xxhash.xxh3_128_hexdigest(
+            np.ascontiguousarray(t.data).tobytes()
+        ):
             report.add(P.SOURCE_MISMATCH, f"{name}: bytes differ from the source", name)
     return loaded
 
@@ -220,8 +256,15 @@ def verify(
     report, art = validate_artifact(path)
     with art:
         rows = {
-            rec.name: {"name": rec.name, "size_k": rec.size_k, "size_n": rec.size_n, "group_size": rec.group_size,
-                       "bits": rec.bits, "symmetric": rec.symmetric, "act_order": rec.act_order}
+            rec.name: {
+                "name": rec.name,
+                "size_k": rec.size_k,
+                "size_n": rec.size_n,
+                "group_size": rec.group_size,
+                "bits": rec.bits,
+                "symmetric": rec.symmetric,
+                "act_order": rec.act_order,
+            }
             for rec in art.layers.values()
         }
         report.layers = list(rows.values())
@@ -248,7 +291,13 @@ def verify(
             err = cpu_numerics(art, rec, source_layers.get(name), rng)
             rows[name]["cpu_rel_err"] = err
             if not err <= CPU_REL_TOL:
-                report.add(P.NUMERICS, f"layer {name}: CPU relative error {err:.3g} exceeds {CPU_REL_TOL:g}", name, CPU_REL_TOL, err)
+                report.add(
+                    P.NUMERICS,
+                    f"layer {name}: CPU relative error {err:.3g} exceeds {CPU_REL_TOL:g}",
+                    name,
+                    CPU_REL_TOL,
+                    err,
+                )
             if progress:
                 progress("", 1)
         report.checked["cpu_numerics"] = True
@@ -257,7 +306,16 @@ def verify(
     return report
 
 
-def _gpu_numerics(art: Artifact, report: Report, rows: dict[str, dict[str, Any]], source_layers: dict[str, QuantWeight], *, forced: bool, progress, skip: set[str]) -> None:
+def _gpu_numerics(
+    art: Artifact,
+    report: Report,
+    rows: dict[str, dict[str, Any]],
+    source_layers: dict[str, QuantWeight],
+    *,
+    forced: bool,
+    progress,
+    skip: set[str],
+) -> None:
     try:
         from .gpu.runtime import require_gpu
         from .gpu.verify import verify_layer_gpu
@@ -283,14 +341,22 @@ def _gpu_numerics(art: Artifact, report: Report, rows: dict[str, dict[str, Any]]
         w_ref = _source_weight(source_layers[name]) if name in source_layers else artifact_weight(u, rec)
         p = name + "."
         res = verify_layer_gpu(
-            np.asarray(art.tensor(p + Suffix.B.value)), np.asarray(art.tensor(p + Suffix.SCALES.value)),
-            u["delta"], u["perm"], rec.size_k, rec.size_n, rec.group_size, w_ref,
+            np.asarray(art.tensor(p + Suffix.B.value)),
+            np.asarray(art.tensor(p + Suffix.SCALES.value)),
+            u["delta"],
+            u["perm"],
+            rec.size_k,
+            rec.size_n,
+            rec.group_size,
+            w_ref,
         )
         per_m = {str(m): v for m, v in res.items() if m != "ok"}
         rows[name]["gpu"] = {
             "mean_rel_err": max(max(v["mean_rel_err"], v.get("two_kernel_mean_rel_err", 0.0)) for v in per_m.values()),
             "max_rel_err": max(max(v["max_rel_err"], v.get("two_kernel_max_rel_err", 0.0)) for v in per_m.values()),
-            "deterministic": all(v["deterministic"] and v.get("two_kernel_deterministic", True) for v in per_m.values()),
+            "deterministic": all(
+                v["deterministic"] and v.get("two_kernel_deterministic", True) for v in per_m.values()
+            ),
             "ok": bool(res["ok"]),
             "per_m": per_m,
         }
@@ -299,7 +365,10 @@ def _gpu_numerics(art: Artifact, report: Report, rows: dict[str, dict[str, Any]]
             report.add(
                 P.GPU_NUMERICS,
                 f"layer {name}: GPU mean relative error {g['mean_rel_err']:.3g} (limit {GPU_MEAN_REL_TOL:g}), "
-                f"deterministic over repeats: {g['deterministic']}", name, GPU_MEAN_REL_TOL, g["mean_rel_err"],
+                f"deterministic over repeats: {g['deterministic']}",
+                name,
+                GPU_MEAN_REL_TOL,
+                g["mean_rel_err"],
             )
         if progress:
             progress("", 1)

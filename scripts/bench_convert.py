@@ -100,17 +100,31 @@ def bench_convert(src: Path, out_dir: Path, runs: int) -> dict:
     rss = child_maxrss_bytes()
     cp_t, conv_t = min(cps), min(convs)
     res = {
-        "input": str(src), "input_bytes": in_bytes, "files": len(files), "runs": runs,
-        "cp_s": cp_t, "convert_s": conv_t, "ratio": conv_t / cp_t,
-        "convert_GBps": in_bytes / conv_t / 1e9, "cp_GBps": in_bytes / cp_t / 1e9,
-        "peak_rss_bytes": rss, "largest_tensor": name, "largest_tensor_bytes": big, "rss_bound_bytes": bound,
-        "rss_ok": rss <= bound, "time_ok": conv_t <= 2 * cp_t,
+        "input": str(src),
+        "input_bytes": in_bytes,
+        "files": len(files),
+        "runs": runs,
+        "cp_s": cp_t,
+        "convert_s": conv_t,
+        "ratio": conv_t / cp_t,
+        "convert_GBps": in_bytes / conv_t / 1e9,
+        "cp_GBps": in_bytes / cp_t / 1e9,
+        "peak_rss_bytes": rss,
+        "largest_tensor": name,
+        "largest_tensor_bytes": big,
+        "rss_bound_bytes": bound,
+        "rss_ok": rss <= bound,
+        "time_ok": conv_t <= 2 * cp_t,
     }
-    print(f"input {in_bytes / MB:.0f} MB in {len(files)} files; best of {runs}: cp {cp_t:.2f} s "
-          f"({res['cp_GBps']:.2f} GB/s), marlin-convert {conv_t:.2f} s ({res['convert_GBps']:.2f} GB/s): "
-          f"ratio {res['ratio']:.2f}x (target <= 2x: {'met' if res['time_ok'] else 'MISSED'})")
-    print(f"peak RSS {rss / MB:.0f} MB; largest tensor {name} {big / MB:.1f} MB; bound 3x + 300 MiB = "
-          f"{bound / MB:.0f} MB ({'met' if res['rss_ok'] else 'MISSED'})")
+    print(
+        f"input {in_bytes / MB:.0f} MB in {len(files)} files; best of {runs}: cp {cp_t:.2f} s "
+        f"({res['cp_GBps']:.2f} GB/s), marlin-convert {conv_t:.2f} s ({res['convert_GBps']:.2f} GB/s): "
+        f"ratio {res['ratio']:.2f}x (target <= 2x: {'met' if res['time_ok'] else 'MISSED'})"
+    )
+    print(
+        f"peak RSS {rss / MB:.0f} MB; largest tensor {name} {big / MB:.1f} MB; bound 3x + 300 MiB = "
+        f"{bound / MB:.0f} MB ({'met' if res['rss_ok'] else 'MISSED'})"
+    )
     return res
 
 
@@ -170,11 +184,20 @@ def bench_packer(size: int = 8192, group_size: int = 128, repeat: int = 3) -> di
     t_fast, fast = _best(lambda: pack_b_from_gptq4(words), repeat)
     t_unpack, _ = _best(lambda: pack_b(unpack_words(words, 4, axis=0)), repeat)
     same = bool(np.array_equal(ref, ours)) and bool(np.array_equal(ref, fast))
-    res = {"size": size, "reference_s": t_ref, "pack_b_s": t_ours, "speedup": t_ref / t_ours,
-           "gptq_words_fast_s": t_fast, "gptq_unpack_then_pack_s": t_unpack, "bit_identical": same}
-    print(f"packer {size}x{size}, group {group_size}: reference (float round trip) {t_ref:.2f} s; "
-          f"pack_b {t_ours:.3f} s ({res['speedup']:.0f}x, target >= 10x: {'met' if res['speedup'] >= 10 else 'MISSED'}); "
-          f"bit-identical: {same}")
+    res = {
+        "size": size,
+        "reference_s": t_ref,
+        "pack_b_s": t_ours,
+        "speedup": t_ref / t_ours,
+        "gptq_words_fast_s": t_fast,
+        "gptq_unpack_then_pack_s": t_unpack,
+        "bit_identical": same,
+    }
+    print(
+        f"packer {size}x{size}, group {group_size}: reference (float round trip) {t_ref:.2f} s; "
+        f"pack_b {t_ours:.3f} s ({res['speedup']:.0f}x, target >= 10x: {'met' if res['speedup'] >= 10 else 'MISSED'}); "
+        f"bit-identical: {same}"
+    )
     print(f"  from GPTQ qweight words: pack_b_from_gptq4 {t_fast:.3f} s vs unpack_words + pack_b {t_unpack:.3f} s")
     return res
 

@@ -110,12 +110,20 @@ def main() -> int:
     ap.add_argument("--ms", default=None, help="e.g. 1,16,64")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--calls", type=int, default=24, help="launches per graph (at least the copy count)")
-    ap.add_argument("--force-wk", type=int, default=None, choices=(1, 4),
-                    help="force the GEMM block shape (experiments; see converter.gpu.plan.Tuning.force_wk)")
-    ap.add_argument("--sweep", default=None,
-                    help="extra our-kernel variants to time, e.g. d1x4x3w1,t1x4x3w1 (d = decode kernel with NT "
-                         "8-row tiles, w = the same with per-weight scaling, t = tile kernel with MT "
-                         "16-row tiles; x U x NS; w = waves target)")
+    ap.add_argument(
+        "--force-wk",
+        type=int,
+        default=None,
+        choices=(1, 4),
+        help="force the GEMM block shape (experiments; see converter.gpu.plan.Tuning.force_wk)",
+    )
+    ap.add_argument(
+        "--sweep",
+        default=None,
+        help="extra our-kernel variants to time, e.g. d1x4x3w1,t1x4x3w1 (d = decode kernel with NT "
+        "8-row tiles, w = the same with per-weight scaling, t = tile kernel with MT "
+        "16-row tiles; x U x NS; w = waves target)",
+    )
     args = ap.parse_args()
 
     import cupy as cp
@@ -129,20 +137,21 @@ def main() -> int:
     shapes = SHAPES if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ms = MS if not args.ms else [int(v) for v in args.ms.split(",")]
     bw, rate = ceilings(cp, torch)
-    print(f"# {info.name} sm_{info.compute_capability} {info.sm_count} SMs; copy {bw / 1e12:.2f} TB/s, "
-          f"fp16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+    print(
+        f"# {info.name} sm_{info.compute_capability} {info.sm_count} SMs; copy {bw / 1e12:.2f} TB/s, "
+        f"fp16 matmul {rate / 1e12:.0f} TFLOP/s",
+        flush=True,
+    )
     int4_note = None
     results = []
     cp.random.seed(0)
-    for (k, n) in shapes:
+    for k, n in shapes:
         g = k // GROUP
         int4_bytes = k * n // 2 + g * n * 2
         delta_bytes = g * n * 2  # the fused GEMM reads fp16(delta) (kernels.prepare_delta)
         copies = max(2, math.ceil(2 * L2_BYTES / int4_bytes))
-        Bs = [(cp.random.random((k // 16, 2 * n)) * 2**32).astype(cp.uint32).view(cp.int32)
-              for _ in range(copies)]
-        Ss = [(cp.random.random((g, n), dtype=cp.float32) * 0.02 + 0.001).astype(cp.float16)
-              for _ in range(copies)]
+        Bs = [(cp.random.random((k // 16, 2 * n)) * 2**32).astype(cp.uint32).view(cp.int32) for _ in range(copies)]
+        Ss = [(cp.random.random((g, n), dtype=cp.float32) * 0.02 + 0.001).astype(cp.float16) for _ in range(copies)]
         Ds = [(cp.random.random((g, n), dtype=cp.float32) - 0.5) * 0.05 for _ in range(copies)]
         Ds16 = [kernels.prepare_delta(d) for d in Ds]  # done once at load time by MarlinLinear
         f16_copies = max(2, math.ceil(2 * L2_BYTES / (k * n * 2)))
@@ -163,6 +172,7 @@ def main() -> int:
             kw = dict(size_k=k, size_n=n, group_size=GROUP, tuning=base)
             calls = max(args.calls, copies)
             row = {"K": k, "N": n, "M": m, "plan": dataclasses.asdict(kernels.gemm_plan(m, k, n, GROUP, tuning=base))}
+
             def safe(fn, *a):
                 try:
                     return fn(*a)
@@ -170,17 +180,42 @@ def main() -> int:
                     row.setdefault("errors", []).append(f"{type(exc).__name__}: {str(exc)[:160]}")
                     return float("nan")
 
-            row["ours_sym"] = safe(timed_graph, cp, [
-                (lambda i=i: kernels.marlin_gemm(a, Bs[i % copies], Ss[i % copies], out=out, **kw))
-                for i in range(calls)], args.reps)
-            row["ours_fused"] = safe(timed_graph, cp, [
-                (lambda i=i: kernels.marlin_gemm(a, Bs[i % copies], Ss[i % copies], delta=Ds16[i % copies],
-                                                 out=out, **kw)) for i in range(calls)], args.reps)
-            row["ours_2k"] = safe(timed_graph, cp, [
-                (lambda i=i: kernels.marlin_gemm_two_kernel(a, Bs[i % copies], Ss[i % copies],
-                                                            delta=Ds[i % copies], out=out, **kw))
-                for i in range(calls)], args.reps)
-            for spec in (args.sweep.split(",") if args.sweep else []):
+            row["ours_sym"] = safe(
+                timed_graph,
+                cp,
+                [
+                    (lambda i=i: kernels.marlin_gemm(a, Bs[i % copies], Ss[i % copies], out=out, **kw))
+                    for i in range(calls)
+                ],
+                args.reps,
+            )
+            row["ours_fused"] = safe(
+                timed_graph,
+                cp,
+                [
+                    (
+                        lambda i=i: kernels.marlin_gemm(
+                            a, Bs[i % copies], Ss[i % copies], delta=Ds16[i % copies], out=out, **kw
+                        )
+                    )
+                    for i in range(calls)
+                ],
+                args.reps,
+            )
+            row["ours_2k"] = safe(
+                timed_graph,
+                cp,
+                [
+                    (
+                        lambda i=i: kernels.marlin_gemm_two_kernel(
+                            a, Bs[i % copies], Ss[i % copies], delta=Ds[i % copies], out=out, **kw
+                        )
+                    )
+                    for i in range(calls)
+                ],
+                args.reps,
+            )
+            for spec in args.sweep.split(",") if args.sweep else []:
                 # d|w|t R x U x NS w waves [o blocks per SM], e.g. d1x4x3w1, t1x4x3w1, d1x4x3w1o3
                 pipe_s, w = spec.rsplit("w", 1)
                 w, _, occ = w.partition("o")
@@ -188,22 +223,48 @@ def main() -> int:
                 pipe = (kind,) + tuple(int(v) for v in pipe_s[1:].split("x"))
                 cap = ((kind, int(occ)),) if occ else base.occupancy_cap
                 skw = {**kw, "tuning": dataclasses.replace(base, waves=int(w), occupancy_cap=cap)}
-                row[f"sym_{spec}"] = safe(timed_graph, cp, [
-                    (lambda i=i: kernels.marlin_gemm(a, Bs[i % copies], Ss[i % copies], out=out, pipe=pipe, **skw))
-                    for i in range(calls)], args.reps)
-                row[f"fused_{spec}"] = safe(timed_graph, cp, [
-                    (lambda i=i: kernels.marlin_gemm(a, Bs[i % copies], Ss[i % copies], delta=Ds16[i % copies],
-                                                     out=out, pipe=pipe, **skw)) for i in range(calls)], args.reps)
+                row[f"sym_{spec}"] = safe(
+                    timed_graph,
+                    cp,
+                    [
+                        (lambda i=i: kernels.marlin_gemm(a, Bs[i % copies], Ss[i % copies], out=out, pipe=pipe, **skw))
+                        for i in range(calls)
+                    ],
+                    args.reps,
+                )
+                row[f"fused_{spec}"] = safe(
+                    timed_graph,
+                    cp,
+                    [
+                        (
+                            lambda i=i: kernels.marlin_gemm(
+                                a, Bs[i % copies], Ss[i % copies], delta=Ds16[i % copies], out=out, pipe=pipe, **skw
+                            )
+                        )
+                        for i in range(calls)
+                    ],
+                    args.reps,
+                )
             at = torch.randn(m, k, device="cuda", dtype=torch.float16)
             fc = max(args.calls, f16_copies)
-            row["fp16"] = timed_torch_graph(torch, [(lambda i=i: torch.matmul(at, Ws[i % f16_copies]))
-                                                    for i in range(fc)], args.reps)
+            row["fp16"] = timed_torch_graph(
+                torch, [(lambda i=i: torch.matmul(at, Ws[i % f16_copies])) for i in range(fc)], args.reps
+            )
             if packed is not None:
                 ab = at.to(torch.bfloat16)
                 try:
-                    row["int4pack"] = timed_torch_graph(torch, [
-                        (lambda i=i: torch.ops.aten._weight_int4pack_mm(ab, packed[i % copies], GROUP, sz[i % copies]))
-                        for i in range(calls)], args.reps)
+                    row["int4pack"] = timed_torch_graph(
+                        torch,
+                        [
+                            (
+                                lambda i=i: torch.ops.aten._weight_int4pack_mm(
+                                    ab, packed[i % copies], GROUP, sz[i % copies]
+                                )
+                            )
+                            for i in range(calls)
+                        ],
+                        args.reps,
+                    )
                 except Exception as exc:
                     int4_note = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                     row["int4pack"] = None
@@ -219,33 +280,48 @@ def main() -> int:
             row["eff_bw_fused_TBps"] = (int4_bytes + delta_bytes) / (row["ours_fused"] * 1e-6) / 1e12
             results.append(row)
             i4 = f"{row['int4pack']:9.1f}" if row["int4pack"] else "      n/a"
-            print(f"{k:6d} {n:6d} {m:4d} | sym {row['ours_sym']:8.1f} fused {row['ours_fused']:8.1f} "
-                  f"2k {row['ours_2k']:8.1f} fp16 {row['fp16']:8.1f} int4 {i4} | "
-                  f"x{row['fp16'] / row['ours_sym']:5.2f} x{row['fp16'] / row['ours_fused']:5.2f} "
-                  f"fused+{100 * (row['ours_fused'] / row['ours_sym'] - 1):5.1f}% "
-                  f"floor {row['floor_sym_us']:7.1f} splits {row['plan']['splits']}"
-                  + "".join(f" {key[4:]}:{v:.1f}" for key, v in row.items() if key.startswith("sym_")), flush=True)
+            print(
+                f"{k:6d} {n:6d} {m:4d} | sym {row['ours_sym']:8.1f} fused {row['ours_fused']:8.1f} "
+                f"2k {row['ours_2k']:8.1f} fp16 {row['fp16']:8.1f} int4 {i4} | "
+                f"x{row['fp16'] / row['ours_sym']:5.2f} x{row['fp16'] / row['ours_fused']:5.2f} "
+                f"fused+{100 * (row['ours_fused'] / row['ours_sym'] - 1):5.1f}% "
+                f"floor {row['floor_sym_us']:7.1f} splits {row['plan']['splits']}"
+                + "".join(f" {key[4:]}:{v:.1f}" for key, v in row.items() if key.startswith("sym_")),
+                flush=True,
+            )
         del Bs, Ss, Ds, Ds16, Ws, packed, sz
         cp.get_default_memory_pool().free_all_blocks()
         torch.cuda.empty_cache()
 
-    print("\n|   K   |   N   |  M  | ours sym us | fused us | 2-kernel us | fp16 us | int4pack us "
-          "| x fp16 (sym) | x fp16 (fused) | x int4pack | fused overhead | floor us (fused) |")
+    print(
+        "\n|   K   |   N   |  M  | ours sym us | fused us | 2-kernel us | fp16 us | int4pack us "
+        "| x fp16 (sym) | x fp16 (fused) | x int4pack | fused overhead | floor us (fused) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         i4 = f"{r['int4pack']:.1f}" if r["int4pack"] else "n/a"
         xi4 = f"{r['int4pack'] / r['ours_fused']:.2f}" if r["int4pack"] else "n/a"
-        print(f"| {r['K']} | {r['N']} | {r['M']} | {r['ours_sym']:.1f} | {r['ours_fused']:.1f} | "
-              f"{r['ours_2k']:.1f} | {r['fp16']:.1f} | {i4} | {r['fp16'] / r['ours_sym']:.2f} | "
-              f"{r['fp16'] / r['ours_fused']:.2f} | {xi4} | {100 * (r['ours_fused'] / r['ours_sym'] - 1):.1f}% | "
-              f"{r['floor_fused_us']:.1f} |")
+        print(
+            f"| {r['K']} | {r['N']} | {r['M']} | {r['ours_sym']:.1f} | {r['ours_fused']:.1f} | "
+            f"{r['ours_2k']:.1f} | {r['fp16']:.1f} | {i4} | {r['fp16'] / r['ours_sym']:.2f} | "
+            f"{r['fp16'] / r['ours_fused']:.2f} | {xi4} | {100 * (r['ours_fused'] / r['ours_sym'] - 1):.1f}% | "
+            f"{r['floor_fused_us']:.1f} |"
+        )
     if args.json_out:
-        doc = {"device": info.name, "sm": info.compute_capability, "sm_count": info.sm_count,
-               "copy_bw_TBps": bw / 1e12, "fp16_matmul_TFLOPs": rate / 1e12, "group_size": GROUP,
-               "torch": torch.__version__, "cupy": cp.__version__, "int4pack_note": int4_note,
-               "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-               "command": "PYTHONPATH=$PWD python3 scripts/bench_gemm.py " + " ".join(sys.argv[1:]),
-               "results": results}
+        doc = {
+            "device": info.name,
+            "sm": info.compute_capability,
+            "sm_count": info.sm_count,
+            "copy_bw_TBps": bw / 1e12,
+            "fp16_matmul_TFLOPs": rate / 1e12,
+            "group_size": GROUP,
+            "torch": torch.__version__,
+            "cupy": cp.__version__,
+            "int4pack_note": int4_note,
+            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "command": "PYTHONPATH=$PWD python3 scripts/bench_gemm.py " + " ".join(sys.argv[1:]),
+            "results": results,
+        }
         with open(args.json_out, "w") as f:
             json.dump(doc, f, indent=1)
     if int4_note:

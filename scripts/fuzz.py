@@ -115,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(ran.values())
     for t in targets:
         o = outcome[t]
-        print(f"{t:12s} {ran[t]:8d} examples, {failed[t]:5d} failures "
-              f"(accepted {o['accepted']}, refused with our own error {o['refused']})")
+        print(
+            f"{t:12s} {ran[t]:8d} examples, {failed[t]:5d} failures "
+            f"(accepted {o['accepted']}, refused with our own error {o['refused']})"
+        )
     print(f"total        {total:8d} examples in {dt:.0f} s ({total / dt:.0f}/s), {sum(failed.values())} failures")
     for r in reports[:20]:
         print(r)

@@ -22,12 +22,18 @@ for bits, group, act in [(2, 128, False), (3, 64, False), (3, 128, True), (4, 32
     rng = np.random.default_rng(bits * 100 + group)
     lay = make_layer(rng, 1024, 512, bits=bits, group_size=group, act_order=act, zeros="with_zero", bias=True)
     case = out / f"b{bits}-g{group}-act{int(act)}"
-    src = write_checkpoint(case / "src", {**gptq_tensors(P, lay, v1=True), **plain_tensors(rng)},
-                           gptq_config(bits, group, desc_act=act), where="quantize_config.json")
+    src = write_checkpoint(
+        case / "src",
+        {**gptq_tensors(P, lay, v1=True), **plain_tensors(rng)},
+        gptq_config(bits, group, desc_act=act),
+        where="quantize_config.json",
+    )
     convert(src, case / "a.safetensors")
     rep = verify(case / "a.safetensors", against=src, gpu=True)
     g = rep.layers[0]["gpu"]
     ok &= rep.ok
-    print(f"bits={bits} group={group:4d} act_order={act!s:5s} gpu mean {g['mean_rel_err']:.2e} max {g['max_rel_err']:.2e} "
-          f"deterministic={g['deterministic']} ok={rep.ok} {[p.message for p in rep.problems if p.severity == 'error'][:2]}")
+    print(
+        f"bits={bits} group={group:4d} act_order={act!s:5s} gpu mean {g['mean_rel_err']:.2e} max {g['max_rel_err']:.2e} "
+        f"deterministic={g['deterministic']} ok={rep.ok} {[p.message for p in rep.problems if p.severity == 'error'][:2]}"
+    )
 sys.exit(0 if ok else 1)

@@ -44,11 +44,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bias", action="store_true")
     a = ap.parse_args(argv)
-    info = write_gptq(a.folder, hidden=a.hidden, intermediate=a.intermediate, kv=a.kv, blocks=a.blocks, vocab=a.vocab,
-                      shards=a.shards, group_size=a.group_size, seed=a.seed, bias=a.bias)
+    info = write_gptq(
+        a.folder,
+        hidden=a.hidden,
+        intermediate=a.intermediate,
+        kv=a.kv,
+        blocks=a.blocks,
+        vocab=a.vocab,
+        shards=a.shards,
+        group_size=a.group_size,
+        seed=a.seed,
+        bias=a.bias,
+    )
     name, nb = info["largest_tensor"]
-    print(f"wrote {a.folder}: {len(info['files'])} shards, {info['tensors']} tensors, {info['bytes'] / 1e9:.3f} GB; "
-          f"largest tensor {name} = {nb / 1e6:.1f} MB")
+    print(
+        f"wrote {a.folder}: {len(info['files'])} shards, {info['tensors']} tensors, {info['bytes'] / 1e9:.3f} GB; "
+        f"largest tensor {name} = {nb / 1e6:.1f} MB"
+    )
     return 0
 
 

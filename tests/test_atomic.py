@@ -66,7 +66,10 @@ def _kill_mid_write(src: Path, out: Path, *, min_written: float = 0.05, timeout:
     code = "import sys; from converter.cli import main_convert; sys.argv[0] = 'marlin-convert'; main_convert()"
     proc = subprocess.Popen(
         [sys.executable, "-c", code, str(src), str(out), "--force", "--quiet"],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
     deadline = time.monotonic() + timeout
     try:
@@ -114,13 +117,17 @@ def _check_kill(tmp_path: Path, src: Path) -> None:
 
 def test_sigkill_mid_write_leaves_old_output_untouched(tmp_path: Path) -> None:
     """Small real version (~40 MB input) for the default run."""
-    src = small_gptq(tmp_path / "src", hidden=1024, intermediate=4096, kv=256, blocks=2, vocab=4096, shards=2, group_size=128)
+    src = small_gptq(
+        tmp_path / "src", hidden=1024, intermediate=4096, kv=256, blocks=2, vocab=4096, shards=2, group_size=128
+    )
     _check_kill(tmp_path, src)
 
 
 @pytest.mark.slow
 def test_sigkill_mid_write_300mb(tmp_path: Path) -> None:
-    src = small_gptq(tmp_path / "src", hidden=4096, intermediate=14336, kv=1024, blocks=2, vocab=8192, shards=3, group_size=128)
+    src = small_gptq(
+        tmp_path / "src", hidden=4096, intermediate=14336, kv=1024, blocks=2, vocab=8192, shards=3, group_size=128
+    )
     assert sum(p.stat().st_size for p in src.glob("*.safetensors")) > 300e6
     _check_kill(tmp_path, src)
 
@@ -151,7 +158,9 @@ def test_existing_output_needs_force(tmp_path: Path) -> None:
     src = small_gptq(tmp_path / "src")
     out = tmp_path / "model.marlin.safetensors"
     out.write_bytes(OLD)
-    with pytest.raises(OutputExistsError, match=r"model.marlin.safetensors: output exists; pass --force to overwrite it"):
+    with pytest.raises(
+        OutputExistsError, match=r"model.marlin.safetensors: output exists; pass --force to overwrite it"
+    ):
         convert(src, out)
     assert out.read_bytes() == OLD
 

@@ -27,10 +27,13 @@ def gptq_copy(realinput: Path, tmp_path: Path) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("tool,words", [
-    ("marlin-convert", ["--force", "--dry-run", "--json", "Exit codes"]),
-    ("marlin-verify", ["--shapes", "--against", "--gpu", "--cpu", "--json", "Exit codes"]),
-])
+@pytest.mark.parametrize(
+    "tool,words",
+    [
+        ("marlin-convert", ["--force", "--dry-run", "--json", "Exit codes"]),
+        ("marlin-verify", ["--shapes", "--against", "--gpu", "--cpu", "--json", "Exit codes"]),
+    ],
+)
 def test_help(tool: str, words: list[str]) -> None:
     res = run_cli(tool, "--help")
     assert res.returncode == 0, res.stderr
@@ -131,7 +134,10 @@ def test_config_group_size_contradicting_tensors(gptq_copy: Path, tmp_path: Path
     qc = json.loads(cfg.read_text())
     qc["group_size"] = 96
     cfg.write_text(json.dumps(qc))
-    with pytest.raises(SourceFormatError, match=r"down_proj.scales: shape \[8, 512\] disagrees with K, N(, bits)? and group_size \(expected \[11, 512\]\)"):
+    with pytest.raises(
+        SourceFormatError,
+        match=r"down_proj.scales: shape \[8, 512\] disagrees with K, N(, bits)? and group_size \(expected \[11, 512\]\)",
+    ):
         convert(gptq_copy, tmp_path / "o.safetensors")
     assert not (tmp_path / "o.safetensors").exists()
 
@@ -176,7 +182,10 @@ def test_layer_without_qweight_is_refused(gptq_copy: Path, tmp_path: Path) -> No
     save_file(tensors, f)
     res = run_cli("marlin-convert", gptq_copy, tmp_path / "o.safetensors")
     assert res.returncode == 2
-    assert "model.layers.0.self_attn.q_proj.g_idx: layer model.layers.0.self_attn.q_proj has g_idx but no qweight" in res.stderr
+    assert (
+        "model.layers.0.self_attn.q_proj.g_idx: layer model.layers.0.self_attn.q_proj has g_idx but no qweight"
+        in res.stderr
+    )
     assert not (tmp_path / "o.safetensors").exists()
 
 
@@ -197,14 +206,10 @@ def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-
 def copy_of(path: Path, tmp_path: Path, data: bytes | None = None) -> Path:
     p = tmp_path / path.name
     p.write_bytes(path.read_bytes() if data is None else data)
     return p
-
-
-
 
 
 def test_cli_convert_truncated_shard(gptq: Path, tmp_path: Path) -> None:
@@ -272,8 +277,6 @@ def test_messages_are_single_line_for_hostile_names(tmp_path: Path) -> None:
     p.write_bytes(st_bytes({"evil\nname": {**T, "dtype": "F7"}}, b"\x00" * 16))
     r = run_cli("marlin-convert", p, tmp_path / "out.safetensors")
     assert_one_line_error(r, "unknown dtype")
-
-
 
 
 def test_cli_environment_oserror_is_one_line_exit_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -74,8 +74,22 @@ JSON = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )
-CONFIG_KEYS = ["bits", "group_size", "sym", "desc_act", "checkpoint_format", "format", "quant_method", "pack_dtype",
-               "lm_head", "modules_to_not_convert", "dynamic", "is_marlin_format", "static_groups", "true_sequential"]
+CONFIG_KEYS = [
+    "bits",
+    "group_size",
+    "sym",
+    "desc_act",
+    "checkpoint_format",
+    "format",
+    "quant_method",
+    "pack_dtype",
+    "lm_head",
+    "modules_to_not_convert",
+    "dynamic",
+    "is_marlin_format",
+    "static_groups",
+    "true_sequential",
+]
 
 
 @BUDGET
@@ -98,7 +112,12 @@ def test_regression_deep_manifest_nesting(seeds, workdir) -> None:
     text = "[" * 5000 + "]" * 5000
     header["__metadata__"]["marlin.manifest"] = text
     header["__metadata__"]["marlin.manifest_checksum"] = checksum(text.encode())
-    _check("artifact", FUZZ._replace_header(data, "artifact", start, n, json.dumps(header).encode(), keep_len=False), workdir, seeds)
+    _check(
+        "artifact",
+        FUZZ._replace_header(data, "artifact", start, n, json.dumps(header).encode(), keep_len=False),
+        workdir,
+        seeds,
+    )
     del rnd
 
 
@@ -125,4 +144,9 @@ def test_regression_non_finite_size_in_manifest(seeds, workdir, value: str) -> N
     text = json.dumps(manifest).replace('"@@"', value)
     header["__metadata__"]["marlin.manifest"] = text
     header["__metadata__"]["marlin.manifest_checksum"] = checksum(text.encode())
-    _check("artifact", FUZZ._replace_header(data, "artifact", start, n, json.dumps(header).encode(), keep_len=False), workdir, seeds)
+    _check(
+        "artifact",
+        FUZZ._replace_header(data, "artifact", start, n, json.dumps(header).encode(), keep_len=False),
+        workdir,
+        seeds,
+    )

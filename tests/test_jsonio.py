@@ -13,15 +13,21 @@ from converter.hf_index import HFIndex, index_bytes, read_index
 from converter.jsonio import JsonError, JsonRule, loads, parse_object, read_object
 
 
-@pytest.mark.parametrize(("raw", "rule", "message"), [
-    (b'{"a": 1, "b": {"c": 1, "c": 2}}', JsonRule.DUPLICATE_KEY, "doc is not valid JSON: duplicate key 'c'"),
-    (b'{"a": "\\ud800"}', JsonRule.LONE_SURROGATE, r"doc JSON escapes a lone UTF-16 surrogate: '\ud800'"),
-    (b'{"a": "\xff"}', JsonRule.NOT_UTF8, "doc is not valid UTF-8 (invalid start byte at byte 7)"),
-    (b"[1, 2]", JsonRule.NOT_OBJECT, "doc must be a JSON object, found list"),
-    (b"{", JsonRule.NOT_JSON, "doc is not valid JSON: Expecting property name enclosed in double quotes: "
-                              "line 1 column 2 (char 1)"),
-    (b"[" * 100_000, JsonRule.NOT_JSON, "doc is not valid JSON: nested too deeply"),
-])
+@pytest.mark.parametrize(
+    ("raw", "rule", "message"),
+    [
+        (b'{"a": 1, "b": {"c": 1, "c": 2}}', JsonRule.DUPLICATE_KEY, "doc is not valid JSON: duplicate key 'c'"),
+        (b'{"a": "\\ud800"}', JsonRule.LONE_SURROGATE, r"doc JSON escapes a lone UTF-16 surrogate: '\ud800'"),
+        (b'{"a": "\xff"}', JsonRule.NOT_UTF8, "doc is not valid UTF-8 (invalid start byte at byte 7)"),
+        (b"[1, 2]", JsonRule.NOT_OBJECT, "doc must be a JSON object, found list"),
+        (
+            b"{",
+            JsonRule.NOT_JSON,
+            "doc is not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)",
+        ),
+        (b"[" * 100_000, JsonRule.NOT_JSON, "doc is not valid JSON: nested too deeply"),
+    ],
+)
 def test_each_rule_is_named(raw: bytes, rule: JsonRule, message: str) -> None:
     with pytest.raises(JsonError) as info:
         loads(raw, object_required=True)
@@ -72,8 +78,11 @@ def test_index_reader(tmp_path: Path) -> None:
     index = read_index(_index(tmp_path, {"a": "s2", "b": "s1", "c": "s2"}), error=SourceFormatError)
     assert index == HFIndex(tmp_path / "model.safetensors.index.json", {"a": "s2", "b": "s1", "c": "s2"}, 12)
     assert index.shard_names == ["s2", "s1"] and index.shard_path("s1") == tmp_path / "s1"
-    with pytest.raises(SourceFormatError, match=r"weight_map: weight_map must be a non-empty map of tensor name to "
-                                                r"shard file"):
+    with pytest.raises(
+        SourceFormatError,
+        match=r"weight_map: weight_map must be a non-empty map of tensor name to "
+        r"shard file",
+    ):
         read_index(_index(tmp_path, {}), error=SourceFormatError)
     assert read_index(_index(tmp_path, {}), error=ArtifactError, allow_empty=True).weight_map == {}
     with pytest.raises(ArtifactError, match=r"weight_map: shard '../x' must be a plain file name in the same folder"):
@@ -85,6 +94,9 @@ def test_index_reader(tmp_path: Path) -> None:
 
 def test_index_bytes_round_trip(tmp_path: Path) -> None:
     raw = index_bytes({"b": "s1", "a": "s2"}, 40)
-    assert raw == b'{\n  "metadata": {\n    "total_size": 40\n  },\n  "weight_map": {\n    "a": "s2",\n    "b": "s1"\n  }\n}\n'
+    assert (
+        raw
+        == b'{\n  "metadata": {\n    "total_size": 40\n  },\n  "weight_map": {\n    "a": "s2",\n    "b": "s1"\n  }\n}\n'
+    )
     (tmp_path / "i.index.json").write_bytes(raw)
     assert read_index(tmp_path / "i.index.json", error=ConverterError).weight_map == {"a": "s2", "b": "s1"}

@@ -60,8 +60,10 @@ def _violations(folder: Path, forbidden: tuple[str, ...], *, module_level_only: 
 
 
 def test_marlin_imports_no_reader_artifact_or_gpu() -> None:
-    assert _violations(PACKAGE / "marlin", ("converter.formats", "converter.artifact", "converter.gpu", "cupy",
-                                            "torch")) == []
+    assert (
+        _violations(PACKAGE / "marlin", ("converter.formats", "converter.artifact", "converter.gpu", "cupy", "torch"))
+        == []
+    )
 
 
 def test_readers_never_import_the_artifact_layer() -> None:
@@ -71,15 +73,22 @@ def test_readers_never_import_the_artifact_layer() -> None:
 def test_only_gpu_imports_cupy_and_only_lazily() -> None:
     outside = [p for p in PACKAGE.iterdir() if p.name != "gpu"]
     bad = [v for p in outside for v in (_violations(p, ("cupy",)) if p.is_dir() else [])]
-    bad += [f"{p.name} imports cupy" for p in outside if p.suffix == ".py" and any(
-        m == "cupy" or m.startswith("cupy.") for m, _ in _imports(p))]
+    bad += [
+        f"{p.name} imports cupy"
+        for p in outside
+        if p.suffix == ".py" and any(m == "cupy" or m.startswith("cupy.") for m, _ in _imports(p))
+    ]
     assert bad == []
     assert _violations(PACKAGE / "gpu", ("cupy", "torch"), module_level_only=True) == []
 
 
 def test_the_planner_is_pure() -> None:
-    assert [m for m, _ in _imports(PACKAGE / "gpu" / "plan.py") if m.split(".")[0] in ("cupy", "torch")
-            or m.startswith(("converter.gpu.runtime", "converter.gpu.build", "converter.gpu.kernels"))] == []
+    assert [
+        m
+        for m, _ in _imports(PACKAGE / "gpu" / "plan.py")
+        if m.split(".")[0] in ("cupy", "torch")
+        or m.startswith(("converter.gpu.runtime", "converter.gpu.build", "converter.gpu.kernels"))
+    ] == []
 
 
 def _test_modules() -> list[Path]:

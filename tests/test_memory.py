@@ -42,8 +42,14 @@ print(json.dumps({"rc": r.returncode, "stderr": r.stderr[-2000:],
 
 def peak_rss_of_convert(src: Path, out: Path) -> int:
     """Peak RSS in bytes of one ``marlin-convert SRC OUT`` process (its own ru_maxrss)."""
-    r = subprocess.run([sys.executable, "-c", _MEASURE, str(src), str(out), "--quiet"],
-                       capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=1800)
+    r = subprocess.run(
+        [sys.executable, "-c", _MEASURE, str(src), str(out), "--quiet"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=1800,
+    )
     res = json.loads(r.stdout)
     assert res["rc"] == 0, res["stderr"]
     return int(res["maxrss"])
@@ -71,14 +77,20 @@ def _check_memory(src: Path, out: Path) -> tuple[int, int, int]:
 
 
 def test_peak_rss_bounded_on_a_checkpoint_larger_than_the_bound(tmp_path: Path) -> None:
-    src = small_gptq(tmp_path / "src", hidden=2048, intermediate=8192, kv=512, blocks=13, vocab=4096, shards=3, group_size=128)
+    src = small_gptq(
+        tmp_path / "src", hidden=2048, intermediate=8192, kv=512, blocks=13, vocab=4096, shards=3, group_size=128
+    )
     in_bytes, bound, rss = _check_memory(src, tmp_path / "out.safetensors")
     assert in_bytes > bound  # holding the input (or its touched pages) would break the bound
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("MARLIN_BIG"), reason="~2 GB synthetic checkpoint; set MARLIN_BIG=1 (and -m slow) to run")
+@pytest.mark.skipif(
+    not os.environ.get("MARLIN_BIG"), reason="~2 GB synthetic checkpoint; set MARLIN_BIG=1 (and -m slow) to run"
+)
 def test_peak_rss_bounded_2gb(tmp_path: Path) -> None:
-    src = small_gptq(tmp_path / "src", hidden=4096, intermediate=14336, kv=1024, blocks=14, vocab=32000, shards=4, group_size=128)
+    src = small_gptq(
+        tmp_path / "src", hidden=4096, intermediate=14336, kv=1024, blocks=14, vocab=32000, shards=4, group_size=128
+    )
     in_bytes, bound, rss = _check_memory(src, tmp_path / "out.safetensors")
     assert in_bytes > 2e9

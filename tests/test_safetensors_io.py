@@ -32,34 +32,109 @@ CONTAINER_CASES = [
     # (id, file bytes, message regex)
     ("empty", b"", r"0 bytes, need at least 8"),
     ("short", b"\x01\x02\x03", r"3 bytes, need at least 8"),
-    ("text_not_safetensors", b"this is a text file, not a model\n" * 4, r"header length \d+ exceeds the 100000000-byte limit"),
+    (
+        "text_not_safetensors",
+        b"this is a text file, not a model\n" * 4,
+        r"header length \d+ exceeds the 100000000-byte limit",
+    ),
     ("zip_magic", b"PK\x03\x04" + b"\x00" * 60, r"header length \d+ runs past the end of the file \(64 bytes\)"),
-    ("header_past_eof", st_bytes({"a": T}, b"\x00" * 16, header_len=10_000), r"header length 10000 runs past the end of the file"),
-    ("header_absurd", st_bytes(b"{}", header_len=2**63), r"header length 9223372036854775808 exceeds the 100000000-byte limit"),
+    (
+        "header_past_eof",
+        st_bytes({"a": T}, b"\x00" * 16, header_len=10_000),
+        r"header length 10000 runs past the end of the file",
+    ),
+    (
+        "header_absurd",
+        st_bytes(b"{}", header_len=2**63),
+        r"header length 9223372036854775808 exceeds the 100000000-byte limit",
+    ),
     ("header_not_json", st_bytes(b"{not json}   "), r"safetensors header is not valid JSON"),
     ("header_not_utf8", st_bytes(b'{"\xff\xfe": 1}'), r"safetensors header is not valid UTF-8"),
     ("header_list", st_bytes(b"[1, 2, 3]"), r"safetensors header must be a JSON object, found list"),
     ("header_number", st_bytes(b"42"), r"must be a JSON object, found int"),
-    ("duplicate_names", st_bytes(b'{"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, "a": {"dtype": "F32", "shape": [4], "data_offsets": [16, 32]}}', b"\x00" * 32), r"duplicate key 'a'"),
+    (
+        "duplicate_names",
+        st_bytes(
+            b'{"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, "a": {"dtype": "F32", "shape": [4], "data_offsets": [16, 32]}}',
+            b"\x00" * 32,
+        ),
+        r"duplicate key 'a'",
+    ),
     ("entry_not_object", st_bytes({"a": [1, 2]}), r"a: header entry must be an object"),
-    ("metadata_not_strings", st_bytes({"__metadata__": {"x": 1}}), r"__metadata__: __metadata__ must be a map of strings to strings"),
+    (
+        "metadata_not_strings",
+        st_bytes({"__metadata__": {"x": 1}}),
+        r"__metadata__: __metadata__ must be a map of strings to strings",
+    ),
     ("unknown_dtype", st_bytes({"a": {**T, "dtype": "F7"}}, b"\x00" * 16), r"a: unknown dtype 'F7' \(known: BOOL, U8"),
     ("dtype_not_string", st_bytes({"a": {**T, "dtype": 4}}, b"\x00" * 16), r"a: unknown dtype 4"),
-    ("negative_shape", st_bytes({"a": {**T, "shape": [-1, 4]}}, b"\x00" * 16), r"a: shape must be a list of non-negative integers, found \[-1, 4\]"),
-    ("float_shape", st_bytes({"a": {**T, "shape": [4.0]}}, b"\x00" * 16), r"a: shape must be a list of non-negative integers, found \[4.0\]"),
-    ("bool_shape", st_bytes({"a": {**T, "shape": [True]}}, b"\x00" * 16), r"a: shape must be a list of non-negative integers, found \[True\]"),
-    ("overflowing_shape", st_bytes({"a": {**T, "shape": [2**62, 2**62]}}, b"\x00" * 16), r"a: shape \[4611686018427387904, 4611686018427387904\] of F32 needs \d+ bytes, data_offsets span 16"),
-    ("zero_size_absurd_dim", st_bytes({"a": {**T, "shape": [0, 2**70], "data_offsets": [0, 0]}}), r"a: shape \[0, 1180591620717411303424\] exceeds 64 dimensions or 9223372036854775807 elements per dimension"),
-    ("too_many_dims", st_bytes({"a": {**T, "shape": [0] * 65, "data_offsets": [0, 0]}}), r"a: shape \[0, 0, .* exceeds 64 dimensions"),
-    ("negative_offset", st_bytes({"a": {**T, "data_offsets": [-16, 0]}}, b"\x00" * 16), r"a: data_offsets must be \[begin, end\] with 0 <= begin <= end, found \[-16, 0\]"),
+    (
+        "negative_shape",
+        st_bytes({"a": {**T, "shape": [-1, 4]}}, b"\x00" * 16),
+        r"a: shape must be a list of non-negative integers, found \[-1, 4\]",
+    ),
+    (
+        "float_shape",
+        st_bytes({"a": {**T, "shape": [4.0]}}, b"\x00" * 16),
+        r"a: shape must be a list of non-negative integers, found \[4.0\]",
+    ),
+    (
+        "bool_shape",
+        st_bytes({"a": {**T, "shape": [True]}}, b"\x00" * 16),
+        r"a: shape must be a list of non-negative integers, found \[True\]",
+    ),
+    (
+        "overflowing_shape",
+        st_bytes({"a": {**T, "shape": [2**62, 2**62]}}, b"\x00" * 16),
+        r"a: shape \[4611686018427387904, 4611686018427387904\] of F32 needs \d+ bytes, data_offsets span 16",
+    ),
+    (
+        "zero_size_absurd_dim",
+        st_bytes({"a": {**T, "shape": [0, 2**70], "data_offsets": [0, 0]}}),
+        r"a: shape \[0, 1180591620717411303424\] exceeds 64 dimensions or 9223372036854775807 elements per dimension",
+    ),
+    (
+        "too_many_dims",
+        st_bytes({"a": {**T, "shape": [0] * 65, "data_offsets": [0, 0]}}),
+        r"a: shape \[0, 0, .* exceeds 64 dimensions",
+    ),
+    (
+        "negative_offset",
+        st_bytes({"a": {**T, "data_offsets": [-16, 0]}}, b"\x00" * 16),
+        r"a: data_offsets must be \[begin, end\] with 0 <= begin <= end, found \[-16, 0\]",
+    ),
     ("reversed_offsets", st_bytes({"a": {**T, "data_offsets": [16, 0]}}, b"\x00" * 16), r"found \[16, 0\]"),
     ("offsets_not_pair", st_bytes({"a": {**T, "data_offsets": [0]}}, b"\x00" * 16), r"found \[0\]"),
-    ("overflowing_offset", st_bytes({"a": {**T, "data_offsets": [2**64, 2**64 + 16]}}, b"\x00" * 16), r"a: data_offsets end 18446744073709551632 is past the end of the data buffer \(16 bytes; file truncated\?\)"),
-    ("overlap", st_bytes({"a": T, "b": {**T, "data_offsets": [8, 24]}}, b"\x00" * 24), r"b: data_offsets \[8, 24\) overlaps the previous tensor \(expected begin 16\)"),
-    ("gap", st_bytes({"a": T, "b": {**T, "data_offsets": [24, 40]}}, b"\x00" * 40), r"b: data_offsets \[24, 40\) leaves a gap after the previous tensor \(expected begin 16\)"),
-    ("nbytes_vs_shape", st_bytes({"a": {**T, "data_offsets": [0, 12]}}, b"\x00" * 12), r"a: shape \[4\] of F32 needs 16 bytes, data_offsets span 12"),
-    ("truncated", st_bytes({"a": T, "b": {**T, "data_offsets": [16, 32]}}, b"\x00" * 20), r"b: data_offsets end 32 is past the end of the data buffer \(20 bytes; file truncated\?\)"),
-    ("trailing_bytes", st_bytes({"a": T}, b"\x00" * 20), r"4 trailing bytes after the last tensor \(data ends at 16, buffer is 20\)"),
+    (
+        "overflowing_offset",
+        st_bytes({"a": {**T, "data_offsets": [2**64, 2**64 + 16]}}, b"\x00" * 16),
+        r"a: data_offsets end 18446744073709551632 is past the end of the data buffer \(16 bytes; file truncated\?\)",
+    ),
+    (
+        "overlap",
+        st_bytes({"a": T, "b": {**T, "data_offsets": [8, 24]}}, b"\x00" * 24),
+        r"b: data_offsets \[8, 24\) overlaps the previous tensor \(expected begin 16\)",
+    ),
+    (
+        "gap",
+        st_bytes({"a": T, "b": {**T, "data_offsets": [24, 40]}}, b"\x00" * 40),
+        r"b: data_offsets \[24, 40\) leaves a gap after the previous tensor \(expected begin 16\)",
+    ),
+    (
+        "nbytes_vs_shape",
+        st_bytes({"a": {**T, "data_offsets": [0, 12]}}, b"\x00" * 12),
+        r"a: shape \[4\] of F32 needs 16 bytes, data_offsets span 12",
+    ),
+    (
+        "truncated",
+        st_bytes({"a": T, "b": {**T, "data_offsets": [16, 32]}}, b"\x00" * 20),
+        r"b: data_offsets end 32 is past the end of the data buffer \(20 bytes; file truncated\?\)",
+    ),
+    (
+        "trailing_bytes",
+        st_bytes({"a": T}, b"\x00" * 20),
+        r"4 trailing bytes after the last tensor \(data ends at 16, buffer is 20\)",
+    ),
 ]
 
 
@@ -107,11 +182,9 @@ def test_real_trailing_bytes(gptq: Path) -> None:
         open_source(gptq)
 
 
-
 def test_nbytes_overflow_is_not_a_crash() -> None:
     """Shapes whose element count overflows int64 are compared as Python ints."""
     assert math.prod([2**62, 2**62]) * 4 > 2**64
-
 
 
 @pytest.mark.parametrize("tool", ["marlin-convert", "marlin-verify"])
@@ -124,7 +197,6 @@ def test_fifo_is_refused_not_waited_on(tmp_path: Path, tool: str) -> None:
     args = (fifo, tmp_path / "out.safetensors") if tool == "marlin-convert" else (fifo, "--shapes")
     r = run_cli(tool, *args, timeout=60)
     assert_one_line_error(r, "not a regular file" if tool == "marlin-convert" else "not a file")
-
 
 
 def test_release_pages_drops_touched_mmap_pages(tmp_path: Path) -> None:
@@ -143,7 +215,7 @@ def test_release_pages_drops_touched_mmap_pages(tmp_path: Path) -> None:
 
     with SafetensorsFile(p) as sf:
         before = rss()
-        assert int(sf.array("x")[:: 4096].sum()) == n // 4096  # touch every page
+        assert int(sf.array("x")[::4096].sum()) == n // 4096  # touch every page
         touched = rss()
         sf.release_pages()
         after = rss()

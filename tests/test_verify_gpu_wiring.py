@@ -19,7 +19,6 @@ from converter.verify import verify
 from tests.helpers.paths import SAMPLE
 
 
-
 def _standin(scale_error: float):
     def verify_layer_gpu(B, scales, delta, perm, size_k, size_n, group_size, w_ref_f32, **_):
         q = unpack_b(B, size_n).astype(np.float32)
@@ -32,6 +31,7 @@ def _standin(scale_error: float):
         err = float(np.abs(c * (1 + scale_error) - ref).mean() / np.abs(ref).mean())
         entry = {"mean_rel_err": err, "max_rel_err": err, "deterministic": True}
         return {17: entry, "ok": err <= 1e-3}
+
     return verify_layer_gpu
 
 

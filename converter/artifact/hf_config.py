@@ -21,9 +21,15 @@ from .schema import LayerEntry
 from .target import CONFIG_NAME
 
 
-def artifact_config(source_config: Mapping[str, Any] | None, model: Mapping[str, Any] | None, *,
-                    source_format: str, layers: list[LayerEntry], weight_file: str,
-                    source_quant_config: Mapping[str, Any]) -> dict[str, Any]:
+def artifact_config(
+    source_config: Mapping[str, Any] | None,
+    model: Mapping[str, Any] | None,
+    *,
+    source_format: str,
+    layers: list[LayerEntry],
+    weight_file: str,
+    source_quant_config: Mapping[str, Any],
+) -> dict[str, Any]:
     """The ``config.json`` written in folder mode.
 
     The source's ``config.json`` with ``quantization_config`` replaced by a
@@ -53,8 +59,9 @@ def artifact_config(source_config: Mapping[str, Any] | None, model: Mapping[str,
     return cfg
 
 
-def folder_extras(source: Source, description: Mapping[str, Any], layers: list[LayerEntry], weight_file: str
-                  ) -> dict[str, bytes | Path]:
+def folder_extras(
+    source: Source, description: Mapping[str, Any], layers: list[LayerEntry], weight_file: str
+) -> dict[str, bytes | Path]:
     """The extra files of folder mode: ``config.json`` and the source's tokenizer files.
 
     Args:
@@ -71,12 +78,24 @@ def folder_extras(source: Source, description: Mapping[str, Any], layers: list[L
     quant = description.get("quant_config", {}) or {}
     if isinstance(source, HFSource):
         ckpt = source.ckpt
-        cfg = artifact_config(ckpt.config or {"model_type": "unknown"}, None, source_format=description["format"],
-                              layers=layers, weight_file=weight_file, source_quant_config=quant)
+        cfg = artifact_config(
+            ckpt.config or {"model_type": "unknown"},
+            None,
+            source_format=description["format"],
+            layers=layers,
+            weight_file=weight_file,
+            source_quant_config=quant,
+        )
         folder = ckpt.folder
     else:
-        cfg = artifact_config(None, quant.get("model", {}), source_format=description["format"], layers=layers,
-                              weight_file=weight_file, source_quant_config=quant)
+        cfg = artifact_config(
+            None,
+            quant.get("model", {}),
+            source_format=description["format"],
+            layers=layers,
+            weight_file=weight_file,
+            source_quant_config=quant,
+        )
         folder = source.path.parent
     extras: dict[str, bytes | Path] = {CONFIG_NAME: json.dumps(cfg, indent=2, sort_keys=False).encode("utf-8") + b"\n"}
     for name in TOKENIZER_FILES:

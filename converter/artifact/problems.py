@@ -90,8 +90,15 @@ class Report:
     def ok(self) -> bool:
         return not any(p.severity == "error" for p in self.problems)
 
-    def add(self, code: ProblemCode, message: str, tensor: str = "", expected: Any = None, actual: Any = None,
-            severity: Severity = "error") -> None:
+    def add(
+        self,
+        code: ProblemCode,
+        message: str,
+        tensor: str = "",
+        expected: Any = None,
+        actual: Any = None,
+        severity: Severity = "error",
+    ) -> None:
         """Record one finding (see :class:`Problem`)."""
         self.problems.append(Problem(ProblemCode(code), message, tensor, expected, actual, severity))
 

@@ -84,5 +84,7 @@ def open_artifact(path: str | Path) -> Artifact:
     from ..formats.tinyloop import sniff
 
     if sniff(path):
-        raise ArtifactError("this is a .tinyloop source, not an artifact (to compare with it, use --against)", path=path)
+        raise ArtifactError(
+            "this is a .tinyloop source, not an artifact (to compare with it, use --against)", path=path
+        )
     return Artifact(path)

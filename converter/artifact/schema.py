@@ -185,8 +185,14 @@ class Manifest(SchemaObject):
 #: The dataclass of each object the schema owns, by its JSON path in the schema
 #: (``"layers[]"``: the items of ``layers``); the schema test walks these.
 SCHEMA_OBJECTS: dict[str, type] = {
-    "": Manifest, "producer": Producer, "source": SourceInfo, "source.files[]": SourceFile,
-    "layers[]": LayerEntry, "passthrough[]": Passthrough, "checksums": Checksums, "shard": Shard,
+    "": Manifest,
+    "producer": Producer,
+    "source": SourceInfo,
+    "source.files[]": SourceFile,
+    "layers[]": LayerEntry,
+    "passthrough[]": Passthrough,
+    "checksums": Checksums,
+    "shard": Shard,
 }
 
 
@@ -352,7 +358,9 @@ def read_document(metadata: Mapping[str, str], *, path: Path) -> ManifestDocumen
         fix = "; upgrade marlin-convert" if newer else ""
         raise SchemaVersionError(
             f"artifact schema version {version!r} is not supported (this tool reads "
-            f"{', '.join(map(str, SUPPORTED_SCHEMA_VERSIONS))}){fix}", path=path, tensor=META_SCHEMA_VERSION,
+            f"{', '.join(map(str, SUPPORTED_SCHEMA_VERSIONS))}){fix}",
+            path=path,
+            tensor=META_SCHEMA_VERSION,
         )
     text = metadata[META_MANIFEST]
     notes = []

@@ -50,7 +50,8 @@ def resolve_artifact(path: Path) -> tuple[HFIndex | None, list[Path]]:
             if len(files) != 1:
                 raise ArtifactError(
                     f"folder holds {len(files)} .safetensors files and no {HF_INDEX_NAME} or {DIR_MODE_NAME}; "
-                    "give the artifact file or its index", path=path,
+                    "give the artifact file or its index",
+                    path=path,
                 )
             return None, files
     if not path.name.endswith(".index.json"):
@@ -88,17 +89,27 @@ class ShardedFile:
         try:
             for f in files:
                 if not f.is_file():
-                    self._problem(ProblemCode.MISSING_SHARD, f"{f.name}: shard listed in {index.name} is missing", f.name)
+                    self._problem(
+                        ProblemCode.MISSING_SHARD, f"{f.name}: shard listed in {index.name} is missing", f.name
+                    )
                     continue
                 shard = SafetensorsFile(f, error=ArtifactError)
                 self.shards.append(shard)
                 for name in shard.infos:
                     if name in self._where:
-                        self._problem(ProblemCode.DUPLICATE_TENSOR, f"{name}: in two shards ({self._where[name].path.name} and {f.name})", name)
+                        self._problem(
+                            ProblemCode.DUPLICATE_TENSOR,
+                            f"{name}: in two shards ({self._where[name].path.name} and {f.name})",
+                            name,
+                        )
                         continue
                     self._where[name] = shard
                     if wmap.get(name) != f.name:
-                        self._problem(ProblemCode.INDEX_MISMATCH, f"{name}: stored in {f.name} but the index says {wmap.get(name)}", name)
+                        self._problem(
+                            ProblemCode.INDEX_MISMATCH,
+                            f"{name}: stored in {f.name} but the index says {wmap.get(name)}",
+                            name,
+                        )
         except BaseException:
             self.close()
             raise
@@ -106,10 +117,20 @@ class ShardedFile:
             raise ArtifactError("none of the shards named by the index exists", path=index)
         for name, fname in wmap.items():
             if name not in self._where and (index.parent / fname).is_file():
-                self._problem(ProblemCode.INDEX_MISMATCH, f"{name}: the index places it in {fname}, which does not hold it", name)
+                self._problem(
+                    ProblemCode.INDEX_MISMATCH, f"{name}: the index places it in {fname}, which does not hold it", name
+                )
         size = sum(s.byte_range(n)[1] - s.byte_range(n)[0] for n, s in self._where.items())
-        if total is not None and total != size and not any(p.code is ProblemCode.MISSING_SHARD for p in self.shard_problems):
-            self._problem(ProblemCode.INDEX_MISMATCH, f"metadata.total_size is {total}, the shards hold {size} bytes of tensor data", "metadata.total_size")
+        if (
+            total is not None
+            and total != size
+            and not any(p.code is ProblemCode.MISSING_SHARD for p in self.shard_problems)
+        ):
+            self._problem(
+                ProblemCode.INDEX_MISMATCH,
+                f"metadata.total_size is {total}, the shards hold {size} bytes of tensor data",
+                "metadata.total_size",
+            )
         self.metadata = self.shards[0].metadata
         self._check_manifests(len(files))
 
@@ -128,14 +149,26 @@ class ShardedFile:
             want = {"index": int(m.group("i")), "count": int(m.group("n"))} if m else None
             got = manifest.get("shard")
             if want is not None and got != want:
-                self._problem(ProblemCode.SHARD_MANIFEST, f"{shard.path.name}: manifest shard is {got}, expected {want} from the file name", shard.path.name)
+                self._problem(
+                    ProblemCode.SHARD_MANIFEST,
+                    f"{shard.path.name}: manifest shard is {got}, expected {want} from the file name",
+                    shard.path.name,
+                )
             if want is not None and want["count"] != count:
-                self._problem(ProblemCode.SHARD_MANIFEST, f"{shard.path.name}: name says {want['count']} shards, the index lists {count}", shard.path.name)
+                self._problem(
+                    ProblemCode.SHARD_MANIFEST,
+                    f"{shard.path.name}: name says {want['count']} shards, the index lists {count}",
+                    shard.path.name,
+                )
             text = _strip_shard(manifest)
             if ref is None:
                 ref = (shard.path.name, text)
             elif text != ref[1]:
-                self._problem(ProblemCode.SHARD_MANIFEST, f"{shard.path.name}: manifest differs from {ref[0]}'s (shards of different conversions?)", shard.path.name)
+                self._problem(
+                    ProblemCode.SHARD_MANIFEST,
+                    f"{shard.path.name}: manifest differs from {ref[0]}'s (shards of different conversions?)",
+                    shard.path.name,
+                )
 
     @property
     def infos(self) -> dict[str, TensorInfo]:
@@ -210,7 +243,9 @@ def _refuse_lone_shard(file: SafetensorsFile) -> None:
         index = index_name_for(file.path.with_name(_stem_of_shard(file.path.name) + ".safetensors"))
         raise ArtifactError(
             f"this file is shard {shard.get('index')} of {shard.get('count')} of a sharded artifact; "
-            f"verify its index ({index.name}) or its folder", path=file.path, tensor="shard",
+            f"verify its index ({index.name}) or its folder",
+            path=file.path,
+            tensor="shard",
         )
 
 

@@ -81,5 +81,3 @@ def plan_shards(layout: Layout, layer_names: list[str], max_bytes: int | None) -
         size += ubytes
     shards.append(current)
     return shards
-
-

@@ -91,7 +91,8 @@ class InputGuard:
         if self.inside_input_folder(path):
             raise ConverterError(
                 f"output is inside the input checkpoint folder {self.folder}, where reading the checkpoint "
-                "again would pick it up as input; choose a path outside that folder", path=path,
+                "again would pick it up as input; choose a path outside that folder",
+                path=path,
             )
 
     def check_delete(self, path: Path) -> None:
@@ -161,8 +162,9 @@ class OutputTarget:
             out.append(self.path)
         return out
 
-    def check(self, guard: InputGuard, force: bool, *, count: int = 1, extra_names: Iterable[str] = (),
-              create: bool = True) -> None:
+    def check(
+        self, guard: InputGuard, force: bool, *, count: int = 1, extra_names: Iterable[str] = (), create: bool = True
+    ) -> None:
         """Refuse to touch the input, or an existing output without ``force``.
 
         Args:
@@ -183,7 +185,12 @@ class OutputTarget:
             if not self.folder.parent.is_dir():
                 raise ConverterError("output folder's parent does not exist", path=self.folder.parent)
             return
-        if self.directory and self.folder.exists() and guard.folder is not None and _identity(self.folder) == _identity(guard.folder):
+        if (
+            self.directory
+            and self.folder.exists()
+            and guard.folder is not None
+            and _identity(self.folder) == _identity(guard.folder)
+        ):
             # Folder mode writes config.json and tokenizer files: never into the source's folder.
             raise ConverterError("output folder is the input's folder; choose another folder", path=self.folder)
         finals = self.final_paths(count, extra_names)
@@ -205,8 +212,9 @@ class OutputTarget:
         if not self.folder.is_dir():
             raise ConverterError("output folder does not exist", path=self.folder)
         if self.path.is_dir():
-            raise ConverterError("output is a directory; give a .safetensors file name, or end OUT with '/'",
-                                 path=self.path)
+            raise ConverterError(
+                "output is a directory; give a .safetensors file name, or end OUT with '/'", path=self.path
+            )
         if not force:
             for p in finals + stale:
                 if os.path.lexists(p):

@@ -72,14 +72,22 @@ def validate_artifact(path: str | Path, *, checksums: bool = True) -> tuple[Repo
     _check_header_extras(art, report)
     errors = schema_errors(art.document.data, art.document.version)
     if errors is None:
-        report.add(P.SCHEMA_UNCHECKED, "jsonschema is not installed; manifest not validated against the schema",
-                   severity="warning")
+        report.add(
+            P.SCHEMA_UNCHECKED,
+            "jsonschema is not installed; manifest not validated against the schema",
+            severity="warning",
+        )
     else:
         for err in errors:
-            report.add(P.SCHEMA_VIOLATION, f"manifest does not match schema v{art.document.version}: {err}", META_MANIFEST)
+            report.add(
+                P.SCHEMA_VIOLATION, f"manifest does not match schema v{art.document.version}: {err}", META_MANIFEST
+            )
     if not errors and art.manifest is None:  # the typed reader is the last word without jsonschema
-        report.add(P.SCHEMA_VIOLATION, f"manifest does not match schema v{art.document.version}: {art.manifest_error}",
-                   META_MANIFEST)
+        report.add(
+            P.SCHEMA_VIOLATION,
+            f"manifest does not match schema v{art.document.version}: {art.manifest_error}",
+            META_MANIFEST,
+        )
     infos = art.file.infos
     if errors or art.manifest is None:  # field access below assumes a well-formed manifest
         report.checked = {"layers": 0, "tensors": len(infos), "checksums": False}
@@ -88,8 +96,12 @@ def validate_artifact(path: str | Path, *, checksums: bool = True) -> tuple[Repo
     accounted: set[str] = set()
     for rec in art.layers.values():
         if rec.size_k % rec.group_size or rec.shape.num_groups != rec.num_groups:
-            report.add(P.SHAPE_MISMATCH, f"layer {rec.name}: group_size {rec.group_size} and num_groups "
-                       f"{rec.num_groups} disagree with size_k {rec.size_k}", rec.name)
+            report.add(
+                P.SHAPE_MISMATCH,
+                f"layer {rec.name}: group_size {rec.group_size} and num_groups "
+                f"{rec.num_groups} disagree with size_k {rec.size_k}",
+                rec.name,
+            )
         for suffix, (dtype, shape) in expected_layer_tensors(art, rec).items():
             name = f"{rec.name}.{suffix.value}"
             accounted.add(name)
@@ -101,12 +113,19 @@ def validate_artifact(path: str | Path, *, checksums: bool = True) -> tuple[Repo
             if not ok_dtype:
                 report.add(P.DTYPE_MISMATCH, f"{name}: dtype {info.dtype}, expected {dtype}", name, dtype, info.dtype)
             if info.shape != shape:
-                report.add(P.SHAPE_MISMATCH, f"{name}: shape {list(info.shape)}, expected {list(shape)} from "
-                           f"size_k={rec.size_k}, size_n={rec.size_n}, group_size={rec.group_size}",
-                           name, list(shape), list(info.shape))
+                report.add(
+                    P.SHAPE_MISMATCH,
+                    f"{name}: shape {list(info.shape)}, expected {list(shape)} from "
+                    f"size_k={rec.size_k}, size_n={rec.size_n}, group_size={rec.group_size}",
+                    name,
+                    list(shape),
+                    list(info.shape),
+                )
     for entry in manifest.passthrough:
         if entry.name in accounted:
-            report.add(P.DUPLICATE_ENTRY, f"{entry.name}: listed both as a layer tensor and as pass-through", entry.name)
+            report.add(
+                P.DUPLICATE_ENTRY, f"{entry.name}: listed both as a layer tensor and as pass-through", entry.name
+            )
         accounted.add(entry.name)
         if entry.name not in infos:
             report.add(P.MISSING_TENSOR, f"{entry.name}: pass-through tensor is missing", entry.name)
@@ -125,8 +144,13 @@ def validate_artifact(path: str | Path, *, checksums: bool = True) -> tuple[Repo
                 continue
             got = xxhash.xxh3_128_hexdigest(art.file.raw(name))
             if got != want:
-                report.add(P.CHECKSUM_MISMATCH, f"{name}: xxh3-128 {got} does not match the manifest's {want} "
-                           "(corrupted bytes)", name, want, got)
+                report.add(
+                    P.CHECKSUM_MISMATCH,
+                    f"{name}: xxh3-128 {got} does not match the manifest's {want} (corrupted bytes)",
+                    name,
+                    want,
+                    got,
+                )
             art.file.release_pages()  # keep RSS bounded on multi-GB artifacts
     _check_finite(art, report)
     _check_layer_facts(art, manifest, report)
@@ -147,28 +171,51 @@ def _check_layer_facts(art: Artifact, manifest: Manifest, report: Report) -> Non
     for entry in manifest.passthrough:
         prefix, _, suffix = entry.name.rpartition(".")
         if prefix in layer_names and f".{suffix}" in owned_suffixes:
-            report.add(P.LAYER_TENSOR_AS_PASSTHROUGH,
-                       f"{entry.name}: belongs to converted layer {prefix} but is listed as pass-through", entry.name)
+            report.add(
+                P.LAYER_TENSOR_AS_PASSTHROUGH,
+                f"{entry.name}: belongs to converted layer {prefix} but is listed as pass-through",
+                entry.name,
+            )
     for rec in art.layers.values():
         offset = marlin_code_offset(rec.bits)
         if rec.code_offset != offset:
-            report.add(P.MANIFEST_INCONSISTENT, f"layer {rec.name}: code_offset {rec.code_offset} but {rec.bits}-bit "
-                       f"codes are stored with offset {offset}", rec.name, offset, rec.code_offset)
+            report.add(
+                P.MANIFEST_INCONSISTENT,
+                f"layer {rec.name}: code_offset {rec.code_offset} but {rec.bits}-bit "
+                f"codes are stored with offset {offset}",
+                rec.name,
+                offset,
+                rec.code_offset,
+            )
         if rec.zero_convention.value not in CONVENTIONS.get(fmt, ()):
-            report.add(P.MANIFEST_INCONSISTENT, f"layer {rec.name}: zero_convention {rec.zero_convention.value!r} "
-                       f"cannot come from a {fmt!r} source", rec.name)
+            report.add(
+                P.MANIFEST_INCONSISTENT,
+                f"layer {rec.name}: zero_convention {rec.zero_convention.value!r} cannot come from a {fmt!r} source",
+                rec.name,
+            )
         for key, fn in (("upstream_marlin_compatible", upstream_compatible), ("kernel_compatible", kernel_compatible)):
             want, recorded = fn(rec.size_k, rec.size_n, rec.group_size), getattr(rec, key)
             if recorded is not want:
-                report.add(P.MANIFEST_INCONSISTENT, f"layer {rec.name}: {key} is {recorded} but the sizes say {want}",
-                           rec.name, want, recorded)
+                report.add(
+                    P.MANIFEST_INCONSISTENT,
+                    f"layer {rec.name}: {key} is {recorded} but the sizes say {want}",
+                    rec.name,
+                    want,
+                    recorded,
+                )
         delta_name = f"{rec.name}.{Suffix.DELTA.value}"
         info = art.file.infos.get(delta_name)
         if info is not None and info.dtype == "F32" and info.shape == (rec.shape.num_groups, rec.size_n):
             zero = not np.any(art.file.array(delta_name))
             if zero is not rec.symmetric:
-                report.add(P.MANIFEST_INCONSISTENT, f"layer {rec.name}: symmetric is {rec.symmetric} but marlin_delta "
-                           f"is {'all zero' if zero else 'not zero'}", rec.name, zero, rec.symmetric)
+                report.add(
+                    P.MANIFEST_INCONSISTENT,
+                    f"layer {rec.name}: symmetric is {rec.symmetric} but marlin_delta "
+                    f"is {'all zero' if zero else 'not zero'}",
+                    rec.name,
+                    zero,
+                    rec.symmetric,
+                )
         perm_name = f"{rec.name}.{Suffix.PERM.value}"
         info = art.file.infos.get(perm_name)
         if rec.act_order and info is not None and info.dtype == "I32" and info.shape == (rec.size_k,):
@@ -227,15 +274,26 @@ def _check_header_extras(art: Artifact, report: Report) -> None:
         padding = getattr(f, "header_padding", b"")
         odd = len(padding) - padding.count(b" ")
         if odd:
-            report.add(P.HEADER_PADDING, f"{where}: {odd} header padding byte(s) are not spaces (corrupted header)",
-                       "__metadata__", 0, odd)
+            report.add(
+                P.HEADER_PADDING,
+                f"{where}: {odd} header padding byte(s) are not spaces (corrupted header)",
+                "__metadata__",
+                0,
+                odd,
+            )
         meta = f.metadata
         for key in METADATA_KEYS:
             if key not in meta:
                 report.add(P.METADATA, f"{where}: __metadata__ lacks {key!r}", "__metadata__", key, None)
         if META_FORMAT in meta and meta[META_FORMAT] != META_FORMAT_VALUE:
-            report.add(P.METADATA, f"{where}: __metadata__[{META_FORMAT!r}] is {meta[META_FORMAT]!r}, expected "
-                       f"{META_FORMAT_VALUE!r}", "__metadata__", META_FORMAT_VALUE, meta[META_FORMAT])
+            report.add(
+                P.METADATA,
+                f"{where}: __metadata__[{META_FORMAT!r}] is {meta[META_FORMAT]!r}, expected {META_FORMAT_VALUE!r}",
+                "__metadata__",
+                META_FORMAT_VALUE,
+                meta[META_FORMAT],
+            )
         for key in sorted(meta.keys() - set(METADATA_KEYS)):
-            report.add(P.METADATA, f"{where}: unknown __metadata__ key {key!r}", "__metadata__", None, key,
-                       severity="warning")
+            report.add(
+                P.METADATA, f"{where}: unknown __metadata__ key {key!r}", "__metadata__", None, key, severity="warning"
+            )

@@ -55,8 +55,15 @@ class ArtifactWriter:
         ConverterError: the folder is not writable.
     """
 
-    def __init__(self, target: OutputTarget, shards: list[Layout], manifest: Manifest, *,
-                 guard: InputGuard, extra_files: Mapping[str, bytes | Path] | None = None) -> None:
+    def __init__(
+        self,
+        target: OutputTarget,
+        shards: list[Layout],
+        manifest: Manifest,
+        *,
+        guard: InputGuard,
+        extra_files: Mapping[str, bytes | Path] | None = None,
+    ) -> None:
         self.target = target
         self.guard = guard
         self.shards = shards
@@ -122,7 +129,9 @@ class ArtifactWriter:
                 writer.finish(metadata_for(self._shard_manifest(manifest, i)))
             for name, content in self.extra_files.items():
                 remove_stale_temporaries(self.target.folder / name)
-                tmp = self._stage_bytes(name, content) if isinstance(content, bytes) else self._stage_copy(name, content)
+                tmp = (
+                    self._stage_bytes(name, content) if isinstance(content, bytes) else self._stage_copy(name, content)
+                )
                 self._commit.append((tmp, self.target.folder / name))
             if len(self.shards) > 1:
                 wmap = {n: self.names[i] for i, shard in enumerate(self.shards) for n, _, _ in shard}

@@ -22,7 +22,14 @@ from .base import READERS, LayerPlan, Source, SourcePlan, TensorInfo
 from .hf import HFCheckpoint, HFSource, already_marlin
 
 __all__ = [
-    "CONVENTIONS", "HF_READERS", "LayerPlan", "READABLE_METHODS", "READERS", "Source", "SourcePlan", "TensorInfo",
+    "CONVENTIONS",
+    "HF_READERS",
+    "LayerPlan",
+    "READABLE_METHODS",
+    "READERS",
+    "Source",
+    "SourcePlan",
+    "TensorInfo",
     "open_source",
 ]
 
@@ -46,7 +53,8 @@ REFUSED_METHODS = {
     # AutoGPTQ's legacy ``quant_method: marlin`` (spec 5.1, 5.3): B and s are stored
     # already Marlin-packed and symmetric.
     "marlin": already_marlin(
-        "quant_method 'marlin' checkpoints are", "tensors B and s, symmetric only; spec 5.1",
+        "quant_method 'marlin' checkpoints are",
+        "tensors B and s, symmetric only; spec 5.1",
         advice="use the file as it is, or convert from the original GPTQ checkpoint",
     ),
 }
@@ -112,7 +120,8 @@ def open_source(path: str | Path) -> Source:
         if method not in HF_READERS:
             raise UnsupportedQuantError(
                 f"{method!r} is not supported (supported: {', '.join(READABLE_METHODS)})",
-                path=where, tensor="quant_method",
+                path=where,
+                tensor="quant_method",
             )
         return HF_READERS[method](ckpt)
     except BaseException:

@@ -86,10 +86,13 @@ class AwqSource(HFSource, format=SourceFormat.AWQ, methods=("awq",), conventions
             raise UnsupportedQuantError(
                 f"AWQ version {self.version!r} is not supported: only 'gemm' (qweight [K, N/8] packed along N) "
                 "is read; gemv/gemv_fast store other packings; re-export the model as AWQ GEMM",
-                path=cfg_path, tensor="version",
+                path=cfg_path,
+                tensor="version",
             )
         if self.bits != AWQ_BITS:
-            raise UnsupportedQuantError(f"{self.bits}-bit AWQ is not supported (AWQ GEMM is 4-bit only)", path=cfg_path, tensor=bits_key)
+            raise UnsupportedQuantError(
+                f"{self.bits}-bit AWQ is not supported (AWQ GEMM is 4-bit only)", path=cfg_path, tensor=bits_key
+            )
         if self.group_size != -1 and self.group_size <= 0:
             raise ConfigError(f"must be -1 or positive, found {self.group_size}", path=cfg_path, tensor=group_key)
 
@@ -107,7 +110,11 @@ class AwqSource(HFSource, format=SourceFormat.AWQ, methods=("awq",), conventions
 
     def _plain_reason(self, module: str) -> str | None:
         entry = not_convert_match(module, self.not_convert)
-        return f"kept unquantized by the producer: module matches modules_to_not_convert entry {entry!r}" if entry else None
+        return (
+            f"kept unquantized by the producer: module matches modules_to_not_convert entry {entry!r}"
+            if entry
+            else None
+        )
 
     def _plan_layer(self, prefix: str) -> LayerPlan:
         qw = self.need(prefix, "qweight", ("I32",))
@@ -120,18 +127,23 @@ class AwqSource(HFSource, format=SourceFormat.AWQ, methods=("awq",), conventions
                 # Marlin's B is (K/16, 2N): the file is Marlin-packed whatever its label says.
                 raise UnsupportedQuantError(
                     f"qweight shape {list(qw.shape)} is Marlin's (K/16, 2N) for N = {size_n}, not AWQ GEMM's (K, N/8): "
-                    + ALREADY_MARLIN, path=qw_path, tensor=qw.name,
+                    + ALREADY_MARLIN,
+                    path=qw_path,
+                    tensor=qw.name,
                 )
             raise SourceFormatError(
                 f"shape {list(qw.shape)} is not AWQ GEMM's (K, N/8) for N = {size_n} taken from {scales.name}",
-                path=qw_path, tensor=qw.name,
+                path=qw_path,
+                tensor=qw.name,
             )
         g = size_k if self.group_size == -1 else self.group_size
         expect_groups = -(-size_k // g) if size_k else 0
         if num_groups != expect_groups:
             raise SourceFormatError(
                 f"shape {list(scales.shape)} has {num_groups} groups, expected {expect_groups} for K = {size_k} "
-                f"and group_size = {self.group_size}", path=self.ckpt.file_of(scales.name), tensor=scales.name,
+                f"and group_size = {self.group_size}",
+                path=self.ckpt.file_of(scales.name),
+                tensor=scales.name,
             )
         qzeros = self.need(prefix, "qzeros", ("I32",), (num_groups, size_n // AWQ_PACK))
         bias = self.need(prefix, "bias", FLOAT_DTYPES, (size_n,)) if f"{prefix}.bias" in self.ckpt else None
@@ -139,11 +151,21 @@ class AwqSource(HFSource, format=SourceFormat.AWQ, methods=("awq",), conventions
         warnings = []
         entry = not_convert_match(prefix, self.not_convert)
         if entry:
-            warnings.append(f"config lists this module in modules_to_not_convert ({entry!r}) but it is quantized; converted by the data")
+            warnings.append(
+                f"config lists this module in modules_to_not_convert ({entry!r}) but it is quantized; converted by the data"
+            )
         layer = LayerPlan(
-            name=prefix, size_k=size_k, size_n=size_n, group_size=g, bits=AWQ_BITS,
-            zero_convention=ZeroConvention.AWQ, symmetric=False, act_order=False,
-            source_tensors=(qw.name, qzeros.name, scales.name), bias=bias, warnings=warnings,
+            name=prefix,
+            size_k=size_k,
+            size_n=size_n,
+            group_size=g,
+            bits=AWQ_BITS,
+            zero_convention=ZeroConvention.AWQ,
+            symmetric=False,
+            act_order=False,
+            source_tensors=(qw.name, qzeros.name, scales.name),
+            bias=bias,
+            warnings=warnings,
             extra={"version": self.version},
         )
         ok, reason = check_convertible(size_k, size_n, g)
@@ -170,12 +192,14 @@ class AwqSource(HFSource, format=SourceFormat.AWQ, methods=("awq",), conventions
         q = unpack_awq(np.asarray(self.ckpt.array(f"{layer.name}.qweight")[k_start:k_stop]))
         g0, g1 = k_start // g, -(-k_stop // g)
         z = unpack_awq(np.asarray(self.ckpt.array(f"{layer.name}.qzeros")[g0:g1]))
-        return integer_zero_weight(self.ckpt, layer, q=q, z=z, scales=f"{layer.name}.scales", g0=g0, g1=g1, k_start=k_start)
-
+        return integer_zero_weight(
+            self.ckpt, layer, q=q, z=z, scales=f"{layer.name}.scales", g0=g0, g1=g1, k_start=k_start
+        )
 
 
 ALREADY_MARLIN = already_marlin(
-    "AutoAWQ 'marlin' checkpoints are", "qweight is Marlin B [K/16, 2N], scales are Marlin-permuted; spec section 3",
+    "AutoAWQ 'marlin' checkpoints are",
+    "qweight is Marlin B [K/16, 2N], scales are Marlin-permuted; spec section 3",
     packing="upstream-Marlin packed and symmetric",
     advice="serve the file as it is, or convert from the AWQ GEMM checkpoint",
 )

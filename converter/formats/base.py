@@ -96,8 +96,9 @@ class Source(abc.ABC):
     zero_conventions: ClassVar[tuple[ZeroConvention, ...]]
     path: Path
 
-    def __init_subclass__(cls, *, format: SourceFormat | None = None,
-                          conventions: tuple[ZeroConvention, ...] = (), **kwargs: Any) -> None:
+    def __init_subclass__(
+        cls, *, format: SourceFormat | None = None, conventions: tuple[ZeroConvention, ...] = (), **kwargs: Any
+    ) -> None:
         super().__init_subclass__(**kwargs)
         if format is None:
             return
@@ -132,8 +133,9 @@ class Source(abc.ABC):
         groups they cover, with ``k_offset = k_start``.
         """
 
-    def load_packed(self, layer: LayerPlan, k_start: int = 0, k_stop: int | None = None
-                    ) -> tuple[np.ndarray, QuantWeight] | None:
+    def load_packed(
+        self, layer: LayerPlan, k_start: int = 0, k_stop: int | None = None
+    ) -> tuple[np.ndarray, QuantWeight] | None:
         """Optional conversion fast path: Marlin ``B`` (int32 ``(rows // 16, 2N)``) for
         rows ``[k_start, k_stop)`` made straight from the source's packed words, and
         the chunk's :class:`QuantWeight` with an empty ``q`` (scales, delta, bias, perm).

@@ -75,8 +75,12 @@ def _is_class_name(target: str) -> bool:
     return not target.startswith("re:") and "." not in target and target[:1].isupper()
 
 
-class CompressedTensorsSource(HFSource, format=SourceFormat.COMPRESSED_TENSORS, methods=("compressed-tensors",),
-                              conventions=(ZeroConvention.CT_OFFSET8,)):
+class CompressedTensorsSource(
+    HFSource,
+    format=SourceFormat.COMPRESSED_TENSORS,
+    methods=("compressed-tensors",),
+    conventions=(ZeroConvention.CT_OFFSET8,),
+):
     """Reader for compressed-tensors ``pack-quantized`` checkpoints (module docstring).
 
     Args:
@@ -97,7 +101,9 @@ class CompressedTensorsSource(HFSource, format=SourceFormat.COMPRESSED_TENSORS, 
         self.top_format = str(qc.get("format") or "")
         groups = qc.get("config_groups")
         if not isinstance(groups, dict) or not groups:
-            raise ConfigError("expected a non-empty object of quantization groups", path=self.cfg_path, tensor="config_groups")
+            raise ConfigError(
+                "expected a non-empty object of quantization groups", path=self.cfg_path, tensor="config_groups"
+            )
         self.groups: list[tuple[list[str], WeightArgs]] = []
         for gname, group in groups.items():
             self.groups.append(self._parse_group(gname, group))
@@ -106,13 +112,15 @@ class CompressedTensorsSource(HFSource, format=SourceFormat.COMPRESSED_TENSORS, 
             raise UnsupportedQuantError(
                 f"compressed-tensors format {sorted(formats)} is not supported: only 'pack-quantized' "
                 "(int weights packed into int32) is read; 'marlin-24' is 2:4-sparse and already Marlin-packed",
-                path=self.cfg_path, tensor="format",
+                path=self.cfg_path,
+                tensor="format",
             )
         sparsity = qc.get("sparsity_config") or {}
         if isinstance(sparsity, dict) and sparsity.get("format") not in (None, "dense"):
             raise UnsupportedQuantError(
                 f"sparsity format {sparsity.get('format')!r} is not supported (only dense weights are read)",
-                path=self.cfg_path, tensor="sparsity_config.format",
+                path=self.cfg_path,
+                tensor="sparsity_config.format",
             )
         self.status = qc.get("quantization_status")
         ignore = qc.get("ignore") or []
@@ -127,7 +135,9 @@ class CompressedTensorsSource(HFSource, format=SourceFormat.COMPRESSED_TENSORS, 
             try:
                 re.compile(entry[3:])
             except re.error as exc:
-                raise ConfigError(f"{entry!r} is not a valid regular expression ({exc})", path=self.cfg_path, tensor=field) from None
+                raise ConfigError(
+                    f"{entry!r} is not a valid regular expression ({exc})", path=self.cfg_path, tensor=field
+                ) from None
 
     def _parse_group(self, gname: str, group: Any) -> tuple[list[str], WeightArgs]:
         field = f"config_groups.{gname}"
@@ -135,19 +145,27 @@ class CompressedTensorsSource(HFSource, format=SourceFormat.COMPRESSED_TENSORS, 
             raise ConfigError("expected an object", path=self.cfg_path, tensor=field)
         targets = group.get("targets") or []
         if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
-            raise ConfigError(f"expected a list of strings, found {targets!r}", path=self.cfg_path, tensor=f"{field}.targets")
+            raise ConfigError(
+                f"expected a list of strings, found {targets!r}", path=self.cfg_path, tensor=f"{field}.targets"
+            )
         for t in targets:
             self._check_regex(t, f"{field}.targets")
         w = group.get("weights")
         if not isinstance(w, dict):
-            raise ConfigError("expected the weights' QuantizationArgs object", path=self.cfg_path, tensor=f"{field}.weights")
+            raise ConfigError(
+                "expected the weights' QuantizationArgs object", path=self.cfg_path, tensor=f"{field}.weights"
+            )
 
         def get(key: str, types: type | tuple[type, ...], default: Any) -> Any:
             value = w.get(key, default)
             if value is None:
                 return default
             if not isinstance(value, types) or (isinstance(value, bool) and types is int):
-                raise ConfigError(f"expected {getattr(types, '__name__', types)}, found {value!r}", path=self.cfg_path, tensor=f"{field}.weights.{key}")
+                raise ConfigError(
+                    f"expected {getattr(types, '__name__', types)}, found {value!r}",
+                    path=self.cfg_path,
+                    tensor=f"{field}.weights.{key}",
+                )
             return value
 
         # Defaults are QuantizationArgs' own (spec section 6): 8 bits, int, symmetric.
@@ -192,11 +210,15 @@ class CompressedTensorsSource(HFSource, format=SourceFormat.COMPRESSED_TENSORS, 
             UnsupportedQuantError: no packed layer while ``quantization_status`` is
                 not ``compressed`` (weights still in float).
         """
-        layers = [self._plan_layer(n[: -len(".weight_packed")]) for n in self.ckpt.infos if n.endswith(".weight_packed")]
+        layers = [
+            self._plan_layer(n[: -len(".weight_packed")]) for n in self.ckpt.infos if n.endswith(".weight_packed")
+        ]
         if not layers and self.status not in (None, "compressed"):
             raise UnsupportedQuantError(
                 f"no weight_packed tensors and quantization_status is {self.status!r}, not 'compressed': "
-                "the weights were never packed", path=self.cfg_path, tensor="quantization_status",
+                "the weights were never packed",
+                path=self.cfg_path,
+                tensor="quantization_status",
             )
         return assemble_plan(layers, self.ckpt.infos, self._plain_reason)
 
@@ -214,8 +236,17 @@ class CompressedTensorsSource(HFSource, format=SourceFormat.COMPRESSED_TENSORS, 
         entry = self.ignored(prefix)
         if entry:
             warnings.append(f"config lists this module in ignore ({entry!r}) but it is packed; converted by the data")
-        base = dict(name=prefix, size_k=size_k, size_n=size_n, group_size=size_k, bits=args.num_bits if args else 0,
-                    zero_convention=ZeroConvention.CT_OFFSET8, symmetric=False, act_order=False, warnings=warnings)
+        base = dict(
+            name=prefix,
+            size_k=size_k,
+            size_n=size_n,
+            group_size=size_k,
+            bits=args.num_bits if args else 0,
+            zero_convention=ZeroConvention.CT_OFFSET8,
+            symmetric=False,
+            act_order=False,
+            warnings=warnings,
+        )
         bias = None
         if f"{prefix}.bias" in self.ckpt:
             bias = self.need(prefix, "bias", FLOAT_DTYPES, (size_n,))
@@ -238,12 +269,18 @@ class CompressedTensorsSource(HFSource, format=SourceFormat.COMPRESSED_TENSORS, 
         if packed.shape != exp_packed:
             raise SourceFormatError(
                 f"shape {list(packed.shape)} disagrees with weight_shape [N, K] = [{size_n}, {size_k}] at {b} bits "
-                f"(expected {list(exp_packed)})", path=self.ckpt.file_of(packed.name), tensor=packed.name,
+                f"(expected {list(exp_packed)})",
+                path=self.ckpt.file_of(packed.name),
+                tensor=packed.name,
             )
         strategy = args.strategy or ("group" if args.group_size else "channel")
         if strategy == "group":
             if not args.group_size or args.group_size <= 0:
-                raise ConfigError(f"strategy 'group' needs a positive group_size, found {args.group_size!r}", path=self.cfg_path, tensor=f"config_groups.{args.group}.weights.group_size")
+                raise ConfigError(
+                    f"strategy 'group' needs a positive group_size, found {args.group_size!r}",
+                    path=self.cfg_path,
+                    tensor=f"config_groups.{args.group}.weights.group_size",
+                )
             g = args.group_size
         elif strategy == "channel":
             g = size_k
@@ -258,18 +295,32 @@ class CompressedTensorsSource(HFSource, format=SourceFormat.COMPRESSED_TENSORS, 
             self.need(prefix, "weight_zero_point", ("I32",), (-(-size_n // per), num_groups))
             owned.append(zp_name)
         elif not args.symmetric:
-            raise SourceFormatError(f"config group {args.group} is asymmetric but the layer has no weight_zero_point", path=self.ckpt.folder, tensor=zp_name)
+            raise SourceFormatError(
+                f"config group {args.group} is asymmetric but the layer has no weight_zero_point",
+                path=self.ckpt.folder,
+                tensor=zp_name,
+            )
         perm = None
         gi_name = f"{prefix}.weight_g_idx"
         if gi_name in self.ckpt:
             gi = self.need(prefix, "weight_g_idx", ("I32", "I64"), (size_k,))
             owned.append(gi.name)
-            perm = act_order_perm(np.asarray(self.ckpt.array(gi.name)), g, num_groups, path=self.ckpt.file_of(gi.name), tensor=gi.name)
+            perm = act_order_perm(
+                np.asarray(self.ckpt.array(gi.name)), g, num_groups, path=self.ckpt.file_of(gi.name), tensor=gi.name
+            )
         self.check_scales(scale)
         layer = LayerPlan(
-            name=prefix, size_k=size_k, size_n=size_n, group_size=g, bits=b,
-            zero_convention=ZeroConvention.CT_OFFSET8, symmetric=False, act_order=perm is not None,
-            source_tensors=tuple(owned), bias=bias, warnings=warnings,
+            name=prefix,
+            size_k=size_k,
+            size_n=size_n,
+            group_size=g,
+            bits=b,
+            zero_convention=ZeroConvention.CT_OFFSET8,
+            symmetric=False,
+            act_order=perm is not None,
+            source_tensors=tuple(owned),
+            bias=bias,
+            warnings=warnings,
             extra={"config_group": args.group, "actorder": args.actorder, "strategy": strategy},
         )
         ok, reason = check_convertible(size_k, size_n, g)
@@ -312,7 +363,9 @@ class CompressedTensorsSource(HFSource, format=SourceFormat.COMPRESSED_TENSORS, 
         perm = None
         if layer.act_order:
             gi = f"{layer.name}.weight_g_idx"
-            perm = act_order_perm(np.asarray(self.ckpt.array(gi)), g, layer.num_groups, path=self.ckpt.file_of(gi), tensor=gi)
+            perm = act_order_perm(
+                np.asarray(self.ckpt.array(gi)), g, layer.num_groups, path=self.ckpt.file_of(gi), tensor=gi
+            )
             assert perm is not None
             # The transposed view makes K the packed row axis, as in GPTQ's qweight.
             q = gather_rows(packed.T, perm[k_start:k_stop], b)
@@ -324,5 +377,15 @@ class CompressedTensorsSource(HFSource, format=SourceFormat.COMPRESSED_TENSORS, 
             q = gather_rows(packed.T, np.arange(k_start, k_stop), b)
         g0, g1 = k_start // g, -(-k_stop // g)
         z = self._zeros(layer, g0, g1)
-        return integer_zero_weight(self.ckpt, layer, q=q, z=z, scales=f"{layer.name}.weight_scale", g0=g0, g1=g1,
-                                   perm=perm, k_start=k_start, scales_transposed=True)
+        return integer_zero_weight(
+            self.ckpt,
+            layer,
+            q=q,
+            z=z,
+            scales=f"{layer.name}.weight_scale",
+            g0=g0,
+            g1=g1,
+            perm=perm,
+            k_start=k_start,
+            scales_transposed=True,
+        )

@@ -90,8 +90,9 @@ class LayerConfig:
     rule: str = ""
 
 
-class GptqSource(HFSource, format=SourceFormat.GPTQ, methods=("gptq",),
-                 conventions=(ZeroConvention.GPTQ_V1, ZeroConvention.GPTQ_V2)):
+class GptqSource(
+    HFSource, format=SourceFormat.GPTQ, methods=("gptq",), conventions=(ZeroConvention.GPTQ_V1, ZeroConvention.GPTQ_V2)
+):
     """Reader for HF GPTQ checkpoints; see the module docstring for the conventions.
 
     Args:
@@ -136,21 +137,24 @@ class GptqSource(HFSource, format=SourceFormat.GPTQ, methods=("gptq",),
             raise UnsupportedQuantError(
                 f"pack_dtype {pack_dtype!r} is not supported: only int32 words are read "
                 "(GPTQModel pack_dtype int8/int16/int64 change the word size; spec 1.1)",
-                path=cfg_path, tensor="pack_dtype",
+                path=cfg_path,
+                tensor="pack_dtype",
             )
         if fmt in MARLIN_FORMATS:
             raise UnsupportedQuantError(_ALREADY_MARLIN, path=cfg_path, tensor="checkpoint_format")
         if fmt not in ("gptq", "gptq_v2"):
             raise UnsupportedQuantError(
                 f"checkpoint_format {fmt!r} is not a GPTQ layout this tool reads (expected gptq or gptq_v2)",
-                path=cfg_path, tensor="checkpoint_format",
+                path=cfg_path,
+                tensor="checkpoint_format",
             )
         if self.group_size != -1 and self.group_size <= 0:
             raise ConfigError(f"must be -1 or positive, found {self.group_size}", path=cfg_path, tensor="group_size")
         if self.bits not in (*CONVERTIBLE_BITS, *PASSTHROUGH_BITS):
             raise UnsupportedQuantError(
                 f"{self.bits}-bit GPTQ is not supported (supported: 2, 3, 4; 8 passes through)",
-                path=cfg_path, tensor="bits",
+                path=cfg_path,
+                tensor="bits",
             )
         self.convention = ZeroConvention.GPTQ_V2 if fmt == "gptq_v2" else ZeroConvention.GPTQ_V1
         self.lm_head = config_field(qc, "lm_head", bool, None, path=cfg_path)
@@ -161,16 +165,26 @@ class GptqSource(HFSource, format=SourceFormat.GPTQ, methods=("gptq",),
         if dyn is None:
             return []
         if not isinstance(dyn, dict):
-            raise ConfigError(f"expected an object of regex -> overrides, found {type(dyn).__name__}", path=self.cfg_path, tensor="dynamic")
+            raise ConfigError(
+                f"expected an object of regex -> overrides, found {type(dyn).__name__}",
+                path=self.cfg_path,
+                tensor="dynamic",
+            )
         rules = []
         for key, overrides in dyn.items():
             pattern = key[2:] if key.startswith(("-:", "+:")) else key
             try:
                 rx = re.compile(pattern)
             except re.error as exc:
-                raise ConfigError(f"key {key!r} is not a valid regular expression ({exc})", path=self.cfg_path, tensor="dynamic") from None
+                raise ConfigError(
+                    f"key {key!r} is not a valid regular expression ({exc})", path=self.cfg_path, tensor="dynamic"
+                ) from None
             if not isinstance(overrides, dict):
-                raise ConfigError(f"value of {key!r} must be an object of overrides, found {overrides!r}", path=self.cfg_path, tensor="dynamic")
+                raise ConfigError(
+                    f"value of {key!r} must be an object of overrides, found {overrides!r}",
+                    path=self.cfg_path,
+                    tensor="dynamic",
+                )
             for k in DYNAMIC_KEYS:
                 if k in overrides:
                     want = bool if k in ("sym", "desc_act") else int
@@ -221,7 +235,9 @@ class GptqSource(HFSource, format=SourceFormat.GPTQ, methods=("gptq",),
                 # Carrying these over as plain tensors would silently drop a layer.
                 hint = "; a single shard given alone? pass the index or the folder" if len(self.ckpt.files) == 1 else ""
                 raise SourceFormatError(
-                    f"layer {prefix} has {suffix} but no qweight{hint}", path=self.ckpt.file_of(info.name), tensor=info.name
+                    f"layer {prefix} has {suffix} but no qweight{hint}",
+                    path=self.ckpt.file_of(info.name),
+                    tensor=info.name,
                 )
         return plan
 
@@ -240,23 +256,30 @@ class GptqSource(HFSource, format=SourceFormat.GPTQ, methods=("gptq",),
         if cfg.skip:
             # The config says this module is not quantized, yet it has a qweight: the
             # data wins; read it with the global settings and say so.
-            warnings.append(f"config says this module is not quantized ({cfg.skip}) but it has a qweight; converted by the data")
+            warnings.append(
+                f"config says this module is not quantized ({cfg.skip}) but it has a qweight; converted by the data"
+            )
             cfg = dataclasses.replace(cfg, skip="")
         if prefix.split(".")[-1] == LM_HEAD and self.lm_head is False:
             warnings.append("config says lm_head: false but lm_head is quantized; converted by the data")
         qw = self.ckpt.info(f"{prefix}.qweight")
         qw_path = self.ckpt.file_of(qw.name)
         if qw.dtype != "I32" or len(qw.shape) != 2:
-            raise SourceFormatError(f"expected 2-D I32, found {qw.dtype} {list(qw.shape)}", path=qw_path, tensor=qw.name)
+            raise SourceFormatError(
+                f"expected 2-D I32, found {qw.dtype} {list(qw.shape)}", path=qw_path, tensor=qw.name
+            )
         size_n = qw.shape[1]
         where = f" (dynamic rule {cfg.rule!r})" if cfg.rule else ""
         if b not in (*CONVERTIBLE_BITS, *PASSTHROUGH_BITS):
-            return self._unreadable(prefix, qw, f"{b}-bit GPTQ{where} is not supported (2, 3, 4 convert; 8 passes through)", warnings)
+            return self._unreadable(
+                prefix, qw, f"{b}-bit GPTQ{where} is not supported (2, 3, 4 convert; 8 passes through)", warnings
+            )
         size_k = unpacked_len(qw.shape[0], b)
         if size_k is None:
             raise SourceFormatError(
                 f"{qw.shape[0]} rows cannot hold 3-bit codes: 3-bit packs 32 codes into every 3 rows (spec 1.2)",
-                path=qw_path, tensor=qw.name,
+                path=qw_path,
+                tensor=qw.name,
             )
         gi_name = f"{prefix}.g_idx"
         if gi_name in self.ckpt:
@@ -267,16 +290,23 @@ class GptqSource(HFSource, format=SourceFormat.GPTQ, methods=("gptq",),
                 raise ConfigError(
                     f"bits={b}{where} gives K = {size_k} from qweight's {qw.shape[0]} rows, "
                     f"but g_idx has {gi.shape[0]} entries{hint}",
-                    path=self.cfg_path, tensor=f"{prefix} bits",
+                    path=self.cfg_path,
+                    tensor=f"{prefix} bits",
                 )
         g = size_k if cfg.group_size == -1 else cfg.group_size
         if g <= 0:
-            raise ConfigError(f"group_size must be -1 or positive, found {g}", path=self.cfg_path, tensor=f"{prefix} group_size")
+            raise ConfigError(
+                f"group_size must be -1 or positive, found {g}", path=self.cfg_path, tensor=f"{prefix} group_size"
+            )
         num_groups = -(-size_k // g) if size_k else 0
         scales = self.need(prefix, "scales", FLOAT_DTYPES, (num_groups, size_n))
         zeros_width = packed_len(size_n, b)
         if zeros_width is None:
-            raise SourceFormatError(f"size_n = {size_n} cannot be packed into whole {b}-bit qzeros words", path=qw_path, tensor=f"{prefix}.qzeros")
+            raise SourceFormatError(
+                f"size_n = {size_n} cannot be packed into whole {b}-bit qzeros words",
+                path=qw_path,
+                tensor=f"{prefix}.qzeros",
+            )
         qzeros = self.need(prefix, "qzeros", ("I32",), (num_groups, zeros_width))
         owned = [qw.name, qzeros.name, scales.name]
         bias = None
@@ -286,14 +316,24 @@ class GptqSource(HFSource, format=SourceFormat.GPTQ, methods=("gptq",),
         if gi_name in self.ckpt:
             gi = self.need(prefix, "g_idx", ("I32",), (size_k,))
             owned.append(gi.name)
-            perm = act_order_perm(self.ckpt.array(gi.name), g, num_groups, path=self.ckpt.file_of(gi.name), tensor=gi.name)
+            perm = act_order_perm(
+                self.ckpt.array(gi.name), g, num_groups, path=self.ckpt.file_of(gi.name), tensor=gi.name
+            )
         self.check_scales(scales)
         convention, zwarn = self._layer_convention(prefix, b)
         warnings += zwarn
         layer = LayerPlan(
-            name=prefix, size_k=size_k, size_n=size_n, group_size=g, bits=b,
-            zero_convention=convention, symmetric=False, act_order=perm is not None,
-            source_tensors=tuple(owned), bias=bias, warnings=warnings,
+            name=prefix,
+            size_k=size_k,
+            size_n=size_n,
+            group_size=g,
+            bits=b,
+            zero_convention=convention,
+            symmetric=False,
+            act_order=perm is not None,
+            source_tensors=tuple(owned),
+            bias=bias,
+            warnings=warnings,
             extra={"checkpoint_format": "gptq_v2" if convention is ZeroConvention.GPTQ_V2 else "gptq"},
         )
         if b in PASSTHROUGH_BITS:
@@ -319,9 +359,19 @@ class GptqSource(HFSource, format=SourceFormat.GPTQ, methods=("gptq",),
         owned = [n for n in (f"{prefix}.{s}" for s in GPTQ_SUFFIXES if s != "bias") if n in self.ckpt]
         bias = self.ckpt.info(f"{prefix}.bias") if f"{prefix}.bias" in self.ckpt else None
         return LayerPlan(
-            name=prefix, size_k=0, size_n=qw.shape[1], group_size=1, bits=self.bits, zero_convention=self.convention,
-            symmetric=False, act_order=False, source_tensors=tuple(owned), bias=bias, convertible=False,
-            reason=reason, warnings=warnings,
+            name=prefix,
+            size_k=0,
+            size_n=qw.shape[1],
+            group_size=1,
+            bits=self.bits,
+            zero_convention=self.convention,
+            symmetric=False,
+            act_order=False,
+            source_tensors=tuple(owned),
+            bias=bias,
+            convertible=False,
+            reason=reason,
+            warnings=warnings,
         )
 
     def _layer_convention(self, prefix: str, bits: int) -> tuple[ZeroConvention, list[str]]:
@@ -335,7 +385,10 @@ class GptqSource(HFSource, format=SourceFormat.GPTQ, methods=("gptq",),
             value = int(stored.flat[0])
             data = {sym - 1: ZeroConvention.GPTQ_V1, sym: ZeroConvention.GPTQ_V2}.get(value)
             if data is not None and data is not self.convention:
-                label = {ZeroConvention.GPTQ_V1: "gptq (v1: stored = z - 1)", ZeroConvention.GPTQ_V2: "gptq_v2 (stored = z)"}
+                label = {
+                    ZeroConvention.GPTQ_V1: "gptq (v1: stored = z - 1)",
+                    ZeroConvention.GPTQ_V2: "gptq_v2 (stored = z)",
+                }
                 warnings.append(
                     f"config says checkpoint_format {label[self.convention]} but every stored zero is {value}, "
                     f"the symmetric value of {label[data]}; decoded as {data.value} (data wins)"
@@ -357,12 +410,16 @@ class GptqSource(HFSource, format=SourceFormat.GPTQ, methods=("gptq",),
                 )
         return convention, warnings
 
-    def _decode_zeros(self, prefix: str, bits: int, convention: ZeroConvention, g0: int = 0, g1: int | None = None) -> np.ndarray:
+    def _decode_zeros(
+        self, prefix: str, bits: int, convention: ZeroConvention, g0: int = 0, g1: int | None = None
+    ) -> np.ndarray:
         words = np.asarray(self.ckpt.array(f"{prefix}.qzeros")[g0:g1])
         return decode_gptq_zeros(words, bits, v1=convention is ZeroConvention.GPTQ_V1)
 
     # -- loading ---------------------------------------------------------------------
-    def load_layer(self, layer: LayerPlan, k_start: int = 0, k_stop: int | None = None, *, codes: bool = True) -> QuantWeight:
+    def load_layer(
+        self, layer: LayerPlan, k_start: int = 0, k_stop: int | None = None, *, codes: bool = True
+    ) -> QuantWeight:
         """Read Marlin rows ``[k_start, k_stop)`` of a convertible layer.
 
         ``k_start``/``k_stop`` are multiples of the group size (or of 32 for a
@@ -394,10 +451,13 @@ class GptqSource(HFSource, format=SourceFormat.GPTQ, methods=("gptq",),
                 q = unpack_words(np.asarray(qweight[w0:w1]), b, axis=0)
         g0, g1 = k_start // g, -(-k_stop // g)
         z = self._decode_zeros(layer.name, b, layer.zero_convention, g0, g1)
-        return integer_zero_weight(self.ckpt, layer, q=q, z=z, scales=f"{layer.name}.scales", g0=g0, g1=g1,
-                                   perm=perm, k_start=k_start)
+        return integer_zero_weight(
+            self.ckpt, layer, q=q, z=z, scales=f"{layer.name}.scales", g0=g0, g1=g1, perm=perm, k_start=k_start
+        )
 
-    def load_packed(self, layer: LayerPlan, k_start: int = 0, k_stop: int | None = None) -> tuple[np.ndarray, QuantWeight] | None:
+    def load_packed(
+        self, layer: LayerPlan, k_start: int = 0, k_stop: int | None = None
+    ) -> tuple[np.ndarray, QuantWeight] | None:
         """:meth:`Source.load_packed`: Marlin ``B`` for rows ``[k_start, k_stop)`` made
         straight from the 4-bit ``qweight`` words (:func:`pack_b_from_gptq4`), plus the
         chunk's scales and delta (its ``q`` is empty).  None where it does not apply
@@ -411,8 +471,8 @@ class GptqSource(HFSource, format=SourceFormat.GPTQ, methods=("gptq",),
         return pack_b_from_gptq4(words), self.load_layer(layer, k_start, k_stop, codes=False)
 
 
-
 _ALREADY_MARLIN = already_marlin(
-    "checkpoint is", "AutoGPTQ checkpoint_format 'marlin': tensors B and s, symmetric only, spec 5.1",
+    "checkpoint is",
+    "AutoGPTQ checkpoint_format 'marlin': tensors B and s, symmetric only, spec 5.1",
     advice="use the file as it is, or convert from the original GPTQ checkpoint",
 )

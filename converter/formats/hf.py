@@ -105,7 +105,8 @@ class HFCheckpoint:
                     if name in self._where:
                         raise SourceFormatError(
                             f"tensor appears in two shards ({self._where[name].path.name} and {f.name})",
-                            path=f, tensor=name,
+                            path=f,
+                            tensor=name,
                         )
                     self._where[name] = shard
         except BaseException:
@@ -123,7 +124,8 @@ class HFCheckpoint:
         if pickles:
             raise SourceFormatError(
                 f"only pickle weights found ({', '.join(pickles[:3])}); they are refused and never "
-                "unpickled: convert them to safetensors first", path=folder,
+                "unpickled: convert them to safetensors first",
+                path=folder,
             )
         raise SourceFormatError("no weights: expected *.safetensors or model.safetensors.index.json", path=folder)
 
@@ -132,7 +134,9 @@ class HFCheckpoint:
         files = []
         for name in index.shard_names:
             if not index.shard_path(name).is_file():
-                raise SourceFormatError(f"shard {name} listed in the index does not exist", path=path, tensor="weight_map")
+                raise SourceFormatError(
+                    f"shard {name} listed in the index does not exist", path=path, tensor="weight_map"
+                )
             files.append(index.shard_path(name))
         self.index = index
         return files
@@ -231,7 +235,9 @@ class HFSource(Source):
         for other in READERS.values():
             taken = set(methods) & set(getattr(other, "quant_methods", ()))
             if taken:
-                raise TypeError(f"{cls.__name__}: quant_method {sorted(taken)[0]!r} is already read by {other.__name__}")
+                raise TypeError(
+                    f"{cls.__name__}: quant_method {sorted(taken)[0]!r} is already read by {other.__name__}"
+                )
         cls.quant_methods = tuple(methods)
         super().__init_subclass__(**kwargs)
 
@@ -248,7 +254,11 @@ class HFSource(Source):
 
     def describe(self) -> dict[str, Any]:
         """The manifest's ``source``: format, files (weights, index, configs with sha256), quant config."""
-        return {"format": self.format.value, "files": self.ckpt.describe_files(), "quant_config": self.ckpt.quant_config}
+        return {
+            "format": self.format.value,
+            "files": self.ckpt.describe_files(),
+            "quant_config": self.ckpt.quant_config,
+        }
 
     def load_tensor(self, name: str) -> Tensor:
         return self.ckpt.tensor(name)
@@ -263,8 +273,9 @@ class HFSource(Source):
     def close(self) -> None:
         self.ckpt.close()
 
-    def need(self, prefix: str, suffix: str, dtypes: tuple[str, ...], shape: tuple[int, ...] | None = None, *,
-             ndim: int = 2) -> TensorInfo:
+    def need(
+        self, prefix: str, suffix: str, dtypes: tuple[str, ...], shape: tuple[int, ...] | None = None, *, ndim: int = 2
+    ) -> TensorInfo:
         """The header facts of layer ``prefix``'s tensor ``suffix``, checked.
 
         Args:
@@ -278,16 +289,20 @@ class HFSource(Source):
         """
         name = f"{prefix}.{suffix}"
         if name not in self.ckpt:
-            raise SourceFormatError(f"layer {prefix} has {self.anchor} but no {suffix}{self.missing_note}",
-                                    path=self.ckpt.folder, tensor=name)
+            raise SourceFormatError(
+                f"layer {prefix} has {self.anchor} but no {suffix}{self.missing_note}",
+                path=self.ckpt.folder,
+                tensor=name,
+            )
         info = self.ckpt.info(name)
         path = self.ckpt.file_of(name)
         if info.dtype not in dtypes:
             raise SourceFormatError(f"dtype {info.dtype}, expected {' or '.join(dtypes)}", path=path, tensor=name)
         if (shape is not None and info.shape != shape) or (shape is None and len(info.shape) != ndim):
             want = list(shape) if shape is not None else f"{ndim}-D"
-            raise SourceFormatError(f"shape {list(info.shape)} disagrees with {self.shape_rule} (expected {want})",
-                                    path=path, tensor=name)
+            raise SourceFormatError(
+                f"shape {list(info.shape)} disagrees with {self.shape_rule} (expected {want})", path=path, tensor=name
+            )
         return info
 
     def check_scales(self, scales: TensorInfo) -> None:
@@ -313,7 +328,9 @@ def already_marlin(subject: str, detail: str, *, advice: str, packing: str = "Ma
     return f"{subject} already {packing} ({detail}); marlin-convert never packs twice: {advice}"
 
 
-def config_field(cfg: dict[str, Any], key: str, types: type | tuple[type, ...], default: Any, *, path: Path, required: bool = False) -> Any:
+def config_field(
+    cfg: dict[str, Any], key: str, types: type | tuple[type, ...], default: Any, *, path: Path, required: bool = False
+) -> Any:
     """Read one quant-config field with a type check.
 
     Raises:
@@ -326,7 +343,9 @@ def config_field(cfg: dict[str, Any], key: str, types: type | tuple[type, ...], 
         return default
     value = cfg[key]
     # bool is an int subclass: never accept True for an int field or 1 for a bool one.
-    ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)))
+    ok = isinstance(value, types) and not (
+        isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,))
+    )
     if not ok:
         want = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
         raise ConfigError(f"expected {want}, found {json.dumps(value)}", path=path, tensor=key)
@@ -385,8 +404,17 @@ def assemble_plan(layers: list[LayerPlan], infos: dict[str, TensorInfo], rule: A
 
 
 def integer_zero_weight(
-    ckpt: HFCheckpoint, layer: LayerPlan, *, q: np.ndarray, z: np.ndarray, scales: str, g0: int, g1: int | None,
-    perm: np.ndarray | None = None, k_start: int = 0, scales_transposed: bool = False,
+    ckpt: HFCheckpoint,
+    layer: LayerPlan,
+    *,
+    q: np.ndarray,
+    z: np.ndarray,
+    scales: str,
+    g0: int,
+    g1: int | None,
+    perm: np.ndarray | None = None,
+    k_start: int = 0,
+    scales_transposed: bool = False,
 ) -> QuantWeight:
     """A :class:`QuantWeight` for formats with integer zero points (``W = s * (q - z)``).
 
@@ -410,12 +438,19 @@ def integer_zero_weight(
     raw = ckpt.array(scales)
     s_src = as_f32(raw[:, g0:g1], info.dtype).T.copy() if scales_transposed else as_f32(raw[g0:g1], info.dtype)
     return QuantWeight(
-        name=layer.name, q=q, zeros=z, group_size=layer.group_size, bits=layer.bits,
+        name=layer.name,
+        q=q,
+        zeros=z,
+        group_size=layer.group_size,
+        bits=layer.bits,
         scales=scales_to_fp16(s_src, path=ckpt.file_of(scales), tensor=scales),
         delta=(np.float32(MARLIN_ZERO) - z.astype(np.float32)) * s_src,
         zero_convention=layer.zero_convention,
         bias=ckpt.tensor(layer.bias.name) if layer.bias else None,
-        perm=perm, k_offset=k_start, size_k=layer.size_k, source_scales_dtype=info.dtype,
+        perm=perm,
+        k_offset=k_start,
+        size_k=layer.size_k,
+        source_scales_dtype=info.dtype,
         source_scales=None if info.dtype == "F16" else s_src,
     )
 

@@ -72,7 +72,9 @@ def _unpack_last(u: np.ndarray, bits: int) -> np.ndarray:
         if width % _B3_WORDS:
             raise ValueError(f"3-bit packing needs whole 3-word blocks, found {width} words")
         blk = u.reshape(rows, width // _B3_WORDS, _B3_WORDS).astype(np.uint64)
-        pairs = np.stack((blk[..., 0] | (blk[..., 1] << np.uint64(32)), blk[..., 1] | (blk[..., 2] << np.uint64(32))), axis=-1)
+        pairs = np.stack(
+            (blk[..., 0] | (blk[..., 1] << np.uint64(32)), blk[..., 1] | (blk[..., 2] << np.uint64(32))), axis=-1
+        )
         out = (pairs[..., _B3_PAIR] >> _B3_PAIR_SHIFT) & np.uint64(7)
         return out.astype(np.uint8).reshape(rows, width // _B3_WORDS * _B3_CODES)
     per = codes_per_word(bits)
@@ -170,7 +172,9 @@ def decode_gptq_zeros(words: np.ndarray, bits: int, *, v1: bool) -> np.ndarray:
     return unpack_words(u + field_ones(bits), bits, axis=1)
 
 
-def act_order_perm(g_idx: np.ndarray, group_size: int, num_groups: int, *, path: Path | str, tensor: str) -> np.ndarray | None:
+def act_order_perm(
+    g_idx: np.ndarray, group_size: int, num_groups: int, *, path: Path | str, tensor: str
+) -> np.ndarray | None:
     """The act-order permutation implied by a ``g_idx``, or None when it is trivial.
 
     Args:
@@ -197,7 +201,8 @@ def act_order_perm(g_idx: np.ndarray, group_size: int, num_groups: int, *, path:
     if size_k and (int(g_idx.min()) < 0 or int(g_idx.max()) >= num_groups):
         raise SourceFormatError(
             f"values must lie in [0, {num_groups}), found [{int(g_idx.min())}, {int(g_idx.max())}]",
-            path=path, tensor=tensor,
+            path=path,
+            tensor=tensor,
         )
     if np.array_equal(g_idx, np.arange(size_k) // group_size):
         return None
@@ -209,7 +214,8 @@ def act_order_perm(g_idx: np.ndarray, group_size: int, num_groups: int, *, path:
         raise SourceFormatError(
             f"act-order groups must each have group_size={group_size} members; "
             f"group {bad} has {int(counts[bad])} (expected {int(full[bad])})",
-            path=path, tensor=tensor,
+            path=path,
+            tensor=tensor,
         )
     return np.argsort(g_idx, kind="stable").astype(np.int32)
 

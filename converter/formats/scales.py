@@ -30,6 +30,7 @@ def scales_to_fp16(s: np.ndarray, *, path: Path | str, tensor: str) -> np.ndarra
     if np.any(big):
         raise SourceFormatError(
             f"{int(big.sum())} scales overflow float16 (largest |s| = {float(np.abs(s).max()):.6g} > {FP16_MAX:g})",
-            path=path, tensor=tensor,
+            path=path,
+            tensor=tensor,
         )
     return s.astype(np.float16)

@@ -296,7 +296,9 @@ class TinyloopSource(Source, format=SourceFormat.TINYLOOP, conventions=(ZeroConv
                     zero_convention=ZeroConvention.TINYLOOP_ADDITIVE,
                     # The artifact's delta: codes are stored centred on 8, so it is
                     # zero + 2^(bits-1) * scale (quant_weight.marlin_code_offset).
-                    symmetric=not bool(np.any(zero.astype(np.float32) + np.float32(1 << (lin.bits - 1)) * scale.astype(np.float32))),
+                    symmetric=not bool(
+                        np.any(zero.astype(np.float32) + np.float32(1 << (lin.bits - 1)) * scale.astype(np.float32))
+                    ),
                     act_order=False,
                     source_tensors=source_tensors,
                     bias=self._info(lin.bias) if lin.bias else None,
@@ -502,9 +504,7 @@ class TinyloopSource(Source, format=SourceFormat.TINYLOOP, conventions=(ZeroConv
         start = TINYLOOP_PREAMBLE_SIZE + header_len
         pad = self._mm[start : min(self._data_start, self._size)]
         if pad.strip(b"\0"):
-            self._fail(
-                f"padding bytes [{start}, {self._data_start}) after the header must be zero", "header_padding"
-            )
+            self._fail(f"padding bytes [{start}, {self._data_start}) after the header must be zero", "header_padding")
 
     def _parse_model(self) -> dict[str, Any]:
         model = self._header.get("model", {})
@@ -565,7 +565,9 @@ class TinyloopSource(Source, format=SourceFormat.TINYLOOP, conventions=(ZeroConv
         # NumPy refuses any shape whose non-zero dimensions multiply past its index
         # range, even when a zero dimension makes the tensor empty.
         if 0 in shape and math.prod(max(d, 1) for d in shape) * itemsize >= 2**62:
-            self._fail(f"shape {shape} is too large for any array (non-zero dimensions multiply past 2**62 bytes)", name)
+            self._fail(
+                f"shape {shape} is too large for any array (non-zero dimensions multiply past 2**62 bytes)", name
+            )
         # Bound the product by the file size: a shape that needs more bytes than the
         # file holds can never match a valid nbytes.
         numel = _capped_numel(tuple(shape), self._size // itemsize + 1)
@@ -626,8 +628,11 @@ class TinyloopSource(Source, format=SourceFormat.TINYLOOP, conventions=(ZeroConv
             self._fail(f"linear entry must be a JSON object, found a JSON {json_type(raw)}", name)
         for key in (*_LINEAR_INT_FIELDS, *_LINEAR_REQUIRED_TENSORS):
             if key not in raw:
-                self._fail(f"linear has no {key!r} field (required: "
-                           f"{', '.join((*_LINEAR_INT_FIELDS, *_LINEAR_REQUIRED_TENSORS))})", name)
+                self._fail(
+                    f"linear has no {key!r} field (required: "
+                    f"{', '.join((*_LINEAR_INT_FIELDS, *_LINEAR_REQUIRED_TENSORS))})",
+                    name,
+                )
         for key in _LINEAR_INT_FIELDS:
             if not _is_int(raw[key]):
                 self._fail(f"field {key!r} must be an integer, found {raw[key]!r}", name)
@@ -692,7 +697,6 @@ class TinyloopSource(Source, format=SourceFormat.TINYLOOP, conventions=(ZeroConv
             self._fail(f"{field} of linear {linear!r} must be {dtype}, found {e.dtype}", tname)
         if shape is not None and e.shape != shape:
             self._fail(
-                f"{field} of linear {linear!r} must have shape {formula} = {list(shape)}, "
-                f"found {list(e.shape)}",
+                f"{field} of linear {linear!r} must have shape {formula} = {list(shape)}, found {list(e.shape)}",
                 tname,
             )

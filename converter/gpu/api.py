@@ -37,9 +37,18 @@ class MarlinLinear:
         size_k, size_n, group_size: the layer's sizes (group_size == size_k: per-channel).
     """
 
-    def __init__(self, name: str, size_k: int, size_n: int, group_size: int, B: np.ndarray,
-                 scales: np.ndarray, delta: np.ndarray | None, perm: np.ndarray | None,
-                 bias: np.ndarray | None) -> None:
+    def __init__(
+        self,
+        name: str,
+        size_k: int,
+        size_n: int,
+        group_size: int,
+        B: np.ndarray,
+        scales: np.ndarray,
+        delta: np.ndarray | None,
+        perm: np.ndarray | None,
+        bias: np.ndarray | None,
+    ) -> None:
         """Copy the layer's tensors to the current GPU.
 
         Args:
@@ -84,13 +93,20 @@ class MarlinLinear:
                 raise KernelError(f"{self.name}: input must be a CuPy or DLPack array", tensor=self.name)
             x = cp.from_dlpack(x)
         if x.ndim < 1 or x.shape[-1] != self.size_k:
-            raise KernelError(f"input last dim must be {self.size_k}, got shape {tuple(x.shape)}",
-                              tensor=self.name)
+            raise KernelError(f"input last dim must be {self.size_k}, got shape {tuple(x.shape)}", tensor=self.name)
         lead = tuple(x.shape[:-1])
         x2 = cp.ascontiguousarray(x.reshape(-1, self.size_k))
-        y = kernels.marlin_gemm(x2, self._B, self._scales, size_k=self.size_k, size_n=self.size_n,
-                                group_size=self.group_size, delta=self._delta, perm=self._perm,
-                                bias=self._bias)
+        y = kernels.marlin_gemm(
+            x2,
+            self._B,
+            self._scales,
+            size_k=self.size_k,
+            size_n=self.size_n,
+            group_size=self.group_size,
+            delta=self._delta,
+            perm=self._perm,
+            bias=self._bias,
+        )
         return y.reshape(*lead, self.size_n)
 
 
@@ -125,8 +141,9 @@ def load_artifact_gpu(path: str | Path) -> dict[str, MarlinLinear]:
         delta = t(Suffix.DELTA)  # MarlinLinear drops an all-zero delta (from the data, not the flag)
         perm = t(Suffix.PERM) if rec.act_order else None
         bias = _bias_to_f16(t(Suffix.BIAS)) if rec.has_bias else None
-        layers[name] = MarlinLinear(name, rec.size_k, rec.size_n, rec.group_size,
-                                    t(Suffix.B), t(Suffix.SCALES), delta, perm, bias)
+        layers[name] = MarlinLinear(
+            name, rec.size_k, rec.size_n, rec.group_size, t(Suffix.B), t(Suffix.SCALES), delta, perm, bias
+        )
     return layers
 
 
@@ -162,16 +179,19 @@ def _make_module_class() -> Any:
 
         def forward(self, x: "torch.Tensor") -> "torch.Tensor":
             if x.dtype != torch.float16 or not x.is_cuda:
-                raise KernelError(f"{self.layer.name}: expected a float16 CUDA tensor, got "
-                                  f"{x.dtype} on {x.device}", tensor=self.layer.name)
+                raise KernelError(
+                    f"{self.layer.name}: expected a float16 CUDA tensor, got {x.dtype} on {x.device}",
+                    tensor=self.layer.name,
+                )
             cp = runtime.cupy_module()
             with cp.cuda.ExternalStream(torch.cuda.current_stream(x.device).cuda_stream):
                 y = self.layer(x.contiguous())
             return torch.from_dlpack(y)
 
         def extra_repr(self) -> str:
-            return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                    f"group_size={self.layer.group_size}")
+            return (
+                f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.layer.group_size}"
+            )
 
     _module_class = MarlinLinearModule
     return _module_class

@@ -22,8 +22,14 @@ from . import runtime
 from .plan import kernel_names
 
 #: Every file the kernels are built from (the headers are #included).
-SOURCES = ("marlin_gemm.cu", "marlin_decode.cu", "dequant.cu", "asym_correction.cu", "marlin_common.cuh",
-           "marlin_stream.cuh")
+SOURCES = (
+    "marlin_gemm.cu",
+    "marlin_decode.cu",
+    "dequant.cu",
+    "asym_correction.cu",
+    "marlin_common.cuh",
+    "marlin_stream.cuh",
+)
 #: ``.cu`` file -> the kernels (template instantiations included) it is built for.
 NAMES: dict[str, list[str]] = {
     "marlin_gemm.cu": [*kernel_names("marlin_gemm.cu"), "gather_columns"],
@@ -47,9 +53,7 @@ def kernel_dir() -> Path:
     for c in candidates:
         if all((c / s).is_file() for s in SOURCES):
             return c
-    raise KernelError(
-        "kernel sources not found; looked in " + ", ".join(str(c) for c in candidates)
-    )
+    raise KernelError("kernel sources not found; looked in " + ", ".join(str(c) for c in candidates))
 
 
 _lock = threading.Lock()
@@ -83,8 +87,7 @@ def module(source: str) -> Any:
         except Exception as exc:  # cupy.cuda.compiler.CompileException and driver errors
             log = str(exc)
             first = next((ln.strip() for ln in log.splitlines() if "error" in ln), log.strip()[:200])
-            err = KernelError(f"NVRTC could not build {source} for {info.arch}: {first}",
-                              path=folder / source)
+            err = KernelError(f"NVRTC could not build {source} for {info.arch}: {first}", path=folder / source)
             err.nvrtc_log = log  # type: ignore[attr-defined]
             _failures[key] = err
             raise err from None

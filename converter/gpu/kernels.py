@@ -47,8 +47,7 @@ def _dev(x: Any, name: str, dtype: Any, shape: tuple[int, ...] | None) -> Any:
         if hasattr(x, "__dlpack__"):
             x = cp.from_dlpack(x)
         else:
-            raise KernelError(f"{name} must be a CuPy/NumPy/DLPack array, got {type(x).__name__}",
-                              tensor=name)
+            raise KernelError(f"{name} must be a CuPy/NumPy/DLPack array, got {type(x).__name__}", tensor=name)
     if x.dtype != np.dtype(dtype):
         raise KernelError(f"{name} must be {np.dtype(dtype)}, got {x.dtype}", tensor=name)
     if shape is not None and tuple(x.shape) != tuple(shape):
@@ -58,8 +57,7 @@ def _dev(x: Any, name: str, dtype: Any, shape: tuple[int, ...] | None) -> Any:
     if x.data.ptr % 16 and x.size:
         raise KernelError(f"{name} must be 16-byte aligned (got address {x.data.ptr:#x})", tensor=name)
     if x.data.device_id != runtime.device_info().index:
-        raise KernelError(f"{name} is on device {x.data.device_id}, not the current device",
-                          tensor=name)
+        raise KernelError(f"{name} is on device {x.data.device_id}, not the current device", tensor=name)
     return x
 
 
@@ -100,8 +98,16 @@ def _workspace(ws_floats: int, n_locks: int) -> tuple[Any, Any]:
 # ----------------------------------------------------------------------------- launch plans
 
 
-def gemm_plan(m: int, size_k: int, size_n: int, group_size: int, *, delta: bool = False,
-              pipe: tuple[str, int, int, int] | None = None, tuning: Tuning = DEFAULT_TUNING) -> GemmPlan:
+def gemm_plan(
+    m: int,
+    size_k: int,
+    size_n: int,
+    group_size: int,
+    *,
+    delta: bool = False,
+    pipe: tuple[str, int, int, int] | None = None,
+    tuning: Tuning = DEFAULT_TUNING,
+) -> GemmPlan:
     """Kernel variant and K split the GEMM launcher uses for one call on this device
     (:func:`converter.gpu.plan.plan_gemm`, with the variant's compiled register count).
 
@@ -125,8 +131,9 @@ def gemm_plan(m: int, size_k: int, size_n: int, group_size: int, *, delta: bool 
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(m: int, size_k: int, size_n: int, group_size: int, delta: bool, pipe: Pipe, tuning: Tuning,
-          info: runtime.DeviceInfo) -> GemmPlan:
+def _plan(
+    m: int, size_k: int, size_n: int, group_size: int, delta: bool, pipe: Pipe, tuning: Tuning, info: runtime.DeviceInfo
+) -> GemmPlan:
     variant = kernel_variant(size_k, size_n, group_size, pipe, smem_limit=info.smem_per_block_optin, arch=info.arch)
     regs = int(build.function(pipe.spec.source, variant.name(delta)).num_regs)
     return plan_gemm(m, size_k, size_n, variant, regs=regs, device=info, tuning=tuning)
@@ -158,8 +165,9 @@ def gather_columns(A: Any, perm: Any, *, out: Any = None) -> Any:
     out = cp.empty((m, k), dtype=cp.float16) if out is None else _dev(out, "out", np.float16, (m, k))
     total = m * k
     if total:
-        build.function("marlin_gemm.cu", "gather_columns")((-(-total // GATHER_THREADS),), (GATHER_THREADS,),
-                                                (A, perm, out, np.int32(m), np.int32(k)))
+        build.function("marlin_gemm.cu", "gather_columns")(
+            (-(-total // GATHER_THREADS),), (GATHER_THREADS,), (A, perm, out, np.int32(m), np.int32(k))
+        )
     return out
 
 
@@ -272,18 +280,36 @@ def marlin_gemm(
     plan = gemm_plan(m, size_k, size_n, group_size, delta=delta is not None, pipe=pipe, tuning=tuning)
     if perm is not None:
         A = gather_columns(A, perm)
-    ws, locks = _workspace(plan.splits * m * size_n if plan.splits > 1 else 0,
-                           plan.m_chunks * (size_n // KERNEL_N_MULTIPLE))
+    ws, locks = _workspace(
+        plan.splits * m * size_n if plan.splits > 1 else 0, plan.m_chunks * (size_n // KERNEL_N_MULTIPLE)
+    )
     fn = build.function(plan.pipe.spec.source, plan.pipe.name(plan.gpi, delta is not None))
     if plan.smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < plan.smem:
         fn.max_dynamic_shared_size_bytes = plan.smem  # opt in above the 48 KB default
     gt = size_k // MARLIN_TILE if per_channel else gs // MARLIN_TILE
-    fn((plan.blocks,), (BLOCK_THREADS,), (
-        A, B, scales, _ptr_or_null(delta), _ptr_or_null(bias), out, ws, locks,
-        np.int32(m), np.int32(size_k), np.int32(size_n), np.int32(gt),
-        np.int32(1 if per_channel else 0), np.int32(plan.splits),
-        np.int32(plan.tiles_per_split), np.int32(plan.wk),
-    ), shared_mem=plan.smem)
+    fn(
+        (plan.blocks,),
+        (BLOCK_THREADS,),
+        (
+            A,
+            B,
+            scales,
+            _ptr_or_null(delta),
+            _ptr_or_null(bias),
+            out,
+            ws,
+            locks,
+            np.int32(m),
+            np.int32(size_k),
+            np.int32(size_n),
+            np.int32(gt),
+            np.int32(1 if per_channel else 0),
+            np.int32(plan.splits),
+            np.int32(plan.tiles_per_split),
+            np.int32(plan.wk),
+        ),
+        shared_mem=plan.smem,
+    )
     return out
 
 
@@ -318,12 +344,24 @@ def dequant(
         delta = _dev(delta, "delta", np.float32, (g, size_n))
     if size_k // MARLIN_TILE > 65535:
         raise KernelError(f"size_k={size_k} too large for dequant's grid (K/16 <= 65535)")
-    out = cp.empty((size_k, size_n), dtype=cp.float16) if out is None else _dev(
-        out, "out", np.float16, (size_k, size_n))
+    out = (
+        cp.empty((size_k, size_n), dtype=cp.float16) if out is None else _dev(out, "out", np.float16, (size_k, size_n))
+    )
     name = "marlin_dequant<true>" if delta is not None else "marlin_dequant<false>"
-    build.function("dequant.cu", name)((size_n // KERNEL_N_MULTIPLE, size_k // MARLIN_TILE), (BLOCK_THREADS,), (
-        B, scales, _ptr_or_null(delta), out, np.int32(size_k), np.int32(size_n),
-        np.int32(gs), np.int32(1 if per_channel else 0)))
+    build.function("dequant.cu", name)(
+        (size_n // KERNEL_N_MULTIPLE, size_k // MARLIN_TILE),
+        (BLOCK_THREADS,),
+        (
+            B,
+            scales,
+            _ptr_or_null(delta),
+            out,
+            np.int32(size_k),
+            np.int32(size_n),
+            np.int32(gs),
+            np.int32(1 if per_channel else 0),
+        ),
+    )
     return out
 
 
@@ -352,8 +390,9 @@ def group_sums(A: Any, *, group_size: int, out: Any = None) -> Any:
     g = k // gs
     out = cp.empty((m, g), dtype=cp.float32) if out is None else _dev(out, "out", np.float32, (m, g))
     if m * g:
-        build.function("asym_correction.cu", "group_sums")((-(-m * g // 4),), (BLOCK_THREADS,),
-                                                (A, out, np.int32(m), np.int32(k), np.int32(gs)))
+        build.function("asym_correction.cu", "group_sums")(
+            (-(-m * g // 4),), (BLOCK_THREADS,), (A, out, np.int32(m), np.int32(k), np.int32(gs))
+        )
     return out
 
 
@@ -378,8 +417,9 @@ def add_correction(C: Any, xsum: Any, delta: Any) -> Any:
     if n % KERNEL_N_MULTIPLE:
         raise KernelError(f"N={n} must be a multiple of {KERNEL_N_MULTIPLE}", tensor="C")
     if m:
-        build.function("asym_correction.cu", "add_correction")((-(-n // 128), -(-m // 8)), (BLOCK_THREADS,),
-                                                    (C, xsum, delta, np.int32(m), np.int32(n), np.int32(g)))
+        build.function("asym_correction.cu", "add_correction")(
+            (-(-n // 128), -(-m // 8)), (BLOCK_THREADS,), (C, xsum, delta, np.int32(m), np.int32(n), np.int32(g))
+        )
     return C
 
 
@@ -410,8 +450,9 @@ def marlin_gemm_two_kernel(
     a = _dev(A, "A", np.float16, (int(A.shape[0]), size_k)) if getattr(A, "ndim", 0) == 2 else A
     if perm is not None:
         a = gather_columns(a, perm)
-    c = marlin_gemm(a, B, scales, size_k=size_k, size_n=size_n, group_size=group_size,
-                    bias=bias, out=out, tuning=tuning)
+    c = marlin_gemm(
+        a, B, scales, size_k=size_k, size_n=size_n, group_size=group_size, bias=bias, out=out, tuning=tuning
+    )
     return add_correction(c, group_sums(a, group_size=gs), delta)
 
 

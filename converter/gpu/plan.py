@@ -123,31 +123,63 @@ class KindSpec:
     smem: Callable[[Pipe, int], int] = ring_smem
 
 
-KINDS: MappingProxyType[KernelKind, KindSpec] = MappingProxyType({
-    KernelKind.TILE: KindSpec("marlin_gemm.cu", "marlin_gemm<{r}, {u}, {gpi}, {ns}, {delta}>", Arith.WEIGHT,
-                              tile_rows=16, sums_floats=4096, shares_a=False),
-    KernelKind.DECODE: KindSpec("marlin_decode.cu", "marlin_decode<{r}, {u}, {gpi}, {ns}, {delta}, true>",
-                                Arith.GROUP, tile_rows=8, sums_floats=2048, shares_a=True),
-    KernelKind.DECODE_W: KindSpec("marlin_decode.cu", "marlin_decode<{r}, {u}, {gpi}, {ns}, {delta}, false>",
-                                  Arith.WEIGHT, tile_rows=8, sums_floats=2048, shares_a=True),
-})
+KINDS: MappingProxyType[KernelKind, KindSpec] = MappingProxyType(
+    {
+        KernelKind.TILE: KindSpec(
+            "marlin_gemm.cu",
+            "marlin_gemm<{r}, {u}, {gpi}, {ns}, {delta}>",
+            Arith.WEIGHT,
+            tile_rows=16,
+            sums_floats=4096,
+            shares_a=False,
+        ),
+        KernelKind.DECODE: KindSpec(
+            "marlin_decode.cu",
+            "marlin_decode<{r}, {u}, {gpi}, {ns}, {delta}, true>",
+            Arith.GROUP,
+            tile_rows=8,
+            sums_floats=2048,
+            shares_a=True,
+        ),
+        KernelKind.DECODE_W: KindSpec(
+            "marlin_decode.cu",
+            "marlin_decode<{r}, {u}, {gpi}, {ns}, {delta}, false>",
+            Arith.WEIGHT,
+            tile_rows=8,
+            sums_floats=2048,
+            shares_a=True,
+        ),
+    }
+)
 #: The arithmetic of each kind (``KINDS[kind].arith``), keyed by kind.
 ARITH: MappingProxyType[KernelKind, Arith] = MappingProxyType({k: s.arith for k, s in KINDS.items()})
 
 #: The variants compiled, each for every GPI (group slots per step) in GEMM_GPIS[U],
 #: with and without the fused delta.
-GEMM_PIPES: tuple[Pipe, ...] = tuple(Pipe(KernelKind(k), r, u, ns) for k, r, u, ns in (
-    ("tile", 1, 4, 3), ("tile", 1, 8, 3), ("tile", 2, 4, 3), ("tile", 4, 2, 3),
-    ("decode", 1, 4, 3), ("decode", 1, 8, 3), ("decode", 2, 4, 3), ("decode", 2, 8, 3),
-    ("decode", 4, 4, 3), ("decode_w", 2, 8, 3), ("decode_w", 4, 4, 3),
-))
+GEMM_PIPES: tuple[Pipe, ...] = tuple(
+    Pipe(KernelKind(k), r, u, ns)
+    for k, r, u, ns in (
+        ("tile", 1, 4, 3),
+        ("tile", 1, 8, 3),
+        ("tile", 2, 4, 3),
+        ("tile", 4, 2, 3),
+        ("decode", 1, 4, 3),
+        ("decode", 1, 8, 3),
+        ("decode", 2, 4, 3),
+        ("decode", 2, 8, 3),
+        ("decode", 4, 4, 3),
+        ("decode_w", 2, 8, 3),
+        ("decode_w", 4, 4, 3),
+    )
+)
 GEMM_GPIS: MappingProxyType[int, tuple[int, ...]] = MappingProxyType({8: (1,), 4: (1, 2, 4), 2: (1, 2)})
 
 
 def kernel_names(source: str) -> list[str]:
     """Every GEMM instantiation compiled from ``source``, in :data:`GEMM_PIPES` order."""
-    return [p.name(gpi, d) for p in GEMM_PIPES if p.spec.source == source for gpi in GEMM_GPIS[p.u]
-            for d in (False, True)]
+    return [
+        p.name(gpi, d) for p in GEMM_PIPES if p.spec.source == source for gpi in GEMM_GPIS[p.u] for d in (False, True)
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,8 +298,9 @@ def gemm_arith(m: int, size_n: int, tuning: Tuning = DEFAULT_TUNING) -> Arith:
     return ARITH[gemm_path(m, size_n, tuning)]
 
 
-def default_pipe(m: int, size_k: int, size_n: int, group_tiles: int, smem_limit: int = 227 * 1024,
-                 tuning: Tuning = DEFAULT_TUNING) -> Pipe:
+def default_pipe(
+    m: int, size_k: int, size_n: int, group_tiles: int, smem_limit: int = 227 * 1024, tuning: Tuning = DEFAULT_TUNING
+) -> Pipe:
     """The GEMM variant for batch size m (measured on an H200, scripts/perf_notes.md).
 
     The kind from :func:`gemm_path`; the decode kernels with the fewest 8-row activation
@@ -293,8 +326,15 @@ def default_pipe(m: int, size_k: int, size_n: int, group_tiles: int, smem_limit:
     return Pipe(kind, 2, 8 if u8 else 4, 3)
 
 
-def kernel_variant(size_k: int, size_n: int, group_size: int, pipe: tuple[str, int, int, int], *, smem_limit: int,
-                   arch: str = "this device") -> Variant:
+def kernel_variant(
+    size_k: int,
+    size_n: int,
+    group_size: int,
+    pipe: tuple[str, int, int, int],
+    *,
+    smem_limit: int,
+    arch: str = "this device",
+) -> Variant:
     """Check that ``pipe`` can run a layer and work out its group slots and shared memory.
 
     Raises:
@@ -318,8 +358,9 @@ def kernel_variant(size_k: int, size_n: int, group_size: int, pipe: tuple[str, i
         raise KernelError(f"group_size {group_size} is not supported by GEMM variant {pipe}")
     smem = pipe.smem(gpi)
     if smem > smem_limit:
-        raise KernelError(f"GEMM variant {pipe} needs {smem} bytes of shared memory per block; "
-                          f"{arch} allows {smem_limit}")
+        raise KernelError(
+            f"GEMM variant {pipe} needs {smem} bytes of shared memory per block; {arch} allows {smem_limit}"
+        )
     return Variant(pipe, gpi, smem, gt, per_channel)
 
 
@@ -335,8 +376,16 @@ def resident_blocks(regs: int, smem: int, smem_per_sm: int) -> int:
     return max(1, min(16384 // per_warp, smem_per_sm // (smem + 1024), 16))
 
 
-def plan_gemm(m: int, size_k: int, size_n: int, variant: Variant, *, regs: int, device: DeviceLimits,
-              tuning: Tuning = DEFAULT_TUNING) -> GemmPlan:
+def plan_gemm(
+    m: int,
+    size_k: int,
+    size_n: int,
+    variant: Variant,
+    *,
+    regs: int,
+    device: DeviceLimits,
+    tuning: Tuning = DEFAULT_TUNING,
+) -> GemmPlan:
     """The K split of one call of ``variant``.
 
     The work is ``m_chunks x N/64`` units (the variant's rows x 64 columns each), each
@@ -380,12 +429,27 @@ def plan_gemm(m: int, size_k: int, size_n: int, variant: Variant, *, regs: int, 
             # partial writes, the counter, reads)
             a_share = BLOCK_WARPS if (spec.shares_a and wk == 1) else 1
             tile_cost = 1 + tuning.a_weight * rows / MARLIN_TILE / a_share
-            cost = (waves * (tps // wk * tile_cost + tuning.latency_tiles)
-                    + tuning.reduce_tiles * (splits - 1) * -(-rows // 8))
+            cost = waves * (tps // wk * tile_cost + tuning.latency_tiles) + tuning.reduce_tiles * (splits - 1) * -(
+                -rows // 8
+            )
             if best is None or cost < best[0]:
                 best = (cost, wk, splits, tps, blocks_n * splits)
     assert best is not None
     _, wk, splits, tps, blocks = best
-    return GemmPlan(kind=pipe.kind, r=pipe.r, u=pipe.u, gpi=variant.gpi, ns=pipe.ns, smem=variant.smem, regs=regs,
-                    rows=chunk_rows, m_chunks=m_chunks, wk=wk, splits=splits, tiles_per_split=tps,
-                    warps=BLOCK_WARPS * blocks, blocks=blocks, resident_warps=BLOCK_WARPS * resident)
+    return GemmPlan(
+        kind=pipe.kind,
+        r=pipe.r,
+        u=pipe.u,
+        gpi=variant.gpi,
+        ns=pipe.ns,
+        smem=variant.smem,
+        regs=regs,
+        rows=chunk_rows,
+        m_chunks=m_chunks,
+        wk=wk,
+        splits=splits,
+        tiles_per_split=tps,
+        warps=BLOCK_WARPS * blocks,
+        blocks=blocks,
+        resident_warps=BLOCK_WARPS * resident,
+    )

@@ -105,8 +105,9 @@ def _delta16(delta: np.ndarray | None, size_n: int) -> np.ndarray | None:
     return d.astype(np.float32).astype(np.float16).astype(np.float64)
 
 
-def _decode_parts(B: np.ndarray, scales: np.ndarray, delta: np.ndarray | None, *, size_k: int, size_n: int,
-                  group_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def _decode_parts(
+    B: np.ndarray, scales: np.ndarray, delta: np.ndarray | None, *, size_k: int, size_n: int, group_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """float64 ``q - 8``, ``s`` and ``fp16(delta)`` (or None), each ``(K, N)`` by row."""
     gs, g = _groups(size_k, group_size)
     if scales.shape != (g, size_n):
@@ -120,8 +121,9 @@ def _decode_parts(B: np.ndarray, scales: np.ndarray, delta: np.ndarray | None, *
     return q8, s, None if d is None else d[rows]
 
 
-def _decode_weight(B: np.ndarray, scales: np.ndarray, delta: np.ndarray | None, *, size_k: int, size_n: int,
-                   group_size: int) -> np.ndarray:
+def _decode_weight(
+    B: np.ndarray, scales: np.ndarray, delta: np.ndarray | None, *, size_k: int, size_n: int, group_size: int
+) -> np.ndarray:
     """float64 ``(q - 8) * s + fp16(delta)`` without any rounding (the decode kernel's weight)."""
     q8, s, d = _decode_parts(B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size)
     return q8 * s if d is None else q8 * s + d
@@ -166,13 +168,28 @@ def marlin_gemm(
     return acc.astype(np.float16)
 
 
-def _weight(m: int, B: np.ndarray, scales: np.ndarray, delta: np.ndarray | None, *, size_k: int, size_n: int,
-            group_size: int, arith: str | None) -> np.ndarray:
+def _weight(
+    m: int,
+    B: np.ndarray,
+    scales: np.ndarray,
+    delta: np.ndarray | None,
+    *,
+    size_k: int,
+    size_n: int,
+    group_size: int,
+    arith: str | None,
+) -> np.ndarray:
     if _arith(m, size_n, arith) is Arith.GROUP:
         return _decode_weight(B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size)
     d = _delta16(delta, size_n)
-    return dequant(B, scales, size_k=size_k, size_n=size_n, group_size=group_size,
-                   delta=None if d is None else d.astype(np.float32)).astype(np.float64)
+    return dequant(
+        B,
+        scales,
+        size_k=size_k,
+        size_n=size_n,
+        group_size=group_size,
+        delta=None if d is None else d.astype(np.float32),
+    ).astype(np.float64)
 
 
 def gemm_error_bound(
@@ -280,8 +297,7 @@ def marlin_gemm_two_kernel(
 
     Args and returns as :func:`marlin_gemm`; ``delta`` is required.
     """
-    c = marlin_gemm(A, B, scales, size_k=size_k, size_n=size_n, group_size=group_size,
-                    perm=perm, bias=bias)
+    c = marlin_gemm(A, B, scales, size_k=size_k, size_n=size_n, group_size=group_size, perm=perm, bias=bias)
     a = gather_columns(A, perm) if perm is not None else np.asarray(A)
     return add_correction(c, group_sums(a, group_size=group_size), delta)
 

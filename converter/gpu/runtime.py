@@ -83,6 +83,7 @@ def _device_info(index: int) -> DeviceInfo:
     props = cp.cuda.runtime.getDeviceProperties(index)
     cc = int(props["major"]) * 10 + int(props["minor"])
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+
     def attribute(code: int, key: str) -> int:
         # cudaDevAttrMaxSharedMemoryPerBlockOptin = 97, ...PerMultiprocessor = 81
         try:
@@ -90,8 +91,14 @@ def _device_info(index: int) -> DeviceInfo:
         except Exception:
             return int(props[key])
 
-    info = DeviceInfo(index, name, cc, int(props["multiProcessorCount"]),
-                      attribute(97, "sharedMemPerBlockOptin"), attribute(81, "sharedMemPerMultiprocessor"))
+    info = DeviceInfo(
+        index,
+        name,
+        cc,
+        int(props["multiProcessorCount"]),
+        attribute(97, "sharedMemPerBlockOptin"),
+        attribute(81, "sharedMemPerMultiprocessor"),
+    )
     if cc < MIN_COMPUTE_CAPABILITY:
         raise GpuUnavailableError(
             f"GPU {index} ({name}) has compute capability {cc // 10}.{cc % 10}; "

@@ -78,12 +78,14 @@ def verify_layer_gpu(
     cp = runtime.cupy_module()
     rng = np.random.default_rng(seed)
     dev = {
-        "B": cp.asarray(B), "scales": cp.asarray(scales),
+        "B": cp.asarray(B),
+        "scales": cp.asarray(scales),
         "delta": None if delta is None else cp.asarray(delta),
         "perm": None if perm is None else cp.asarray(perm),
     }
-    w_ref = cp.asarray(np.asarray(w_ref_f32, dtype=np.float32) if isinstance(w_ref_f32, np.ndarray)
-                       else w_ref_f32.astype(cp.float32))
+    w_ref = cp.asarray(
+        np.asarray(w_ref_f32, dtype=np.float32) if isinstance(w_ref_f32, np.ndarray) else w_ref_f32.astype(cp.float32)
+    )
     if tuple(w_ref.shape) != (size_k, size_n):
         raise KernelError(f"w_ref_f32 must be ({size_k}, {size_n}), got {tuple(w_ref.shape)}")
     kw = dict(size_k=size_k, size_n=size_n, group_size=group_size, perm=dev["perm"])
@@ -96,7 +98,8 @@ def verify_layer_gpu(
         paths = {"": lambda: kernels.marlin_gemm(a, dev["B"], dev["scales"], delta=dev["delta"], **kw)}
         if dev["delta"] is not None:
             paths["two_kernel_"] = lambda: kernels.marlin_gemm_two_kernel(
-                a, dev["B"], dev["scales"], delta=dev["delta"], **kw)
+                a, dev["B"], dev["scales"], delta=dev["delta"], **kw
+            )
         entry: dict[str, Any] = {}
         for prefix, run in paths.items():
             first = run()

@@ -182,7 +182,9 @@ def permute_scales(s: np.ndarray, *, single: bool | None = None) -> np.ndarray:
     """
     g, n = _check_scales(s)
     if single if single is not None else g == 1:
-        return np.ascontiguousarray(s.reshape(g, n // _SINGLE_CHUNK, _SINGLE_CHUNK)[:, :, _SCALE_PERM_SINGLE].reshape(g, n))
+        return np.ascontiguousarray(
+            s.reshape(g, n // _SINGLE_CHUNK, _SINGLE_CHUNK)[:, :, _SCALE_PERM_SINGLE].reshape(g, n)
+        )
     c = SCALE_PERM_GROUPED_CHUNK
     return np.ascontiguousarray(s.reshape(g, n // c, 8, 8).transpose(0, 1, 3, 2).reshape(g, n))
 
@@ -191,12 +193,16 @@ def unpermute_scales(s: np.ndarray, *, single: bool | None = None) -> np.ndarray
     """Exact inverse of :func:`permute_scales` (same arguments, shapes, dtypes and errors)."""
     g, n = _check_scales(s)
     if single if single is not None else g == 1:
-        return np.ascontiguousarray(s.reshape(g, n // _SINGLE_CHUNK, _SINGLE_CHUNK)[:, :, _SCALE_UNPERM_SINGLE].reshape(g, n))
+        return np.ascontiguousarray(
+            s.reshape(g, n // _SINGLE_CHUNK, _SINGLE_CHUNK)[:, :, _SCALE_UNPERM_SINGLE].reshape(g, n)
+        )
     # The 8x8 transpose is its own inverse.
     return permute_scales(s, single=False)
 
 
 def _check_scales(s: np.ndarray) -> tuple[int, int]:
     if s.ndim != 2 or s.shape[1] % SCALE_PERM_GROUPED_CHUNK:
-        raise ValueError(f"scales must be (num_groups, size_n) with size_n % {SCALE_PERM_GROUPED_CHUNK} == 0, got {s.shape}")
+        raise ValueError(
+            f"scales must be (num_groups, size_n) with size_n % {SCALE_PERM_GROUPED_CHUNK} == 0, got {s.shape}"
+        )
     return int(s.shape[0]), int(s.shape[1])

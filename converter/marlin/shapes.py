@@ -43,7 +43,9 @@ class LayerShape:
         return (self.size_k // MARLIN_TILE, self.size_n * MARLIN_TILE // MARLIN_PACK_FACTOR)
 
 
-def marlin_shapes(shape: LayerShape, *, act_order: bool, bias_dtype: str | None) -> dict[Suffix, tuple[str, tuple[int, ...]]]:
+def marlin_shapes(
+    shape: LayerShape, *, act_order: bool, bias_dtype: str | None
+) -> dict[Suffix, tuple[str, tuple[int, ...]]]:
     """The artifact tensors of one converted layer.
 
     Args:
@@ -92,8 +94,10 @@ def tile_error(size_k: int, size_n: int) -> str | None:
     """Why :func:`tiles_fit` fails, in one line with the numbers; None when it holds."""
     if tiles_fit(size_k, size_n):
         return None
-    return (f"Marlin B needs size_k % {CONVERT_K_MULTIPLE} == 0 and size_n % {CONVERT_N_MULTIPLE} == 0, "
-            f"got size_k={size_k}, size_n={size_n}")
+    return (
+        f"Marlin B needs size_k % {CONVERT_K_MULTIPLE} == 0 and size_n % {CONVERT_N_MULTIPLE} == 0, "
+        f"got size_k={size_k}, size_n={size_n}"
+    )
 
 
 def group_error(size_k: int, group_size: int) -> str | None:
@@ -139,8 +143,9 @@ def group_count(size_k: int, group_size: int) -> tuple[int, int]:
     return gs, size_k // gs
 
 
-def kernel_layer_sizes(size_k: int, size_n: int, group_size: int, *, error: type[Exception] = ValueError
-                       ) -> tuple[int, int, bool]:
+def kernel_layer_sizes(
+    size_k: int, size_n: int, group_size: int, *, error: type[Exception] = ValueError
+) -> tuple[int, int, bool]:
     """``(group_size, num_groups, per_channel)`` of a layer our kernels can run.
 
     Raises:

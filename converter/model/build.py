@@ -70,10 +70,15 @@ def hf_config(cfg: dict[str, Any], *, path: Path) -> Any:
     d = {k: v for k, v in cfg.items() if k != "quantization_config"}
     model_type = d.get("model_type")
     if not isinstance(model_type, str) or not model_type:
-        raise ModelError("config.json has no model_type: cannot tell which architecture to build", path=path, tensor="model_type")
+        raise ModelError(
+            "config.json has no model_type: cannot tell which architecture to build", path=path, tensor="model_type"
+        )
     if model_type not in CONFIG_MAPPING:
-        raise ModelError(f"model_type {model_type!r} is not an architecture transformers {transformers.__version__} knows",
-                         path=path, tensor="model_type")
+        raise ModelError(
+            f"model_type {model_type!r} is not an architecture transformers {transformers.__version__} knows",
+            path=path,
+            tensor="model_type",
+        )
     try:
         with quiet_transformers():
             return CONFIG_MAPPING[model_type].from_dict(d)
@@ -97,7 +102,11 @@ class ModelClass:
         if attn_implementation:
             kwargs["attn_implementation"] = attn_implementation
         with quiet_transformers(), meta_weights():
-            model = self.auto.from_config(config, **kwargs) if self.auto is not None else self.cls._from_config(config, **kwargs)
+            model = (
+                self.auto.from_config(config, **kwargs)
+                if self.auto is not None
+                else self.cls._from_config(config, **kwargs)
+            )
         model.eval()
         model.requires_grad_(False)
         return model
@@ -177,14 +186,21 @@ def model_class(config: Any, cfg: dict[str, Any], *, path: Path) -> ModelClass:
     cls = getattr(transformers, arch, None) if arch else None
     if cls is not None and isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
         if getattr(cls, "config_class", None) not in (None, type(config)):
-            raise ModelError(f"architecture {arch} does not take a {type(config).__name__}", path=path, tensor="architectures")
+            raise ModelError(
+                f"architecture {arch} does not take a {type(config).__name__}", path=path, tensor="architectures"
+            )
         return ModelClass(arch, None, cls, OTHER)
-    raise ModelError(f"architecture {arch!r} is not a transformers {transformers.__version__} model class",
-                     path=path, tensor="architectures")
+    raise ModelError(
+        f"architecture {arch!r} is not a transformers {transformers.__version__} model class",
+        path=path,
+        tensor="architectures",
+    )
 
 
 def _kind(auto_name: str) -> str:
-    return {"AutoModelForCausalLM": CAUSAL_LM, "AutoModelForMaskedLM": MASKED_LM, "AutoModel": ENCODER}.get(auto_name, OTHER)
+    return {"AutoModelForCausalLM": CAUSAL_LM, "AutoModelForMaskedLM": MASKED_LM, "AutoModel": ENCODER}.get(
+        auto_name, OTHER
+    )
 
 
 def config_dtype(cfg: dict[str, Any]) -> Any:
@@ -238,10 +254,14 @@ def binding_errors(b: Binding, *, what: str, arch: str, path: Path) -> None:
     """
     parts = []
     if b.unmatched_layers:
-        parts.append(f"{len(b.unmatched_layers)} layer(s) in the {what} match no module of {arch}: {', '.join(b.unmatched_layers)}")
+        parts.append(
+            f"{len(b.unmatched_layers)} layer(s) in the {what} match no module of {arch}: {', '.join(b.unmatched_layers)}"
+        )
     if b.unbound_modules:
-        parts.append(f"{len(b.unbound_modules)} linear module(s) of {arch} have no layer in the {what} "
-                     f"(neither converted nor a weight): {', '.join(b.unbound_modules)}")
+        parts.append(
+            f"{len(b.unbound_modules)} linear module(s) of {arch} have no layer in the {what} "
+            f"(neither converted nor a weight): {', '.join(b.unbound_modules)}"
+        )
     parts += b.shape_errors
     if parts:
         raise ModelError("; ".join(parts), path=path)
@@ -258,8 +278,9 @@ def _set_tensor(model: Any, name: str, tensor: Any) -> None:
         mod._buffers[attr] = tensor
 
 
-def apply_binding(model: Any, b: Binding, *, make_layer: Callable[[str, str], Any], load_tensor: Callable[[str], Any],
-                  path: Path) -> None:
+def apply_binding(
+    model: Any, b: Binding, *, make_layer: Callable[[str, str], Any], load_tensor: Callable[[str], Any], path: Path
+) -> None:
     """Swap every bound linear for ``make_layer(module name, layer name)`` and load every
     bound tensor with ``load_tensor(tensor name)`` (tied names get the same parameter).
 
@@ -290,7 +311,11 @@ def apply_binding(model: Any, b: Binding, *, make_layer: Callable[[str, str], An
         t = load_tensor(tensor_name)
         for name in names:
             if name in shapes and shapes[name] != tuple(t.shape):
-                raise ModelError(f"shape {list(t.shape)}, but {name} of the model is {list(shapes[name])}", path=path, tensor=tensor_name)
+                raise ModelError(
+                    f"shape {list(t.shape)}, but {name} of the model is {list(shapes[name])}",
+                    path=path,
+                    tensor=tensor_name,
+                )
         param = torch.nn.Parameter(t, requires_grad=False) if any(n in is_param for n in names) else None
         for name in names:
             _set_tensor(model, name, param if name in is_param else t)

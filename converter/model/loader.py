@@ -108,7 +108,9 @@ def read_converted_config(path: str | Path) -> tuple[Path, dict[str, Any]]:
     if method != PRODUCER_NAME:
         raise ModelError(
             f"not a converted model folder: quantization_config.quant_method is {method!r}, not {PRODUCER_NAME!r} "
-            "(a source checkpoint? convert it first: marlin-convert IN OUTDIR/)", path=cfg_path, tensor="quantization_config",
+            "(a source checkpoint? convert it first: marlin-convert IN OUTDIR/)",
+            path=cfg_path,
+            tensor="quantization_config",
         )
     if cfg.get("model_type") == "tinyloop" or qc.get("source_format") == "tinyloop":
         raise ModelError(TINYLOOP_MESSAGE, path=folder)
@@ -139,8 +141,17 @@ def resolve_device(device: Any) -> Any:
     return dev
 
 
-def _marlin_kernel(name: str, size_k: int, size_n: int, group_size: int, B: np.ndarray, scales: np.ndarray,
-                   delta: np.ndarray, perm: np.ndarray | None, bias: np.ndarray | None) -> Any:
+def _marlin_kernel(
+    name: str,
+    size_k: int,
+    size_n: int,
+    group_size: int,
+    B: np.ndarray,
+    scales: np.ndarray,
+    delta: np.ndarray,
+    perm: np.ndarray | None,
+    bias: np.ndarray | None,
+) -> Any:
     """The default kernel factory: :class:`~converter.gpu.api.MarlinLinearModule` on the current GPU."""
     from ..gpu.api import MarlinLinear, MarlinLinearModule
 
@@ -181,8 +192,12 @@ def _passthrough_quantized(folder: Path, cfg: dict[str, Any], art: Any) -> tuple
     bad = [f"{n} ({lp.reason})" for n, lp in plans.items() if lp.size_k <= 0]
     if bad:
         ckpt.close()
-        raise ModelError(f"quantized layer(s) passed through unconverted cannot be dequantized: {', '.join(bad)}", path=folder)
-    why = {n: reasons.get(f"{n}{marker}", lp.reason).removeprefix(f"layer {n} not converted: ") for n, lp in plans.items()}
+        raise ModelError(
+            f"quantized layer(s) passed through unconverted cannot be dequantized: {', '.join(bad)}", path=folder
+        )
+    why = {
+        n: reasons.get(f"{n}{marker}", lp.reason).removeprefix(f"layer {n} not converted: ") for n, lp in plans.items()
+    }
     return reader, plans, why
 
 
@@ -198,8 +213,15 @@ def dequantized_weight(source: Any, plan: Any) -> np.ndarray:
     return out
 
 
-def build_converted(path: str | Path, device: Any = "cuda", *, strict: bool = True, attn_implementation: str | None = None,
-                    validate: bool = True, kernel_factory: KernelFactory | None = None) -> tuple[Any, LoadReport]:
+def build_converted(
+    path: str | Path,
+    device: Any = "cuda",
+    *,
+    strict: bool = True,
+    attn_implementation: str | None = None,
+    validate: bool = True,
+    kernel_factory: KernelFactory | None = None,
+) -> tuple[Any, LoadReport]:
     """Build the converted model; see :func:`load_model` (this also returns the report).
 
     Args:
@@ -220,7 +242,10 @@ def build_converted(path: str | Path, device: Any = "cuda", *, strict: bool = Tr
         if not vreport.ok:
             first = next(p for p in vreport.problems if p.severity == "error")
             art.close()
-            raise ArtifactError(f"fails validation ({first.message}); run marlin-verify {folder} --shapes for every problem", path=folder)
+            raise ArtifactError(
+                f"fails validation ({first.message}); run marlin-verify {folder} --shapes for every problem",
+                path=folder,
+            )
     else:
         art = open_artifact(folder)
     reader = None
@@ -246,10 +271,19 @@ def build_converted(path: str | Path, device: Any = "cuda", *, strict: bool = Tr
             own = set(lp.source_tensors) | ({lp.bias.name} if lp.bias else set())
             slots[name] = layer_slot(lp.size_k, lp.size_n, lp.bias is not None, own)
         linears, groups = inventory(model)
-        b = bind(linears=linears, model_tensors=groups, layers=slots, tensors=art.file.infos, prefix=model.base_model_prefix or "")
+        b = bind(
+            linears=linears,
+            model_tensors=groups,
+            layers=slots,
+            tensors=art.file.infos,
+            prefix=model.base_model_prefix or "",
+        )
         binding_errors(b, what="artifact", arch=mc.name, path=folder)
         if b.missing and strict:
-            raise ModelError(f"{len(b.missing)} tensor(s) of {mc.name} have nothing in the artifact to load: {', '.join(b.missing)}", path=folder)
+            raise ModelError(
+                f"{len(b.missing)} tensor(s) of {mc.name} have nothing in the artifact to load: {', '.join(b.missing)}",
+                path=folder,
+            )
 
         def tensor(name: str) -> Any:
             return to_torch(art.tensor(name), art.file.infos[name].dtype)
@@ -300,7 +334,9 @@ def same_tensor(fa: Any, a: str, fb: Any, b: str) -> bool:
     return (ia.dtype, tuple(ia.shape)) == (ib.dtype, tuple(ib.shape)) and bytes(fa.raw(a)) == bytes(fb.raw(b))
 
 
-def load_model(path: str | Path, device: Any = "cuda", *, strict: bool = True, attn_implementation: str | None = None) -> Any:
+def load_model(
+    path: str | Path, device: Any = "cuda", *, strict: bool = True, attn_implementation: str | None = None
+) -> Any:
     """Load a converted model folder as a ``transformers`` model, offline.
 
     The model is built from the folder's ``config.json`` (its ``quantization_config`` is

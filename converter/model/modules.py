@@ -99,8 +99,16 @@ class ExactMarlinLinear(_Swapped):
         group_size: rows per group (``K`` for per-channel).
     """
 
-    def __init__(self, name: str, q: np.ndarray, scales: np.ndarray, delta: np.ndarray, perm: np.ndarray | None,
-                 bias: torch.Tensor | None, group_size: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        q: np.ndarray,
+        scales: np.ndarray,
+        delta: np.ndarray,
+        perm: np.ndarray | None,
+        bias: torch.Tensor | None,
+        group_size: int,
+    ) -> None:
         super().__init__()
         self.layer_name, self.path = name, EXACT
         self.in_features, self.out_features = int(q.shape[0]), int(q.shape[1])
@@ -110,7 +118,11 @@ class ExactMarlinLinear(_Swapped):
         self.register_buffer("delta", torch.from_numpy(np.array(delta, dtype=np.float32)), persistent=False)
         groups = torch.arange(self.in_features) // group_size
         self.register_buffer("groups", groups, persistent=False)
-        self.register_buffer("perm", None if perm is None else torch.from_numpy(np.asarray(perm, dtype=np.int64).copy()), persistent=False)
+        self.register_buffer(
+            "perm",
+            None if perm is None else torch.from_numpy(np.asarray(perm, dtype=np.int64).copy()),
+            persistent=False,
+        )
         self.register_buffer("bias", bias, persistent=False)
 
     def weight_f32(self) -> torch.Tensor:

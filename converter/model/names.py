@@ -181,8 +181,10 @@ def untie(b: Binding, same: Callable[[str, str], bool]) -> list[str]:
             continue
         b.loads[first].remove(model_name)
         b.loads.setdefault(other, []).append(model_name)
-        out.append(f"{model_name} is tied to {b.loads[first][0]} by the config, but the checkpoint's {other} differs from "
-                   f"{first}: loaded untied, as transformers does")
+        out.append(
+            f"{model_name} is tied to {b.loads[first][0]} by the config, but the checkpoint's {other} differs from "
+            f"{first}: loaded untied, as transformers does"
+        )
     return out
 
 

@@ -46,8 +46,10 @@ def source_config(source: Source) -> tuple[Path, dict[str, Any]]:
     """
     ckpt = getattr(source, "ckpt", None)
     if ckpt is None:
-        raise ModelError("the source is a .tinyloop checkpoint: TinyLoop models are not a transformers architecture",
-                         path=getattr(source, "path", None))
+        raise ModelError(
+            "the source is a .tinyloop checkpoint: TinyLoop models are not a transformers architecture",
+            path=getattr(source, "path", None),
+        )
     if not ckpt.config:
         raise ModelError("the source checkpoint has no config.json: cannot build its reference model", path=ckpt.folder)
     return ckpt.folder, ckpt.config
@@ -65,15 +67,26 @@ def source_binding(source: Source, model: Any, mc: ModelClass, folder: Path) -> 
     if bad:
         raise ModelError(f"source layer(s) cannot be dequantized: {', '.join(bad)}", path=folder)
     slots = {
-        n: layer_slot(lp.size_k, lp.size_n, lp.bias is not None, set(lp.source_tensors) | ({lp.bias.name} if lp.bias else set()))
+        n: layer_slot(
+            lp.size_k, lp.size_n, lp.bias is not None, set(lp.source_tensors) | ({lp.bias.name} if lp.bias else set())
+        )
         for n, lp in plans.items()
     }
     linears, groups = inventory(model)
-    b = bind(linears=linears, model_tensors=groups, layers=slots, tensors=source.ckpt.infos, prefix=model.base_model_prefix or "")
+    b = bind(
+        linears=linears,
+        model_tensors=groups,
+        layers=slots,
+        tensors=source.ckpt.infos,
+        prefix=model.base_model_prefix or "",
+    )
     binding_errors(b, what="source checkpoint", arch=mc.name, path=folder)
     absent = [m for m in b.missing if not m.endswith(".bias") or m.rsplit(".", 1)[0] not in plans]
     if absent:
-        raise ModelError(f"the source checkpoint has nothing for {len(absent)} tensor(s) of {mc.name}: {', '.join(absent)}", path=folder)
+        raise ModelError(
+            f"the source checkpoint has nothing for {len(absent)} tensor(s) of {mc.name}: {', '.join(absent)}",
+            path=folder,
+        )
     ckpt = source.ckpt
     untie(b, lambda x, y: _same_source_tensor(ckpt, x, y))
     return b, plans
@@ -86,7 +99,9 @@ def _same_source_tensor(ckpt: Any, a: str, b: str) -> bool:
     return np.ascontiguousarray(ckpt.array(a)).tobytes() == np.ascontiguousarray(ckpt.array(b)).tobytes()
 
 
-def build_reference(source: Source, precision: str, device: Any, *, attn_implementation: str | None = "eager") -> tuple[Any, Binding]:
+def build_reference(
+    source: Source, precision: str, device: Any, *, attn_implementation: str | None = "eager"
+) -> tuple[Any, Binding]:
     """The source model with every quantized weight dequantized exactly.
 
     Args:
@@ -109,7 +124,9 @@ def build_reference(source: Source, precision: str, device: Any, *, attn_impleme
     config = hf_config(cfg, path=folder / "config.json")
     mc = model_class(config, cfg, path=folder / "config.json")
     fp32 = precision == FP32
-    model = mc.build(config, dtype=torch.float32 if fp32 else config_dtype(cfg), attn_implementation=attn_implementation)
+    model = mc.build(
+        config, dtype=torch.float32 if fp32 else config_dtype(cfg), attn_implementation=attn_implementation
+    )
     inventory_groups = inventory(model)[1]
     b, plans = source_binding(source, model, mc, folder)
 

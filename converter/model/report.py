@@ -104,22 +104,37 @@ def render(report: ModelReport, out: Any, err: Any, *, quiet: bool = False) -> N
 
     m = report.metrics
     if not quiet and m:
-        table = Table(title=f"{report.architecture} on {report.device}: {report.output} against the fp32 model dequantized "
-                      f"from the source, {report.input.get('sequences')} x {report.input.get('tokens')} tokens", title_justify="left")
+        table = Table(
+            title=f"{report.architecture} on {report.device}: {report.output} against the fp32 model dequantized "
+            f"from the source, {report.input.get('sequences')} x {report.input.get('tokens')} tokens",
+            title_justify="left",
+        )
         extra = [k for k in ("cosine", "ppl", "ppl_rel_diff") if k in m.get("converted", {})]
         for col in ["model", "mean rel err", "max rel err", "top-1", "top-5", *extra]:
             table.add_column(col)
-        for key, label in (("converted", "converted (ours)"), ("fp16_dequant", "fp16 dequantized"), ("fp32", "fp32 dequantized")):
+        for key, label in (
+            ("converted", "converted (ours)"),
+            ("fp16_dequant", "fp16 dequantized"),
+            ("fp32", "fp32 dequantized"),
+        ):
             row = m.get(key, {})
             if not row:
                 continue
-            cells = [label, _fmt(row.get("mean_rel_err")), _fmt(row.get("max_rel_err")),
-                     _fmt(row.get("top1"), ".4f"), _fmt(row.get("top5"), ".4f")]
+            cells = [
+                label,
+                _fmt(row.get("mean_rel_err")),
+                _fmt(row.get("max_rel_err")),
+                _fmt(row.get("top1"), ".4f"),
+                _fmt(row.get("top5"), ".4f"),
+            ]
             for k in extra:
                 cells.append(_fmt(row.get(k), ".6f" if k == "cosine" else (".4g" if k == "ppl" else ".2e")))
             table.add_row(*cells)
         out.print(table)
-        worst = sorted(report.layers, key=lambda r: -(r["rel_err"] / max(r["fp16_rel_err"], 1e-30) if r["rel_err"] is not None else float("inf")))[:3]
+        worst = sorted(
+            report.layers,
+            key=lambda r: -(r["rel_err"] / max(r["fp16_rel_err"], 1e-30) if r["rel_err"] is not None else float("inf")),
+        )[:3]
         if worst:
             shown = ", ".join(f"{r['name']} {_fmt(r['rel_err'])} (fp16 {_fmt(r['fp16_rel_err'])})" for r in worst)
             out.print(f"layers furthest from fp16 on the model's activations: {escape(shown)}", soft_wrap=True)
@@ -133,9 +148,12 @@ def render(report: ModelReport, out: Any, err: Any, *, quiet: bool = False) -> N
     status = "OK" if report.ok else f"FAILED: {sum(p.severity == 'error' for p in report.problems)} problem(s)"
     if conv:
         layers = ", ".join(f"{n} {k}" for k, n in sorted(paths.items()))
-        out.print(f"{status}: {report.architecture} on {report.device}, {sum(paths.values())} layers ({layers}); "
-                  f"{report.output} mean rel err {_fmt(conv.get('mean_rel_err'))} (fp16 dequantized {_fmt(f16.get('mean_rel_err'))}, "
-                  f"limit {_fmt(bar.get('mean_rel_err_limit'))}), top-1 {_fmt(conv.get('top1'), '.4f')} "
-                  f"(fp16 {_fmt(f16.get('top1'), '.4f')}, min {_fmt(bar.get('top1_min'), '.4f')}); {report.wall_s:.1f} s", soft_wrap=True)
+        out.print(
+            f"{status}: {report.architecture} on {report.device}, {sum(paths.values())} layers ({layers}); "
+            f"{report.output} mean rel err {_fmt(conv.get('mean_rel_err'))} (fp16 dequantized {_fmt(f16.get('mean_rel_err'))}, "
+            f"limit {_fmt(bar.get('mean_rel_err_limit'))}), top-1 {_fmt(conv.get('top1'), '.4f')} "
+            f"(fp16 {_fmt(f16.get('top1'), '.4f')}, min {_fmt(bar.get('top1_min'), '.4f')}); {report.wall_s:.1f} s",
+            soft_wrap=True,
+        )
     else:
         out.print(f"{status}: the models were not run", soft_wrap=True)

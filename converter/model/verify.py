@@ -84,7 +84,11 @@ def _true_fp32(torch: Any, device: Any) -> Iterator[None]:
     if device.type != "cuda":
         yield
         return
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision())
+    saved = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.get_float32_matmul_precision(),
+    )
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
@@ -123,7 +127,11 @@ def input_ids(folder: Path, cfg: dict[str, Any], text: str | Path | None) -> tup
     if text is None:
         vocab = cfg.get("vocab_size")
         if not isinstance(vocab, int) or vocab <= 0:
-            raise ModelError("config.json has no vocab_size: cannot make the fixed input", path=folder / "config.json", tensor="vocab_size")
+            raise ModelError(
+                "config.json has no vocab_size: cannot make the fixed input",
+                path=folder / "config.json",
+                tensor="vocab_size",
+            )
         ids = np.random.default_rng(0).integers(0, vocab, (FIXED_SEQUENCES, limit(FIXED_TOKENS)), dtype=np.int64)
         return ids, {"from": "fixed", "text": None, "sequences": int(ids.shape[0]), "tokens": int(ids.shape[1])}
     text = Path(text)
@@ -131,15 +139,22 @@ def input_ids(folder: Path, cfg: dict[str, Any], text: str | Path | None) -> tup
         content = text.read_text("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConverterError(f"cannot read --text: {getattr(exc, 'strerror', None) or exc}", path=text) from None
-    if not any((folder / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt")):
-        raise ModelError("--text needs a tokenizer, and the folder has none (tokenizer.json / tokenizer_config.json)", path=folder)
+    if not any(
+        (folder / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt")
+    ):
+        raise ModelError(
+            "--text needs a tokenizer, and the folder has none (tokenizer.json / tokenizer_config.json)", path=folder
+        )
     from transformers import AutoTokenizer
 
     try:
         with quiet_transformers():
             tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except Exception as exc:  # transformers raises OSError, ValueError, ImportError ...
-        raise ModelError(f"cannot load the folder's tokenizer: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", path=folder) from None
+        raise ModelError(
+            f"cannot load the folder's tokenizer: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+            path=folder,
+        ) from None
     ids = list(tok(content)["input_ids"])[: limit(MAX_TEXT_TOKENS)]
     if len(ids) < 2:
         raise ModelError(f"--text gives {len(ids)} token(s); at least 2 are needed", path=text)
@@ -248,7 +263,9 @@ def output_metrics(y: np.ndarray, ref: np.ndarray, *, encoder: bool, ids: np.nda
         "top5": top5 / n,
     }
     if encoder:
-        cos = (pooled_y * pooled_r).sum(axis=1) / (np.linalg.norm(pooled_y, axis=1) * np.linalg.norm(pooled_r, axis=1) + 1e-30)
+        cos = (pooled_y * pooled_r).sum(axis=1) / (
+            np.linalg.norm(pooled_y, axis=1) * np.linalg.norm(pooled_r, axis=1) + 1e-30
+        )
         out["cosine"] = float(cos.min()) if finite else -1.0
     if ids is not None:
         mean_nll = nll / max(n_nll, 1)
@@ -328,12 +345,18 @@ def _tensor_checks(model: Any, load: Any, source: Any, report: ModelReport) -> N
         if t is None:
             continue
         if tname not in infos:
-            report.add("tensor_not_in_source", f"{tname}: loaded into {names[0]}, but the source has no such tensor", tname)
+            report.add(
+                "tensor_not_in_source", f"{tname}: loaded into {names[0]}, but the source has no such tensor", tname
+            )
             continue
         src = source.load_tensor(tname)
         mine = dtype_code(t)
         if mine != src.dtype:
-            report.add("tensor_dtype", f"{tname}: loaded as {mine} (the artifact's dtype) into {names[0]}, but the source stores {src.dtype}", tname)
+            report.add(
+                "tensor_dtype",
+                f"{tname}: loaded as {mine} (the artifact's dtype) into {names[0]}, but the source stores {src.dtype}",
+                tname,
+            )
             continue
         ours = t.detach().cpu().contiguous()
         ours_np = (ours.view(torch.int16) if ours.dtype == torch.bfloat16 else ours).numpy().reshape(-1)
@@ -416,8 +439,12 @@ def verify_model(
             actual = {f["name"]: f["sha256"] for f in source.describe()["files"]}
             changed = sorted(n for n in recorded.keys() & actual.keys() if recorded[n] != actual[n])
             if changed:
-                report.add("source_differs", "the source is not the checkpoint this folder was converted from "
-                           f"(sha256 differs: {', '.join(changed)})", severity="warning")
+                report.add(
+                    "source_differs",
+                    "the source is not the checkpoint this folder was converted from "
+                    f"(sha256 differs: {', '.join(changed)})",
+                    severity="warning",
+                )
             ids, report.input = input_ids(folder, cfg, text)
             plans = {lp.name: lp for lp in source.plan().layers}
         stack.enter_context(_true_fp32(torch, device))
@@ -433,8 +460,14 @@ def verify_model(
             _free(device)
             encoder = report.output == "last_hidden_state"
         with stage(f"converted model on {device}"):
-            model, load = build_converted(folder, device, strict=False, attn_implementation=attn_implementation,
-                                          validate=False, kernel_factory=kernel_factory)
+            model, load = build_converted(
+                folder,
+                device,
+                strict=False,
+                attn_implementation=attn_implementation,
+                validate=False,
+                kernel_factory=kernel_factory,
+            )
             report.architecture, report.kind, report.load = load.architecture, load.kind, load.to_json()
             ppl_ids = ids if text is not None and load.kind == CAUSAL_LM else None
             probe = _LayerProbe(source, plans)
@@ -472,49 +505,109 @@ def _finish(report: ModelReport, t_start: float) -> ModelReport:
     return report
 
 
-def _judge(report: ModelReport, load: Any, probe: _LayerProbe, plans: dict[str, Any], conv: dict[str, Any], f16: dict[str, Any],
-           ref32: dict[str, Any]) -> None:
+def _judge(
+    report: ModelReport,
+    load: Any,
+    probe: _LayerProbe,
+    plans: dict[str, Any],
+    conv: dict[str, Any],
+    f16: dict[str, Any],
+    ref32: dict[str, Any],
+) -> None:
     if "ppl" in ref32:
         for m in (conv, f16):
             m["ppl_rel_diff"] = abs(m["ppl"] - ref32["ppl"]) / ref32["ppl"] if math.isfinite(m["ppl"]) else math.inf
     report.metrics = {"converted": conv, "fp16_dequant": f16, "fp32": ref32}
     limit = ERROR_FACTOR * max(f16["mean_rel_err"], 1e-7)
-    report.bar = {"mean_rel_err_limit": limit, "top1_min": f16["top1"] - TOP1_MARGIN, "error_factor": ERROR_FACTOR,
-                  "top1_margin": TOP1_MARGIN, "layer_factor": LAYER_FACTOR, "layer_floor": LAYER_FLOOR}
+    report.bar = {
+        "mean_rel_err_limit": limit,
+        "top1_min": f16["top1"] - TOP1_MARGIN,
+        "error_factor": ERROR_FACTOR,
+        "top1_margin": TOP1_MARGIN,
+        "layer_factor": LAYER_FACTOR,
+        "layer_floor": LAYER_FLOOR,
+    }
     what = report.output
     if not conv["mean_rel_err"] <= limit:
-        report.add("model_error", f"{what}: mean relative error {conv['mean_rel_err']:.3g} against the fp32 model dequantized from the source "
-                   f"is above {ERROR_FACTOR:g}x the fp16-dequantized model's {f16['mean_rel_err']:.3g} (limit {limit:.3g})")
+        report.add(
+            "model_error",
+            f"{what}: mean relative error {conv['mean_rel_err']:.3g} against the fp32 model dequantized from the source "
+            f"is above {ERROR_FACTOR:g}x the fp16-dequantized model's {f16['mean_rel_err']:.3g} (limit {limit:.3g})",
+        )
     if conv["top1"] < report.bar["top1_min"]:
-        report.add("model_top1", f"{what}: top-1 agreement with the fp32 model {conv['top1']:.4f} is below the fp16-dequantized "
-                   f"model's {f16['top1']:.4f} minus {TOP1_MARGIN:g}")
+        report.add(
+            "model_top1",
+            f"{what}: top-1 agreement with the fp32 model {conv['top1']:.4f} is below the fp16-dequantized "
+            f"model's {f16['top1']:.4f} minus {TOP1_MARGIN:g}",
+        )
     modules = load.modules
     for layer, path in load.layers.items():
         e, e16 = probe.stats.get(layer, [None, None])
         bad = e is not None and e > LAYER_FACTOR * e16 and e > LAYER_FLOOR
-        report.layers.append({"name": layer, "module": modules.get(layer), "path": path, "rel_err": e, "fp16_rel_err": e16, "ok": not bad})
+        report.layers.append(
+            {
+                "name": layer,
+                "module": modules.get(layer),
+                "path": path,
+                "rel_err": e,
+                "fp16_rel_err": e16,
+                "ok": not bad,
+            }
+        )
         if layer not in plans:
-            report.add("layer_not_in_source", f"layer {layer}: in the artifact, but the source has no such quantized layer", layer)
+            report.add(
+                "layer_not_in_source",
+                f"layer {layer}: in the artifact, but the source has no such quantized layer",
+                layer,
+            )
         elif e is None:
-            report.add("layer_not_run", f"layer {layer} (module {modules.get(layer)}) never ran in the forward pass", layer, severity="warning")
+            report.add(
+                "layer_not_run",
+                f"layer {layer} (module {modules.get(layer)}) never ran in the forward pass",
+                layer,
+                severity="warning",
+            )
         elif bad:
-            report.add("layer_error", f"layer {layer} (module {modules.get(layer)}): output mean relative error {e:.3g} against the source "
-                       f"layer on the model's own activations, {e / max(e16, 1e-30):.1f}x the fp16-dequantized layer's {e16:.3g} "
-                       f"(limit: above {LAYER_FACTOR:g}x and {LAYER_FLOOR:g})", layer)
+            report.add(
+                "layer_error",
+                f"layer {layer} (module {modules.get(layer)}): output mean relative error {e:.3g} against the source "
+                f"layer on the model's own activations, {e / max(e16, 1e-30):.1f}x the fp16-dequantized layer's {e16:.3g} "
+                f"(limit: above {LAYER_FACTOR:g}x and {LAYER_FLOOR:g})",
+                layer,
+            )
     for name in load.missing:
         module, _, attr = name.rpartition(".")
         if attr == "bias" and module in load.layers:
-            report.add("missing_bias", f"{name}: module {load.modules.get(module, module)} has a bias, the converted layer {module} has none "
-                       "(it runs without)", name)
+            report.add(
+                "missing_bias",
+                f"{name}: module {load.modules.get(module, module)} has a bias, the converted layer {module} has none "
+                "(it runs without)",
+                name,
+            )
         else:
-            report.add("missing_tensor", f"{name}: the model has this tensor, the artifact nothing to load into it (left as initialised)", name)
+            report.add(
+                "missing_tensor",
+                f"{name}: the model has this tensor, the artifact nothing to load into it (left as initialised)",
+                name,
+            )
     for layer, why in load.not_converted.items():
-        report.add("not_converted", f"layer {layer} passed through unconverted ({why}); it runs through its exact dequantization "
-                   "as an fp16 linear, not the Marlin kernel", layer, severity="warning")
+        report.add(
+            "not_converted",
+            f"layer {layer} passed through unconverted ({why}); it runs through its exact dequantization "
+            "as an fp16 linear, not the Marlin kernel",
+            layer,
+            severity="warning",
+        )
     for layer, why in load.kernel_fallback.items():
-        report.add("kernel_fallback", f"layer {layer}: {why}; it runs the exact path on the GPU", layer, severity="warning")
+        report.add(
+            "kernel_fallback", f"layer {layer}: {why}; it runs the exact path on the GPU", layer, severity="warning"
+        )
     for w in load.warnings:
         report.add("tied_differs", w, severity="warning")
     if load.unused:
         shown = ", ".join(load.unused[:8]) + (f", ... ({len(load.unused)} tensors)" if len(load.unused) > 8 else "")
-        report.add("unused_tensors", f"{len(load.unused)} artifact tensor(s) feed no module of {load.architecture}: {shown}", severity="warning")
+        report.add(
+            "unused_tensors",
+            f"{len(load.unused)} artifact tensor(s) feed no module of {load.architecture}: {shown}",
+            severity="warning",
+        )

@@ -43,14 +43,17 @@ def codes(report) -> set[str]:
 
 
 def test_resealed_copy_is_still_ok(base: Path, tmp_path: Path) -> None:
-    assert verify(rewrite_artifact_arrays(base, tmp_path / "a.safetensors", lambda m, t: None), against=SAMPLE, gpu=False).ok
+    assert verify(
+        rewrite_artifact_arrays(base, tmp_path / "a.safetensors", lambda m, t: None), against=SAMPLE, gpu=False
+    ).ok
 
 
 def test_lying_symmetric_flag(base: Path, tmp_path: Path) -> None:
     art = rewrite_artifact_arrays(base, tmp_path / "a.safetensors", lambda m, t: layer(m).update(symmetric=True))
     rep = verify(art, shapes_only=True)
     assert [p.message for p in rep.problems if p.code == "manifest_inconsistent"] == [
-        f"layer {L}: symmetric is True but marlin_delta is not zero"]
+        f"layer {L}: symmetric is True but marlin_delta is not zero"
+    ]
 
 
 def test_detached_bias_is_caught_against_source(base: Path, tmp_path: Path) -> None:
@@ -62,7 +65,8 @@ def test_detached_bias_is_caught_against_source(base: Path, tmp_path: Path) -> N
     shapes = verify(art, shapes_only=True)
     assert "layer_tensor_as_passthrough" in codes(shapes)
     assert [p.message for p in shapes.problems if p.severity == "error"] == [
-        f"{L}.bias: belongs to converted layer {L} but is listed as pass-through"]
+        f"{L}.bias: belongs to converted layer {L} but is listed as pass-through"
+    ]
     rep = verify(art, against=SAMPLE, gpu=False)
     assert not rep.ok and "layer_tensor_as_passthrough" in codes(rep)
 
@@ -82,10 +86,14 @@ def test_dropped_tensor_is_caught_against_source(base: Path, tmp_path: Path) -> 
     art = rewrite_artifact_arrays(base, tmp_path / "a.safetensors", edit)
     assert verify(art, shapes_only=True).ok  # self-consistent ...
     rep = verify(art, against=SAMPLE, gpu=False)  # ... but not what the source converts to
-    assert "embed: a conversion of the source has this tensor; the artifact lacks it" in [p.message for p in rep.problems]
+    assert "embed: a conversion of the source has this tensor; the artifact lacks it" in [
+        p.message for p in rep.problems
+    ]
 
 
-@pytest.mark.parametrize("case", ["perm_out_of_range", "perm_not_a_permutation", "group_lies", "bias_removed", "k_shrunk", "perm_missing"])
+@pytest.mark.parametrize(
+    "case", ["perm_out_of_range", "perm_not_a_permutation", "group_lies", "bias_removed", "k_shrunk", "perm_missing"]
+)
 def test_broken_layers_are_reported_not_crashed(base: Path, tmp_path: Path, case: str) -> None:
     def edit(m: dict, t: Tensors) -> None:
         e = layer(m)
@@ -108,7 +116,11 @@ def test_broken_layers_are_reported_not_crashed(base: Path, tmp_path: Path, case
     art = rewrite_artifact_arrays(base, tmp_path / "a.safetensors", edit)
     # A consistently shrunk layer is a valid artifact of a smaller layer: only the
     # source can tell.
-    modes = [{"against": SAMPLE, "gpu": False}] if case == "k_shrunk" else [{"shapes_only": True}, {"gpu": False}, {"against": SAMPLE, "gpu": False}]
+    modes = (
+        [{"against": SAMPLE, "gpu": False}]
+        if case == "k_shrunk"
+        else [{"shapes_only": True}, {"gpu": False}, {"against": SAMPLE, "gpu": False}]
+    )
     for kwargs in modes:
         rep = verify(art, **kwargs)
         assert not rep.ok, (case, kwargs)
@@ -118,11 +130,14 @@ def test_broken_layers_are_reported_not_crashed(base: Path, tmp_path: Path, case
     assert json.loads(res.stdout)["ok"] is False
 
 
-@pytest.mark.parametrize("key,value,match", [
-    ("code_offset", 6, "code_offset 6 but 4-bit codes are stored with offset 0"),
-    ("zero_convention", "gptq_v1", "zero_convention 'gptq_v1' cannot come from a 'tinyloop' source"),
-    ("kernel_compatible", False, "kernel_compatible is False but the sizes say True"),
-])
+@pytest.mark.parametrize(
+    "key,value,match",
+    [
+        ("code_offset", 6, "code_offset 6 but 4-bit codes are stored with offset 0"),
+        ("zero_convention", "gptq_v1", "zero_convention 'gptq_v1' cannot come from a 'tinyloop' source"),
+        ("kernel_compatible", False, "kernel_compatible is False but the sizes say True"),
+    ],
+)
 def test_other_manifest_lies(base: Path, tmp_path: Path, key: str, value: object, match: str) -> None:
     art = rewrite_artifact_arrays(base, tmp_path / "a.safetensors", lambda m, t: layer(m).update({key: value}))
     rep = verify(art, shapes_only=True)
@@ -164,16 +179,23 @@ def test_sigterm_leaves_no_temporary_files(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     tensors, linears = {}, {}
     for i in range(6):
-        t, lin = quantize_linear_tinyloop(f"pre.{i}.mlp_up", rng.standard_normal((2048, 2048), dtype=np.float32), 4, 128, rng)
+        t, lin = quantize_linear_tinyloop(
+            f"pre.{i}.mlp_up", rng.standard_normal((2048, 2048), dtype=np.float32), 4, 128, rng
+        )
         tensors.update(t)
         linears[f"pre.{i}.mlp_up"] = lin
     src = write_tinyloop(tmp_path / "big.tinyloop", {"d_model": 2048}, tensors, linears)
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     code = "import sys; sys.argv[0]='marlin-convert'; from converter.cli import main_convert; main_convert()"
-    proc = subprocess.Popen([sys.executable, "-c", code, str(src), str(out_dir / "o.safetensors"), "-q"],
-                            cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(src), str(out_dir / "o.safetensors"), "-q"],
+        cwd=REPO,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while not any(out_dir.iterdir()) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)

@@ -26,7 +26,6 @@ def good_file(tmp_path: Path) -> Path:
     return p
 
 
-
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("art")
@@ -36,11 +35,13 @@ def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-
 # -- artifacts given to marlin-verify ----------------------------------------------------
 def test_artifact_without_manifest(tmp_path: Path) -> None:
     p = good_file(tmp_path)
-    with pytest.raises(ArtifactError, match=r"not a marlin-convert artifact: __metadata__ lacks 'marlin.schema_version' or 'marlin.manifest'"):
+    with pytest.raises(
+        ArtifactError,
+        match=r"not a marlin-convert artifact: __metadata__ lacks 'marlin.schema_version' or 'marlin.manifest'",
+    ):
         validate_artifact(p)
 
 
@@ -49,7 +50,10 @@ def test_artifact_future_schema_version(artifact: Path, tmp_path: Path) -> None:
     meta[META_SCHEMA_VERSION] = "7"
     p = tmp_path / "future.safetensors"
     write_st(p, tensors, meta)
-    with pytest.raises(SchemaVersionError, match=r"marlin.schema_version: artifact schema version '7' is not supported \(this tool reads 1\); upgrade marlin-convert"):
+    with pytest.raises(
+        SchemaVersionError,
+        match=r"marlin.schema_version: artifact schema version '7' is not supported \(this tool reads 1\); upgrade marlin-convert",
+    ):
         validate_artifact(p)
 
 

@@ -34,8 +34,10 @@ def test_header_is_byte_identical(tmp_path: Path) -> None:
 def test_golden_is_a_valid_artifact(tmp_path: Path) -> None:
     doc = json.loads(HEADER.read_bytes()[8:])
     manifest = json.loads(doc["__metadata__"]["marlin.manifest"])
-    assert schema_errors(manifest) == [] and manifest["schema_version"] == load_schema()["properties"][
-        "schema_version"]["const"]
+    assert (
+        schema_errors(manifest) == []
+        and manifest["schema_version"] == load_schema()["properties"]["schema_version"]["const"]
+    )
     assert [(lay["name"], lay["bits"], lay["code_offset"]) for lay in manifest["layers"]] == [("a", 4, 0), ("b", 2, 6)]
     out = tmp_path / "tiny.marlin.safetensors"
     convert(SOURCE, out)

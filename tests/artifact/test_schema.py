@@ -116,12 +116,26 @@ def test_parse_then_write_gives_the_stored_object(artifact: Path) -> None:
 
 def test_integral_floats_read_as_ints() -> None:
     """JSON Schema's "integer" includes 128.0; the typed reader must agree with it."""
-    entry = {"name": "x", "size_k": 128.0, "size_n": 64, "group_size": 64, "num_groups": 2, "bits": 4,
-             "code_offset": 0, "symmetric": False, "zero_convention": "gptq_v1", "has_bias": False,
-             "upstream_marlin_compatible": False, "kernel_compatible": True, "warnings": []}
+    entry = {
+        "name": "x",
+        "size_k": 128.0,
+        "size_n": 64,
+        "group_size": 64,
+        "num_groups": 2,
+        "bits": 4,
+        "code_offset": 0,
+        "symmetric": False,
+        "zero_convention": "gptq_v1",
+        "has_bias": False,
+        "upstream_marlin_compatible": False,
+        "kernel_compatible": True,
+        "warnings": [],
+    }
     rec = from_json(LayerEntry, entry)
     assert rec.size_k == 128 and type(rec.size_k) is int and rec.act_order is False
-    with pytest.raises(ArtifactError, match=r"manifest does not fit its schema: size_k: expected an integer, found number"):
+    with pytest.raises(
+        ArtifactError, match=r"manifest does not fit its schema: size_k: expected an integer, found number"
+    ):
         from_json(LayerEntry, {**entry, "size_k": 128.5})
     with pytest.raises(ArtifactError, match=r"unknown field 'padded_n'"):
         from_json(LayerEntry, {**entry, "padded_n": 64})
@@ -131,11 +145,14 @@ def test_integral_floats_read_as_ints() -> None:
         from_json(LayerEntry, {k: v for k, v in entry.items() if k != "has_bias"})
 
 
-@pytest.mark.parametrize(("version", "match"), [
-    ("2", r"artifact schema version '2' is not supported \(this tool reads 1\); upgrade marlin-convert"),
-    ("0", r"artifact schema version '0' is not supported \(this tool reads 1\)$"),
-    ("one", r"artifact schema version 'one' is not supported \(this tool reads 1\)$"),
-])
+@pytest.mark.parametrize(
+    ("version", "match"),
+    [
+        ("2", r"artifact schema version '2' is not supported \(this tool reads 1\); upgrade marlin-convert"),
+        ("0", r"artifact schema version '0' is not supported \(this tool reads 1\)$"),
+        ("one", r"artifact schema version 'one' is not supported \(this tool reads 1\)$"),
+    ],
+)
 def test_version_is_read_first(artifact: Path, tmp_path: Path, version: str, match: str) -> None:
     meta, tensors = read_st(artifact)
     meta[META_SCHEMA_VERSION] = version
@@ -146,6 +163,7 @@ def test_version_is_read_first(artifact: Path, tmp_path: Path, version: str, mat
 def test_manifest_that_does_not_fit_lists_no_layers(artifact: Path, tmp_path: Path) -> None:
     """Documented change: a manifest that fails its schema is reported (schema_violation)
     and its layers are no longer listed from a best-effort reading of it."""
+
     def edit(m: dict, t: dict) -> None:
         m["layers"][0]["size_k"] = "128"
 
@@ -164,5 +182,7 @@ def test_duplicate_key_in_manifest_is_refused(artifact: Path, tmp_path: Path) ->
     meta["marlin.manifest"] = meta["marlin.manifest"][:-1] + ',"passthrough":[]}'
     p = tmp_path / "dup.safetensors"
     write_st(p, tensors, meta)
-    with pytest.raises(ArtifactError, match=r"marlin.manifest: manifest is not valid JSON: duplicate key 'passthrough'"):
+    with pytest.raises(
+        ArtifactError, match=r"marlin.manifest: manifest is not valid JSON: duplicate key 'passthrough'"
+    ):
         validate_artifact(p)

@@ -47,9 +47,16 @@ def test_parse_size() -> None:
 
 
 def test_plan_shards_keeps_layer_tensors_together() -> None:
-    layout = [("a.marlin_B", "I32", (4, 128)), ("a.marlin_scales", "F16", (1, 64)), ("a.marlin_delta", "F32", (1, 64)),
-              ("a.bias", "F16", (64,)), ("b.marlin_B", "I32", (4, 128)), ("b.marlin_scales", "F16", (1, 64)),
-              ("b.marlin_delta", "F32", (1, 64)), ("norm", "F16", (64,))]
+    layout = [
+        ("a.marlin_B", "I32", (4, 128)),
+        ("a.marlin_scales", "F16", (1, 64)),
+        ("a.marlin_delta", "F32", (1, 64)),
+        ("a.bias", "F16", (64,)),
+        ("b.marlin_B", "I32", (4, 128)),
+        ("b.marlin_scales", "F16", (1, 64)),
+        ("b.marlin_delta", "F32", (1, 64)),
+        ("norm", "F16", (64,)),
+    ]
     shards = plan_shards(layout, ["a", "b"], 3000)  # a: 2560 bytes, b: 2432, norm: 128
     assert [[n for n, _, _ in s] for s in shards] == [
         ["a.marlin_B", "a.marlin_scales", "a.marlin_delta", "a.bias"],
@@ -103,11 +110,17 @@ def test_force_rewrite_removes_stale_shards(tmp_path: Path, src: tuple[Path, dic
     new = sorted(p.name for p in tmp_path.glob("a-*.safetensors"))
     assert len(new) < len(old) and all(n.endswith(f"-of-{len(new):05d}.safetensors") for n in new)
     convert(folder, out, force=True)  # one file now: the old index and shards go
-    assert out.is_file() and not list(tmp_path.glob("a-*.safetensors")) and not (tmp_path / "a.safetensors.index.json").exists()
+    assert (
+        out.is_file()
+        and not list(tmp_path.glob("a-*.safetensors"))
+        and not (tmp_path / "a.safetensors.index.json").exists()
+    )
     assert verify(out, against=folder, gpu=False).ok
 
 
-def test_failure_mid_write_leaves_the_folder_untouched(tmp_path: Path, src: tuple[Path, dict], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failure_mid_write_leaves_the_folder_untouched(
+    tmp_path: Path, src: tuple[Path, dict], monkeypatch: pytest.MonkeyPatch
+) -> None:
     folder, _ = src
     out_dir = tmp_path / "out"
     out_dir.mkdir()
@@ -154,13 +167,25 @@ def test_folder_mode_writes_a_complete_model_folder(tmp_path: Path, src: tuple[P
     out = tmp_path / "model"
     report = convert(folder, str(out) + "/")
     assert report.output == str(out / "model.safetensors")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     assert (out / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
     cfg = json.loads((out / "config.json").read_text())
     src_cfg = json.loads((folder / "config.json").read_text())
-    assert {k: v for k, v in cfg.items() if k != "quantization_config"} == {k: v for k, v in src_cfg.items() if k != "quantization_config"}
+    assert {k: v for k, v in cfg.items() if k != "quantization_config"} == {
+        k: v for k, v in src_cfg.items() if k != "quantization_config"
+    }
     qc = cfg["quantization_config"]
-    assert (qc["quant_method"], qc["schema_version"], qc["bits"], qc["zero_correction"]) == ("marlin-convert", 1, 4, "delta")
+    assert (qc["quant_method"], qc["schema_version"], qc["bits"], qc["zero_correction"]) == (
+        "marlin-convert",
+        1,
+        4,
+        "delta",
+    )
     assert qc["weight_file"] == "model.safetensors" and qc["act_order"] is True and qc["group_sizes"] == [128]
     assert qc["source_quantization_config"] == src_cfg["quantization_config"]
     assert oct(os.stat(out / "config.json").st_mode & 0o777) != "0o600"
@@ -169,7 +194,10 @@ def test_folder_mode_writes_a_complete_model_folder(tmp_path: Path, src: tuple[P
     with pytest.raises(OutputExistsError, match=r"model.safetensors: output exists"):
         convert(folder, out)
     convert(folder, out, force=True, max_shard_size="60KB")
-    assert json.loads((out / "config.json").read_text())["quantization_config"]["weight_file"] == "model.safetensors.index.json"
+    assert (
+        json.loads((out / "config.json").read_text())["quantization_config"]["weight_file"]
+        == "model.safetensors.index.json"
+    )
     assert not (out / "model.safetensors").exists()
     assert verify(out, against=folder, gpu=False).ok
 
@@ -200,7 +228,9 @@ def test_cli_sharded_convert_and_verify(tmp_path: Path, src: tuple[Path, dict]) 
     assert res.exit_code == 2 and "'lots' is not a size" in res.output
 
 
-def test_failed_folder_mode_removes_the_folder_it_created(tmp_path: Path, src: tuple[Path, dict], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_folder_mode_removes_the_folder_it_created(
+    tmp_path: Path, src: tuple[Path, dict], monkeypatch: pytest.MonkeyPatch
+) -> None:
     folder, _ = src
     from converter.formats.gptq import GptqSource
 
@@ -217,13 +247,20 @@ def test_failed_folder_mode_removes_the_folder_it_created(tmp_path: Path, src: t
 def test_source_files_of_sharded_input_include_the_index(tmp_path: Path, src: tuple[Path, dict]) -> None:
     rng = np.random.default_rng(1)
     lay = make_layer(rng, 128, 64)
-    folder = write_checkpoint(tmp_path / "sh", {**gptq_tensors("m.lin", lay, v1=True), **plain_tensors(rng)}, gptq_config(), shards=2)
+    folder = write_checkpoint(
+        tmp_path / "sh", {**gptq_tensors("m.lin", lay, v1=True), **plain_tensors(rng)}, gptq_config(), shards=2
+    )
     report = convert(folder, tmp_path / "a.safetensors")
     from converter.artifact.reader import open_artifact
 
     with open_artifact(report.output) as art:
         names = [f.name for f in art.manifest.source.files]
-    assert names == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json", "config.json"]
+    assert names == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "config.json",
+    ]
 
 
 def test_folder_mode_refuses_the_source_folder(tmp_path: Path, src: tuple[Path, dict]) -> None:
@@ -239,17 +276,28 @@ def test_verifying_one_shard_alone_points_to_the_index(tmp_path: Path, src: tupl
     shard = sorted(tmp_path.glob("m-*.safetensors"))[0]
     from converter.errors import ArtifactError
 
-    with pytest.raises(ArtifactError, match=rf"{shard.name}: shard: this file is shard 1 of \d+ of a sharded artifact; "
-                                            r"verify its index \(m.safetensors.index.json\) or its folder"):
+    with pytest.raises(
+        ArtifactError,
+        match=rf"{shard.name}: shard: this file is shard 1 of \d+ of a sharded artifact; "
+        r"verify its index \(m.safetensors.index.json\) or its folder",
+    ):
         verify(shard, shapes_only=True)
 
 
-@pytest.mark.parametrize(("index_text", "match"), [
-    ('{"weight_map": {"a": "../m-00001-of-00002.safetensors"}}',
-     r"weight_map: shard '../m-00001-of-00002.safetensors' must be a plain file name in the same folder"),
-    ('{"weight_map": ["m-00001-of-00002.safetensors"]}', r"weight_map: weight_map must be a map of tensor name to shard file"),
-    ('{"weight_map": {"a": 1', r"m.safetensors.index.json: JSON file is not valid JSON: "),
-])
+@pytest.mark.parametrize(
+    ("index_text", "match"),
+    [
+        (
+            '{"weight_map": {"a": "../m-00001-of-00002.safetensors"}}',
+            r"weight_map: shard '../m-00001-of-00002.safetensors' must be a plain file name in the same folder",
+        ),
+        (
+            '{"weight_map": ["m-00001-of-00002.safetensors"]}',
+            r"weight_map: weight_map must be a map of tensor name to shard file",
+        ),
+        ('{"weight_map": {"a": 1', r"m.safetensors.index.json: JSON file is not valid JSON: "),
+    ],
+)
 def test_verifying_a_bad_index(tmp_path: Path, src: tuple[Path, dict], index_text: str, match: str) -> None:
     """Documented change: the artifact's index is read by the one HF index reader
     (converter/hf_index.py), with its messages."""

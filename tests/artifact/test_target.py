@@ -13,7 +13,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tests.helpers.producers import gptq_config, gptq_tensors, make_layer, plain_tensors, save_safetensors, write_checkpoint
+from tests.helpers.producers import (
+    gptq_config,
+    gptq_tensors,
+    make_layer,
+    plain_tensors,
+    save_safetensors,
+    write_checkpoint,
+)
 from tests.helpers.paths import SAMPLE
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -23,7 +30,9 @@ from converter.convert import convert
 from converter.errors import ConverterError, OutputExistsError
 
 NAMES = [f"model.layers.{i}.mlp.{p}" for i in range(2) for p in ("up_proj", "down_proj")]
-READ_BACK = r"output is inside the input checkpoint folder .*, where reading the checkpoint again would pick it up as input"
+READ_BACK = (
+    r"output is inside the input checkpoint folder .*, where reading the checkpoint again would pick it up as input"
+)
 
 
 def _checkpoint(folder: Path, shards: int = 1) -> Path:
@@ -50,8 +59,11 @@ def _checkpoint(folder: Path, shards: int = 1) -> Path:
 
 def _tree(folder: Path) -> dict[str, str]:
     """sha256 of every file below ``folder`` (links followed), by relative path."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture()
@@ -114,7 +126,9 @@ def test_folder_mode_file_linked_to_an_input_file(tmp_path: Path, how: str) -> N
     else:
         os.link(src / "tokenizer.json", link)
     before = _tree(src)
-    with pytest.raises(ConverterError, match=r"out/tokenizer.json: output would overwrite the input; choose another path"):
+    with pytest.raises(
+        ConverterError, match=r"out/tokenizer.json: output would overwrite the input; choose another path"
+    ):
         convert(src, str(out) + "/", force=True)
     assert _tree(src) == before
 
@@ -128,10 +142,14 @@ def test_force_never_deletes_an_input_file_listed_by_an_old_index(tmp_path: Path
     shard = sorted(src.glob("model-*.safetensors"))[0]
     os.link(shard, out_dir / "m-00001-of-00002.safetensors")
     (out_dir / "m.safetensors.index.json").write_text(
-        '{"metadata": {}, "weight_map": {"a": "m-00001-of-00002.safetensors"}}')
+        '{"metadata": {}, "weight_map": {"a": "m-00001-of-00002.safetensors"}}'
+    )
     before = _tree(src)
-    with pytest.raises(ConverterError, match=r"m-00001-of-00002.safetensors: replacing the output would delete this "
-                                             r"file, which is part of the input"):
+    with pytest.raises(
+        ConverterError,
+        match=r"m-00001-of-00002.safetensors: replacing the output would delete this "
+        r"file, which is part of the input",
+    ):
         convert(src, out_dir / "m.safetensors", force=True)
     assert _tree(src) == before
     assert (out_dir / "m-00001-of-00002.safetensors").exists()
@@ -175,8 +193,11 @@ def test_a_failed_rename_midway_leaves_every_old_file(tmp_path: Path, monkeypatc
         real(a, b)
 
     monkeypatch.setattr(atomic.os, "replace", flaky)
-    with pytest.raises(ConverterError, match=r"out: could not rename the new artifact into place \(Input/output error\); "
-                                             r"every output file is as it was"):
+    with pytest.raises(
+        ConverterError,
+        match=r"out: could not rename the new artifact into place \(Input/output error\); "
+        r"every output file is as it was",
+    ):
         convert(src, str(out) + "/", max_shard_size="20KB", force=True)
     assert _tree(out) == old
     assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
@@ -200,8 +221,11 @@ def test_a_failed_rollback_names_the_files_it_left_new(tmp_path: Path, monkeypat
 
     monkeypatch.setattr(atomic.os, "replace", flaky)
     first = sorted(out.glob("model-*.safetensors"))[0]
-    with pytest.raises(ConverterError, match=rf"undoing the renames failed: {first} now hold the new artifact, every "
-                                             r"other output file is as it was; re-run with --force"):
+    with pytest.raises(
+        ConverterError,
+        match=rf"undoing the renames failed: {first} now hold the new artifact, every "
+        r"other output file is as it was; re-run with --force",
+    ):
         convert(src, str(out) + "/", max_shard_size="20KB", force=True)
 
 
@@ -223,22 +247,45 @@ def _layouts(root: Path) -> dict[str, Path]:
 
 
 _OUT_CHOICES = [
-    "{one}/model.safetensors", "{one}/new.safetensors", "{one}/", "{two}/model.safetensors",
-    "{two}/model-00001-of-00002.safetensors", "{two}/", "{tl}", "{tldir}/m.safetensors", "{tldir}/",
-    "{root}/links/one/x.safetensors", "{root}/links/one/", "{root}/links/shard.safetensors",
-    "{root}/links/hard.safetensors", "{root}/links/", "{root}/fresh/", "{root}/out.safetensors",
+    "{one}/model.safetensors",
+    "{one}/new.safetensors",
+    "{one}/",
+    "{two}/model.safetensors",
+    "{two}/model-00001-of-00002.safetensors",
+    "{two}/",
+    "{tl}",
+    "{tldir}/m.safetensors",
+    "{tldir}/",
+    "{root}/links/one/x.safetensors",
+    "{root}/links/one/",
+    "{root}/links/shard.safetensors",
+    "{root}/links/hard.safetensors",
+    "{root}/links/",
+    "{root}/fresh/",
+    "{root}/out.safetensors",
 ]
 #: input path -> the layout it reads
-_IN_CHOICES = {"{one}": "one", "{one}/model.safetensors": "one", "{two}": "two",
-               "{two}/model.safetensors.index.json": "two", "{two}/model-00001-of-00002.safetensors": "two",
-               "{tl}": "tl", "{root}/links/one": "one"}
+_IN_CHOICES = {
+    "{one}": "one",
+    "{one}/model.safetensors": "one",
+    "{two}": "two",
+    "{two}/model.safetensors.index.json": "two",
+    "{two}/model-00001-of-00002.safetensors": "two",
+    "{tl}": "tl",
+    "{root}/links/one": "one",
+}
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(src=st.sampled_from(sorted(_IN_CHOICES)), out=st.sampled_from(_OUT_CHOICES), force=st.booleans(),
-       shards=st.sampled_from([None, "20KB"]))
-def test_fuzz_paths_never_touch_the_input(tmp_path_factory: pytest.TempPathFactory, src: str, out: str, force: bool,
-                                         shards: str | None) -> None:
+@given(
+    src=st.sampled_from(sorted(_IN_CHOICES)),
+    out=st.sampled_from(_OUT_CHOICES),
+    force=st.booleans(),
+    shards=st.sampled_from([None, "20KB"]),
+)
+def test_fuzz_paths_never_touch_the_input(
+    tmp_path_factory: pytest.TempPathFactory, src: str, out: str, force: bool, shards: str | None
+) -> None:
     root = tmp_path_factory.mktemp("fuzz")
     paths = _layouts(root)
     fmt = {"one": paths["one"], "two": paths["two"], "tl": paths["tl"], "tldir": paths["tl"].parent, "root": root}

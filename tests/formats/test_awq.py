@@ -19,8 +19,15 @@ P = "model.layers.0.self_attn.q_proj"
 
 
 def awq_config(**kw) -> dict:
-    return {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True,
-            "modules_to_not_convert": None, **kw}
+    return {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": 128,
+        "version": "gemm",
+        "zero_point": True,
+        "modules_to_not_convert": None,
+        **kw,
+    }
 
 
 def test_interleave_worked_example() -> None:
@@ -44,7 +51,9 @@ def test_unpack_awq_matches_autoawq_packer() -> None:
 def test_awq_fixture_converts_exactly(tmp_path: Path, group: int, bias: bool) -> None:
     rng = np.random.default_rng(group + 7)
     lay = make_layer(rng, 256, 128, group_size=group, bias=bias)
-    src = write_checkpoint(tmp_path / "src", {**awq_tensors(P, lay), **plain_tensors(rng)}, awq_config(group_size=group))
+    src = write_checkpoint(
+        tmp_path / "src", {**awq_tensors(P, lay), **plain_tensors(rng)}, awq_config(group_size=group)
+    )
     report = convert(src, tmp_path / "a.safetensors")
     (rec,) = report.converted
     assert (rec.zero_convention, rec.group_size, rec.has_bias) == ("awq", 256 if group == -1 else group, bias)
@@ -63,9 +72,14 @@ def test_awq_symmetric_zeros_give_zero_delta(tmp_path: Path) -> None:
 
 
 def test_autoawq_marlin_version_is_refused(tmp_path: Path) -> None:
-    src = write_checkpoint(tmp_path / "src", plain_tensors(np.random.default_rng(0)), awq_config(version="marlin", zero_point=False))
-    with pytest.raises(UnsupportedQuantError, match=r"config.json: version: AutoAWQ 'marlin' checkpoints are already "
-                                                    r"upstream-Marlin packed and symmetric .* never packs twice"):
+    src = write_checkpoint(
+        tmp_path / "src", plain_tensors(np.random.default_rng(0)), awq_config(version="marlin", zero_point=False)
+    )
+    with pytest.raises(
+        UnsupportedQuantError,
+        match=r"config.json: version: AutoAWQ 'marlin' checkpoints are already "
+        r"upstream-Marlin packed and symmetric .* never packs twice",
+    ):
         convert(src, tmp_path / "a.safetensors")
     assert not (tmp_path / "a.safetensors").exists()
 
@@ -75,14 +89,18 @@ def test_marlin_packed_qweight_under_gemm_label_is_refused(tmp_path: Path) -> No
     lay = make_layer(rng, 128, 64, sym=True)
     tensors = {f"{P}.qweight": pack_b(lay.q), f"{P}.scales": lay.s}
     src = write_checkpoint(tmp_path / "src", tensors, awq_config())
-    with pytest.raises(UnsupportedQuantError, match=rf"{P}.qweight: qweight shape \[8, 128\] is Marlin's \(K/16, 2N\) for N = 64"):
+    with pytest.raises(
+        UnsupportedQuantError, match=rf"{P}.qweight: qweight shape \[8, 128\] is Marlin's \(K/16, 2N\) for N = 64"
+    ):
         convert(src, tmp_path / "a.safetensors")
 
 
 @pytest.mark.parametrize("version", ["gemv", "gemv_fast"])
 def test_other_awq_versions_are_refused(tmp_path: Path, version: str) -> None:
     src = write_checkpoint(tmp_path / "src", plain_tensors(np.random.default_rng(0)), awq_config(version=version))
-    with pytest.raises(UnsupportedQuantError, match=rf"config.json: version: AWQ version '{version}' is not supported: only 'gemm'"):
+    with pytest.raises(
+        UnsupportedQuantError, match=rf"config.json: version: AWQ version '{version}' is not supported: only 'gemm'"
+    ):
         convert(src, tmp_path / "a.safetensors")
 
 
@@ -103,19 +121,27 @@ def test_awq_companion_of_the_wrong_rank_is_a_format_error(tmp_path: Path) -> No
     t = awq_tensors(P, make_layer(rng, 128, 64))
     t[f"{P}.scales"] = t[f"{P}.scales"].reshape(-1)
     src = write_checkpoint(tmp_path / "src", t, awq_config())
-    with pytest.raises(SourceFormatError, match=rf"{P}.scales: shape \[64\] disagrees with K, N and group_size "
-                                                r"\(expected 2-D\)$"):
+    with pytest.raises(
+        SourceFormatError,
+        match=rf"{P}.scales: shape \[64\] disagrees with K, N and group_size "
+        r"\(expected 2-D\)$",
+    ):
         convert(src, tmp_path / "a.safetensors")
 
 
 def test_modules_to_not_convert_pass_through_with_reason(tmp_path: Path) -> None:
     rng = np.random.default_rng(4)
     lay = make_layer(rng, 128, 64)
-    tensors = {**awq_tensors(P, lay), "model.layers.0.mlp.gate.weight": rng.standard_normal((8, 128)).astype(np.float16)}
+    tensors = {
+        **awq_tensors(P, lay),
+        "model.layers.0.mlp.gate.weight": rng.standard_normal((8, 128)).astype(np.float16),
+    }
     src = write_checkpoint(tmp_path / "src", tensors, awq_config(modules_to_not_convert=["mlp.gate"]))
     report = convert(src, tmp_path / "a.safetensors")
     reasons = {p.name: p.reason for p in report.passthrough}
-    assert reasons == {"model.layers.0.mlp.gate.weight": "kept unquantized by the producer: module matches modules_to_not_convert entry 'mlp.gate'"}
+    assert reasons == {
+        "model.layers.0.mlp.gate.weight": "kept unquantized by the producer: module matches modules_to_not_convert entry 'mlp.gate'"
+    }
     assert verify(tmp_path / "a.safetensors", against=src, gpu=False).ok
 
 

@@ -8,7 +8,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tests.helpers.producers import assert_truth, ct_pack_to_int32, ct_tensors, make_layer, plain_tensors, write_checkpoint
+from tests.helpers.producers import (
+    assert_truth,
+    ct_pack_to_int32,
+    ct_tensors,
+    make_layer,
+    plain_tensors,
+    write_checkpoint,
+)
 
 from converter.convert import convert
 from converter.errors import SourceFormatError, UnsupportedQuantError
@@ -17,16 +24,37 @@ from converter.verify import verify
 P = "model.layers.0.self_attn.q_proj"
 
 
-def ct_config(*, bits: int = 4, group: int | None = 128, sym: bool = False, strategy: str = "group",
-              actorder: str | None = None, targets: list[str] | None = None, ignore: list[str] | None = None,
-              fmt: str = "pack-quantized", extra_groups: dict | None = None) -> dict:
-    weights = {"num_bits": bits, "type": "int", "symmetric": sym, "strategy": strategy, "group_size": group,
-               "actorder": actorder, "dynamic": False}
+def ct_config(
+    *,
+    bits: int = 4,
+    group: int | None = 128,
+    sym: bool = False,
+    strategy: str = "group",
+    actorder: str | None = None,
+    targets: list[str] | None = None,
+    ignore: list[str] | None = None,
+    fmt: str = "pack-quantized",
+    extra_groups: dict | None = None,
+) -> dict:
+    weights = {
+        "num_bits": bits,
+        "type": "int",
+        "symmetric": sym,
+        "strategy": strategy,
+        "group_size": group,
+        "actorder": actorder,
+        "dynamic": False,
+    }
     return {
-        "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": targets or ["Linear"], "weights": weights, "format": fmt},
-                          **(extra_groups or {})},
-        "ignore": ["lm_head"] if ignore is None else ignore, "sparsity_config": {},
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {"targets": targets or ["Linear"], "weights": weights, "format": fmt},
+            **(extra_groups or {}),
+        },
+        "ignore": ["lm_head"] if ignore is None else ignore,
+        "sparsity_config": {},
     }
 
 
@@ -39,21 +67,28 @@ def test_pack_to_int32_offset_and_orientation() -> None:
     assert col.shape == (1, 1) and int(col.view(np.uint32)[0, 0]) == word
 
 
-@pytest.mark.parametrize(("bits", "group", "sym", "strategy", "act", "bias"), [
-    (4, 128, False, "group", False, False),
-    (4, 64, False, "group", True, True),
-    (4, None, True, "channel", False, False),
-    (4, 32, True, "group", False, True),
-    (2, 128, False, "group", False, False),
-])
-def test_pack_quantized_fixture_converts_exactly(tmp_path: Path, bits: int, group: int | None, sym: bool,
-                                                 strategy: str, act: bool, bias: bool) -> None:
+@pytest.mark.parametrize(
+    ("bits", "group", "sym", "strategy", "act", "bias"),
+    [
+        (4, 128, False, "group", False, False),
+        (4, 64, False, "group", True, True),
+        (4, None, True, "channel", False, False),
+        (4, 32, True, "group", False, True),
+        (2, 128, False, "group", False, False),
+    ],
+)
+def test_pack_quantized_fixture_converts_exactly(
+    tmp_path: Path, bits: int, group: int | None, sym: bool, strategy: str, act: bool, bias: bool
+) -> None:
     rng = np.random.default_rng(bits * 100 + (group or 0))
     lay = make_layer(rng, 256, 128, bits=bits, group_size=group or -1, sym=sym, act_order=act, bias=bias)
     tensors = {**ct_tensors(P, lay, sym=sym), **plain_tensors(rng)}
     assert (f"{P}.weight_g_idx" in tensors) is act
-    src = write_checkpoint(tmp_path / "src", tensors, ct_config(bits=bits, group=group, sym=sym, strategy=strategy,
-                                                                 actorder="group" if act else "static"))
+    src = write_checkpoint(
+        tmp_path / "src",
+        tensors,
+        ct_config(bits=bits, group=group, sym=sym, strategy=strategy, actorder="group" if act else "static"),
+    )
     report = convert(src, tmp_path / "a.safetensors")
     (rec,) = report.converted
     assert (rec.zero_convention, rec.bits, rec.group_size) == ("ct_offset8", bits, group or 256)
@@ -68,27 +103,45 @@ def test_ignore_and_targets(tmp_path: Path) -> None:
     rng = np.random.default_rng(5)
     q = make_layer(rng, 128, 64)
     d = make_layer(rng, 128, 64, bits=8)
-    tensors = {**ct_tensors(P, q, sym=False), **ct_tensors("model.layers.0.mlp.down_proj", d, sym=False),
-               "lm_head.weight": rng.standard_normal((64, 128)).astype(np.float16),
-               "model.layers.0.mlp.gate_proj.weight": rng.standard_normal((64, 128)).astype(np.float16)}
-    eight = {"targets": [r"re:.*down_proj$"], "weights": {"num_bits": 8, "type": "int", "symmetric": False,
-                                                          "strategy": "group", "group_size": 128}, "format": "pack-quantized"}
-    cfg = ct_config(targets=[r"re:.*self_attn\..*"], ignore=["lm_head", r"re:.*gate_proj$"], extra_groups={"group_1": eight})
+    tensors = {
+        **ct_tensors(P, q, sym=False),
+        **ct_tensors("model.layers.0.mlp.down_proj", d, sym=False),
+        "lm_head.weight": rng.standard_normal((64, 128)).astype(np.float16),
+        "model.layers.0.mlp.gate_proj.weight": rng.standard_normal((64, 128)).astype(np.float16),
+    }
+    eight = {
+        "targets": [r"re:.*down_proj$"],
+        "weights": {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "group", "group_size": 128},
+        "format": "pack-quantized",
+    }
+    cfg = ct_config(
+        targets=[r"re:.*self_attn\..*"], ignore=["lm_head", r"re:.*gate_proj$"], extra_groups={"group_1": eight}
+    )
     src = write_checkpoint(tmp_path / "src", tensors, cfg)
     report = convert(src, tmp_path / "a.safetensors")
     assert [r.name for r in report.converted] == [P]
     reasons = {p.name: p.reason for p in report.passthrough}
-    assert reasons["lm_head.weight"] == "kept unquantized by the producer: listed in quantization_config.ignore ('lm_head')"
-    assert reasons["model.layers.0.mlp.gate_proj.weight"] == "kept unquantized by the producer: listed in quantization_config.ignore ('re:.*gate_proj$')"
+    assert (
+        reasons["lm_head.weight"]
+        == "kept unquantized by the producer: listed in quantization_config.ignore ('lm_head')"
+    )
+    assert (
+        reasons["model.layers.0.mlp.gate_proj.weight"]
+        == "kept unquantized by the producer: listed in quantization_config.ignore ('re:.*gate_proj$')"
+    )
     assert reasons["model.layers.0.mlp.down_proj.weight_packed"] == (
-        "layer model.layers.0.mlp.down_proj not converted: 8-bit codes (config group group_1) do not convert to Marlin's 4-bit layout")
+        "layer model.layers.0.mlp.down_proj not converted: 8-bit codes (config group group_1) do not convert to Marlin's 4-bit layout"
+    )
     assert verify(tmp_path / "a.safetensors", against=src, gpu=False).ok
     assert_truth(tmp_path / "a.safetensors", P, q)
 
 
 def test_marlin24_format_is_refused(tmp_path: Path) -> None:
     src = write_checkpoint(tmp_path / "src", plain_tensors(np.random.default_rng(0)), ct_config(fmt="marlin-24"))
-    with pytest.raises(UnsupportedQuantError, match=r"config.json: format: compressed-tensors format \['marlin-24'\] is not supported: only 'pack-quantized'"):
+    with pytest.raises(
+        UnsupportedQuantError,
+        match=r"config.json: format: compressed-tensors format \['marlin-24'\] is not supported: only 'pack-quantized'",
+    ):
         convert(src, tmp_path / "a.safetensors")
 
 
@@ -98,7 +151,10 @@ def test_weight_shape_disagreeing_with_packed_is_a_format_error(tmp_path: Path) 
     t = ct_tensors(P, lay, sym=False)
     t[f"{P}.weight_shape"] = np.array([64, 256], dtype=np.int64)
     src = write_checkpoint(tmp_path / "src", t, ct_config())
-    with pytest.raises(SourceFormatError, match=rf"{P}.weight_packed: shape \[64, 16\] disagrees with weight_shape \[N, K\] = \[64, 256\] at 4 bits \(expected \[64, 32\]\)"):
+    with pytest.raises(
+        SourceFormatError,
+        match=rf"{P}.weight_packed: shape \[64, 16\] disagrees with weight_shape \[N, K\] = \[64, 256\] at 4 bits \(expected \[64, 32\]\)",
+    ):
         convert(src, tmp_path / "a.safetensors")
 
 
@@ -107,5 +163,8 @@ def test_asymmetric_group_without_zero_point_is_a_format_error(tmp_path: Path) -
     lay = make_layer(rng, 128, 64)
     t = ct_tensors(P, lay, sym=True)
     src = write_checkpoint(tmp_path / "src", t, ct_config(sym=False))
-    with pytest.raises(SourceFormatError, match=rf"{P}.weight_zero_point: config group group_0 is asymmetric but the layer has no weight_zero_point"):
+    with pytest.raises(
+        SourceFormatError,
+        match=rf"{P}.weight_zero_point: config group group_0 is asymmetric but the layer has no weight_zero_point",
+    ):
         convert(src, tmp_path / "a.safetensors")

@@ -106,12 +106,15 @@ def test_three_bit_straddling_values_10_and_21() -> None:
     assert [int(x) for x in pack_words(q, 3, axis=0).view(np.uint32)[:, 0]] == [0x0, 0x80000000, 0x3]
 
 
-@pytest.mark.parametrize(("bits", "v1", "v2"), [
-    (2, [0x55555555], [0xAAAAAAAA]),
-    (3, [0xDB6DB6DB, 0xB6DB6DB6, 0x6DB6DB6D], [0x24924924, 0x49249249, 0x92492492]),
-    (4, [0x77777777], [0x88888888]),
-    (8, [0x7F7F7F7F], [0x80808080]),
-])
+@pytest.mark.parametrize(
+    ("bits", "v1", "v2"),
+    [
+        (2, [0x55555555], [0xAAAAAAAA]),
+        (3, [0xDB6DB6DB, 0xB6DB6DB6, 0x6DB6DB6D], [0x24924924, 0x49249249, 0x92492492]),
+        (4, [0x77777777], [0x88888888]),
+        (8, [0x7F7F7F7F], [0x80808080]),
+    ],
+)
 def test_symmetric_qzeros_words_spec_table(bits: int, v1: list[int], v2: list[int]) -> None:
     """checkpoint-formats.md 1.6 table: both producers' words decode to z = 2^(b-1)."""
     n = 32 * len(v1) // bits
@@ -137,7 +140,10 @@ def test_act_order_perm_shared_helper() -> None:
     g_idx = np.array([1, 0, 1, 0], dtype=np.int32)
     np.testing.assert_array_equal(act_order_perm(g_idx, 2, 2, path="f", tensor="t"), [1, 3, 0, 2])
     assert act_order_perm(np.array([0, 0, 1, 1]), 2, 2, path="f", tensor="t") is None
-    with pytest.raises(SourceFormatError, match=r"f: t: act-order groups must each have group_size=2 members; group 0 has 3 \(expected 2\)"):
+    with pytest.raises(
+        SourceFormatError,
+        match=r"f: t: act-order groups must each have group_size=2 members; group 0 has 3 \(expected 2\)",
+    ):
         act_order_perm(np.array([0, 0, 0, 1]), 2, 2, path="f", tensor="t")
     with pytest.raises(SourceFormatError, match=r"values must lie in \[0, 2\), found \[0, 2\]"):
         act_order_perm(np.array([0, 2, 1, 1]), 2, 2, path="f", tensor="t")
@@ -146,17 +152,33 @@ def test_act_order_perm_shared_helper() -> None:
 # --------------------------------------------------------------------------- bit widths and groups
 
 
-@pytest.mark.parametrize(("bits", "group", "v1", "act"), [
-    (2, 128, True, False), (2, 32, False, False), (3, 128, True, False), (3, 64, False, True),
-    (3, -1, True, False), (4, 32, True, False), (4, 64, False, True), (4, 256, True, False),
-    (4, -1, False, False), (2, 64, True, True),
-])
-def test_bit_widths_and_group_sizes_convert_losslessly(tmp_path: Path, bits: int, group: int, v1: bool, act: bool) -> None:
+@pytest.mark.parametrize(
+    ("bits", "group", "v1", "act"),
+    [
+        (2, 128, True, False),
+        (2, 32, False, False),
+        (3, 128, True, False),
+        (3, 64, False, True),
+        (3, -1, True, False),
+        (4, 32, True, False),
+        (4, 64, False, True),
+        (4, 256, True, False),
+        (4, -1, False, False),
+        (2, 64, True, True),
+    ],
+)
+def test_bit_widths_and_group_sizes_convert_losslessly(
+    tmp_path: Path, bits: int, group: int, v1: bool, act: bool
+) -> None:
     rng = np.random.default_rng(bits * 1000 + group)
     lay = make_layer(rng, 512, 128, bits=bits, group_size=group, act_order=act, zeros="with_zero", bias=True)
     tensors = {**gptq_tensors(P, lay, v1=v1), **plain_tensors(rng)}
-    src = write_checkpoint(tmp_path / "src", tensors, gptq_config(bits, group, fmt="gptq" if v1 else "gptq_v2", desc_act=act),
-                           where="quantize_config.json")
+    src = write_checkpoint(
+        tmp_path / "src",
+        tensors,
+        gptq_config(bits, group, fmt="gptq" if v1 else "gptq_v2", desc_act=act),
+        where="quantize_config.json",
+    )
     out = convert_and_verify(src, tmp_path / "a.safetensors")
     (rec,) = out["converted"]
     assert (rec["bits"], rec["size_k"], rec["size_n"]) == (bits, 512, 128)
@@ -182,9 +204,14 @@ def test_eight_bit_passes_through_with_reason(tmp_path: Path) -> None:
 def test_bits_contradicting_g_idx_is_a_config_error(tmp_path: Path) -> None:
     rng = np.random.default_rng(3)
     lay = make_layer(rng, 256, 64, bits=3)
-    src = write_checkpoint(tmp_path / "src", gptq_tensors(P, lay, v1=True), gptq_config(4, 128), where="quantize_config.json")
-    with pytest.raises(ConfigError, match=r"quantize_config.json: model.layers.0.mlp.up_proj bits: bits=4 gives K = 192 "
-                                          r"from qweight's 24 rows, but g_idx has 256 entries; bits=3 would fit"):
+    src = write_checkpoint(
+        tmp_path / "src", gptq_tensors(P, lay, v1=True), gptq_config(4, 128), where="quantize_config.json"
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"quantize_config.json: model.layers.0.mlp.up_proj bits: bits=4 gives K = 192 "
+        r"from qweight's 24 rows, but g_idx has 256 entries; bits=3 would fit",
+    ):
         convert(src, tmp_path / "a.safetensors")
 
 
@@ -193,12 +220,16 @@ def test_bits_contradicting_g_idx_is_a_config_error(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize(("label", "stored_v1"), [("gptq", False), ("gptq_v2", True)])
-def test_mislabelled_symmetric_zeros_decoded_by_the_data(tmp_path: Path, bits: int, label: str, stored_v1: bool) -> None:
+def test_mislabelled_symmetric_zeros_decoded_by_the_data(
+    tmp_path: Path, bits: int, label: str, stored_v1: bool
+) -> None:
     """A sym layer whose zeros are all 2^(b-1) (v2) under a gptq (v1) label, or all
     2^(b-1) - 1 (v1) under gptq_v2: decoded by the data, with a layer warning."""
     rng = np.random.default_rng(11)
     lay = make_layer(rng, 128, 64, bits=bits, sym=True)
-    src = write_checkpoint(tmp_path / "src", gptq_tensors(P, lay, v1=stored_v1), gptq_config(bits, 128, sym=True, fmt=label))
+    src = write_checkpoint(
+        tmp_path / "src", gptq_tensors(P, lay, v1=stored_v1), gptq_config(bits, 128, sym=True, fmt=label)
+    )
     out = convert_and_verify(src, tmp_path / "a.safetensors")
     (rec,) = out["converted"]
     half = 1 << (bits - 1)
@@ -226,7 +257,10 @@ def test_sym_true_with_varying_zeros_converts_with_delta_and_warns(tmp_path: Pat
     src = write_checkpoint(tmp_path / "src", gptq_tensors(P, lay, v1=True), gptq_config(4, 128, sym=True))
     (rec,) = convert_and_verify(src, tmp_path / "a.safetensors")["converted"]
     assert rec["symmetric"] is False
-    assert any(w.startswith("config says sym: true but 3 of 64 zero points differ from 8; converted with delta (data wins)") for w in rec["warnings"])
+    assert any(
+        w.startswith("config says sym: true but 3 of 64 zero points differ from 8; converted with delta (data wins)")
+        for w in rec["warnings"]
+    )
     assert_truth(tmp_path / "a.safetensors", P, lay)
 
 
@@ -250,7 +284,9 @@ def test_v1_true_zero_of_zero_warns_and_decodes_exactly(tmp_path: Path, bits: in
 def test_bf16_scales_convert_with_range_check(tmp_path: Path) -> None:
     rng = np.random.default_rng(15)
     lay = make_layer(rng, 128, 64, scale_dtype="BF16")
-    src = write_checkpoint(tmp_path / "src", gptq_tensors(P, lay, v1=False), gptq_config(4, 128, fmt="gptq_v2"), scale_dtype="BF16")
+    src = write_checkpoint(
+        tmp_path / "src", gptq_tensors(P, lay, v1=False), gptq_config(4, 128, fmt="gptq_v2"), scale_dtype="BF16"
+    )
     with open_source(src) as s:
         assert s.ckpt.info(f"{P}.scales").dtype == "BF16"
     convert_and_verify(src, tmp_path / "a.safetensors")
@@ -261,9 +297,14 @@ def test_bf16_scale_overflowing_fp16_names_the_layer(tmp_path: Path) -> None:
     rng = np.random.default_rng(16)
     lay = make_layer(rng, 128, 64, scale_dtype="BF16")
     lay.s[0, 5] = 131072.0  # exact in bf16, above fp16's 65504
-    src = write_checkpoint(tmp_path / "src", gptq_tensors(P, lay, v1=False), gptq_config(4, 128, fmt="gptq_v2"), scale_dtype="BF16")
-    with pytest.raises(SourceFormatError, match=rf"model.safetensors: {P}.scales: 1 scales overflow float16 "
-                                                r"\(largest \|s\| = 131072 > 65504\)"):
+    src = write_checkpoint(
+        tmp_path / "src", gptq_tensors(P, lay, v1=False), gptq_config(4, 128, fmt="gptq_v2"), scale_dtype="BF16"
+    )
+    with pytest.raises(
+        SourceFormatError,
+        match=rf"model.safetensors: {P}.scales: 1 scales overflow float16 "
+        r"\(largest \|s\| = 131072 > 65504\)",
+    ):
         convert(src, tmp_path / "a.safetensors")
     assert not (tmp_path / "a.safetensors").exists()
 
@@ -271,15 +312,25 @@ def test_bf16_scale_overflowing_fp16_names_the_layer(tmp_path: Path) -> None:
 def test_pack_dtype_other_than_int32_is_refused(tmp_path: Path) -> None:
     rng = np.random.default_rng(17)
     lay = make_layer(rng, 128, 64)
-    src = write_checkpoint(tmp_path / "src", gptq_tensors(P, lay, v1=True), gptq_config(pack_dtype="int16"), where="quantize_config.json")
-    with pytest.raises(UnsupportedQuantError, match=r"quantize_config.json: pack_dtype: pack_dtype 'int16' is not supported: only int32"):
+    src = write_checkpoint(
+        tmp_path / "src", gptq_tensors(P, lay, v1=True), gptq_config(pack_dtype="int16"), where="quantize_config.json"
+    )
+    with pytest.raises(
+        UnsupportedQuantError,
+        match=r"quantize_config.json: pack_dtype: pack_dtype 'int16' is not supported: only int32",
+    ):
         convert(src, tmp_path / "a.safetensors")
 
 
-@pytest.mark.parametrize(("cfg", "field"), [({"checkpoint_format": "marlin"}, "checkpoint_format"), ({"is_marlin_format": True}, "is_marlin_format")])
+@pytest.mark.parametrize(
+    ("cfg", "field"),
+    [({"checkpoint_format": "marlin"}, "checkpoint_format"), ({"is_marlin_format": True}, "is_marlin_format")],
+)
 def test_already_marlin_gptq_is_refused(tmp_path: Path, cfg: dict, field: str) -> None:
     src = write_checkpoint(tmp_path / "src", plain_tensors(np.random.default_rng(0)), {**gptq_config(), **cfg})
-    with pytest.raises(UnsupportedQuantError, match=rf"config.json: {field}: checkpoint is already Marlin-packed .* never packs twice") as err:
+    with pytest.raises(
+        UnsupportedQuantError, match=rf"config.json: {field}: checkpoint is already Marlin-packed .* never packs twice"
+    ) as err:
         convert(src, tmp_path / "a.safetensors")
     # Documented change: the refusal is the one shared by every reader (formats.hf.already_marlin).
     assert err.value.rule == (
@@ -306,15 +357,26 @@ def test_gptqmodel_dynamic_overrides(tmp_path: Path) -> None:
     rng = np.random.default_rng(18)
     layers, tensors = _llama_block(rng)
     dynamic = {r"-:.*down_proj": {}, r"+:.*\.up_proj": {"bits": 8}, r".*k_proj": {"group_size": 64}}
-    src = write_checkpoint(tmp_path / "src", tensors, gptq_config(4, 128, dynamic=dynamic, modules_to_not_convert=["o_proj"]))
+    src = write_checkpoint(
+        tmp_path / "src", tensors, gptq_config(4, 128, dynamic=dynamic, modules_to_not_convert=["o_proj"])
+    )
     out = convert_and_verify(src, tmp_path / "a.safetensors")
     conv = {r["name"]: r for r in out["converted"]}
     assert set(conv) == {"model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj"}
     assert conv["model.layers.0.self_attn.k_proj"]["group_size"] == 64
     reasons = {p["name"]: p["reason"] for p in out["passthrough"]}
-    assert reasons["model.layers.0.mlp.down_proj.weight"] == "kept unquantized by the producer: excluded from quantization by dynamic rule '-:.*down_proj'"
-    assert reasons["model.layers.0.self_attn.o_proj.weight"] == "kept unquantized by the producer: module matches modules_to_not_convert entry 'o_proj'"
-    assert reasons["model.layers.0.mlp.up_proj.qweight"] == "layer model.layers.0.mlp.up_proj not converted: 8-bit codes do not fit Marlin's 4-bit layout"
+    assert (
+        reasons["model.layers.0.mlp.down_proj.weight"]
+        == "kept unquantized by the producer: excluded from quantization by dynamic rule '-:.*down_proj'"
+    )
+    assert (
+        reasons["model.layers.0.self_attn.o_proj.weight"]
+        == "kept unquantized by the producer: module matches modules_to_not_convert entry 'o_proj'"
+    )
+    assert (
+        reasons["model.layers.0.mlp.up_proj.qweight"]
+        == "layer model.layers.0.mlp.up_proj not converted: 8-bit codes do not fit Marlin's 4-bit layout"
+    )
     for name in conv:
         assert_truth(tmp_path / "a.safetensors", name, layers[name])
 
@@ -341,7 +403,9 @@ def test_quantized_lm_head_converts_and_unquantized_one_passes_through(tmp_path:
     plain = {**plain_tensors(rng), "lm_head.weight": rng.standard_normal((128, 64)).astype(np.float16)}
     src3 = write_checkpoint(tmp_path / "q3", plain, gptq_config(4, 64, lm_head=True))
     out3 = convert_and_verify(src3, tmp_path / "c.safetensors")
-    assert {p["name"]: p["reason"] for p in out3["passthrough"]}["lm_head.weight"].startswith("config says lm_head: true but the checkpoint stores lm_head unquantized")
+    assert {p["name"]: p["reason"] for p in out3["passthrough"]}["lm_head.weight"].startswith(
+        "config says lm_head: true but the checkpoint stores lm_head unquantized"
+    )
 
 
 # --------------------------------------------------------------------------- containers
@@ -350,12 +414,19 @@ def test_quantized_lm_head_converts_and_unquantized_one_passes_through(tmp_path:
 def test_sharded_input_converts(tmp_path: Path) -> None:
     rng = np.random.default_rng(20)
     layers, tensors = _llama_block(rng)
-    src = write_checkpoint(tmp_path / "src", tensors, gptq_config(4, 128, dynamic={r".*k_proj": {"group_size": 64}, r"+:.*up_proj": {"bits": 8}}), shards=3)
+    src = write_checkpoint(
+        tmp_path / "src",
+        tensors,
+        gptq_config(4, 128, dynamic={r".*k_proj": {"group_size": 64}, r"+:.*up_proj": {"bits": 8}}),
+        shards=3,
+    )
     assert (src / "model.safetensors.index.json").is_file()
     for path in (src, src / "model.safetensors.index.json"):
         out = convert_and_verify(path, tmp_path / "a.safetensors", force=True)
         assert len(out["converted"]) == 2
-    assert_truth(tmp_path / "a.safetensors", "model.layers.0.self_attn.q_proj", layers["model.layers.0.self_attn.q_proj"])
+    assert_truth(
+        tmp_path / "a.safetensors", "model.layers.0.self_attn.q_proj", layers["model.layers.0.self_attn.q_proj"]
+    )
     desc = json.loads(json.dumps(out))
     assert desc["source_format"] == "gptq"
 
@@ -363,22 +434,34 @@ def test_sharded_input_converts(tmp_path: Path) -> None:
 def test_dynamic_unsupported_bits_pass_through_with_reason(tmp_path: Path) -> None:
     rng = np.random.default_rng(21)
     lay = make_layer(rng, 128, 64)
-    src = write_checkpoint(tmp_path / "src", gptq_tensors(P, lay, v1=True), gptq_config(4, 128, dynamic={r".*up_proj": {"bits": 6}}))
+    src = write_checkpoint(
+        tmp_path / "src", gptq_tensors(P, lay, v1=True), gptq_config(4, 128, dynamic={r".*up_proj": {"bits": 6}})
+    )
     out = convert_and_verify(src, tmp_path / "a.safetensors")
     reasons = {p["name"]: p["reason"] for p in out["passthrough"]}
-    assert reasons[f"{P}.qweight"] == (f"layer {P} not converted: 6-bit GPTQ (dynamic rule '.*up_proj') is not supported "
-                                       "(2, 3, 4 convert; 8 passes through)")
+    assert reasons[f"{P}.qweight"] == (
+        f"layer {P} not converted: 6-bit GPTQ (dynamic rule '.*up_proj') is not supported "
+        "(2, 3, 4 convert; 8 passes through)"
+    )
 
 
 def test_legacy_quant_method_marlin_is_refused(tmp_path: Path) -> None:
-    src = write_checkpoint(tmp_path / "src", plain_tensors(np.random.default_rng(0)), {"quant_method": "marlin", "group_size": 128})
-    with pytest.raises(UnsupportedQuantError, match=r"config.json: quant_method: quant_method 'marlin' checkpoints are already Marlin-packed"):
+    src = write_checkpoint(
+        tmp_path / "src", plain_tensors(np.random.default_rng(0)), {"quant_method": "marlin", "group_size": 128}
+    )
+    with pytest.raises(
+        UnsupportedQuantError,
+        match=r"config.json: quant_method: quant_method 'marlin' checkpoints are already Marlin-packed",
+    ):
         convert(src, tmp_path / "a.safetensors")
 
 
 def test_unknown_quant_method_lists_supported(tmp_path: Path) -> None:
     src = write_checkpoint(tmp_path / "src", plain_tensors(np.random.default_rng(0)), {"quant_method": "bitsandbytes"})
-    with pytest.raises(UnsupportedQuantError, match=r"quant_method: 'bitsandbytes' is not supported \(supported: awq, compressed-tensors, gptq\)"):
+    with pytest.raises(
+        UnsupportedQuantError,
+        match=r"quant_method: 'bitsandbytes' is not supported \(supported: awq, compressed-tensors, gptq\)",
+    ):
         convert(src, tmp_path / "a.safetensors")
 
 

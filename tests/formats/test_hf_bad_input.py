@@ -20,6 +20,7 @@ from tests.helpers.checkpoints import LAYER, arr, edit_tensor, only_shard, set_q
 from tests.helpers.clirun import run_cli
 from tests.helpers.synthetic_gptq import quant_config
 
+
 @pytest.fixture()
 def gptq(tmp_path: Path) -> Path:
     return small_gptq(tmp_path / "ckpt")
@@ -28,7 +29,10 @@ def gptq(tmp_path: Path) -> Path:
 # -- references, dtypes and shapes inside a GPTQ checkpoint ----------------------------
 def test_layer_naming_a_missing_tensor(gptq: Path) -> None:
     edit_tensor(gptq, f"{LAYER}.scales", drop=True)
-    with open_source(gptq) as src, pytest.raises(SourceFormatError, match=rf"{LAYER}.scales: layer {LAYER} has qweight but no scales"):
+    with (
+        open_source(gptq) as src,
+        pytest.raises(SourceFormatError, match=rf"{LAYER}.scales: layer {LAYER} has qweight but no scales"),
+    ):
         src.plan()
 
 
@@ -37,7 +41,10 @@ def test_index_naming_a_missing_shard(gptq: Path) -> None:
     data = json.loads(index.read_text())
     data["weight_map"]["extra.weight"] = "model-00009-of-00009.safetensors"
     index.write_text(json.dumps(data))
-    with pytest.raises(SourceFormatError, match=r"weight_map: shard model-00009-of-00009.safetensors listed in the index does not exist"):
+    with pytest.raises(
+        SourceFormatError,
+        match=r"weight_map: shard model-00009-of-00009.safetensors listed in the index does not exist",
+    ):
         open_source(gptq)
 
 
@@ -46,34 +53,51 @@ def test_index_shard_outside_folder(gptq: Path) -> None:
     data = json.loads(index.read_text())
     data["weight_map"]["extra.weight"] = "../elsewhere.safetensors"
     index.write_text(json.dumps(data))
-    with pytest.raises(SourceFormatError, match=r"weight_map: shard '../elsewhere.safetensors' must be a plain file name"):
+    with pytest.raises(
+        SourceFormatError, match=r"weight_map: shard '../elsewhere.safetensors' must be a plain file name"
+    ):
         open_source(gptq)
 
 
 def test_scales_shape_disagrees_with_k_n_group(gptq: Path) -> None:
     # 128 in-features, group 64: scales must be (2, 128); store (3, 128).
     edit_tensor(gptq, f"{LAYER}.scales", shape=[3, 128], raw=arr("F16", np.full((3, 128), 0.01)))
-    with open_source(gptq) as src, pytest.raises(
-        SourceFormatError, match=rf"{LAYER}.scales: shape \[3, 128\] disagrees with K, N, bits and group_size \(expected \[2, 128\]\)"
+    with (
+        open_source(gptq) as src,
+        pytest.raises(
+            SourceFormatError,
+            match=rf"{LAYER}.scales: shape \[3, 128\] disagrees with K, N, bits and group_size \(expected \[2, 128\]\)",
+        ),
     ):
         src.plan()
 
 
 def test_qzeros_shape_disagrees(gptq: Path) -> None:
     edit_tensor(gptq, f"{LAYER}.qzeros", shape=[2, 8], raw=arr("I32", np.zeros((2, 8))))
-    with open_source(gptq) as src, pytest.raises(SourceFormatError, match=rf"{LAYER}.qzeros: shape \[2, 8\] disagrees with .* \(expected \[2, 16\]\)"):
+    with (
+        open_source(gptq) as src,
+        pytest.raises(
+            SourceFormatError, match=rf"{LAYER}.qzeros: shape \[2, 8\] disagrees with .* \(expected \[2, 16\]\)"
+        ),
+    ):
         src.plan()
 
 
 def test_wrong_dtype_for_scales(gptq: Path) -> None:
     edit_tensor(gptq, f"{LAYER}.scales", dtype="I32", raw=arr("I32", np.zeros((2, 128))))
-    with open_source(gptq) as src, pytest.raises(SourceFormatError, match=rf"{LAYER}.scales: dtype I32, expected F16 or BF16 or F32"):
+    with (
+        open_source(gptq) as src,
+        pytest.raises(SourceFormatError, match=rf"{LAYER}.scales: dtype I32, expected F16 or BF16 or F32"),
+    ):
         src.plan()
 
 
 def test_qweight_not_2d_int32(gptq: Path) -> None:
     edit_tensor(gptq, f"{LAYER}.qweight", dtype="F32")
-    with open_source(gptq) as src, pytest.raises(SourceFormatError, match=rf"{LAYER}.qweight: expected 2-D I32, found F32 \[16, 128\]"):
+    with (
+        open_source(gptq) as src,
+        pytest.raises(SourceFormatError, match=rf"{LAYER}.qweight: expected 2-D I32, found F32 \[16, 128\]"),
+    ):
         src.plan()
 
 
@@ -91,7 +115,10 @@ def test_g_idx_out_of_range(gptq: Path) -> None:
     g = np.arange(128) // 64
     g[7] = 2
     edit_tensor(gptq, f"{LAYER}.g_idx", raw=arr("I32", g))
-    with open_source(gptq) as src, pytest.raises(SourceFormatError, match=rf"{LAYER}.g_idx: values must lie in \[0, 2\), found \[0, 2\]"):
+    with (
+        open_source(gptq) as src,
+        pytest.raises(SourceFormatError, match=rf"{LAYER}.g_idx: values must lie in \[0, 2\), found \[0, 2\]"),
+    ):
         src.plan()
 
 
@@ -99,7 +126,10 @@ def test_g_idx_negative(gptq: Path) -> None:
     g = np.arange(128) // 64
     g[0] = -1
     edit_tensor(gptq, f"{LAYER}.g_idx", raw=arr("I32", g))
-    with open_source(gptq) as src, pytest.raises(SourceFormatError, match=r"values must lie in \[0, 2\), found \[-1, 1\]"):
+    with (
+        open_source(gptq) as src,
+        pytest.raises(SourceFormatError, match=r"values must lie in \[0, 2\), found \[-1, 1\]"),
+    ):
         src.plan()
 
 
@@ -107,8 +137,12 @@ def test_g_idx_unequal_groups(gptq: Path) -> None:
     g = np.arange(128) // 64
     g[:70] = 0  # group 0 gets 70 members, group 1 gets 58
     edit_tensor(gptq, f"{LAYER}.g_idx", raw=arr("I32", g))
-    with open_source(gptq) as src, pytest.raises(
-        SourceFormatError, match=rf"{LAYER}.g_idx: act-order groups must each have group_size=64 members; group 0 has 70 \(expected 64\)"
+    with (
+        open_source(gptq) as src,
+        pytest.raises(
+            SourceFormatError,
+            match=rf"{LAYER}.g_idx: act-order groups must each have group_size=64 members; group 0 has 70 \(expected 64\)",
+        ),
     ):
         src.plan()
 
@@ -147,7 +181,14 @@ def test_config_group_size_zero(gptq: Path) -> None:
         open_source(gptq)
 
 
-@pytest.mark.parametrize("text,match", [(b"{", r"JSON file is not valid JSON"), (b"[]", r"JSON file must be a JSON object, found list"), (b"\xff", r"not valid UTF-8")])
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        (b"{", r"JSON file is not valid JSON"),
+        (b"[]", r"JSON file must be a JSON object, found list"),
+        (b"\xff", r"not valid UTF-8"),
+    ],
+)
 def test_config_not_json_object(gptq: Path, text: bytes, match: str) -> None:
     (gptq / "quantize_config.json").write_bytes(text)
     with pytest.raises(ConfigError, match=match) as info:
@@ -191,7 +232,9 @@ def test_pickle_folder_refused_never_unpickled(tmp_path: Path, name: str) -> Non
     canary = tmp_path / "pwned"
     _malicious_pickle(folder / name, canary)
     (folder / "quantize_config.json").write_text(json.dumps(quant_config()))
-    with pytest.raises(SourceFormatError, match=rf"only pickle weights found \({name}\); they are refused and never unpickled"):
+    with pytest.raises(
+        SourceFormatError, match=rf"only pickle weights found \({name}\); they are refused and never unpickled"
+    ):
         open_source(folder)
     with pytest.raises(SourceFormatError):
         convert(folder, tmp_path / "out.safetensors")
@@ -203,7 +246,9 @@ def test_pickle_file_refused_never_unpickled(tmp_path: Path) -> None:
     canary = tmp_path / "pwned"
     p = tmp_path / "pytorch_model.bin"
     _malicious_pickle(p, canary)
-    with pytest.raises(SourceFormatError, match=r"pytorch_model.bin: pickle checkpoints are refused and never unpickled"):
+    with pytest.raises(
+        SourceFormatError, match=r"pytorch_model.bin: pickle checkpoints are refused and never unpickled"
+    ):
         open_source(p)
     assert not canary.exists()
 
@@ -234,7 +279,9 @@ def test_directory_with_no_weights(tmp_path: Path) -> None:
     folder = tmp_path / "empty"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
-    with pytest.raises(SourceFormatError, match=r"empty: no weights: expected \*.safetensors or model.safetensors.index.json"):
+    with pytest.raises(
+        SourceFormatError, match=r"empty: no weights: expected \*.safetensors or model.safetensors.index.json"
+    ):
         open_source(folder)
 
 

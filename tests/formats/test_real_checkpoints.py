@@ -33,7 +33,9 @@ EXPECTED = {
 
 
 def test_every_real_checkpoint_is_covered(realinput: Path) -> None:
-    found = {f"{m.parent.name}/{e['name']}" for m in realinput.glob("*/MANIFEST.json") for e in json.loads(m.read_text())}
+    found = {
+        f"{m.parent.name}/{e['name']}" for m in realinput.glob("*/MANIFEST.json") for e in json.loads(m.read_text())
+    }
     assert found == set(EXPECTED)
 
 

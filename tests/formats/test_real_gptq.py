@@ -39,7 +39,9 @@ def artifacts(realinput: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
 def test_real_checkpoint_verifies_exactly(name: str, artifacts: dict[str, Path], realinput: Path) -> None:
     report = verify(artifacts[name], against=realinput / name, gpu=False)
     assert report.ok, [p.message for p in report.problems]
-    assert report.layers and all(row["codes_exact"] and row["scales_exact"] and row["delta_exact"] for row in report.layers)
+    assert report.layers and all(
+        row["codes_exact"] and row["scales_exact"] and row["delta_exact"] for row in report.layers
+    )
     assert all(row["cpu_rel_err"] < 1e-5 for row in report.layers)
 
 
@@ -113,7 +115,9 @@ def test_dry_run_writes_nothing(tmp_path: Path, realinput: Path) -> None:
     assert report.dry_run and not out.exists() and not list(tmp_path.iterdir())
     assert len(report.converted) == 7
     assert {p.name for p in report.passthrough} == {
-        "model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
-        "model.layers.0.post_attention_layernorm.weight", "model.norm.weight",
+        "model.embed_tokens.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+        "model.norm.weight",
     }
     json.dumps(report.to_json())

@@ -41,13 +41,17 @@ def test_every_zero_convention_comes_from_a_reader_and_is_in_the_schema() -> Non
 
 def test_derived_tables() -> None:
     assert READERS == {
-        SourceFormat.AWQ: AwqSource, SourceFormat.COMPRESSED_TENSORS: CompressedTensorsSource,
-        SourceFormat.GPTQ: GptqSource, SourceFormat.TINYLOOP: TinyloopSource,
+        SourceFormat.AWQ: AwqSource,
+        SourceFormat.COMPRESSED_TENSORS: CompressedTensorsSource,
+        SourceFormat.GPTQ: GptqSource,
+        SourceFormat.TINYLOOP: TinyloopSource,
     }
     assert dict(HF_READERS) == {"awq": AwqSource, "compressed-tensors": CompressedTensorsSource, "gptq": GptqSource}
     assert READABLE_METHODS == ("awq", "compressed-tensors", "gptq")
     assert dict(CONVENTIONS) == {
-        "awq": {"awq"}, "compressed-tensors": {"ct_offset8"}, "gptq": {"gptq_v1", "gptq_v2"},
+        "awq": {"awq"},
+        "compressed-tensors": {"ct_offset8"},
+        "gptq": {"gptq_v1", "gptq_v2"},
         "tinyloop": {"tinyloop_additive"},
     }
     assert validate.CONVENTIONS is CONVENTIONS
@@ -61,12 +65,18 @@ def test_only_tinyloop_claims_a_single_file(tmp_path) -> None:
 
 def test_a_second_reader_for_a_format_is_refused() -> None:
     with pytest.raises(TypeError, match=r"format 'gptq' is already read by GptqSource"):
+
         class Again(HFSource, format=SourceFormat.GPTQ, methods=("gptq-again",), conventions=(ZeroConvention.GPTQ_V1,)):
             pass
+
     with pytest.raises(TypeError, match=r"quant_method 'awq' is already read by AwqSource"):
+
         class Thief(HFSource, format=SourceFormat.GPTQ, methods=("awq",), conventions=(ZeroConvention.GPTQ_V1,)):
             pass
+
     with pytest.raises(TypeError, match=r"must name the zero conventions it produces"):
+
         class NoConventions(Source, format=SourceFormat.TINYLOOP):
             pass
+
     assert READERS[SourceFormat.GPTQ] is GptqSource and READERS[SourceFormat.TINYLOOP] is TinyloopSource

@@ -35,7 +35,6 @@ from tests.helpers.paths import SAMPLE
 from tests.helpers.sample import build_sample
 
 
-
 # --------------------------------------------------------------------------- helpers
 
 
@@ -51,16 +50,14 @@ def slow_unpack(qweight: np.ndarray, bits: int, size_k: int) -> np.ndarray:
     return q
 
 
-def write_one(path: Path, *, bits: int = 4, k: int = 64, n: int = 64, group: int = 32, seed: int = 0,
-              bias: bool = True) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+def write_one(
+    path: Path, *, bits: int = 4, k: int = 64, n: int = 64, group: int = 32, seed: int = 0, bias: bool = True
+) -> tuple[Path, dict[str, Any], dict[str, Any]]:
     """A small valid file: linear ``lin`` plus plain tensors ``norm`` (f16) and ``emb`` (bf16)."""
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((k, n)).astype(np.float32)
-    tensors, entry = quantize_linear_tinyloop(
-        "lin", w, bits, group, rng, bias=rng.standard_normal(n) if bias else None
-    )
-    tensors = {"norm": np.ones(n, np.float16), "emb": ("bf16", np.arange(12, dtype=np.uint16).reshape(3, 4)),
-               **tensors}
+    tensors, entry = quantize_linear_tinyloop("lin", w, bits, group, rng, bias=rng.standard_normal(n) if bias else None)
+    tensors = {"norm": np.ones(n, np.float16), "emb": ("bf16", np.arange(12, dtype=np.uint16).reshape(3, 4)), **tensors}
     write_tinyloop(path, {"d_model": k}, tensors, {"lin": entry})
     return path, tensors, entry
 
@@ -74,13 +71,19 @@ def split(path: Path) -> tuple[bytes, dict[str, Any], bytes]:
     return raw[:TINYLOOP_PREAMBLE_SIZE], header, raw[start:]
 
 
-def rebuild(path: Path, header_text: str | bytes, data: bytes, *, magic: bytes = b"TINYLOOP",
-            version: int = 1, reserved: int = 0) -> Path:
+def rebuild(
+    path: Path,
+    header_text: str | bytes,
+    data: bytes,
+    *,
+    magic: bytes = b"TINYLOOP",
+    version: int = 1,
+    reserved: int = 0,
+) -> Path:
     """Write a file from a header (re-padded to 64) and the data section, unchecked."""
     hb = header_text.encode() if isinstance(header_text, str) else header_text
     pad = -(TINYLOOP_PREAMBLE_SIZE + len(hb)) % TINYLOOP_ALIGNMENT
-    path.write_bytes(struct.pack(TINYLOOP_PREAMBLE_FORMAT, magic, version, reserved, len(hb)) + hb
-                     + b"\0" * pad + data)
+    path.write_bytes(struct.pack(TINYLOOP_PREAMBLE_FORMAT, magic, version, reserved, len(hb)) + hb + b"\0" * pad + data)
     return path
 
 
@@ -190,8 +193,13 @@ def test_load_tensor_and_describe(tmp_path: Path) -> None:
         desc = src.describe()
     assert desc == {
         "format": "tinyloop",
-        "files": [{"name": "d.tinyloop", "bytes": path.stat().st_size,
-                   "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}],
+        "files": [
+            {
+                "name": "d.tinyloop",
+                "bytes": path.stat().st_size,
+                "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+            }
+        ],
         "quant_config": {"model": {"d_model": 64}},
     }
 
@@ -442,9 +450,20 @@ def _set(tensor: str, **fields: Any) -> Callable[[dict[str, Any]], None]:
         (_set("norm", dtype="f64"), r"norm: unknown dtype 'f64': expected one of \['bf16', 'f16'"),
         (_set("norm", dtype=None), "unknown dtype None"),
     ],
-    ids=["negative-shape", "bool-shape", "overflowing-shape", "too-many-dims", "shape-not-list",
-         "negative-offset", "huge-offset", "float-offset", "unaligned-offset", "nbytes-mismatch",
-         "unknown-dtype", "null-dtype"],
+    ids=[
+        "negative-shape",
+        "bool-shape",
+        "overflowing-shape",
+        "too-many-dims",
+        "shape-not-list",
+        "negative-offset",
+        "huge-offset",
+        "float-offset",
+        "unaligned-offset",
+        "nbytes-mismatch",
+        "unknown-dtype",
+        "null-dtype",
+    ],
 )
 def test_bad_tensor_entry(tmp_path: Path, mutate: Callable[[dict[str, Any]], None], match: str) -> None:
     with pytest.raises(SourceFormatError, match=match):
@@ -506,8 +525,10 @@ def _lin(**fields: Any) -> Callable[[dict[str, Any]], None]:
         (_lin(scale="nope"), r"lin: field 'scale' names tensor 'nope', which is not in the tensor table"),
         (_lin(bias="missing.bias"), "field 'bias' names tensor 'missing.bias', which is not in the tensor table"),
         (_lin(frac4="norm"), r"norm: frac4 of linear 'lin' must be u8, found f16"),
-        (_lin(group_size=64),
-         r"lin.scale: scale of linear 'lin' must have shape \[K/G, N\] = \[1, 64\], found \[2, 64\]"),
+        (
+            _lin(group_size=64),
+            r"lin.scale: scale of linear 'lin' must have shape \[K/G, N\] = \[1, 64\], found \[2, 64\]",
+        ),
         (_lin(out_features=32), r"lin.qweight: qweight of linear 'lin' must have shape \[N, K\*bits/8\] = \[32, 32\]"),
         (_lin(zero="lin.qweight"), "already used by another field"),
         (_lin(zero="emb"), r"emb: zero of linear 'lin' must be f16, found bf16"),
@@ -519,9 +540,22 @@ def _lin(**fields: Any) -> Callable[[dict[str, Any]], None]:
         (lambda h: h["linears"]["lin"].pop("group_size"), "lin: linear has no 'group_size' field"),
         (lambda h: h["linears"].update(lin=[1]), "lin: linear entry must be a JSON object, found a JSON array"),
     ],
-    ids=["missing-tensor", "missing-bias", "channel-dtype", "scale-shape-vs-group", "qweight-shape-vs-N",
-         "tensor-twice-in-one-linear", "zero-wrong-tensor", "bits-type", "zero-K", "group-not-dividing-K",
-         "exact-int4-type", "name-not-string", "missing-field", "linear-not-object"],
+    ids=[
+        "missing-tensor",
+        "missing-bias",
+        "channel-dtype",
+        "scale-shape-vs-group",
+        "qweight-shape-vs-N",
+        "tensor-twice-in-one-linear",
+        "zero-wrong-tensor",
+        "bits-type",
+        "zero-K",
+        "group-not-dividing-K",
+        "exact-int4-type",
+        "name-not-string",
+        "missing-field",
+        "linear-not-object",
+    ],
 )
 def test_bad_linear(tmp_path: Path, mutate: Callable[[dict[str, Any]], None], match: str) -> None:
     with pytest.raises(SourceFormatError, match=match):
@@ -556,9 +590,17 @@ def test_non_finite_scale_or_zero(tmp_path: Path, field: str, value: float, show
             src.plan()
         with pytest.raises(SourceFormatError, match=rf"lin\.{field}: values must be finite"):
             src.load_layer(
-                LayerPlan(name="lin", size_k=64, size_n=64, group_size=32, bits=4,
-                          zero_convention=ZeroConvention.TINYLOOP_ADDITIVE, symmetric=False, act_order=False,
-                          source_tensors=())
+                LayerPlan(
+                    name="lin",
+                    size_k=64,
+                    size_n=64,
+                    group_size=32,
+                    bits=4,
+                    zero_convention=ZeroConvention.TINYLOOP_ADDITIVE,
+                    symmetric=False,
+                    act_order=False,
+                    source_tensors=(),
+                )
             )
 
 

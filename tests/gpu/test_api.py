@@ -51,4 +51,6 @@ def test_module_wrapper_runs_through_dlpack(cp, artifact: Path) -> None:
     x = torch.randn(4, mod.in_features, dtype=torch.float16, device="cuda")
     y = mod(x)
     assert y.shape == (4, mod.out_features) and y.dtype == torch.float16 and y.is_cuda
-    assert np.array_equal(y.cpu().numpy().view(np.uint16), cp.asnumpy(layer(cp.asarray(x.cpu().numpy()))).view(np.uint16))
+    assert np.array_equal(
+        y.cpu().numpy().view(np.uint16), cp.asnumpy(layer(cp.asarray(x.cpu().numpy()))).view(np.uint16)
+    )

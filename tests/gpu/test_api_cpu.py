@@ -11,7 +11,6 @@ from converter.errors import ArtifactError
 from tests.helpers.paths import SAMPLE
 
 
-
 def test_corrupted_artifact_never_reaches_the_gpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import converter.gpu.runtime as runtime
     from converter.gpu.api import load_artifact_gpu
@@ -24,5 +23,8 @@ def test_corrupted_artifact_never_reaches_the_gpu(monkeypatch: pytest.MonkeyPatc
     data = bytearray(good.read_bytes())
     data[-3] ^= 0x40
     bad.write_bytes(bytes(data))
-    with pytest.raises(ArtifactError, match=r"bad.safetensors: fails validation \(.*does not match the manifest's .* \(corrupted bytes\)\); run marlin-verify"):
+    with pytest.raises(
+        ArtifactError,
+        match=r"bad.safetensors: fails validation \(.*does not match the manifest's .* \(corrupted bytes\)\); run marlin-verify",
+    ):
         load_artifact_gpu(bad)

@@ -24,12 +24,21 @@ pytestmark = pytest.mark.gpu
 Ms = (1, 15, 16, 17, 33, 64, 65, 128)
 # (K, N, group_size, act_order, asym): every group size, per-channel, act-order, K 128..8192, N 64..8192
 SHAPES = [
-    (128, 64, 32, False, True), (128, 64, -1, False, False), (256, 128, 64, True, True),
-    (512, 192, 128, False, True), (1024, 256, 32, True, False), (1024, 512, -1, True, True),
-    (2048, 1024, 128, True, True), (4096, 320, 64, False, True), (8192, 128, 128, False, False),
-    (640, 8192, 128, False, True), (8192, 8192, 128, True, True), (3072, 4096, -1, False, True),
+    (128, 64, 32, False, True),
+    (128, 64, -1, False, False),
+    (256, 128, 64, True, True),
+    (512, 192, 128, False, True),
+    (1024, 256, 32, True, False),
+    (1024, 512, -1, True, True),
+    (2048, 1024, 128, True, True),
+    (4096, 320, 64, False, True),
+    (8192, 128, 128, False, False),
+    (640, 8192, 128, False, True),
+    (8192, 8192, 128, True, True),
+    (3072, 4096, -1, False, True),
     (192, 64, 64, False, True),  # K % 128 != 0 (K % 64 bonus)
-    (768, 128, 16, True, True), (768, 192, 48, False, True),  # odd group tile counts
+    (768, 128, 16, True, True),
+    (768, 192, 48, False, True),  # odd group tile counts
 ]
 CASES = [(m,) + s for i, s in enumerate(SHAPES) for m in (Ms if i < 4 else (Ms[i % 8], Ms[(i + 3) % 8]))]
 
@@ -63,8 +72,9 @@ def test_gemm_matches_twin(cp, m, k, n, group_size, act_order, asym):
     args = dict(delta=_dev(cp, L["delta"]), perm=_dev(cp, L["perm"]), bias=_dev(cp, L["bias"]))
     out = poisoned(cp, (m, n))
     c = kernels.marlin_gemm(cp.asarray(a), cp.asarray(L["B"]), cp.asarray(L["S"]), out=out, **kw, **args)
-    again = kernels.marlin_gemm(cp.asarray(a), cp.asarray(L["B"]), cp.asarray(L["S"]),
-                                out=poisoned(cp, (m, n)), **kw, **args)
+    again = kernels.marlin_gemm(
+        cp.asarray(a), cp.asarray(L["B"]), cp.asarray(L["S"]), out=poisoned(cp, (m, n)), **kw, **args
+    )
     kernels.synchronize()
     got = cp.asnumpy(c).astype(np.float64)
     assert np.isfinite(got).all(), "unwritten (NaN) outputs"
@@ -77,8 +87,9 @@ def test_gemm_matches_twin(cp, m, k, n, group_size, act_order, asym):
     assert not bad.any(), f"{bad.sum()} outputs out of bound; worst {np.abs(got - twin).max():.3g}"
 
     if asym:  # two-kernel path
-        c2 = kernels.marlin_gemm_two_kernel(cp.asarray(a), cp.asarray(L["B"]), cp.asarray(L["S"]),
-                                            out=poisoned(cp, (m, n)), **kw, **args)
+        c2 = kernels.marlin_gemm_two_kernel(
+            cp.asarray(a), cp.asarray(L["B"]), cp.asarray(L["S"]), out=poisoned(cp, (m, n)), **kw, **args
+        )
         got2 = cp.asnumpy(c2).astype(np.float64)
         assert np.isfinite(got2).all()
         twin2 = ref.marlin_gemm_two_kernel(a, L["B"], L["S"], **kw, **host).astype(np.float64)
@@ -93,8 +104,10 @@ def test_gemm_matches_twin(cp, m, k, n, group_size, act_order, asym):
 
 
 @pytest.mark.parametrize("wk", [1, 4])
-@pytest.mark.parametrize("m,k,n,group_size", [(1, 1024, 320, 128), (17, 512, 192, 32), (65, 768, 448, -1),
-                                              (128, 256, 64, 64), (9, 2048, 320, 128)])
+@pytest.mark.parametrize(
+    "m,k,n,group_size",
+    [(1, 1024, 320, 128), (17, 512, 192, 32), (65, 768, 448, -1), (128, 256, 64, 64), (9, 2048, 320, 128)],
+)
 def test_gemm_block_shapes(cp, wk, m, k, n, group_size):
     """Both block shapes (4 column blocks per block, or 4 K quarters), ragged N / 256."""
     tuning = Tuning(force_wk=wk)
@@ -104,8 +117,16 @@ def test_gemm_block_shapes(cp, wk, m, k, n, group_size):
     kw = dict(size_k=k, size_n=n, group_size=group_size)
     plan = kernels.gemm_plan(m, k, n, group_size, delta=True, tuning=tuning)
     assert plan.wk == wk
-    c = kernels.marlin_gemm(cp.asarray(a), cp.asarray(L["B"]), cp.asarray(L["S"]), delta=cp.asarray(L["delta"]),
-                            perm=cp.asarray(L["perm"]), out=poisoned(cp, (m, n)), tuning=tuning, **kw)
+    c = kernels.marlin_gemm(
+        cp.asarray(a),
+        cp.asarray(L["B"]),
+        cp.asarray(L["S"]),
+        delta=cp.asarray(L["delta"]),
+        perm=cp.asarray(L["perm"]),
+        out=poisoned(cp, (m, n)),
+        tuning=tuning,
+        **kw,
+    )
     got = cp.asnumpy(c).astype(np.float64)
     assert np.isfinite(got).all()
     host = dict(delta=L["delta"], perm=L["perm"])
@@ -114,10 +135,19 @@ def test_gemm_block_shapes(cp, wk, m, k, n, group_size):
     assert (np.abs(got - twin) <= bound).all()
 
 
-DECODE_CASES = [(p, m, k, n, gs) for p in GEMM_PIPES if p[0] != "tile"
-                for (m, k, n, gs) in ((1, 1024, 192, 128), (8 * p[1], 512, 320, 32), (8 * p[1] + 3, 2048, 128, -1),
-                                      (5, 768, 256, 48), (2, 4096, 4096, 128))
-                if k % (16 * p[2]) == 0]
+DECODE_CASES = [
+    (p, m, k, n, gs)
+    for p in GEMM_PIPES
+    if p[0] != "tile"
+    for (m, k, n, gs) in (
+        (1, 1024, 192, 128),
+        (8 * p[1], 512, 320, 32),
+        (8 * p[1] + 3, 2048, 128, -1),
+        (5, 768, 256, 48),
+        (2, 4096, 4096, 128),
+    )
+    if k % (16 * p[2]) == 0
+]
 
 
 @pytest.mark.parametrize("wk", [1, 4])
@@ -137,13 +167,28 @@ def test_every_gemm_variant(cp, wk, pipe, m, k, n, group_size):
         except KernelError as exc:  # group size not served by this U
             assert "not supported" in str(exc)
             continue
-        c = kernels.marlin_gemm(cp.asarray(a), cp.asarray(L["B"]), cp.asarray(L["S"]), delta=cp.asarray(L["delta"]),
-                                bias=cp.asarray(L["bias"]) if L["bias"] is not None else None,
-                                out=poisoned(cp, (m, n)), pipe=variant, tuning=tuning, **kw)
-        c16 = kernels.marlin_gemm(cp.asarray(a), cp.asarray(L["B"]), cp.asarray(L["S"]),
-                                  delta=kernels.prepare_delta(cp.asarray(L["delta"])),
-                                  bias=cp.asarray(L["bias"]) if L["bias"] is not None else None,
-                                  out=poisoned(cp, (m, n)), pipe=variant, tuning=tuning, **kw)
+        c = kernels.marlin_gemm(
+            cp.asarray(a),
+            cp.asarray(L["B"]),
+            cp.asarray(L["S"]),
+            delta=cp.asarray(L["delta"]),
+            bias=cp.asarray(L["bias"]) if L["bias"] is not None else None,
+            out=poisoned(cp, (m, n)),
+            pipe=variant,
+            tuning=tuning,
+            **kw,
+        )
+        c16 = kernels.marlin_gemm(
+            cp.asarray(a),
+            cp.asarray(L["B"]),
+            cp.asarray(L["S"]),
+            delta=kernels.prepare_delta(cp.asarray(L["delta"])),
+            bias=cp.asarray(L["bias"]) if L["bias"] is not None else None,
+            out=poisoned(cp, (m, n)),
+            pipe=variant,
+            tuning=tuning,
+            **kw,
+        )
         got = cp.asnumpy(c)
         assert np.array_equal(got.view(np.uint16), cp.asnumpy(c16).view(np.uint16))
         arith = ARITH[Pipe.of(variant).kind]
@@ -152,17 +197,32 @@ def test_every_gemm_variant(cp, wk, pipe, m, k, n, group_size):
         bound = ref.gemm_error_bound(a, L["B"], L["S"], **kw, **host, splits=plan.splits * plan.wk)
         bad = np.abs(got.astype(np.float64) - twin) > bound
         assert np.isfinite(got).all() and not bad.any(), (variant, plan, int(bad.sum()))
-        sym = kernels.marlin_gemm(cp.asarray(a), cp.asarray(L["B"]), cp.asarray(L["S"]), out=poisoned(cp, (m, n)),
-                                  pipe=variant, tuning=tuning, **kw)
+        sym = kernels.marlin_gemm(
+            cp.asarray(a),
+            cp.asarray(L["B"]),
+            cp.asarray(L["S"]),
+            out=poisoned(cp, (m, n)),
+            pipe=variant,
+            tuning=tuning,
+            **kw,
+        )
         twin_s = ref.marlin_gemm(a, L["B"], L["S"], **kw, arith=arith).astype(np.float64)
         bound_s = ref.gemm_error_bound(a, L["B"], L["S"], **kw, arith=arith, splits=plan.splits * plan.wk)
         assert (np.abs(cp.asnumpy(sym).astype(np.float64) - twin_s) <= bound_s).all(), (variant, "sym")
 
 
-@pytest.mark.parametrize("k,n,group_size,asym", [
-    (128, 64, 32, True), (256, 128, -1, False), (1024, 512, 64, True), (8192, 8192, 128, True),
-    (4096, 256, -1, True), (512, 1024, 128, False), (2048, 64, 32, False),
-])
+@pytest.mark.parametrize(
+    "k,n,group_size,asym",
+    [
+        (128, 64, 32, True),
+        (256, 128, -1, False),
+        (1024, 512, 64, True),
+        (8192, 8192, 128, True),
+        (4096, 256, -1, True),
+        (512, 1024, 128, False),
+        (2048, 64, 32, False),
+    ],
+)
 def test_dequant_exact(cp, k, n, group_size, asym):
     rng = np.random.default_rng([k, n, group_size % 997, asym])
     L = make_layer(rng, k, n, group_size, False, asym)
@@ -171,8 +231,9 @@ def test_dequant_exact(cp, k, n, group_size, asym):
     w = kernels.dequant(cp.asarray(L["B"]), cp.asarray(L["S"]), delta=_dev(cp, L["delta"]), out=out, **kw)
     twin = ref.dequant(L["B"], L["S"], delta=L["delta"], **kw)
     got = cp.asnumpy(w)
-    assert np.array_equal(got.view(np.uint16), twin.view(np.uint16)), \
+    assert np.array_equal(got.view(np.uint16), twin.view(np.uint16)), (
         f"{(got.view(np.uint16) != twin.view(np.uint16)).sum()} codes differ"
+    )
 
 
 @pytest.mark.parametrize("m,k,group_size", [(1, 128, 32), (17, 1024, 128), (65, 4096, -1), (128, 8192, 64)])
@@ -241,8 +302,17 @@ def test_api_module_roundtrip(cp):
     layer = MarlinLinear("x", k, n, 64, L["B"], L["S"], L["delta"], L["perm"], L["bias"])
     a = rng.standard_normal((2, 3, k)).astype(np.float16)
     y = cp.asnumpy(layer(cp.asarray(a)))
-    twin = ref.marlin_gemm(a.reshape(6, k), L["B"], L["S"], size_k=k, size_n=n, group_size=64,
-                           delta=L["delta"], perm=L["perm"], bias=L["bias"])
+    twin = ref.marlin_gemm(
+        a.reshape(6, k),
+        L["B"],
+        L["S"],
+        size_k=k,
+        size_n=n,
+        group_size=64,
+        delta=L["delta"],
+        perm=L["perm"],
+        bias=L["bias"],
+    )
     assert y.shape == (2, 3, n)
     assert np.abs(y.reshape(6, n).astype(np.float64) - twin).max() <= 0.05 * np.abs(twin).max()
     torch = pytest.importorskip("torch")

@@ -35,8 +35,11 @@ def test_load_model_cuda_runs_the_kernel(cp, tiny: tuple[Path, Path]) -> None:
     gpu = load_model(out, "cuda")
     r = gpu.marlin_report
     assert r.device.startswith("cuda")
-    assert r.layers == {**{n: "marlin-kernel" for n in KERNEL_LAYERS}, **{n: "exact" for n in FALLBACK_LAYERS},
-                        **{n: "dequant-fp16" for n in DEQUANT_LAYERS}}
+    assert r.layers == {
+        **{n: "marlin-kernel" for n in KERNEL_LAYERS},
+        **{n: "exact" for n in FALLBACK_LAYERS},
+        **{n: "dequant-fp16" for n in DEQUANT_LAYERS},
+    }
     assert set(r.kernel_fallback) == set(FALLBACK_LAYERS)
     assert isinstance(gpu.model.layers[0].self_attn.q_proj, KernelMarlinLinear)
     ids = torch.from_numpy(np.random.default_rng(1).integers(0, 200, (3, 33)))

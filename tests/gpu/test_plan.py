@@ -43,8 +43,17 @@ def _plan(m: int, k: int, n: int, g: int, *, regs: int = 96, tuning: Tuning = DE
 
 
 def test_tuning_defaults_are_the_measured_values() -> None:
-    assert DEFAULT_TUNING == Tuning(group_max_m=16, decode_max_m=32, wide_n=8192, waves=1, latency_tiles=6,
-                                    reduce_tiles=2.5, a_weight=0.5, force_wk=None, occupancy_cap=())
+    assert DEFAULT_TUNING == Tuning(
+        group_max_m=16,
+        decode_max_m=32,
+        wide_n=8192,
+        waves=1,
+        latency_tiles=6,
+        reduce_tiles=2.5,
+        a_weight=0.5,
+        force_wk=None,
+        occupancy_cap=(),
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         DEFAULT_TUNING.waves = 2  # type: ignore[misc]
 
@@ -87,8 +96,11 @@ def test_variant_checks_name_the_rule() -> None:
 
 def test_kind_table() -> None:
     assert set(KINDS) == set(KernelKind) == {p.kind for p in GEMM_PIPES}
-    assert dict(ARITH) == {KernelKind.TILE: Arith.WEIGHT, KernelKind.DECODE: Arith.GROUP,
-                           KernelKind.DECODE_W: Arith.WEIGHT}
+    assert dict(ARITH) == {
+        KernelKind.TILE: Arith.WEIGHT,
+        KernelKind.DECODE: Arith.GROUP,
+        KernelKind.DECODE_W: Arith.WEIGHT,
+    }
     assert Pipe.of(("tile", 1, 4, 3)) == ("tile", 1, 4, 3) and repr(Pipe.of(("tile", 1, 4, 3))) == "('tile', 1, 4, 3)"
     assert Pipe.of(("decode", 2, 8, 3)).name(1, True) == "marlin_decode<2, 8, 1, 3, true, true>"
     assert Pipe.of(("decode_w", 4, 4, 3)).name(2, False) == "marlin_decode<4, 4, 2, 3, false, false>"

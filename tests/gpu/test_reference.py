@@ -18,7 +18,6 @@ from converter.marlin.layout import pack_b, permute_scales
 from tests.helpers.paths import REPO
 
 
-
 def make_layer(rng, k, n, group_size, *, asym=True, act_order=False):
     """Random layer: codes, natural scales/delta, and the artifact tensors built from them."""
     gs = k if group_size in (-1, k) else group_size
@@ -31,8 +30,9 @@ def make_layer(rng, k, n, group_size, *, asym=True, act_order=False):
     return dict(q=q, s=s, delta=delta, perm=perm, B=pack_b(q), S=permute_scales(s), gs=gs)
 
 
-@pytest.mark.parametrize("k,n,group_size",
-                         [(128, 64, 32), (256, 128, 64), (256, 192, 128), (128, 64, -1), (256, 64, 256)])
+@pytest.mark.parametrize(
+    "k,n,group_size", [(128, 64, 32), (256, 128, 64), (256, 192, 128), (128, 64, -1), (256, 64, 256)]
+)
 def test_dequant_symmetric_equals_fp16_product(k, n, group_size):
     rng = np.random.default_rng(k + n)
     L = make_layer(rng, k, n, group_size, asym=False)
@@ -76,8 +76,9 @@ def test_gemm_twin_matches_float64(act_order):
     L = make_layer(rng, k, n, 64, act_order=act_order)
     a = rng.standard_normal((m, k)).astype(np.float16)
     bias = rng.standard_normal(n).astype(np.float16)
-    c = ref.marlin_gemm(a, L["B"], L["S"], size_k=k, size_n=n, group_size=64, delta=L["delta"],
-                        perm=L["perm"], bias=bias)
+    c = ref.marlin_gemm(
+        a, L["B"], L["S"], size_k=k, size_n=n, group_size=64, delta=L["delta"], perm=L["perm"], bias=bias
+    )
     w_src = ref.reference_weight(L["B"], L["S"], L["delta"], L["perm"], size_k=k, size_n=n, group_size=64)
     exact = a.astype(np.float64) @ w_src.astype(np.float64) + bias.astype(np.float64)
     rel = np.abs(c.astype(np.float64) - exact).mean() / np.abs(exact).mean()
@@ -87,8 +88,9 @@ def test_gemm_twin_matches_float64(act_order):
     w16 = ref.dequant(L["B"], L["S"], size_k=k, size_n=n, group_size=64, delta=L["delta"])
     a_m = a[:, L["perm"]] if act_order else a
     c32 = (a_m.astype(np.float32) @ w16.astype(np.float32) + bias.astype(np.float32)).astype(np.float16)
-    bound = ref.gemm_error_bound(a, L["B"], L["S"], size_k=k, size_n=n, group_size=64,
-                                 delta=L["delta"], perm=L["perm"], bias=bias)
+    bound = ref.gemm_error_bound(
+        a, L["B"], L["S"], size_k=k, size_n=n, group_size=64, delta=L["delta"], perm=L["perm"], bias=bias
+    )
     assert np.all(np.abs(c32.astype(np.float64) - c.astype(np.float64)) <= bound)
 
 
@@ -118,10 +120,13 @@ def test_decode_twin_is_the_per_group_formula(group_size):
     assert np.all(np.abs(tile - got) <= slack + 2.0**-24)
     assert not np.array_equal(tile, got)  # really two different formulas
     # a float32 evaluation of the per-group formula stays inside the decode bound
-    c32 = sum((a[:, g * gs:(g + 1) * gs].astype(np.float32) @ (L["q"][g * gs:(g + 1) * gs].astype(np.float32) - 8))
-              * L["s"][g].astype(np.float32)
-              + a[:, g * gs:(g + 1) * gs].astype(np.float32).sum(1, keepdims=True)
-              * L["delta"][g].astype(np.float16).astype(np.float32) for g in range(k // gs)).astype(np.float16)
+    c32 = sum(
+        (a[:, g * gs : (g + 1) * gs].astype(np.float32) @ (L["q"][g * gs : (g + 1) * gs].astype(np.float32) - 8))
+        * L["s"][g].astype(np.float32)
+        + a[:, g * gs : (g + 1) * gs].astype(np.float32).sum(1, keepdims=True)
+        * L["delta"][g].astype(np.float16).astype(np.float32)
+        for g in range(k // gs)
+    ).astype(np.float16)
     bound = ref.gemm_error_bound(a, L["B"], L["S"], arith="group", **kw)
     assert np.all(np.abs(c32.astype(np.float64) - got) <= bound)
 
@@ -142,8 +147,10 @@ def test_prepared_delta_order_matches_the_scales(g):
     d16 = permute_scales(L["delta"].astype(np.float16))
     kw = dict(size_k=64 * g, size_n=n, group_size=64)
     for arith in ("weight", "group"):
-        assert np.array_equal(ref.marlin_gemm(a, L["B"], L["S"], delta=L["delta"], arith=arith, **kw),
-                              ref.marlin_gemm(a, L["B"], L["S"], delta=d16, arith=arith, **kw))
+        assert np.array_equal(
+            ref.marlin_gemm(a, L["B"], L["S"], delta=L["delta"], arith=arith, **kw),
+            ref.marlin_gemm(a, L["B"], L["S"], delta=d16, arith=arith, **kw),
+        )
 
 
 def test_gemm_path_rule_and_pipes():
@@ -181,8 +188,9 @@ def test_group_sums_and_add_correction_twins():
     m, k, n, gs = 3, 256, 128, 64
     a = rng.standard_normal((m, k)).astype(np.float16)
     xs = ref.group_sums(a, group_size=gs)
-    loops = np.array([[sum(float(a[i, j]) for j in range(g * gs, (g + 1) * gs)) for g in range(k // gs)]
-                      for i in range(m)])
+    loops = np.array(
+        [[sum(float(a[i, j]) for j in range(g * gs, (g + 1) * gs)) for g in range(k // gs)] for i in range(m)]
+    )
     assert xs.dtype == np.float32 and np.allclose(xs, loops, rtol=1e-6, atol=1e-6)
     c = rng.standard_normal((m, n)).astype(np.float16)
     d = rng.standard_normal((k // gs, n)).astype(np.float32)
@@ -217,8 +225,14 @@ def test_no_cupy_gives_one_line_error(monkeypatch):
     from converter.gpu import api, kernels
 
     with pytest.raises(GpuUnavailableError) as exc:
-        kernels.marlin_gemm(np.zeros((1, 128), np.float16), np.zeros((8, 128), np.int32),
-                            np.zeros((1, 64), np.float16), size_k=128, size_n=64, group_size=-1)
+        kernels.marlin_gemm(
+            np.zeros((1, 128), np.float16),
+            np.zeros((8, 128), np.int32),
+            np.zeros((1, 64), np.float16),
+            size_k=128,
+            size_n=64,
+            group_size=-1,
+        )
     assert "\n" not in str(exc.value) and "CuPy" in str(exc.value)
     with pytest.raises(GpuUnavailableError):
         api.load_artifact_gpu("does-not-matter.safetensors")
@@ -227,9 +241,11 @@ def test_no_cupy_gives_one_line_error(monkeypatch):
 
 def test_package_imports_without_cupy(monkeypatch):
     _without_cupy(monkeypatch)
-    code = "import converter.gpu, converter.gpu.api, converter.gpu.verify, converter.gpu.kernels, " \
-           "converter.gpu.build, converter.gpu.plan; " \
-           "import sys; assert 'cupy' not in sys.modules and 'torch' not in sys.modules"
+    code = (
+        "import converter.gpu, converter.gpu.api, converter.gpu.verify, converter.gpu.kernels, "
+        "converter.gpu.build, converter.gpu.plan; "
+        "import sys; assert 'cupy' not in sys.modules and 'torch' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
@@ -250,19 +266,47 @@ def test_kernels_ship_in_wheel(tmp_path):
     if not (REPO / "pyproject.toml").is_file():
         pytest.skip("no pyproject.toml yet")
     pytest.importorskip("hatchling")
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                            "-w", str(tmp_path / "dist"), str(REPO)], capture_output=True, text=True)
+    build = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "dist"),
+            str(REPO),
+        ],
+        capture_output=True,
+        text=True,
+    )
     if build.returncode:
         pytest.skip("cannot build a wheel offline here: " + build.stderr.strip().splitlines()[-1][:200])
     wheel = next((tmp_path / "dist").glob("*.whl"))
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
-    for cu in ("marlin_gemm.cu", "marlin_decode.cu", "dequant.cu", "asym_correction.cu", "marlin_common.cuh",
-               "marlin_stream.cuh"):
+    for cu in (
+        "marlin_gemm.cu",
+        "marlin_decode.cu",
+        "dequant.cu",
+        "asym_correction.cu",
+        "marlin_common.cuh",
+        "marlin_stream.cuh",
+    ):
         assert f"converter/_kernels/{cu}" in names, sorted(n for n in names if "kernel" in n)
     target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target",
-                    str(target), str(wheel)], check=True, capture_output=True)
-    out = subprocess.run([sys.executable, "-c", "from converter.gpu.build import kernel_dir; print(kernel_dir())"],
-                         cwd=tmp_path, env={"PYTHONPATH": str(target)}, capture_output=True, text=True, check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
+        check=True,
+        capture_output=True,
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", "from converter.gpu.build import kernel_dir; print(kernel_dir())"],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(target)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert Path(out.stdout.strip()) == target / "converter" / "_kernels"

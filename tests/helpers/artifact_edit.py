@@ -24,10 +24,14 @@ def read_st(path: Path) -> tuple[dict[str, str], dict[str, tuple[str, list[int],
     header = json.loads(blob[8 : 8 + n])
     meta = header.pop("__metadata__", {})
     data = blob[8 + n :]
-    return meta, {k: (v["dtype"], v["shape"], data[v["data_offsets"][0] : v["data_offsets"][1]]) for k, v in header.items()}
+    return meta, {
+        k: (v["dtype"], v["shape"], data[v["data_offsets"][0] : v["data_offsets"][1]]) for k, v in header.items()
+    }
 
 
-def write_st(path: Path, tensors: dict[str, tuple[str, list[int], bytes]], metadata: dict[str, str] | None = None) -> None:
+def write_st(
+    path: Path, tensors: dict[str, tuple[str, list[int], bytes]], metadata: dict[str, str] | None = None
+) -> None:
     header: dict = {"__metadata__": metadata or {"format": "pt"}}
     off, blobs = 0, []
     for name, (dtype, shape, raw) in tensors.items():
@@ -52,11 +56,16 @@ def rewrite_artifact(src: Path, dst: Path, edit) -> Path:
     return dst
 
 
-def rewrite_artifact_arrays(src: Path, dst: Path, edit: Callable[[dict, dict[str, tuple[str, np.ndarray]]], None]) -> Path:
+def rewrite_artifact_arrays(
+    src: Path, dst: Path, edit: Callable[[dict, dict[str, tuple[str, np.ndarray]]], None]
+) -> Path:
     """:func:`rewrite_artifact` with tensors as ``{name: (dtype, ndarray)}`` for ``edit``."""
 
     def on_arrays(manifest: dict, tensors: dict) -> None:
-        arrays = {n: (d, np.frombuffer(raw, dtype=SAFETENSORS_DTYPES[d]).reshape(shape)) for n, (d, shape, raw) in tensors.items()}
+        arrays = {
+            n: (d, np.frombuffer(raw, dtype=SAFETENSORS_DTYPES[d]).reshape(shape))
+            for n, (d, shape, raw) in tensors.items()
+        }
         edit(manifest, arrays)
         tensors.clear()
         for n, (d, a) in arrays.items():

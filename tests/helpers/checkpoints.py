@@ -37,7 +37,15 @@ def only_shard(folder: Path) -> Path:
     return shard
 
 
-def edit_tensor(folder: Path, name: str, dtype: str | None = None, shape: list[int] | None = None, raw: bytes | None = None, *, drop: bool = False) -> Path:
+def edit_tensor(
+    folder: Path,
+    name: str,
+    dtype: str | None = None,
+    shape: list[int] | None = None,
+    raw: bytes | None = None,
+    *,
+    drop: bool = False,
+) -> Path:
     """Rewrite one tensor of a 1-shard checkpoint (and its index) in place."""
     shard = only_shard(folder)
     meta, tensors = read_st(shard)

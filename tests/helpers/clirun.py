@@ -15,7 +15,10 @@ def run_cli(tool: str, *args: object, timeout: float = 300) -> subprocess.Comple
     code = f"import sys; sys.argv[0] = {tool!r}; from converter.cli import {entry}; {entry}()"
     return subprocess.run(
         [sys.executable, "-c", code, *map(str, args)],
-        capture_output=True, text=True, timeout=timeout, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "COLUMNS": "200", "HOME": str(Path.home())},
     )
 

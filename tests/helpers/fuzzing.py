@@ -33,12 +33,69 @@ from .paths import SAMPLE
 from .synthetic_gptq import write_gptq
 
 TARGETS = ("safetensors", "artifact", "tinyloop", "gptq_config")
-INTERESTING_INTS = (0, 1, -1, 2, 7, 8, 15, 16, 63, 64, 127, 128, 255, 256, 1023, 4096, 2**31 - 1, 2**31, 2**32 - 1,
-                    2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63), 10**30)
+INTERESTING_INTS = (
+    0,
+    1,
+    -1,
+    2,
+    7,
+    8,
+    15,
+    16,
+    63,
+    64,
+    127,
+    128,
+    255,
+    256,
+    1023,
+    4096,
+    2**31 - 1,
+    2**31,
+    2**32 - 1,
+    2**32,
+    2**53 + 1,
+    2**63 - 1,
+    2**63,
+    2**64 - 1,
+    2**64,
+    -(2**63),
+    10**30,
+)
 INTERESTING_VALUES: tuple[object, ...] = (
-    *INTERESTING_INTS, 0.5, -0.0, 1e308, float("nan"), float("inf"), "", "F7", "F16", "I32", "U8", "BF16", "gptq",
-    "gptq_v2", "marlin", "1", "2", "-1", "\x00", "é", None, True, False, [], {}, [0], [-1, 4], [2**62, 2**62], [0, 0],
-    [0, 2**70], [0] * 70, [1] * 70, [2**31, 0],
+    *INTERESTING_INTS,
+    0.5,
+    -0.0,
+    1e308,
+    float("nan"),
+    float("inf"),
+    "",
+    "F7",
+    "F16",
+    "I32",
+    "U8",
+    "BF16",
+    "gptq",
+    "gptq_v2",
+    "marlin",
+    "1",
+    "2",
+    "-1",
+    "\x00",
+    "é",
+    None,
+    True,
+    False,
+    [],
+    {},
+    [0],
+    [-1, 4],
+    [2**62, 2**62],
+    [0, 0],
+    [0, 2**70],
+    [0] * 70,
+    [1] * 70,
+    [2**31, 0],
     {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
 )
 MAX_JSON_NODES = 100_000  # size cap for the JSON walkers: never loop unbounded
@@ -304,7 +361,9 @@ def time_limit(seconds: float):
         signal.signal(signal.SIGALRM, old)
 
 
-def check_one(kind: str, data: bytes, workdir: Path, seeds: dict[str, Path], timeout: float = 20.0, stats: Counter | None = None) -> str | None:
+def check_one(
+    kind: str, data: bytes, workdir: Path, seeds: dict[str, Path], timeout: float = 20.0, stats: Counter | None = None
+) -> str | None:
     """Write ``data`` as the target's input and run it.
 
     Returns:

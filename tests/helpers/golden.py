@@ -28,8 +28,11 @@ def build_source(out: Path) -> Path:
     rng = np.random.default_rng(SEED)
     tensors: dict = {"norm": np.ones(64, np.float16)}
     linears: dict = {}
-    for name, (k, n), bits, group, bias in (("a", (64, 64), 4, 32, True), ("b", (32, 64), 2, 32, False),
-                                            ("c", (32, 48), 4, 32, False)):
+    for name, (k, n), bits, group, bias in (
+        ("a", (64, 64), 4, 32, True),
+        ("b", (32, 64), 2, 32, False),
+        ("c", (32, 48), 4, 32, False),
+    ):
         w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
         t, entry = quantize_linear_tinyloop(name, w, bits, group, rng, bias=rng.standard_normal(n) if bias else None)
         tensors.update(t)

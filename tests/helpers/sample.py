@@ -83,9 +83,7 @@ def build_sample(out: Path) -> Path:
             group = opts.pop("group_size") or k
             bias = 0.01 * rng.standard_normal(n) if opts.pop("bias", False) else None
             w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
-            t, entry = quantize_linear_tinyloop(
-                f"{block}.{lin}", w, opts.pop("bits", 4), group, rng, bias=bias, **opts
-            )
+            t, entry = quantize_linear_tinyloop(f"{block}.{lin}", w, opts.pop("bits", 4), group, rng, bias=bias, **opts)
             tensors.update(t)
             linears[f"{block}.{lin}"] = entry
     tensors["final_norm"] = (1 + 0.05 * rng.standard_normal(D_MODEL)).astype(np.float32)

@@ -76,13 +76,25 @@ def _g_idx(size_k: int, g: int) -> Callable[[], Iterator[np.ndarray]]:
     return gen
 
 
-def gptq_layer(prefix: str, size_k: int, size_n: int, *, group_size: int = 128, seed: int = 0, bias: bool = False) -> list[TensorSpec]:
+def gptq_layer(
+    prefix: str, size_k: int, size_n: int, *, group_size: int = 128, seed: int = 0, bias: bool = False
+) -> list[TensorSpec]:
     """The tensors of one 4-bit GPTQ linear (qweight, qzeros, scales, g_idx, optional bias)."""
     g = size_k if group_size == -1 else group_size
     groups = size_k // g
     out: list[TensorSpec] = [
-        (f"{prefix}.qweight", "I32", (size_k // 8, size_n), _random_words(f"{prefix}.qweight", (size_k // 8, size_n), seed)),
-        (f"{prefix}.qzeros", "I32", (groups, size_n // 8), _zeros_words(f"{prefix}.qzeros", (groups, size_n // 8), seed)),
+        (
+            f"{prefix}.qweight",
+            "I32",
+            (size_k // 8, size_n),
+            _random_words(f"{prefix}.qweight", (size_k // 8, size_n), seed),
+        ),
+        (
+            f"{prefix}.qzeros",
+            "I32",
+            (groups, size_n // 8),
+            _zeros_words(f"{prefix}.qzeros", (groups, size_n // 8), seed),
+        ),
         (f"{prefix}.scales", "F16", (groups, size_n), _f16(f"{prefix}.scales", (groups, size_n), seed, 1e-3, 2e-2)),
         (f"{prefix}.g_idx", "I32", (size_k,), _g_idx(size_k, g)),
     ]
@@ -91,22 +103,39 @@ def gptq_layer(prefix: str, size_k: int, size_n: int, *, group_size: int = 128, 
     return out
 
 
-def model_tensors(*, hidden: int, intermediate: int, kv: int, blocks: int, vocab: int, group_size: int, seed: int, bias: bool = False) -> list[TensorSpec]:
+def model_tensors(
+    *, hidden: int, intermediate: int, kv: int, blocks: int, vocab: int, group_size: int, seed: int, bias: bool = False
+) -> list[TensorSpec]:
     """Every tensor of a Llama-like GPTQ model, in a stable order."""
-    specs: list[TensorSpec] = [("model.embed_tokens.weight", "F16", (vocab, hidden), _f16("model.embed_tokens.weight", (vocab, hidden), seed, -0.05, 0.05))]
+    specs: list[TensorSpec] = [
+        (
+            "model.embed_tokens.weight",
+            "F16",
+            (vocab, hidden),
+            _f16("model.embed_tokens.weight", (vocab, hidden), seed, -0.05, 0.05),
+        )
+    ]
     for i in range(blocks):
         p = f"model.layers.{i}"
         for name, k, n in (
-            ("self_attn.q_proj", hidden, hidden), ("self_attn.k_proj", hidden, kv), ("self_attn.v_proj", hidden, kv),
-            ("self_attn.o_proj", hidden, hidden), ("mlp.gate_proj", hidden, intermediate),
-            ("mlp.up_proj", hidden, intermediate), ("mlp.down_proj", intermediate, hidden),
+            ("self_attn.q_proj", hidden, hidden),
+            ("self_attn.k_proj", hidden, kv),
+            ("self_attn.v_proj", hidden, kv),
+            ("self_attn.o_proj", hidden, hidden),
+            ("mlp.gate_proj", hidden, intermediate),
+            ("mlp.up_proj", hidden, intermediate),
+            ("mlp.down_proj", intermediate, hidden),
         ):
             specs += gptq_layer(f"{p}.{name}", k, n, group_size=group_size, seed=seed, bias=bias)
         for norm in ("input_layernorm", "post_attention_layernorm"):
-            specs.append((f"{p}.{norm}.weight", "F16", (hidden,), _f16(f"{p}.{norm}.weight", (hidden,), seed, 0.9, 1.1)))
+            specs.append(
+                (f"{p}.{norm}.weight", "F16", (hidden,), _f16(f"{p}.{norm}.weight", (hidden,), seed, 0.9, 1.1))
+            )
     specs.append(("model.norm.weight", "F16", (hidden,), _f16("model.norm.weight", (hidden,), seed, 0.9, 1.1)))
     if vocab:
-        specs.append(("lm_head.weight", "F16", (vocab, hidden), _f16("lm_head.weight", (vocab, hidden), seed, -0.05, 0.05)))
+        specs.append(
+            ("lm_head.weight", "F16", (vocab, hidden), _f16("lm_head.weight", (vocab, hidden), seed, -0.05, 0.05))
+        )
     return specs
 
 
@@ -142,13 +171,28 @@ def write_safetensors(path: Path, specs: list[TensorSpec], metadata: dict[str, s
 
 
 def quant_config(group_size: int = 128, *, sym: bool = False, checkpoint_format: str = "gptq") -> dict[str, object]:
-    return {"bits": 4, "group_size": group_size, "sym": sym, "desc_act": False,
-            "checkpoint_format": checkpoint_format, "quant_method": "gptq"}
+    return {
+        "bits": 4,
+        "group_size": group_size,
+        "sym": sym,
+        "desc_act": False,
+        "checkpoint_format": checkpoint_format,
+        "quant_method": "gptq",
+    }
 
 
 def write_gptq(
-    folder: str | Path, *, hidden: int = 4096, intermediate: int = 14336, kv: int = 1024, blocks: int = 14,
-    vocab: int = 32000, shards: int = 4, group_size: int = 128, seed: int = 0, bias: bool = False,
+    folder: str | Path,
+    *,
+    hidden: int = 4096,
+    intermediate: int = 14336,
+    kv: int = 1024,
+    blocks: int = 14,
+    vocab: int = 32000,
+    shards: int = 4,
+    group_size: int = 128,
+    seed: int = 0,
+    bias: bool = False,
 ) -> dict[str, object]:
     """Write a synthetic sharded GPTQ checkpoint into ``folder`` (created if needed).
 
@@ -157,7 +201,16 @@ def write_gptq(
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    specs = model_tensors(hidden=hidden, intermediate=intermediate, kv=kv, blocks=blocks, vocab=vocab, group_size=group_size, seed=seed, bias=bias)
+    specs = model_tensors(
+        hidden=hidden,
+        intermediate=intermediate,
+        kv=kv,
+        blocks=blocks,
+        vocab=vocab,
+        group_size=group_size,
+        seed=seed,
+        bias=bias,
+    )
     total = sum(nbytes_of(d, s) for _, d, s, _ in specs)
     per_shard = total / max(shards, 1)
     groups: list[list[TensorSpec]] = [[]]
@@ -174,20 +227,38 @@ def write_gptq(
         size += write_safetensors(folder / name, group)
         files.append(name)
         weight_map.update({t[0]: name for t in group})
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
     (folder / "quantize_config.json").write_text(json.dumps(quant_config(group_size), indent=1))
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
-        "intermediate_size": intermediate, "num_hidden_layers": blocks, "vocab_size": vocab,
-        "quantization_config": quant_config(group_size),
-    }, indent=1))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": hidden,
+                "intermediate_size": intermediate,
+                "num_hidden_layers": blocks,
+                "vocab_size": vocab,
+                "quantization_config": quant_config(group_size),
+            },
+            indent=1,
+        )
+    )
     largest = max(specs, key=lambda s: nbytes_of(s[1], s[2]))
-    return {"files": files, "bytes": size, "largest_tensor": (largest[0], nbytes_of(largest[1], largest[2])), "tensors": len(specs)}
+    return {
+        "files": files,
+        "bytes": size,
+        "largest_tensor": (largest[0], nbytes_of(largest[1], largest[2])),
+        "tensors": len(specs),
+    }
 
 
 def small_gptq(folder: Path, *, shards: int = 1, **kw: object) -> Path:
     """A tiny deterministic 4-bit GPTQ checkpoint: 1 block, hidden 128, group 64 (``kw`` overrides)."""
-    args: dict[str, object] = dict(hidden=128, intermediate=256, kv=64, blocks=1, vocab=64, shards=shards, group_size=64)
+    args: dict[str, object] = dict(
+        hidden=128, intermediate=256, kv=64, blocks=1, vocab=64, shards=shards, group_size=64
+    )
     args.update(kw)
     write_gptq(folder, **args)  # type: ignore[arg-type]
     return folder

@@ -50,8 +50,20 @@ def test_upstream_and_kernel_limits() -> None:
     assert not kernel_compatible(512, 96, 128)
 
 
-@pytest.mark.parametrize(("k", "n", "g"), [(512, 512, 128), (512, 50257, 128), (520, 512, 8), (512, 512, 24),
-                                           (512, 512, 48), (0, 64, -1), (64, 0, -1), (128, 64, 128), (128, 64, 96)])
+@pytest.mark.parametrize(
+    ("k", "n", "g"),
+    [
+        (512, 512, 128),
+        (512, 50257, 128),
+        (520, 512, 8),
+        (512, 512, 24),
+        (512, 512, 48),
+        (0, 64, -1),
+        (64, 0, -1),
+        (128, 64, 128),
+        (128, 64, 96),
+    ],
+)
 def test_convertible_is_tiles_and_groups(k: int, n: int, g: int) -> None:
     """check_convertible, the layout and the launchers decide by the same two predicates."""
     assert check_convertible(k, n, g)[0] is (tiles_fit(k, n) and groups_fit(k, g))
@@ -64,7 +76,9 @@ def test_convertible_is_tiles_and_groups(k: int, n: int, g: int) -> None:
 
 
 def test_rule_messages_name_the_numbers() -> None:
-    with pytest.raises(KernelError, match=r"Marlin B needs size_k % 16 == 0 and size_n % 64 == 0, got size_k=8, size_n=64"):
+    with pytest.raises(
+        KernelError, match=r"Marlin B needs size_k % 16 == 0 and size_n % 64 == 0, got size_k=8, size_n=64"
+    ):
         kernel_layer_sizes(8, 64, -1, error=KernelError)
     with pytest.raises(ValueError, match=r"group_size = 40 is not a multiple of 16 that divides size_k = 128"):
         kernel_layer_sizes(128, 64, 40)
@@ -82,6 +96,9 @@ def test_group_count_resolves_per_channel() -> None:
 def test_marlin_shapes_from_the_sizes() -> None:
     shapes = marlin_shapes(LayerShape(256, 128, 64), act_order=True, bias_dtype="BF16")
     assert {s.value: v for s, v in shapes.items()} == {
-        "marlin_B": ("I32", (16, 256)), "marlin_scales": ("F16", (4, 128)), "marlin_delta": ("F32", (4, 128)),
-        "marlin_perm": ("I32", (256,)), "bias": ("BF16", (128,)),
+        "marlin_B": ("I32", (16, 256)),
+        "marlin_scales": ("F16", (4, 128)),
+        "marlin_delta": ("F32", (4, 128)),
+        "marlin_perm": ("I32", (256,)),
+        "bias": ("BF16", (128,)),
     }

@@ -37,8 +37,16 @@ from converter.verify import artifact_weight, unpack_layer  # noqa: E402
 from tests.helpers.artifact_edit import rewrite_artifact_arrays  # noqa: E402
 from tests.helpers.model_fixture import DEQUANT_LAYERS, FALLBACK_LAYERS, KERNEL_LAYERS, LAYERS, write_tiny_llama  # noqa: E402
 from tests.helpers.paths import REPO, SAMPLE  # noqa: E402
-LLAMA = ["autoawq-gemm-w4g128-asym", "autogptq-w4g128-sym", "autoround-gptq-w4g128-asym", "autoround-gptq-w4gchan-asym",
-         "gptqmodel-gptq-w4g128-asym-descact", "gptqmodel-gptqv2-w4g128-asym", "llmcompressor-packq-w4g128-asym"]
+
+LLAMA = [
+    "autoawq-gemm-w4g128-asym",
+    "autogptq-w4g128-sym",
+    "autoround-gptq-w4g128-asym",
+    "autoround-gptq-w4gchan-asym",
+    "gptqmodel-gptq-w4g128-asym-descact",
+    "gptqmodel-gptqv2-w4g128-asym",
+    "llmcompressor-packq-w4g128-asym",
+]
 MINILM = "minilm-autoround-gptq-w4g128-asym-full"
 Q = "model.layers.0.self_attn.q_proj"
 
@@ -59,7 +67,9 @@ def one_line_error(res) -> str:
 
 def test_candidates_add_or_drop_the_base_model_prefix() -> None:
     assert candidates("encoder.layer.0.attention.self.query", "bert") == [
-        "encoder.layer.0.attention.self.query", "bert.encoder.layer.0.attention.self.query"]
+        "encoder.layer.0.attention.self.query",
+        "bert.encoder.layer.0.attention.self.query",
+    ]
     assert candidates("model.norm.weight", "model") == ["model.norm.weight", "norm.weight"]
     assert candidates("lm_head.weight", "") == ["lm_head.weight"]
 
@@ -92,14 +102,22 @@ def test_bind_names_unmatched_layers_unbound_modules_and_shape_mismatches() -> N
 
 
 def test_untie_loads_differing_tied_tensors_separately() -> None:
-    b = bind(linears={"lm_head": LinearSlot(8, 4, False)}, model_tensors=[["model.embed.weight", "lm_head.weight"]], layers={},
-             tensors={"model.embed.weight", "lm_head.weight"}, prefix="model")
+    b = bind(
+        linears={"lm_head": LinearSlot(8, 4, False)},
+        model_tensors=[["model.embed.weight", "lm_head.weight"]],
+        layers={},
+        tensors={"model.embed.weight", "lm_head.weight"},
+        prefix="model",
+    )
     assert b.loads == {"model.embed.weight": ["model.embed.weight", "lm_head.weight"]}
     assert b.aliases == [("lm_head.weight", "model.embed.weight", "lm_head.weight")] and b.unused == []
-    assert untie(b, lambda a, c: True) == [] and b.loads == {"model.embed.weight": ["model.embed.weight", "lm_head.weight"]}
+    assert untie(b, lambda a, c: True) == [] and b.loads == {
+        "model.embed.weight": ["model.embed.weight", "lm_head.weight"]
+    }
     assert untie(b, lambda a, c: False) == [
         "lm_head.weight is tied to model.embed.weight by the config, but the checkpoint's lm_head.weight differs from "
-        "model.embed.weight: loaded untied, as transformers does"]
+        "model.embed.weight: loaded untied, as transformers does"
+    ]
     assert b.loads == {"model.embed.weight": ["model.embed.weight"], "lm_head.weight": ["lm_head.weight"]}
 
 
@@ -123,17 +141,28 @@ def test_load_model_cpu_puts_every_layer_on_its_path(tiny: tuple[Path, Path]) ->
     m = load_model(out, "cpu")
     r = m.marlin_report
     assert (r.architecture, r.kind, r.device) == ("LlamaForCausalLM", "causal-lm", "cpu")
-    assert r.layers == {**{n: "exact" for n in KERNEL_LAYERS + FALLBACK_LAYERS}, **{n: "dequant-fp16" for n in DEQUANT_LAYERS}}
+    assert r.layers == {
+        **{n: "exact" for n in KERNEL_LAYERS + FALLBACK_LAYERS},
+        **{n: "dequant-fp16" for n in DEQUANT_LAYERS},
+    }
     assert r.not_converted == {
         "model.layers.0.mlp.gate_proj": "size_n = 80 is not a multiple of 64 (Marlin tile)",
         "model.layers.0.mlp.up_proj": "size_n = 80 is not a multiple of 64 (Marlin tile)",
         "lm_head": "size_n = 200 is not a multiple of 64 (Marlin tile)",
     }
     assert (r.missing, r.unused, r.warnings, r.kernel_fallback) == ([], [], [], {})
-    assert sorted(r.tensors) == ["model.embed_tokens.weight", "model.layers.0.input_layernorm.weight",
-                                 "model.layers.0.post_attention_layernorm.weight", "model.norm.weight"]
+    assert sorted(r.tensors) == [
+        "model.embed_tokens.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+        "model.norm.weight",
+    ]
     assert isinstance(m.model.layers[0].self_attn.q_proj, ExactMarlinLinear)
-    assert isinstance(m.lm_head, DenseLinear) and m.lm_head.weight.dtype == torch.float16 and tuple(m.lm_head.weight.shape) == (200, 128)
+    assert (
+        isinstance(m.lm_head, DenseLinear)
+        and m.lm_head.weight.dtype == torch.float16
+        and tuple(m.lm_head.weight.shape) == (200, 128)
+    )
     assert sorted(m.state_dict()) == sorted(r.tensors)  # swapped modules hold no persistent state
     with torch.inference_mode():
         logits = m(input_ids=_ids(), use_cache=False).logits
@@ -185,18 +214,30 @@ def test_kernel_swap_runs_every_kernel_layer_through_the_kernel_module(tiny: tup
 
     def factory(name, size_k, size_n, group_size, B, scales, delta, perm, bias):
         seen[name] = (B, scales, delta, perm, bias)
-        exact = ExactMarlinLinear(name, unpack_b(B, size_n), unpermute_scales(scales, single=scales.shape[0] == 1), delta,
-                                  perm, None if bias is None else torch.from_numpy(bias), group_size)
+        exact = ExactMarlinLinear(
+            name,
+            unpack_b(B, size_n),
+            unpermute_scales(scales, single=scales.shape[0] == 1),
+            delta,
+            perm,
+            None if bias is None else torch.from_numpy(bias),
+            group_size,
+        )
         return FakeKernel(name, exact, calls)
 
     model, r = build_converted(out, "cpu", kernel_factory=factory)
-    assert r.layers == {**{n: "marlin-kernel" for n in KERNEL_LAYERS}, "model.layers.0.mlp.down_proj": "exact",
-                        **{n: "dequant-fp16" for n in DEQUANT_LAYERS}}
+    assert r.layers == {
+        **{n: "marlin-kernel" for n in KERNEL_LAYERS},
+        "model.layers.0.mlp.down_proj": "exact",
+        **{n: "dequant-fp16" for n in DEQUANT_LAYERS},
+    }
     assert r.kernel_fallback == {"model.layers.0.mlp.down_proj": "K = 80 is outside the kernel's limits (K % 64 == 0)"}
     assert isinstance(model.model.layers[0].self_attn.k_proj, KernelMarlinLinear)
     with open_artifact(out) as art:  # the factory gets the artifact's tensors as stored
         for name, (B, scales, delta, perm, bias) in seen.items():
-            assert np.array_equal(B, art.tensor(f"{name}.marlin_B")) and np.array_equal(scales, art.tensor(f"{name}.marlin_scales"))
+            assert np.array_equal(B, art.tensor(f"{name}.marlin_B")) and np.array_equal(
+                scales, art.tensor(f"{name}.marlin_scales")
+            )
             assert np.array_equal(delta, art.tensor(f"{name}.marlin_delta"))
             assert (perm is not None) == (name == Q) and bias.dtype == np.float16
     with torch.inference_mode():
@@ -210,16 +251,24 @@ def test_verify_model_passes_on_the_synthetic_llama(tiny: tuple[Path, Path]) -> 
     src, out = tiny
     rep = verify_model(out, src, gpu=False)
     assert rep.ok, rep.problems
-    assert [(p.code, p.tensor) for p in rep.problems] == [("not_converted", n) for n in
-                                                          ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj", "lm_head"]]
+    assert [(p.code, p.tensor) for p in rep.problems] == [
+        ("not_converted", n) for n in ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj", "lm_head"]
+    ]
     assert rep.input == {"from": "fixed", "text": None, "sequences": 4, "tokens": 128}
     assert (rep.output, rep.device) == ("logits", "cpu")
-    assert [s["stage"] for s in rep.stages] == ["checking the artifact and the source", "fp32 reference dequantized from the source",
-                                                "converted model on cpu", "fp16-dequantized reference from the source", "comparing"]
+    assert [s["stage"] for s in rep.stages] == [
+        "checking the artifact and the source",
+        "fp32 reference dequantized from the source",
+        "converted model on cpu",
+        "fp16-dequantized reference from the source",
+        "comparing",
+    ]
     conv, f16 = rep.metrics["converted"], rep.metrics["fp16_dequant"]
     assert 1e-4 < conv["mean_rel_err"] <= 1.5 * f16["mean_rel_err"] < 1e-2
     assert conv["top1"] >= 0.99 and conv["top5"] >= 0.99
-    assert {r["name"]: r["path"] for r in rep.layers} == {n: ("dequant-fp16" if n in DEQUANT_LAYERS else "exact") for n in LAYERS}
+    assert {r["name"]: r["path"] for r in rep.layers} == {
+        n: ("dequant-fp16" if n in DEQUANT_LAYERS else "exact") for n in LAYERS
+    }
     assert all(r["ok"] and r["rel_err"] < 1e-3 for r in rep.layers)
 
 
@@ -227,14 +276,27 @@ def test_verify_model_reports_the_kernel_fallback(tiny: tuple[Path, Path]) -> No
     src, out = tiny
 
     def factory(name, size_k, size_n, group_size, B, scales, delta, perm, bias):
-        return FakeKernel(name, ExactMarlinLinear(name, unpack_b(B, size_n), unpermute_scales(scales), delta, perm,
-                                                  None if bias is None else torch.from_numpy(bias), group_size), [])
+        return FakeKernel(
+            name,
+            ExactMarlinLinear(
+                name,
+                unpack_b(B, size_n),
+                unpermute_scales(scales),
+                delta,
+                perm,
+                None if bias is None else torch.from_numpy(bias),
+                group_size,
+            ),
+            [],
+        )
 
     rep = verify_model(out, src, gpu=False, kernel_factory=factory)
     assert rep.ok
     fb = [p for p in rep.problems if p.code == "kernel_fallback"]
     assert [(p.tensor, p.severity) for p in fb] == [("model.layers.0.mlp.down_proj", "warning")]
-    assert {r["name"]: r["path"] for r in rep.layers if r["path"] == "marlin-kernel"} == {n: "marlin-kernel" for n in KERNEL_LAYERS}
+    assert {r["name"]: r["path"] for r in rep.layers if r["path"] == "marlin-kernel"} == {
+        n: "marlin-kernel" for n in KERNEL_LAYERS
+    }
 
 
 def _copy(out: Path, to: Path) -> Path:
@@ -254,9 +316,14 @@ def test_dropped_bias_on_the_synthetic_llama_fails_naming_it(tiny: tuple[Path, P
     rewrite_artifact_arrays(bad / "model.safetensors", bad / "model.safetensors", edit)
     res = invoke(bad, "--model", "--against", src)
     assert res.exit_code == 1, res.output
-    assert f"[missing_bias] {name}.bias: module {name} has a bias, the converted layer {name} has none (it runs without)" in res.stdout
+    assert (
+        f"[missing_bias] {name}.bias: module {name} has a bias, the converted layer {name} has none (it runs without)"
+        in res.stdout
+    )
     assert f"[layer_error] layer {name} (module {name}): output mean relative error" in res.stdout
-    with pytest.raises(ModelError, match=rf"1 tensor\(s\) of LlamaForCausalLM have nothing in the artifact to load: {name}\.bias"):
+    with pytest.raises(
+        ModelError, match=rf"1 tensor\(s\) of LlamaForCausalLM have nothing in the artifact to load: {name}\.bias"
+    ):
         load_model(bad, "cpu")
 
 
@@ -266,24 +333,43 @@ def test_dropped_bias_on_the_synthetic_llama_fails_naming_it(tiny: tuple[Path, P
 def test_error_not_a_converted_folder(tiny: tuple[Path, Path]) -> None:
     src, out = tiny
     line = one_line_error(invoke(src, "--model", "--against", src))
-    assert line == (f"error: {src / 'config.json'}: quantization_config: not a converted model folder: quantization_config.quant_method "
-                    "is 'gptq', not 'marlin-convert' (a source checkpoint? convert it first: marlin-convert IN OUTDIR/)")
+    assert line == (
+        f"error: {src / 'config.json'}: quantization_config: not a converted model folder: quantization_config.quant_method "
+        "is 'gptq', not 'marlin-convert' (a source checkpoint? convert it first: marlin-convert IN OUTDIR/)"
+    )
     line = one_line_error(invoke(out / "model.safetensors", "--model", "--against", src))
-    assert line.startswith(f"error: {out / 'model.safetensors'}: not a converted model folder: a model is loaded from the folder")
+    assert line.startswith(
+        f"error: {out / 'model.safetensors'}: not a converted model folder: a model is loaded from the folder"
+    )
 
 
 def test_error_tinyloop_conversion(tmp_path: Path) -> None:
     convert(SAMPLE, str(tmp_path / "tl") + "/")
     line = one_line_error(invoke(tmp_path / "tl", "--model", "--against", SAMPLE))
-    assert line == (f"error: {tmp_path / 'tl'}: converted from a .tinyloop checkpoint: TinyLoop models are not a transformers "
-                    "architecture, so there is no model to build; run its layers with converter.gpu.api.load_artifact_gpu")
+    assert line == (
+        f"error: {tmp_path / 'tl'}: converted from a .tinyloop checkpoint: TinyLoop models are not a transformers "
+        "architecture, so there is no model to build; run its layers with converter.gpu.api.load_artifact_gpu"
+    )
 
 
-@pytest.mark.parametrize(("key", "value", "message"), [
-    ("model_type", "nosuchmodel", "config.json: model_type: model_type 'nosuchmodel' is not an architecture transformers"),
-    ("architectures", ["NoSuchForCausalLM"], "config.json: architectures: architecture 'NoSuchForCausalLM' is not a transformers"),
-])
-def test_error_unknown_architecture(tiny: tuple[Path, Path], tmp_path: Path, key: str, value: object, message: str) -> None:
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        (
+            "model_type",
+            "nosuchmodel",
+            "config.json: model_type: model_type 'nosuchmodel' is not an architecture transformers",
+        ),
+        (
+            "architectures",
+            ["NoSuchForCausalLM"],
+            "config.json: architectures: architecture 'NoSuchForCausalLM' is not a transformers",
+        ),
+    ],
+)
+def test_error_unknown_architecture(
+    tiny: tuple[Path, Path], tmp_path: Path, key: str, value: object, message: str
+) -> None:
     src, out = tiny
     bad = _copy(out, tmp_path / "bad")
     cfg = json.loads((bad / "config.json").read_text())
@@ -294,11 +380,13 @@ def test_error_unknown_architecture(tiny: tuple[Path, Path], tmp_path: Path, key
 
 def _rename_layer(manifest: dict, t: dict, old: str, new: str) -> None:
     for name in [n for n in t if n.startswith(old + ".")]:
-        t[new + name[len(old):]] = t.pop(name)
+        t[new + name[len(old) :]] = t.pop(name)
     next(e for e in manifest["layers"] if e["name"] == old)["name"] = new
 
 
-def test_error_layers_without_modules_and_modules_without_layers_are_all_named(tiny: tuple[Path, Path], tmp_path: Path) -> None:
+def test_error_layers_without_modules_and_modules_without_layers_are_all_named(
+    tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
     src, out = tiny
     bad = _copy(out, tmp_path / "bad")
 
@@ -312,17 +400,25 @@ def test_error_layers_without_modules_and_modules_without_layers_are_all_named(t
 
     rewrite_artifact_arrays(bad / "model.safetensors", bad / "model.safetensors", edit)
     line = one_line_error(invoke(bad, "--model", "--against", src))
-    assert line == (f"error: {bad}: 2 layer(s) in the artifact match no module of LlamaForCausalLM: model.layers.0.self_attn.oo_proj, "
-                    "model.layers.0.self_attn.qq_proj; 3 linear module(s) of LlamaForCausalLM have no layer in the artifact "
-                    "(neither converted nor a weight): model.layers.0.self_attn.q_proj, model.layers.0.self_attn.k_proj, "
-                    "model.layers.0.self_attn.o_proj")
+    assert line == (
+        f"error: {bad}: 2 layer(s) in the artifact match no module of LlamaForCausalLM: model.layers.0.self_attn.oo_proj, "
+        "model.layers.0.self_attn.qq_proj; 3 linear module(s) of LlamaForCausalLM have no layer in the artifact "
+        "(neither converted nor a weight): model.layers.0.self_attn.q_proj, model.layers.0.self_attn.k_proj, "
+        "model.layers.0.self_attn.o_proj"
+    )
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--model"], "error: --model needs --against SRC: the reference model is built from the source checkpoint"),
-    (["--model", "--shapes", "--against", "."], "error: --model and --shapes contradict each other (--shapes checks structure only)"),
-    (["--text", "t.txt", "--against", "."], "error: --text needs --model"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model"], "error: --model needs --against SRC: the reference model is built from the source checkpoint"),
+        (
+            ["--model", "--shapes", "--against", "."],
+            "error: --model and --shapes contradict each other (--shapes checks structure only)",
+        ),
+        (["--text", "t.txt", "--against", "."], "error: --text needs --model"),
+    ],
+)
 def test_error_usage(tiny: tuple[Path, Path], args: list[str], message: str) -> None:
     assert one_line_error(invoke(tiny[1], *args)) == message
 
@@ -331,18 +427,32 @@ def test_error_text_without_a_tokenizer(tiny: tuple[Path, Path], tmp_path: Path)
     src, out = tiny
     (tmp_path / "t.txt").write_text("hello world")
     line = one_line_error(invoke(out, "--model", "--against", src, "--text", tmp_path / "t.txt"))
-    assert line == f"error: {out}: --text needs a tokenizer, and the folder has none (tokenizer.json / tokenizer_config.json)"
+    assert (
+        line
+        == f"error: {out}: --text needs a tokenizer, and the folder has none (tokenizer.json / tokenizer_config.json)"
+    )
 
 
 def test_error_tinyloop_source_has_no_transformers_model(tiny: tuple[Path, Path]) -> None:
     line = one_line_error(invoke(tiny[1], "--model", "--against", SAMPLE))
-    assert line == f"error: {SAMPLE}: the source is a .tinyloop checkpoint: TinyLoop models are not a transformers architecture"
+    assert (
+        line
+        == f"error: {SAMPLE}: the source is a .tinyloop checkpoint: TinyLoop models are not a transformers architecture"
+    )
 
 
 def _cli(*args: object) -> subprocess.CompletedProcess[str]:
     code = "import sys; sys.argv[0] = 'marlin-verify'; from converter.cli import main_verify; main_verify()"
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(Path.home()), "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": str(REPO),
+        "HOME": str(Path.home()),
+        "HF_HUB_OFFLINE": "1",
+        "COLUMNS": "200",
+    }
+    return subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=300, cwd=REPO, env=env
+    )
 
 
 def test_cli_json_pass_is_one_document_and_silent_on_stderr(tiny: tuple[Path, Path]) -> None:
@@ -365,7 +475,9 @@ def test_cli_progress_lines_go_to_stderr(tiny: tuple[Path, Path]) -> None:
         "marlin-verify --model: [4/5] fp16-dequantized reference from the source",
         "marlin-verify --model: [5/5] comparing",
     ]
-    assert p.stdout.splitlines()[-1].startswith("OK: LlamaForCausalLM on cpu, 8 layers (3 dequant-fp16, 5 exact); logits mean rel err ")
+    assert p.stdout.splitlines()[-1].startswith(
+        "OK: LlamaForCausalLM on cpu, 8 layers (3 dequant-fp16, 5 exact); logits mean rel err "
+    )
 
 
 # --------------------------------------------------------------------------- the real checkpoints
@@ -391,7 +503,9 @@ def test_real_model_passes(real: dict[str, tuple[Path, Path]], name: str) -> Non
     conv, f16 = rep.metrics["converted"], rep.metrics["fp16_dequant"]
     assert conv["mean_rel_err"] <= 1.5 * f16["mean_rel_err"] and conv["top1"] >= f16["top1"] - 0.005
     assert conv["top1"] >= 0.99 and conv["top5"] >= 0.98
-    assert all(r["path"] == "exact" and r["ok"] for r in rep.layers) and len(rep.layers) == (36 if name == MINILM else 7)
+    assert all(r["path"] == "exact" and r["ok"] for r in rep.layers) and len(rep.layers) == (
+        36 if name == MINILM else 7
+    )
     if name == MINILM:
         assert rep.output == "last_hidden_state" and conv["cosine"] > 0.9999 and f16["cosine"] > 0.9999
         assert [p.code for p in rep.problems] == ["unused_tensors"]
@@ -406,8 +520,14 @@ def test_minilm_loads_bert_prefixed_tensors_in_their_own_dtypes(real: dict[str, 
     assert r.tensors["bert.embeddings.word_embeddings.weight"] == ["embeddings.word_embeddings.weight"]
     assert m.embeddings.word_embeddings.weight.dtype == torch.bfloat16 and m.pooler.dense.weight.dtype == torch.float32
     assert m.encoder.layer[0].attention.self.query.bias.dtype == torch.float16
-    assert r.unused == ["cls.predictions.bias", "cls.predictions.transform.LayerNorm.bias", "cls.predictions.transform.LayerNorm.weight",
-                        "cls.predictions.transform.dense.bias", "cls.predictions.transform.dense.weight", "embeddings.position_ids"]
+    assert r.unused == [
+        "cls.predictions.bias",
+        "cls.predictions.transform.LayerNorm.bias",
+        "cls.predictions.transform.LayerNorm.weight",
+        "cls.predictions.transform.dense.bias",
+        "cls.predictions.transform.dense.weight",
+        "embeddings.position_ids",
+    ]
     with torch.inference_mode():
         out = m(input_ids=torch.tensor([[101, 7592, 2088, 102]]))
     assert out.last_hidden_state.dtype == torch.bfloat16 and out.pooler_output.dtype == torch.float32
@@ -426,7 +546,11 @@ def test_real_model_with_text_reports_perplexities(real: dict[str, tuple[Path, P
     assert rep.ok, rep.problems
     assert rep.input["from"] == "text" and rep.input["sequences"] == 1 and rep.input["tokens"] == 512
     ppl32 = rep.metrics["fp32"]["ppl"]
-    assert 1 < ppl32 < 1e4 and rep.metrics["converted"]["ppl_rel_diff"] < 1e-2 and rep.metrics["fp16_dequant"]["ppl_rel_diff"] < 1e-2
+    assert (
+        1 < ppl32 < 1e4
+        and rep.metrics["converted"]["ppl_rel_diff"] < 1e-2
+        and rep.metrics["fp16_dequant"]["ppl_rel_diff"] < 1e-2
+    )
 
 
 def _planted(real: dict[str, tuple[Path, Path]], name: str, tmp_path: Path, edit) -> tuple[Path, Path]:
@@ -466,13 +590,17 @@ def test_planted_dropped_bias_is_caught_naming_the_tensor(real: dict[str, tuple[
     src, bad = _planted(real, MINILM, tmp_path, edit)
     res = invoke(bad, "--model", "--against", src)
     assert res.exit_code == 1, res.output
-    assert (f"[missing_bias] {layer}.bias: module encoder.layer.0.attention.self.query has a bias, the converted layer {layer} has none"
-            in res.stdout)
+    assert (
+        f"[missing_bias] {layer}.bias: module encoder.layer.0.attention.self.query has a bias, the converted layer {layer} has none"
+        in res.stdout
+    )
     assert f"[layer_error] layer {layer} (module encoder.layer.0.attention.self.query)" in res.stdout
     assert "[model_error] last_hidden_state: mean relative error" in res.stdout
 
 
-def test_planted_identity_perm_on_act_order_is_caught_naming_the_layer(real: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+def test_planted_identity_perm_on_act_order_is_caught_naming_the_layer(
+    real: dict[str, tuple[Path, Path]], tmp_path: Path
+) -> None:
     def edit(manifest: dict, t: dict) -> None:
         perm = t[f"{Q}.marlin_perm"][1]
         assert not np.array_equal(perm, np.arange(perm.size))
@@ -485,7 +613,9 @@ def test_planted_identity_perm_on_act_order_is_caught_naming_the_layer(real: dic
     assert "[model_error] logits: mean relative error" in res.stdout
 
 
-def test_planted_embedding_in_another_dtype_is_caught_naming_the_tensor(real: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+def test_planted_embedding_in_another_dtype_is_caught_naming_the_tensor(
+    real: dict[str, tuple[Path, Path]], tmp_path: Path
+) -> None:
     emb = "model.embed_tokens.weight"
 
     def edit(manifest: dict, t: dict) -> None:
@@ -495,7 +625,9 @@ def test_planted_embedding_in_another_dtype_is_caught_naming_the_tensor(real: di
     res = invoke(bad, "--model", "--against", src)
     assert res.exit_code == 1, res.output
     errors = [line for line in res.stdout.splitlines() if line.startswith("problem")]
-    assert errors == [f"problem [tensor_dtype] {emb}: loaded as F32 (the artifact's dtype) into {emb}, but the source stores F16"]
+    assert errors == [
+        f"problem [tensor_dtype] {emb}: loaded as F32 (the artifact's dtype) into {emb}, but the source stores F16"
+    ]
 
 
 def test_planted_tensor_with_other_bytes_is_caught(real: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
@@ -509,7 +641,8 @@ def test_planted_tensor_with_other_bytes_is_caught(real: dict[str, tuple[Path, P
     src, bad = _planted(real, "gptqmodel-gptqv2-w4g128-asym", tmp_path, edit)
     rep = verify_model(bad, src, gpu=False)
     assert [(p.code, p.message) for p in rep.problems if p.code == "tensor_bytes"] == [
-        ("tensor_bytes", f"{norm}: 3 of 512 values differ from the source's")]
+        ("tensor_bytes", f"{norm}: 3 of 512 values differ from the source's")
+    ]
     assert not rep.ok
 
 
@@ -522,7 +655,10 @@ def test_wrong_tensor_name_is_a_missing_tensor(real: dict[str, tuple[Path, Path]
 
     src, bad = _planted(real, "gptqmodel-gptqv2-w4g128-asym", tmp_path, edit)
     rep = verify_model(bad, src, gpu=False)
-    assert [(p.code, p.tensor) for p in rep.problems if p.severity == "error"][0] == ("missing_tensor", "model.norm.weight")
+    assert [(p.code, p.tensor) for p in rep.problems if p.severity == "error"][0] == (
+        "missing_tensor",
+        "model.norm.weight",
+    )
     assert any(p.code == "unused_tensors" and "model.nrm.weight" in p.message for p in rep.problems)
     with pytest.raises(ModelError, match=r"have nothing in the artifact to load: model\.norm\.weight"):
         load_model(bad, "cpu")
