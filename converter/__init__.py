@@ -10,13 +10,13 @@ __version__ = "0.1.0"
 
 # Imported eagerly: the submodules `convert` and `verify` share their function's
 # name, and a lazy import would leave the package attribute bound to the module.
-from .artifact.reader import open_artifact  # noqa: E402
-from .artifact.validate import validate_artifact  # noqa: E402
-from .convert import convert  # noqa: E402
-from .formats import open_source  # noqa: E402
-from .model import load_model  # noqa: E402  (torch/transformers only when called)
-from .quant_weight import QuantWeight, Tensor  # noqa: E402
-from .verify import verify  # noqa: E402
+from .artifact.reader import open_artifact
+from .artifact.validate import validate_artifact
+from .convert import convert
+from .formats import open_source
+from .model import load_model  # torch and transformers only when it is called
+from .quant_weight import QuantWeight, Tensor
+from .verify import verify
 
 __all__ = [
     "QuantWeight",

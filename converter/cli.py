@@ -34,7 +34,8 @@ out_console = Console(highlight=False, width=None if sys.stdout.isatty() else 16
 InPath = Annotated[
     Path,
     typer.Argument(
-        help="Input: a .tinyloop file, or a GPTQ / AWQ (gemm) / compressed-tensors (pack-quantized) checkpoint folder / .safetensors / index.json.",
+        help="Input: a .tinyloop file, or a GPTQ / AWQ (gemm) / compressed-tensors (pack-quantized) "
+        "checkpoint folder / .safetensors / index.json.",
         show_default=False,
     ),
 ]
@@ -42,7 +43,8 @@ InPath = Annotated[
 OutPath = Annotated[
     str,
     typer.Argument(
-        help="Output artifact (.safetensors), or a folder (existing, or ending in '/') for model.safetensors + config.json + tokenizer files.",
+        help="Output artifact (.safetensors), or a folder (existing, or ending in '/') for model.safetensors "
+        "+ config.json + tokenizer files.",
         show_default=False,
     ),
 ]
@@ -166,7 +168,9 @@ convert_app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_ex
 
 
 @convert_app.command(
-    help="Convert an asymmetric 4-bit checkpoint (.tinyloop, GPTQ, AWQ, compressed-tensors) into a Marlin safetensors artifact (one file, HF shards with --max-shard-size, or a model folder).\n\nExit codes: 0 ok; 2 bad input or usage (nothing is written).",
+    help="Convert an asymmetric 4-bit checkpoint (.tinyloop, GPTQ, AWQ, compressed-tensors) into a Marlin "
+    "safetensors artifact (one file, HF shards with --max-shard-size, or a model folder).\n\n"
+    "Exit codes: 0 ok; 2 bad input or usage (nothing is written).",
     epilog="Example: marlin-convert model.tinyloop model.marlin.safetensors",
 )
 def convert_cmd(
@@ -222,7 +226,8 @@ def convert_cmd(
             err_console.print(f"[yellow]warning:[/] {escape(lay.name)}: {escape(w)}", soft_wrap=True)
     verb = "would write" if dry_run else "wrote"
     err_console.print(
-        f"{len(report.converted)} layers converted, {len(report.passthrough)} tensors passed through; {verb} {report.bytes_out / 1e6:.2f} MB of tensor data"
+        f"{len(report.converted)} layers converted, {len(report.passthrough)} tensors passed through; "
+        f"{verb} {report.bytes_out / 1e6:.2f} MB of tensor data"
     )
 
 
@@ -230,7 +235,9 @@ verify_app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exc
 
 
 @verify_app.command(
-    help="Verify a Marlin artifact: structure and checksums (--shapes, no GPU), exact agreement with its source (--against), and numerics on CPU and GPU.\n\nExit codes: 0 all good; 1 problems found; 2 unreadable input or bad usage.",
+    help="Verify a Marlin artifact: structure and checksums (--shapes, no GPU), exact agreement with its source "
+    "(--against), and numerics on CPU and GPU.\n\n"
+    "Exit codes: 0 all good; 1 problems found; 2 unreadable input or bad usage.",
     epilog="Example: marlin-verify model.marlin.safetensors --shapes --against model.tinyloop",
 )
 def verify_cmd(
@@ -249,14 +256,16 @@ def verify_cmd(
         bool,
         typer.Option(
             "--model",
-            help="Whole-model parity: ART is a converted model folder; run it, and fp32 and fp16 models dequantized from --against, on the same tokens (needs the [model] extra).",
+            help="Whole-model parity: ART is a converted model folder; run it, and fp32 and fp16 models "
+            "dequantized from --against, on the same tokens (needs the [model] extra).",
         ),
     ] = False,
     text: Annotated[
         Path | None,
         typer.Option(
             "--text",
-            help="With --model: a UTF-8 text file to tokenize as the input (default: fixed tokens); perplexities for causal LMs.",
+            help="With --model: a UTF-8 text file to tokenize as the input (default: fixed tokens); "
+            "perplexities for causal LMs.",
             show_default=False,
         ),
     ] = None,

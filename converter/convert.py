@@ -109,7 +109,8 @@ def build_layout(plan: SourcePlan, *, path: Path) -> tuple[Layout, list[LayerEnt
     for entry in passthrough:
         if entry.name == SAFETENSORS_METADATA_KEY:
             raise SourceFormatError(
-                f"a tensor may not be named {SAFETENSORS_METADATA_KEY!r}: safetensors reserves it; rename it in the source",
+                f"a tensor may not be named {SAFETENSORS_METADATA_KEY!r}: safetensors reserves it; "
+                "rename it in the source",
                 path=path,
                 tensor=entry.name,
             )

@@ -118,7 +118,8 @@ class SafetensorsFile:
             expect = end
         if expect != data_len:
             self._fail(
-                f"{data_len - expect} trailing bytes after the last tensor (data ends at {expect}, buffer is {data_len})"
+                f"{data_len - expect} trailing bytes after the last tensor "
+                f"(data ends at {expect}, buffer is {data_len})"
             )
 
     def _parse_entry(self, name: str, entry: object, data_len: int) -> tuple[TensorInfo, tuple[int, int]]:

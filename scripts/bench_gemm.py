@@ -26,8 +26,7 @@ import math
 import statistics
 import sys
 import time
-
-import numpy as np
+from functools import partial
 
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (8192, 8192), (8192, 57344), (28672, 8192)]
 MS = [1, 2, 4, 8, 16, 32, 64, 128]
@@ -84,6 +83,15 @@ def timed_torch_graph(torch, calls, reps):
     return statistics.median(times)
 
 
+def safe(row, fn, *a):
+    """``fn(*a)``, or NaN with the error recorded in ``row`` (keep benchmarking the rest)."""
+    try:
+        return fn(*a)
+    except Exception as exc:
+        row.setdefault("errors", []).append(f"{type(exc).__name__}: {str(exc)[:160]}")
+        return float("nan")
+
+
 def ceilings(cp, torch):
     """Measured copy bandwidth (bytes/s, read + write) and fp16 matmul rate (FLOP/s)."""
     w = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
@@ -93,11 +101,11 @@ def ceilings(cp, torch):
     n = 2 * 2**30
     a = torch.ones(n // 4, device="cuda", dtype=torch.float32)
     b = torch.empty_like(a)
-    t = timed_torch_graph(torch, [lambda: b.copy_(a)] * 5, 5)
+    t = timed_torch_graph(torch, [partial(b.copy_, a)] * 5, 5)
     bw = 2 * n / (t * 1e-6)
     x = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
     y = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
-    t = timed_torch_graph(torch, [lambda: torch.matmul(x, y)] * 5, 5)
+    t = timed_torch_graph(torch, [partial(torch.matmul, x, y)] * 5, 5)
     rate = 2 * 8192**3 / (t * 1e-6)
     del a, b, x, y
     return bw, rate
@@ -172,44 +180,39 @@ def main() -> int:
             kw = dict(size_k=k, size_n=n, group_size=GROUP, tuning=base)
             calls = max(args.calls, copies)
             row = {"K": k, "N": n, "M": m, "plan": dataclasses.asdict(kernels.gemm_plan(m, k, n, GROUP, tuning=base))}
-
-            def safe(fn, *a):
-                try:
-                    return fn(*a)
-                except Exception as exc:  # record, keep benchmarking the rest
-                    row.setdefault("errors", []).append(f"{type(exc).__name__}: {str(exc)[:160]}")
-                    return float("nan")
-
+            # partial, not lambda: each call binds its own copy of the weights now.
             row["ours_sym"] = safe(
+                row,
                 timed_graph,
                 cp,
-                [
-                    (lambda i=i: kernels.marlin_gemm(a, Bs[i % copies], Ss[i % copies], out=out, **kw))
-                    for i in range(calls)
-                ],
+                [partial(kernels.marlin_gemm, a, Bs[i % copies], Ss[i % copies], out=out, **kw) for i in range(calls)],
                 args.reps,
             )
             row["ours_fused"] = safe(
+                row,
                 timed_graph,
                 cp,
                 [
-                    (
-                        lambda i=i: kernels.marlin_gemm(
-                            a, Bs[i % copies], Ss[i % copies], delta=Ds16[i % copies], out=out, **kw
-                        )
+                    partial(
+                        kernels.marlin_gemm, a, Bs[i % copies], Ss[i % copies], delta=Ds16[i % copies], out=out, **kw
                     )
                     for i in range(calls)
                 ],
                 args.reps,
             )
             row["ours_2k"] = safe(
+                row,
                 timed_graph,
                 cp,
                 [
-                    (
-                        lambda i=i: kernels.marlin_gemm_two_kernel(
-                            a, Bs[i % copies], Ss[i % copies], delta=Ds[i % copies], out=out, **kw
-                        )
+                    partial(
+                        kernels.marlin_gemm_two_kernel,
+                        a,
+                        Bs[i % copies],
+                        Ss[i % copies],
+                        delta=Ds[i % copies],
+                        out=out,
+                        **kw,
                     )
                     for i in range(calls)
                 ],
@@ -224,22 +227,29 @@ def main() -> int:
                 cap = ((kind, int(occ)),) if occ else base.occupancy_cap
                 skw = {**kw, "tuning": dataclasses.replace(base, waves=int(w), occupancy_cap=cap)}
                 row[f"sym_{spec}"] = safe(
+                    row,
                     timed_graph,
                     cp,
                     [
-                        (lambda i=i: kernels.marlin_gemm(a, Bs[i % copies], Ss[i % copies], out=out, pipe=pipe, **skw))
+                        partial(kernels.marlin_gemm, a, Bs[i % copies], Ss[i % copies], out=out, pipe=pipe, **skw)
                         for i in range(calls)
                     ],
                     args.reps,
                 )
                 row[f"fused_{spec}"] = safe(
+                    row,
                     timed_graph,
                     cp,
                     [
-                        (
-                            lambda i=i: kernels.marlin_gemm(
-                                a, Bs[i % copies], Ss[i % copies], delta=Ds16[i % copies], out=out, pipe=pipe, **skw
-                            )
+                        partial(
+                            kernels.marlin_gemm,
+                            a,
+                            Bs[i % copies],
+                            Ss[i % copies],
+                            delta=Ds16[i % copies],
+                            out=out,
+                            pipe=pipe,
+                            **skw,
                         )
                         for i in range(calls)
                     ],
@@ -248,7 +258,7 @@ def main() -> int:
             at = torch.randn(m, k, device="cuda", dtype=torch.float16)
             fc = max(args.calls, f16_copies)
             row["fp16"] = timed_torch_graph(
-                torch, [(lambda i=i: torch.matmul(at, Ws[i % f16_copies])) for i in range(fc)], args.reps
+                torch, [partial(torch.matmul, at, Ws[i % f16_copies]) for i in range(fc)], args.reps
             )
             if packed is not None:
                 ab = at.to(torch.bfloat16)
@@ -256,11 +266,7 @@ def main() -> int:
                     row["int4pack"] = timed_torch_graph(
                         torch,
                         [
-                            (
-                                lambda i=i: torch.ops.aten._weight_int4pack_mm(
-                                    ab, packed[i % copies], GROUP, sz[i % copies]
-                                )
-                            )
+                            partial(torch.ops.aten._weight_int4pack_mm, ab, packed[i % copies], GROUP, sz[i % copies])
                             for i in range(calls)
                         ],
                         args.reps,

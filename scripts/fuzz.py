@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             ran[kind] += count
             failed[kind] += kinds["fail"]
             outcome[kind].update(kinds)
-            for (i, problem), path in zip(failures, saved):
+            for (i, problem), path in zip(failures, saved, strict=True):
                 reports.append(f"[{kind}] example {i} ({path.decode()}):\n{problem}")
     dt = time.monotonic() - t0
     total = sum(ran.values())

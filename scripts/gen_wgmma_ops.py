@@ -67,7 +67,7 @@ struct Wgmma<{t}> {{
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
     }}
 }};
-"""
+"""  # noqa: E501 (the generated C++ asm line)
 
 
 def main() -> None:

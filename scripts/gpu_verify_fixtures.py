@@ -33,7 +33,8 @@ for bits, group, act in [(2, 128, False), (3, 64, False), (3, 128, True), (4, 32
     g = rep.layers[0]["gpu"]
     ok &= rep.ok
     print(
-        f"bits={bits} group={group:4d} act_order={act!s:5s} gpu mean {g['mean_rel_err']:.2e} max {g['max_rel_err']:.2e} "
-        f"deterministic={g['deterministic']} ok={rep.ok} {[p.message for p in rep.problems if p.severity == 'error'][:2]}"
+        f"bits={bits} group={group:4d} act_order={act!s:5s} gpu mean {g['mean_rel_err']:.2e} "
+        f"max {g['max_rel_err']:.2e} deterministic={g['deterministic']} ok={rep.ok} "
+        f"{[p.message for p in rep.problems if p.severity == 'error'][:2]}"
     )
 sys.exit(0 if ok else 1)

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from converter.atomic import remove_stale_temporaries
 from converter.convert import convert
 from converter.errors import ConverterError, OutputExistsError
 from converter.formats.gptq import GptqSource
-from converter.atomic import remove_stale_temporaries
 from converter.safetensors_io import StreamingWriter
 from tests.helpers.clirun import run_cli
 from tests.helpers.paths import REPO, SAMPLE

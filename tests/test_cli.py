@@ -136,7 +136,8 @@ def test_config_group_size_contradicting_tensors(gptq_copy: Path, tmp_path: Path
     cfg.write_text(json.dumps(qc))
     with pytest.raises(
         SourceFormatError,
-        match=r"down_proj.scales: shape \[8, 512\] disagrees with K, N(, bits)? and group_size \(expected \[11, 512\]\)",
+        match=r"down_proj.scales: shape \[8, 512\] disagrees with K, N(, bits)? and group_size "
+        r"\(expected \[11, 512\]\)",
     ):
         convert(gptq_copy, tmp_path / "o.safetensors")
     assert not (tmp_path / "o.safetensors").exists()

@@ -55,7 +55,8 @@ CONTAINER_CASES = [
     (
         "duplicate_names",
         st_bytes(
-            b'{"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, "a": {"dtype": "F32", "shape": [4], "data_offsets": [16, 32]}}',
+            b'{"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, '
+            b'"a": {"dtype": "F32", "shape": [4], "data_offsets": [16, 32]}}',
             b"\x00" * 32,
         ),
         r"duplicate key 'a'",

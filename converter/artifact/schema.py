@@ -27,7 +27,7 @@ import json
 import types
 import typing
 from collections.abc import Callable, Mapping
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar, Union
@@ -235,7 +235,7 @@ def from_json(cls: type[T], value: Any, where: str = "") -> T:
         raise ArtifactError(f"manifest does not fit its schema: {exc}", tensor=META_MANIFEST) from None
 
 
-@lru_cache(maxsize=None)
+@cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
@@ -383,7 +383,7 @@ def schema_file(version: int = ARTIFACT_SCHEMA_VERSION) -> str:
     return f"marlin-artifact.v{version}.schema.json"
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_schema(version: int = ARTIFACT_SCHEMA_VERSION) -> dict[str, Any]:
     """The JSON Schema of artifact schema ``version`` (shipped in the package)."""
     name = schema_file(version)

@@ -38,7 +38,8 @@ def parse_size(text: str | int) -> int:
         m = _SIZE_RE.match(text)
         if not m:
             raise ConverterError(
-                f"{text!r} is not a size (expected a number with an optional unit: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)",
+                f"{text!r} is not a size (expected a number with an optional unit: "
+                "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)",
                 tensor="--max-shard-size",
             )
         value = int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").upper()])

@@ -80,7 +80,7 @@ class ArtifactWriter:
         for name in [*self.names, target.index.name]:
             remove_stale_temporaries(target.folder / name)  # left by a killed earlier run
         try:
-            for i, (shard, name) in enumerate(zip(self.shards, self.names)):
+            for i, (shard, name) in enumerate(zip(self.shards, self.names, strict=True)):
                 meta = metadata_for(self._shard_manifest(manifest, i))
                 staged = self._stage_path(name)
                 writer = StreamingWriter(staged, shard, header_reserve=header_size_for(shard, meta))

@@ -152,7 +152,8 @@ class AwqSource(HFSource, format=SourceFormat.AWQ, methods=("awq",), conventions
         entry = not_convert_match(prefix, self.not_convert)
         if entry:
             warnings.append(
-                f"config lists this module in modules_to_not_convert ({entry!r}) but it is quantized; converted by the data"
+                f"config lists this module in modules_to_not_convert ({entry!r}) but it is quantized; "
+                "converted by the data"
             )
         layer = LayerPlan(
             name=prefix,

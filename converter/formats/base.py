@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..constants import SourceFormat, ZeroConvention
-from ..quant_weight import QuantWeight, Tensor, TensorInfo  # noqa: F401 (re-exported)
+from ..quant_weight import QuantWeight, Tensor, TensorInfo
 
 
 @dataclasses.dataclass

@@ -332,7 +332,8 @@ class CompressedTensorsSource(
         layer.symmetric = bool(np.all(z == symmetric_zero(b)))
         if args.symmetric and has_zp and not bool(np.all(z == symmetric_zero(b))):
             layer.warnings.append(
-                f"config group {args.group} says symmetric but weight_zero_point varies; converted with delta (data wins)"
+                f"config group {args.group} says symmetric but weight_zero_point varies; "
+                "converted with delta (data wins)"
             )
         return layer
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -401,7 +400,8 @@ class GptqSource(
                 how = (
                     "decoded per field as (stored + 1) mod 8 (GPTQModel's 3-bit rule)"
                     if bits == 3
-                    else f"decoded by the whole-word add of 0x{int(field_ones(bits)):08X}, which undoes GPTQModel's borrow"
+                    else f"decoded by the whole-word add of 0x{int(field_ones(bits)):08X}, "
+                    "which undoes GPTQModel's borrow"
                 )
                 warnings.append(
                     f"{wrapped} v1 zero field(s) store {(1 << bits) - 1}, i.e. z - 1 = -1: a true zero of 0 that "

@@ -189,7 +189,7 @@ class HFCheckpoint:
         # Two threads: hashlib releases the GIL, so shards hash in parallel on 2 cores.
         with ThreadPoolExecutor(max_workers=min(2, max(len(paths), 1))) as pool:
             sums = list(pool.map(sha256_file, paths))
-        return [{"name": p.name, "bytes": p.stat().st_size, "sha256": h} for p, h in zip(paths, sums)]
+        return [{"name": p.name, "bytes": p.stat().st_size, "sha256": h} for p, h in zip(paths, sums, strict=True)]
 
     def input_files(self) -> list[Path]:
         """The weight files, the index, the configs and the tokenizer files (folder mode

@@ -32,6 +32,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from .. import jsonio
 from ..constants import (
     MARLIN_ZERO,
     TINYLOOP_ALIGNMENT,
@@ -46,7 +47,6 @@ from ..constants import (
     SourceFormat,
     ZeroConvention,
 )
-from .. import jsonio
 from ..errors import ConverterError, SourceFormatError, UnsupportedQuantError
 from ..jsonio import JsonRule, json_type
 from ..marlin.shapes import check_convertible

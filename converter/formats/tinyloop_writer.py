@@ -16,6 +16,7 @@ from typing import Any, BinaryIO, Union
 
 import numpy as np
 
+from ..atomic import write_atomically
 from ..constants import (
     TINYLOOP_ALIGNMENT,
     TINYLOOP_DTYPES,
@@ -26,7 +27,6 @@ from ..constants import (
     TINYLOOP_SUPPORTED_BITS,
     TINYLOOP_SUPPORTED_VERSIONS,
 )
-from ..atomic import write_atomically
 
 __all__ = ["TensorArg", "pack_codes", "quantize_linear_tinyloop", "write_tinyloop"]
 

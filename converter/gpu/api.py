@@ -8,6 +8,7 @@ each layer's Marlin tensors to the current GPU once, and returns a
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,10 @@ class MarlinLinear:
         return y.reshape(*lead, self.size_n)
 
 
+def _layer_tensor(art: Any, layer: str, suffix: Suffix) -> np.ndarray:
+    return art.tensor(f"{layer}.{suffix.value}")
+
+
 def load_artifact_gpu(path: str | Path) -> dict[str, MarlinLinear]:
     """Load every converted layer of an artifact onto the current GPU.
 
@@ -137,7 +142,7 @@ def load_artifact_gpu(path: str | Path) -> dict[str, MarlinLinear]:
         raise ArtifactError(f"fails validation ({first.message}); run marlin-verify for every problem", path=path)
     layers: dict[str, MarlinLinear] = {}
     for name, rec in art.layers.items():
-        t = lambda suffix: art.tensor(f"{name}.{suffix.value}")  # noqa: E731
+        t = functools.partial(_layer_tensor, art, name)
         delta = t(Suffix.DELTA)  # MarlinLinear drops an all-zero delta (from the data, not the flag)
         perm = t(Suffix.PERM) if rec.act_order else None
         bias = _bias_to_f16(t(Suffix.BIAS)) if rec.has_bias else None
@@ -177,7 +182,7 @@ def _make_module_class() -> Any:
             self.layer = layer
             self.in_features, self.out_features = layer.size_k, layer.size_n
 
-        def forward(self, x: "torch.Tensor") -> "torch.Tensor":
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
             if x.dtype != torch.float16 or not x.is_cuda:
                 raise KernelError(
                     f"{self.layer.name}: expected a float16 CUDA tensor, got {x.dtype} on {x.device}",

@@ -364,6 +364,10 @@ def kernel_variant(
     return Variant(pipe, gpi, smem, gt, per_channel)
 
 
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def resident_blocks(regs: int, smem: int, smem_per_sm: int) -> int:
     """4-warp blocks one multiprocessor holds (sm_80..sm_90 allocation rules).
 
@@ -419,8 +423,8 @@ def plan_gemm(
         blocks_n = m_chunks * -(-nblk // (BLOCK_WARPS // wk))
         quantum = wk * pipe.u  # each warp's share of a K split is whole steps
         for splits in range(1, -(-kt // quantum) + 1):
-            tps = -(-(-(-kt // splits)) // quantum) * quantum
-            if -(-kt // tps) != splits:
+            tps = _ceil_div(_ceil_div(kt, splits), quantum) * quantum
+            if _ceil_div(kt, tps) != splits:
                 continue
             waves = -(-blocks_n * splits // (resident * tuning.waves))
             # slowest wave: per-warp tiles (each also moving its A rows, rows / 16 of a

@@ -77,7 +77,7 @@ def _import_cupy() -> ModuleType:
     return cupy
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_info(index: int) -> DeviceInfo:
     cp = _import_cupy()
     props = cp.cuda.runtime.getDeviceProperties(index)

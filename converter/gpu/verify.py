@@ -8,6 +8,7 @@ folded into the dequantized weight) and the two-kernel path (symmetric GEMM, the
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -95,10 +96,10 @@ def verify_layer_gpu(
         a_host = rng.standard_normal((m, size_k), dtype=np.float32).astype(np.float16)
         a = cp.asarray(a_host)
         ref = a.astype(cp.float32) @ w_ref
-        paths = {"": lambda: kernels.marlin_gemm(a, dev["B"], dev["scales"], delta=dev["delta"], **kw)}
+        paths = {"": functools.partial(kernels.marlin_gemm, a, dev["B"], dev["scales"], delta=dev["delta"], **kw)}
         if dev["delta"] is not None:
-            paths["two_kernel_"] = lambda: kernels.marlin_gemm_two_kernel(
-                a, dev["B"], dev["scales"], delta=dev["delta"], **kw
+            paths["two_kernel_"] = functools.partial(
+                kernels.marlin_gemm_two_kernel, a, dev["B"], dev["scales"], delta=dev["delta"], **kw
             )
         entry: dict[str, Any] = {}
         for prefix, run in paths.items():

@@ -40,7 +40,8 @@ def import_stack() -> tuple[Any, Any]:
         import transformers
     except ImportError as exc:
         raise ModelError(
-            f"whole-model use needs torch and transformers ({exc}); install the extra: pip install 'marlin-convert[model]'"
+            f"whole-model use needs torch and transformers ({exc}); "
+            "install the extra: pip install 'marlin-convert[model]'"
         ) from None
     return torch, transformers
 
@@ -255,7 +256,8 @@ def binding_errors(b: Binding, *, what: str, arch: str, path: Path) -> None:
     parts = []
     if b.unmatched_layers:
         parts.append(
-            f"{len(b.unmatched_layers)} layer(s) in the {what} match no module of {arch}: {', '.join(b.unmatched_layers)}"
+            f"{len(b.unmatched_layers)} layer(s) in the {what} match no module of {arch}: "
+            f"{', '.join(b.unmatched_layers)}"
         )
     if b.unbound_modules:
         parts.append(

@@ -96,7 +96,10 @@ def read_converted_config(path: str | Path) -> tuple[Path, dict[str, Any]]:
     folder = Path(path)
     if not folder.exists():
         raise ConverterError("no such file or directory", path=folder)
-    hint = "a model is loaded from the folder that marlin-convert IN OUTDIR/ writes (config.json, the artifact, the tokenizer)"
+    hint = (
+        "a model is loaded from the folder that marlin-convert IN OUTDIR/ writes "
+        "(config.json, the artifact, the tokenizer)"
+    )
     if not folder.is_dir():
         raise ModelError(f"not a converted model folder: {hint}, not from a single file", path=folder)
     cfg_path = folder / "config.json"

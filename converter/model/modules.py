@@ -143,7 +143,10 @@ class ExactMarlinLinear(_Swapped):
         return y.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.layer_name}: in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
+        return (
+            f"{self.layer_name}: in_features={self.in_features}, out_features={self.out_features}, "
+            f"group_size={self.group_size}"
+        )
 
 
 class KernelMarlinLinear(_Swapped):
@@ -198,7 +201,10 @@ class DenseLinear(_Swapped):
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.layer_name}: in_features={self.in_features}, out_features={self.out_features}, dtype={self.weight.dtype}"
+        return (
+            f"{self.layer_name}: in_features={self.in_features}, out_features={self.out_features}, "
+            f"dtype={self.weight.dtype}"
+        )
 
 
 def promoting_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:

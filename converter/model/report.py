@@ -150,7 +150,8 @@ def render(report: ModelReport, out: Any, err: Any, *, quiet: bool = False) -> N
         layers = ", ".join(f"{n} {k}" for k, n in sorted(paths.items()))
         out.print(
             f"{status}: {report.architecture} on {report.device}, {sum(paths.values())} layers ({layers}); "
-            f"{report.output} mean rel err {_fmt(conv.get('mean_rel_err'))} (fp16 dequantized {_fmt(f16.get('mean_rel_err'))}, "
+            f"{report.output} mean rel err {_fmt(conv.get('mean_rel_err'))} "
+            f"(fp16 dequantized {_fmt(f16.get('mean_rel_err'))}, "
             f"limit {_fmt(bar.get('mean_rel_err_limit'))}), top-1 {_fmt(conv.get('top1'), '.4f')} "
             f"(fp16 {_fmt(f16.get('top1'), '.4f')}, min {_fmt(bar.get('top1_min'), '.4f')}); {report.wall_s:.1f} s",
             soft_wrap=True,

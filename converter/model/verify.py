@@ -531,7 +531,8 @@ def _judge(
     if not conv["mean_rel_err"] <= limit:
         report.add(
             "model_error",
-            f"{what}: mean relative error {conv['mean_rel_err']:.3g} against the fp32 model dequantized from the source "
+            f"{what}: mean relative error {conv['mean_rel_err']:.3g} "
+            "against the fp32 model dequantized from the source "
             f"is above {ERROR_FACTOR:g}x the fp16-dequantized model's {f16['mean_rel_err']:.3g} (limit {limit:.3g})",
         )
     if conv["top1"] < report.bar["top1_min"]:
@@ -571,7 +572,8 @@ def _judge(
             report.add(
                 "layer_error",
                 f"layer {layer} (module {modules.get(layer)}): output mean relative error {e:.3g} against the source "
-                f"layer on the model's own activations, {e / max(e16, 1e-30):.1f}x the fp16-dequantized layer's {e16:.3g} "
+                f"layer on the model's own activations, {e / max(e16, 1e-30):.1f}x "
+                f"the fp16-dequantized layer's {e16:.3g} "
                 f"(limit: above {LAYER_FACTOR:g}x and {LAYER_FLOOR:g})",
                 layer,
             )

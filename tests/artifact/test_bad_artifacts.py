@@ -52,7 +52,8 @@ def test_artifact_future_schema_version(artifact: Path, tmp_path: Path) -> None:
     write_st(p, tensors, meta)
     with pytest.raises(
         SchemaVersionError,
-        match=r"marlin.schema_version: artifact schema version '7' is not supported \(this tool reads 1\); upgrade marlin-convert",
+        match=r"marlin.schema_version: artifact schema version '7' is not supported \(this tool reads 1\); "
+        r"upgrade marlin-convert",
     ):
         validate_artifact(p)
 

@@ -9,8 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tests.helpers.producers import assert_truth, gptq_config, gptq_tensors, make_layer, plain_tensors, write_checkpoint
-from tests.helpers.paths import SAMPLE
 from typer.testing import CliRunner
 
 from converter.artifact.schema import Manifest, Shard, read_document
@@ -20,6 +18,8 @@ from converter.convert import convert
 from converter.errors import ConverterError, OutputExistsError
 from converter.safetensors_io import SafetensorsFile
 from converter.verify import verify
+from tests.helpers.paths import SAMPLE
+from tests.helpers.producers import assert_truth, gptq_config, gptq_tensors, make_layer, plain_tensors, write_checkpoint
 
 NAMES = [f"model.layers.{i}.mlp.{p}" for i in range(3) for p in ("up_proj", "down_proj")]
 

@@ -13,6 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from converter import atomic
+from converter.convert import convert
+from converter.errors import ConverterError, OutputExistsError
+from tests.helpers.paths import SAMPLE
 from tests.helpers.producers import (
     gptq_config,
     gptq_tensors,
@@ -21,13 +28,6 @@ from tests.helpers.producers import (
     save_safetensors,
     write_checkpoint,
 )
-from tests.helpers.paths import SAMPLE
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from converter import atomic
-from converter.convert import convert
-from converter.errors import ConverterError, OutputExistsError
 
 NAMES = [f"model.layers.{i}.mlp.{p}" for i in range(2) for p in ("up_proj", "down_proj")]
 READ_BACK = (

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tests.helpers.producers import assert_truth, awq_pack, awq_tensors, make_layer, plain_tensors, write_checkpoint
 
 from converter.convert import convert
 from converter.errors import SourceFormatError, UnsupportedQuantError
 from converter.formats.packing import AWQ_ORDER, AWQ_REVERSE_ORDER, pack_awq, unpack_awq
 from converter.marlin.layout import pack_b
 from converter.verify import verify
+from tests.helpers.producers import assert_truth, awq_pack, awq_tensors, make_layer, plain_tensors, write_checkpoint
 
 P = "model.layers.0.self_attn.q_proj"
 
@@ -140,7 +140,8 @@ def test_modules_to_not_convert_pass_through_with_reason(tmp_path: Path) -> None
     report = convert(src, tmp_path / "a.safetensors")
     reasons = {p.name: p.reason for p in report.passthrough}
     assert reasons == {
-        "model.layers.0.mlp.gate.weight": "kept unquantized by the producer: module matches modules_to_not_convert entry 'mlp.gate'"
+        "model.layers.0.mlp.gate.weight": "kept unquantized by the producer: module matches "
+        "modules_to_not_convert entry 'mlp.gate'"
     }
     assert verify(tmp_path / "a.safetensors", against=src, gpu=False).ok
 

@@ -8,6 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from converter.convert import convert
+from converter.errors import SourceFormatError, UnsupportedQuantError
+from converter.verify import verify
 from tests.helpers.producers import (
     assert_truth,
     ct_pack_to_int32,
@@ -16,10 +20,6 @@ from tests.helpers.producers import (
     plain_tensors,
     write_checkpoint,
 )
-
-from converter.convert import convert
-from converter.errors import SourceFormatError, UnsupportedQuantError
-from converter.verify import verify
 
 P = "model.layers.0.self_attn.q_proj"
 
@@ -130,7 +130,8 @@ def test_ignore_and_targets(tmp_path: Path) -> None:
         == "kept unquantized by the producer: listed in quantization_config.ignore ('re:.*gate_proj$')"
     )
     assert reasons["model.layers.0.mlp.down_proj.weight_packed"] == (
-        "layer model.layers.0.mlp.down_proj not converted: 8-bit codes (config group group_1) do not convert to Marlin's 4-bit layout"
+        "layer model.layers.0.mlp.down_proj not converted: 8-bit codes (config group group_1) "
+        "do not convert to Marlin's 4-bit layout"
     )
     assert verify(tmp_path / "a.safetensors", against=src, gpu=False).ok
     assert_truth(tmp_path / "a.safetensors", P, q)
@@ -153,7 +154,8 @@ def test_weight_shape_disagreeing_with_packed_is_a_format_error(tmp_path: Path) 
     src = write_checkpoint(tmp_path / "src", t, ct_config())
     with pytest.raises(
         SourceFormatError,
-        match=rf"{P}.weight_packed: shape \[64, 16\] disagrees with weight_shape \[N, K\] = \[64, 256\] at 4 bits \(expected \[64, 32\]\)",
+        match=rf"{P}.weight_packed: shape \[64, 16\] disagrees with weight_shape \[N, K\] = \[64, 256\] at 4 bits "
+        r"\(expected \[64, 32\]\)",
     ):
         convert(src, tmp_path / "a.safetensors")
 

@@ -14,6 +14,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from converter.convert import convert
+from converter.errors import ConfigError, SourceFormatError, UnsupportedQuantError
+from converter.formats import open_source
+from converter.formats.gptq import GptqSource
+from converter.formats.hf import HFCheckpoint
+from converter.formats.packing import (
+    act_order_perm,
+    decode_gptq_zeros,
+    gather_rows,
+    pack_words,
+    unpack_words,
+)
+from converter.marlin.layout import pack_b
+from converter.verify import verify
 from tests.helpers.producers import (
     assert_truth,
     autogptq_pack_cols,
@@ -25,23 +42,6 @@ from tests.helpers.producers import (
     plain_tensors,
     write_checkpoint,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from converter.convert import convert
-from converter.errors import ConfigError, SourceFormatError, UnsupportedQuantError
-from converter.formats import open_source
-from converter.formats.packing import (
-    act_order_perm,
-    decode_gptq_zeros,
-    gather_rows,
-    pack_words,
-    unpack_words,
-)
-from converter.verify import verify
-from converter.formats.gptq import GptqSource
-from converter.formats.hf import HFCheckpoint
-from converter.marlin.layout import pack_b
 from tests.helpers.synthetic_gptq import small_gptq
 
 P = "model.layers.0.mlp.up_proj"
@@ -335,7 +335,8 @@ def test_already_marlin_gptq_is_refused(tmp_path: Path, cfg: dict, field: str) -
     # Documented change: the refusal is the one shared by every reader (formats.hf.already_marlin).
     assert err.value.rule == (
         "checkpoint is already Marlin-packed (AutoGPTQ checkpoint_format 'marlin': tensors B and s, symmetric only, "
-        "spec 5.1); marlin-convert never packs twice: use the file as it is, or convert from the original GPTQ checkpoint"
+        "spec 5.1); marlin-convert never packs twice: use the file as it is, or convert from the original GPTQ "
+        "checkpoint"
     )
 
 

@@ -141,7 +141,8 @@ def test_g_idx_unequal_groups(gptq: Path) -> None:
         open_source(gptq) as src,
         pytest.raises(
             SourceFormatError,
-            match=rf"{LAYER}.g_idx: act-order groups must each have group_size=64 members; group 0 has 70 \(expected 64\)",
+            match=rf"{LAYER}.g_idx: act-order groups must each have group_size=64 members; "
+            r"group 0 has 70 \(expected 64\)",
         ),
     ):
         src.plan()

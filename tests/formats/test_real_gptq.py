@@ -9,8 +9,8 @@ import jsonschema
 import numpy as np
 import pytest
 
-from converter.artifact.schema import load_schema
 from converter.artifact.reader import open_artifact
+from converter.artifact.schema import load_schema
 from converter.convert import convert
 from converter.verify import unpack_layer, verify
 

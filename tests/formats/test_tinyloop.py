@@ -34,7 +34,6 @@ from converter.formats.tinyloop_writer import pack_codes, quantize_linear_tinylo
 from tests.helpers.paths import SAMPLE
 from tests.helpers.sample import build_sample
 
-
 # --------------------------------------------------------------------------- helpers
 
 

@@ -25,6 +25,7 @@ def test_corrupted_artifact_never_reaches_the_gpu(monkeypatch: pytest.MonkeyPatc
     bad.write_bytes(bytes(data))
     with pytest.raises(
         ArtifactError,
-        match=r"bad.safetensors: fails validation \(.*does not match the manifest's .* \(corrupted bytes\)\); run marlin-verify",
+        match=r"bad.safetensors: fails validation \(.*does not match the manifest's .* \(corrupted bytes\)\); "
+        r"run marlin-verify",
     ):
         load_artifact_gpu(bad)

@@ -295,6 +295,7 @@ def test_kernels_ship_in_wheel(tmp_path):
         "marlin_stream.cuh",
     ):
         assert f"converter/_kernels/{cu}" in names, sorted(n for n in names if "kernel" in n)
+    assert "converter/py.typed" in names
     target = tmp_path / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)],

@@ -392,7 +392,7 @@ def check_one(
         return f"HANG: {exc}"
     except RecursionError:
         return "RecursionError:\n" + traceback.format_exc(limit=-6)
-    except Exception as exc:  # noqa: BLE001 - that is the point
+    except Exception as exc:
         return f"{type(exc).__name__}: {exc}\n" + traceback.format_exc(limit=-6)
     finally:
         if kind != "gptq_config":

@@ -334,7 +334,8 @@ def test_error_not_a_converted_folder(tiny: tuple[Path, Path]) -> None:
     src, out = tiny
     line = one_line_error(invoke(src, "--model", "--against", src))
     assert line == (
-        f"error: {src / 'config.json'}: quantization_config: not a converted model folder: quantization_config.quant_method "
+        f"error: {src / 'config.json'}: quantization_config: not a converted model folder: "
+        "quantization_config.quant_method "
         "is 'gptq', not 'marlin-convert' (a source checkpoint? convert it first: marlin-convert IN OUTDIR/)"
     )
     line = one_line_error(invoke(out / "model.safetensors", "--model", "--against", src))
@@ -401,7 +402,8 @@ def test_error_layers_without_modules_and_modules_without_layers_are_all_named(
     rewrite_artifact_arrays(bad / "model.safetensors", bad / "model.safetensors", edit)
     line = one_line_error(invoke(bad, "--model", "--against", src))
     assert line == (
-        f"error: {bad}: 2 layer(s) in the artifact match no module of LlamaForCausalLM: model.layers.0.self_attn.oo_proj, "
+        f"error: {bad}: 2 layer(s) in the artifact match no module of LlamaForCausalLM: "
+        "model.layers.0.self_attn.oo_proj, "
         "model.layers.0.self_attn.qq_proj; 3 linear module(s) of LlamaForCausalLM have no layer in the artifact "
         "(neither converted nor a weight): model.layers.0.self_attn.q_proj, model.layers.0.self_attn.k_proj, "
         "model.layers.0.self_attn.o_proj"
@@ -591,8 +593,8 @@ def test_planted_dropped_bias_is_caught_naming_the_tensor(real: dict[str, tuple[
     res = invoke(bad, "--model", "--against", src)
     assert res.exit_code == 1, res.output
     assert (
-        f"[missing_bias] {layer}.bias: module encoder.layer.0.attention.self.query has a bias, the converted layer {layer} has none"
-        in res.stdout
+        f"[missing_bias] {layer}.bias: module encoder.layer.0.attention.self.query has a bias, "
+        f"the converted layer {layer} has none" in res.stdout
     )
     assert f"[layer_error] layer {layer} (module encoder.layer.0.attention.self.query)" in res.stdout
     assert "[model_error] last_hidden_state: mean relative error" in res.stdout
