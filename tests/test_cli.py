@@ -13,7 +13,16 @@ import numpy as np
 import pytest
 
 from converter.convert import convert
-from tests.helpers.checkpoints import LAYER, T, edit_tensor, only_shard, set_quant_config, small_gptq, st_bytes
+from tests.helpers.checkpoints import (
+    LAYER,
+    T,
+    edit_tensor,
+    only_shard,
+    set_quant_config,
+    small_gptq,
+    small_gptq_artifact,
+    st_bytes,
+)
 from tests.helpers.clirun import assert_one_line_error, run_cli
 
 AUTOROUND = "llama-tiny/autoround-gptq-w4g128-asym"
@@ -127,7 +136,6 @@ def test_unsupported_bits(gptq_copy: Path, tmp_path: Path) -> None:
 def test_config_group_size_contradicting_tensors(gptq_copy: Path, tmp_path: Path) -> None:
     # group 96 does not divide K = 1024; the config then implies ceil(1024/96) = 11
     # scale rows, but the file holds 8: a contradiction, reported before any write.
-    from converter.convert import convert
     from converter.errors import SourceFormatError
 
     cfg = gptq_copy / "quantization_config.json"
@@ -144,7 +152,6 @@ def test_config_group_size_contradicting_tensors(gptq_copy: Path, tmp_path: Path
 
 
 def test_verify_reports_every_problem(realinput: Path, tmp_path: Path) -> None:
-    from converter.convert import convert
 
     out = tmp_path / "a.safetensors"
     convert(realinput / AUTOROUND, out)
@@ -200,11 +207,7 @@ def gptq(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("art")
-    src = small_gptq(root / "src")
-    out = root / "model.marlin.safetensors"
-    convert(src, out)
-    return out
+    return small_gptq_artifact(tmp_path_factory.mktemp("art"))
 
 
 def copy_of(path: Path, tmp_path: Path, data: bytes | None = None) -> Path:

@@ -45,28 +45,12 @@ def test_seeds_are_valid(kind: str, seeds: dict[str, Path], workdir: Path) -> No
     assert stats["accepted"] == 1
 
 
+@pytest.mark.parametrize("kind", ["safetensors", "artifact", "tinyloop", "gptq_config"])
 @BUDGET
 @given(rnd=st.randoms(use_true_random=False))
-def test_fuzz_safetensors_reader(seeds, workdir, rnd: random.Random) -> None:
-    _check("safetensors", FUZZ.mutate(seeds["safetensors"].read_bytes(), "safetensors", rnd), workdir, seeds)
-
-
-@BUDGET
-@given(rnd=st.randoms(use_true_random=False))
-def test_fuzz_artifact_header_and_manifest(seeds, workdir, rnd: random.Random) -> None:
-    _check("artifact", FUZZ.mutate(seeds["artifact"].read_bytes(), "artifact", rnd), workdir, seeds)
-
-
-@BUDGET
-@given(rnd=st.randoms(use_true_random=False))
-def test_fuzz_tinyloop_parser(seeds, workdir, rnd: random.Random) -> None:
-    _check("tinyloop", FUZZ.mutate(seeds["tinyloop"].read_bytes(), "tinyloop", rnd), workdir, seeds)
-
-
-@BUDGET
-@given(rnd=st.randoms(use_true_random=False))
-def test_fuzz_gptq_config_mutations(seeds, workdir, rnd: random.Random) -> None:
-    _check("gptq_config", FUZZ.mutate(seeds["gptq_config"].read_bytes(), "gptq_config", rnd), workdir, seeds)
+def test_fuzz_mutations(kind: str, seeds, workdir, rnd: random.Random) -> None:
+    """safetensors reader; artifact header and manifest; tinyloop parser; gptq config."""
+    _check(kind, FUZZ.mutate(seeds[kind].read_bytes(), kind, rnd), workdir, seeds)
 
 
 JSON = st.recursive(
@@ -103,50 +87,21 @@ def test_fuzz_gptq_config_structured(seeds, workdir, cfg: dict, base: bool) -> N
 
 def test_regression_deep_manifest_nesting(seeds, workdir) -> None:
     """Found by scripts/fuzz.py: a manifest nested 5000 deep raised RecursionError."""
-    rnd = random.Random(0)
     data = seeds["artifact"].read_bytes()
-    start, n = FUZZ._header_span(data, "artifact")
-    header = json.loads(data[start : start + n])
-    from converter.artifact.manifest import checksum
-
-    text = "[" * 5000 + "]" * 5000
-    header["__metadata__"]["marlin.manifest"] = text
-    header["__metadata__"]["marlin.manifest_checksum"] = checksum(text.encode())
-    _check(
-        "artifact",
-        FUZZ._replace_header(data, "artifact", start, n, json.dumps(header).encode(), keep_len=False),
-        workdir,
-        seeds,
-    )
-    del rnd
+    _check("artifact", FUZZ.with_manifest(data, "[" * 5000 + "]" * 5000), workdir, seeds)
 
 
 def test_regression_lone_surrogate_in_manifest(seeds, workdir) -> None:
     """Found by scripts/fuzz.py: a '\\ud800' escape in the manifest raised UnicodeEncodeError."""
     data = seeds["artifact"].read_bytes()
-    start, n = FUZZ._header_span(data, "artifact")
-    header = json.loads(data[start : start + n])
-    header["__metadata__"]["marlin.manifest"] = header["__metadata__"]["marlin.manifest"][:-1] + ',"x":"\ud800"}'
-    raw = json.dumps(header).encode()  # ensure_ascii: the surrogate is written as an escape
-    _check("artifact", FUZZ._replace_header(data, "artifact", start, n, raw, keep_len=False), workdir, seeds)
+    text = FUZZ.manifest_text(data)[:-1] + ',"x":"\ud800"}'
+    _check("artifact", FUZZ.with_manifest(data, text, reseal=False), workdir, seeds)
 
 
 @pytest.mark.parametrize("value", ["Infinity", "-Infinity", "NaN", "1e400"])
 def test_regression_non_finite_size_in_manifest(seeds, workdir, value: str) -> None:
     """Found by scripts/fuzz.py: ``"size_k": Infinity`` raised OverflowError in int()."""
     data = seeds["artifact"].read_bytes()
-    start, n = FUZZ._header_span(data, "artifact")
-    header = json.loads(data[start : start + n])
-    from converter.artifact.manifest import checksum
-
-    manifest = json.loads(header["__metadata__"]["marlin.manifest"])
+    manifest = json.loads(FUZZ.manifest_text(data))
     manifest["layers"][0]["size_k"] = "@@"
-    text = json.dumps(manifest).replace('"@@"', value)
-    header["__metadata__"]["marlin.manifest"] = text
-    header["__metadata__"]["marlin.manifest_checksum"] = checksum(text.encode())
-    _check(
-        "artifact",
-        FUZZ._replace_header(data, "artifact", start, n, json.dumps(header).encode(), keep_len=False),
-        workdir,
-        seeds,
-    )
+    _check("artifact", FUZZ.with_manifest(data, json.dumps(manifest).replace('"@@"', value)), workdir, seeds)

@@ -42,7 +42,7 @@ from ..marlin.shapes import check_convertible
 from ..quant_weight import QuantWeight
 from .base import LayerPlan, SourcePlan
 from .hf import HFCheckpoint, HFSource, assemble_plan, integer_zero_weight
-from .packing import act_order_perm, codes_per_word, gather_rows, symmetric_zero, unpack_words
+from .packing import codes_per_word, gather_rows, symmetric_zero, unpack_words
 
 PACK_QUANTIZED = "pack-quantized"
 CONVERTIBLE_BITS = (2, 4)
@@ -305,9 +305,7 @@ class CompressedTensorsSource(
         if gi_name in self.ckpt:
             gi = self.need(prefix, "weight_g_idx", ("I32", "I64"), (size_k,))
             owned.append(gi.name)
-            perm = act_order_perm(
-                np.asarray(self.ckpt.array(gi.name)), g, num_groups, path=self.ckpt.file_of(gi.name), tensor=gi.name
-            )
+            perm = self.act_order(gi.name, g, num_groups)
         self.check_scales(scale)
         layer = LayerPlan(
             name=prefix,
@@ -363,10 +361,7 @@ class CompressedTensorsSource(
         packed = self.ckpt.array(f"{layer.name}.weight_packed")
         perm = None
         if layer.act_order:
-            gi = f"{layer.name}.weight_g_idx"
-            perm = act_order_perm(
-                np.asarray(self.ckpt.array(gi)), g, layer.num_groups, path=self.ckpt.file_of(gi), tensor=gi
-            )
+            perm = self.act_order(f"{layer.name}.weight_g_idx", g, layer.num_groups)
             assert perm is not None
             # The transposed view makes K the packed row axis, as in GPTQ's qweight.
             q = gather_rows(packed.T, perm[k_start:k_stop], b)

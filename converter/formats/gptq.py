@@ -51,7 +51,6 @@ from .hf import (
     string_list,
 )
 from .packing import (
-    act_order_perm,
     codes_per_word,
     decode_gptq_zeros,
     field_ones,
@@ -315,9 +314,7 @@ class GptqSource(
         if gi_name in self.ckpt:
             gi = self.need(prefix, "g_idx", ("I32",), (size_k,))
             owned.append(gi.name)
-            perm = act_order_perm(
-                self.ckpt.array(gi.name), g, num_groups, path=self.ckpt.file_of(gi.name), tensor=gi.name
-            )
+            perm = self.act_order(gi.name, g, num_groups)
         self.check_scales(scales)
         convention, zwarn = self._layer_convention(prefix, b)
         warnings += zwarn
@@ -437,8 +434,7 @@ class GptqSource(
         qweight = self.ckpt.array(f"{layer.name}.qweight")
         perm = None
         if layer.act_order:
-            gi = f"{layer.name}.g_idx"
-            perm = act_order_perm(self.ckpt.array(gi), g, layer.num_groups, path=self.ckpt.file_of(gi), tensor=gi)
+            perm = self.act_order(f"{layer.name}.g_idx", g, layer.num_groups)
             assert perm is not None
             q = gather_rows(qweight, perm[k_start:k_stop], b) if codes else np.zeros((0, layer.size_n), np.uint8)
         elif not codes:  # load_packed: B is made from the words directly

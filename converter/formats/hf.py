@@ -23,6 +23,7 @@ from ..jsonio import read_object
 from ..quant_weight import QuantWeight, Tensor
 from ..safetensors_io import SafetensorsFile
 from .base import READERS, LayerPlan, Source, SourcePlan, TensorInfo
+from .packing import act_order_perm
 from .scales import scales_to_fp16
 
 #: Where producers put the quant config, in lookup order (checkpoint-formats.md 1.7;
@@ -304,6 +305,16 @@ class HFSource(Source):
                 f"shape {list(info.shape)} disagrees with {self.shape_rule} (expected {want})", path=path, tensor=name
             )
         return info
+
+    def act_order(self, g_idx: str, group_size: int, num_groups: int) -> np.ndarray | None:
+        """The act-order permutation of the ``g_idx`` tensor named ``g_idx``, or None when
+        it is trivial (:func:`~converter.formats.packing.act_order_perm`).
+
+        Raises:
+            SourceFormatError: a value out of range or unequal groups (naming the tensor).
+        """
+        values = np.asarray(self.ckpt.array(g_idx))
+        return act_order_perm(values, group_size, num_groups, path=self.ckpt.file_of(g_idx), tensor=g_idx)
 
     def check_scales(self, scales: TensorInfo) -> None:
         """Range-check a scale tensor now, so that a scale fp16 cannot hold fails before

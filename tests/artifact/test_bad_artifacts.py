@@ -11,10 +11,9 @@ import pytest
 
 from converter.artifact.validate import validate_artifact
 from converter.constants import META_MANIFEST, META_SCHEMA_VERSION
-from converter.convert import convert
 from converter.errors import ArtifactError, SchemaVersionError
 from tests.helpers.artifact_edit import read_st, rewrite_artifact, write_st
-from tests.helpers.checkpoints import arr, small_gptq
+from tests.helpers.checkpoints import arr, small_gptq_artifact
 from tests.helpers.clirun import run_cli
 
 LAYER = "model.layers.0.self_attn.q_proj"
@@ -28,11 +27,7 @@ def good_file(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("art")
-    src = small_gptq(root / "src")
-    out = root / "model.marlin.safetensors"
-    convert(src, out)
-    return out
+    return small_gptq_artifact(tmp_path_factory.mktemp("art"))
 
 
 # -- artifacts given to marlin-verify ----------------------------------------------------

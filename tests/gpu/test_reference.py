@@ -286,14 +286,10 @@ def test_kernels_ship_in_wheel(tmp_path):
     wheel = next((tmp_path / "dist").glob("*.whl"))
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
-    for cu in (
-        "marlin_gemm.cu",
-        "marlin_decode.cu",
-        "dequant.cu",
-        "asym_correction.cu",
-        "marlin_common.cuh",
-        "marlin_stream.cuh",
-    ):
+    from converter.gpu.build import SOURCES
+
+    assert len(SOURCES) == 6
+    for cu in SOURCES:
         assert f"converter/_kernels/{cu}" in names, sorted(n for n in names if "kernel" in n)
     assert "converter/py.typed" in names
     target = tmp_path / "site"

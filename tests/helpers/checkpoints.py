@@ -8,10 +8,23 @@ from pathlib import Path
 
 import numpy as np
 
+from converter.convert import convert
+
 from .artifact_edit import read_st, write_st
 from .synthetic_gptq import small_gptq
 
-__all__ = ["LAYER", "NP_DTYPES", "T", "arr", "edit_tensor", "only_shard", "set_quant_config", "small_gptq", "st_bytes"]
+__all__ = [
+    "LAYER",
+    "NP_DTYPES",
+    "T",
+    "arr",
+    "edit_tensor",
+    "only_shard",
+    "set_quant_config",
+    "small_gptq",
+    "small_gptq_artifact",
+    "st_bytes",
+]
 
 NP_DTYPES = {"I32": "<i4", "F16": "<f2", "F32": "<f4", "U8": "u1", "BF16": "<u2", "I64": "<i8"}
 #: A 4-bit layer of :func:`small_gptq` (K = N = 128, group 64).
@@ -74,3 +87,10 @@ def set_quant_config(folder: Path, **changes: object) -> None:
             else:
                 target[k] = v
         p.write_text(json.dumps(cfg))
+
+
+def small_gptq_artifact(root: Path, **kw: object) -> Path:
+    """``root/model.marlin.safetensors``, converted from a :func:`small_gptq` in ``root/src``."""
+    out = root / "model.marlin.safetensors"
+    convert(small_gptq(root / "src", **kw), out)
+    return out

@@ -400,3 +400,23 @@ def check_one(
     if stats is not None:
         stats["accepted"] += 1
     return None
+
+
+def manifest_text(data: bytes) -> str:
+    """The manifest string inside an artifact's header."""
+    start, n = _header_span(data, "artifact")
+    return json.loads(data[start : start + n])["__metadata__"]["marlin.manifest"]
+
+
+def with_manifest(data: bytes, text: str, *, reseal: bool = True) -> bytes:
+    """The artifact ``data`` with its manifest string replaced by ``text`` (and, with
+    ``reseal``, its checksum updated, so that the manifest itself is what is tested)."""
+    from converter.artifact.manifest import checksum
+
+    start, n = _header_span(data, "artifact")
+    header = json.loads(data[start : start + n])
+    header["__metadata__"]["marlin.manifest"] = text
+    if reseal:
+        header["__metadata__"]["marlin.manifest_checksum"] = checksum(text.encode())
+    # ensure_ascii: a lone surrogate in ``text`` is written as an escape
+    return _replace_header(data, "artifact", start, n, json.dumps(header).encode(), keep_len=False)
