@@ -6,7 +6,7 @@ The format (checkpoint-formats.md section 7; ``huggingface_hub`` writes it)::
      "weight_map": {"<tensor name>": "<shard file name>", ...}}
 
 Shards are plain file names in the index's own folder. One reader serves the HF input
-(:mod:`converter.formats.hf`), the sharded artifact reader and the artifact writer's
+(:mod:`converter.formats.hf_checkpoint`), the sharded artifact reader and the artifact writer's
 check of what an earlier artifact left behind.
 """
 

@@ -16,7 +16,8 @@ from typing import Any
 from .. import __version__
 from ..constants import ARTIFACT_SCHEMA_VERSION, PRODUCER_NAME, Suffix
 from ..formats.base import Source
-from ..formats.hf import TOKENIZER_FILES, HFSource
+from ..formats.hf import HFSource
+from ..formats.hf_checkpoint import TOKENIZER_FILES
 from .schema import LayerEntry
 from .target import CONFIG_NAME
 

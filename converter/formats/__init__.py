@@ -19,7 +19,8 @@ from types import MappingProxyType
 from ..constants import META_SCHEMA_VERSION
 from ..errors import ConverterError, UnsupportedQuantError
 from .base import READERS, LayerPlan, Source, SourcePlan, TensorInfo
-from .hf import HFCheckpoint, HFSource, already_marlin
+from .hf import HFSource, already_marlin
+from .hf_checkpoint import HFCheckpoint
 
 __all__ = [
     "CONVENTIONS",

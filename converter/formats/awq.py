@@ -30,7 +30,6 @@ from ..marlin.shapes import check_convertible
 from ..quant_weight import QuantWeight
 from .base import LayerPlan, SourcePlan
 from .hf import (
-    HFCheckpoint,
     HFSource,
     already_marlin,
     assemble_plan,
@@ -39,6 +38,7 @@ from .hf import (
     not_convert_match,
     string_list,
 )
+from .hf_checkpoint import HFCheckpoint
 from .packing import codes_per_word, unpack_awq
 
 AWQ_BITS = 4

@@ -41,7 +41,8 @@ from ..errors import ConfigError, SourceFormatError, UnsupportedQuantError
 from ..marlin.shapes import check_convertible
 from ..quant_weight import QuantWeight
 from .base import LayerPlan, SourcePlan
-from .hf import HFCheckpoint, HFSource, assemble_plan, integer_zero_weight
+from .hf import HFSource, assemble_plan, integer_zero_weight
+from .hf_checkpoint import HFCheckpoint
 from .packing import codes_per_word, gather_rows, symmetric_zero, unpack_words
 
 PACK_QUANTIZED = "pack-quantized"

@@ -41,7 +41,6 @@ from ..marlin.shapes import check_convertible
 from ..quant_weight import QuantWeight
 from .base import LayerPlan, SourcePlan, TensorInfo
 from .hf import (
-    HFCheckpoint,
     HFSource,
     already_marlin,
     assemble_plan,
@@ -50,6 +49,7 @@ from .hf import (
     not_convert_match,
     string_list,
 )
+from .hf_checkpoint import HFCheckpoint
 from .packing import (
     codes_per_word,
     decode_gptq_zeros,

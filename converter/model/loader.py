@@ -91,7 +91,7 @@ def read_converted_config(path: str | Path) -> tuple[Path, dict[str, Any]]:
         ModelError: not a folder, no ``config.json``, a ``config.json`` that
             ``marlin-convert`` did not write, or a ``.tinyloop`` conversion.
     """
-    from ..formats.hf import read_json_file
+    from ..formats.hf_checkpoint import read_json_file
 
     folder = Path(path)
     if not folder.exists():
@@ -178,7 +178,7 @@ def _passthrough_quantized(folder: Path, cfg: dict[str, Any], art: Any) -> tuple
     if marker is None or not any(n.endswith(marker) for n in reasons):
         return None, {}, {}
     from ..formats import HF_READERS
-    from ..formats.hf import HFCheckpoint
+    from ..formats.hf_checkpoint import HFCheckpoint
 
     ckpt = HFCheckpoint(folder)
     try:

@@ -21,7 +21,7 @@ from converter.convert import convert
 from converter.errors import ConfigError, SourceFormatError, UnsupportedQuantError
 from converter.formats import open_source
 from converter.formats.gptq import GptqSource
-from converter.formats.hf import HFCheckpoint
+from converter.formats.hf_checkpoint import HFCheckpoint
 from converter.formats.packing import (
     act_order_perm,
     decode_gptq_zeros,
