@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -391,7 +390,7 @@ def load_schema(version: int = ARTIFACT_SCHEMA_VERSION) -> dict[str, Any]:
         text = resources.files("converter").joinpath("_schemas", name).read_text("utf-8")
     except (FileNotFoundError, ModuleNotFoundError, NotADirectoryError):
         text = (Path(__file__).resolve().parents[2] / "schemas" / name).read_text("utf-8")
-    return json.loads(text)
+    return jsonio.loads(text, object_required=True)
 
 
 def schema_errors(data: dict[str, Any], version: int = ARTIFACT_SCHEMA_VERSION) -> list[str] | None:
