@@ -54,6 +54,21 @@ class ProblemCode(str, enum.Enum):
     GPU = "gpu"
     GPU_SKIPPED = "gpu_skipped"
     GPU_NUMERICS = "gpu_numerics"
+    # -- the whole model (marlin-verify --model, converter/model/verify.py)
+    ARTIFACT = "artifact"
+    MODEL_ERROR = "model_error"
+    MODEL_TOP1 = "model_top1"
+    LAYER_ERROR = "layer_error"
+    LAYER_NOT_IN_SOURCE = "layer_not_in_source"
+    LAYER_NOT_RUN = "layer_not_run"
+    MISSING_BIAS = "missing_bias"
+    TENSOR_NOT_IN_SOURCE = "tensor_not_in_source"
+    TENSOR_DTYPE = "tensor_dtype"
+    TENSOR_BYTES = "tensor_bytes"
+    NOT_CONVERTED = "not_converted"
+    KERNEL_FALLBACK = "kernel_fallback"
+    UNUSED_TENSORS = "unused_tensors"
+    TIED_DIFFERS = "tied_differs"
 
 
 @dataclasses.dataclass(frozen=True)

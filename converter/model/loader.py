@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from ..constants import PRODUCER_NAME, Suffix
+from ..constants import KERNEL_K_MULTIPLE, PRODUCER_NAME, Suffix
 from ..errors import ArtifactError, ConverterError, GpuUnavailableError
 from ..marlin.layout import unpack_b, unpermute_scales
 from ..marlin.shapes import kernel_compatible
@@ -31,8 +31,6 @@ TINYLOOP_MESSAGE = (
     "converted from a .tinyloop checkpoint: TinyLoop models are not a transformers architecture, so there is "
     "no model to build; run its layers with converter.gpu.api.load_artifact_gpu"
 )
-#: Suffixes of a quantized layer that passed through unconverted, per source format.
-_QUANT_MARKERS = {"gptq": ".qweight", "awq": ".qweight", "compressed-tensors": ".weight_packed"}
 
 #: ``kernel_factory(name, size_k, size_n, group_size, B, scales, delta, perm, bias)`` ->
 #: a module taking float16 ``(..., K)`` and returning float16 ``(..., N)`` (the bias
@@ -171,20 +169,24 @@ def _passthrough_quantized(folder: Path, cfg: dict[str, Any], art: Any) -> tuple
     Raises:
         ModelError: the reader cannot plan them, or one cannot be dequantized.
     """
+    from ..formats import READERS
+    from ..formats.hf import HFSource
+    from ..formats.hf_checkpoint import HFCheckpoint
+
     qc = cfg["quantization_config"]
     fmt = str(qc.get("source_format", ""))
-    marker = _QUANT_MARKERS.get(fmt)
+    # A quantized layer that passed through still has its reader's anchor tensor (qweight, ...).
+    reader_cls = next((cls for f, cls in READERS.items() if f.value == fmt and issubclass(cls, HFSource)), None)
+    marker = f".{reader_cls.anchor}" if reader_cls is not None else None
     reasons = {e.name: e.reason for e in (art.manifest.passthrough if art.manifest else ())}
     if marker is None or not any(n.endswith(marker) for n in reasons):
         return None, {}, {}
-    from ..formats import HF_READERS
-    from ..formats.hf_checkpoint import HFCheckpoint
 
     ckpt = HFCheckpoint(folder)
     try:
         ckpt.quant_config = dict(qc.get("source_quantization_config") or {})
         ckpt.quant_config_file = "config.json"
-        reader = HF_READERS[fmt](ckpt)
+        reader = reader_cls(ckpt)
         plans = {lp.name: lp for lp in reader.plan().layers}
     except ConverterError as exc:
         ckpt.close()
@@ -311,7 +313,9 @@ def build_converted(
                 report.layers[layer] = KERNEL
                 return KernelMarlinLinear(layer, kernel, rec.size_k, rec.size_n)
             if use_kernel:
-                report.kernel_fallback[layer] = f"K = {rec.size_k} is outside the kernel's limits (K % 64 == 0)"
+                report.kernel_fallback[layer] = (
+                    f"K = {rec.size_k} is outside the kernel's limits (K % {KERNEL_K_MULTIPLE} == 0)"
+                )
             q = unpack_b(B, rec.size_n)
             scales = unpermute_scales(S, single=rec.shape.num_groups == 1)
             report.layers[layer] = EXACT

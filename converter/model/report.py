@@ -5,26 +5,29 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ..artifact.problems import ProblemCode, Severity
+
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
     """One finding of the whole-model check.
 
     Attributes:
-        code: stable identifier: ``model_error``, ``model_top1``, ``layer_error``,
-            ``missing_tensor``, ``missing_bias``, ``tensor_dtype``, ``tensor_bytes``,
-            ``tensor_not_in_source``, ``layer_not_in_source``, ``artifact`` (errors);
-            ``not_converted``, ``kernel_fallback``, ``unused_tensors``, ``tied_differs``,
+        code: stable identifier (:class:`~converter.artifact.problems.ProblemCode`):
+            ``model_error``, ``model_top1``, ``layer_error``, ``missing_tensor``,
+            ``missing_bias``, ``tensor_dtype``, ``tensor_bytes``, ``tensor_not_in_source``,
+            ``layer_not_in_source``, ``artifact`` (errors); ``not_converted``,
+            ``kernel_fallback``, ``unused_tensors``, ``tied_differs``, ``layer_not_run``,
             ``source_differs`` (warnings).
         message: one line naming the layer or tensor and the rule.
         tensor: the layer or tensor concerned ("" for the whole model).
         severity: ``"error"`` (fails the check) or ``"warning"``.
     """
 
-    code: str
+    code: ProblemCode
     message: str
     tensor: str = ""
-    severity: str = "error"
+    severity: Severity = "error"
 
 
 @dataclasses.dataclass
@@ -78,11 +81,12 @@ class ModelReport:
     def ok(self) -> bool:
         return not any(p.severity == "error" for p in self.problems)
 
-    def add(self, code: str, message: str, tensor: str = "", severity: str = "error") -> None:
-        self.problems.append(Finding(code, message, tensor, severity))
+    def add(self, code: ProblemCode, message: str, tensor: str = "", severity: Severity = "error") -> None:
+        self.problems.append(Finding(ProblemCode(code), message, tensor, severity))
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        d["problems"] = [{**dataclasses.asdict(p), "code": p.code.value} for p in self.problems]
         d["ok"] = self.ok
         d["check"] = "model"
         return d

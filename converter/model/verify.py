@@ -41,11 +41,14 @@ from typing import Any
 
 import numpy as np
 
+from ..artifact.problems import ProblemCode
 from ..errors import ConverterError, GpuUnavailableError
 from . import ModelError
 from .build import CAUSAL_LM, import_stack, quiet_transformers
 from .loader import KernelFactory, build_converted, dequantized_weight, read_converted_config, resolve_device
 from .report import ModelReport
+
+P = ProblemCode
 
 #: The converted model may cost this many times the fp16-dequantized model's error.
 ERROR_FACTOR = 1.5
@@ -346,14 +349,14 @@ def _tensor_checks(model: Any, load: Any, source: Any, report: ModelReport) -> N
             continue
         if tname not in infos:
             report.add(
-                "tensor_not_in_source", f"{tname}: loaded into {names[0]}, but the source has no such tensor", tname
+                P.TENSOR_NOT_IN_SOURCE, f"{tname}: loaded into {names[0]}, but the source has no such tensor", tname
             )
             continue
         src = source.load_tensor(tname)
         mine = dtype_code(t)
         if mine != src.dtype:
             report.add(
-                "tensor_dtype",
+                P.TENSOR_DTYPE,
                 f"{tname}: loaded as {mine} (the artifact's dtype) into {names[0]}, but the source stores {src.dtype}",
                 tname,
             )
@@ -363,7 +366,7 @@ def _tensor_checks(model: Any, load: Any, source: Any, report: ModelReport) -> N
         src_np = np.asarray(src.data).reshape(-1)
         n = _count_differing(ours_np, src_np)
         if n:
-            report.add("tensor_bytes", f"{tname}: {n} of {src_np.size} values differ from the source's", tname)
+            report.add(P.TENSOR_BYTES, f"{tname}: {n} of {src_np.size} values differ from the source's", tname)
         del ours, ours_np, src_np
         release_mapped_pages()
 
@@ -431,7 +434,7 @@ def verify_model(
             if not vrep.ok:
                 for p in vrep.problems:
                     if p.severity == "error":
-                        report.add("artifact", f"artifact: {p.message}", p.tensor)
+                        report.add(P.ARTIFACT, f"artifact: {p.message}", p.tensor)
                 return _finish(report, t_start)
             source = open_source(against)
             stack.callback(source.close)
@@ -440,7 +443,7 @@ def verify_model(
             changed = sorted(n for n in recorded.keys() & actual.keys() if recorded[n] != actual[n])
             if changed:
                 report.add(
-                    "source_differs",
+                    P.SOURCE_DIFFERS,
                     "the source is not the checkpoint this folder was converted from "
                     f"(sha256 differs: {', '.join(changed)})",
                     severity="warning",
@@ -530,14 +533,14 @@ def _judge(
     what = report.output
     if not conv["mean_rel_err"] <= limit:
         report.add(
-            "model_error",
+            P.MODEL_ERROR,
             f"{what}: mean relative error {conv['mean_rel_err']:.3g} "
             "against the fp32 model dequantized from the source "
             f"is above {ERROR_FACTOR:g}x the fp16-dequantized model's {f16['mean_rel_err']:.3g} (limit {limit:.3g})",
         )
     if conv["top1"] < report.bar["top1_min"]:
         report.add(
-            "model_top1",
+            P.MODEL_TOP1,
             f"{what}: top-1 agreement with the fp32 model {conv['top1']:.4f} is below the fp16-dequantized "
             f"model's {f16['top1']:.4f} minus {TOP1_MARGIN:g}",
         )
@@ -557,20 +560,20 @@ def _judge(
         )
         if layer not in plans:
             report.add(
-                "layer_not_in_source",
+                P.LAYER_NOT_IN_SOURCE,
                 f"layer {layer}: in the artifact, but the source has no such quantized layer",
                 layer,
             )
         elif e is None:
             report.add(
-                "layer_not_run",
+                P.LAYER_NOT_RUN,
                 f"layer {layer} (module {modules.get(layer)}) never ran in the forward pass",
                 layer,
                 severity="warning",
             )
         elif bad:
             report.add(
-                "layer_error",
+                P.LAYER_ERROR,
                 f"layer {layer} (module {modules.get(layer)}): output mean relative error {e:.3g} against the source "
                 f"layer on the model's own activations, {e / max(e16, 1e-30):.1f}x "
                 f"the fp16-dequantized layer's {e16:.3g} "
@@ -581,20 +584,20 @@ def _judge(
         module, _, attr = name.rpartition(".")
         if attr == "bias" and module in load.layers:
             report.add(
-                "missing_bias",
+                P.MISSING_BIAS,
                 f"{name}: module {load.modules.get(module, module)} has a bias, the converted layer {module} has none "
                 "(it runs without)",
                 name,
             )
         else:
             report.add(
-                "missing_tensor",
+                P.MISSING_TENSOR,
                 f"{name}: the model has this tensor, the artifact nothing to load into it (left as initialised)",
                 name,
             )
     for layer, why in load.not_converted.items():
         report.add(
-            "not_converted",
+            P.NOT_CONVERTED,
             f"layer {layer} passed through unconverted ({why}); it runs through its exact dequantization "
             "as an fp16 linear, not the Marlin kernel",
             layer,
@@ -602,14 +605,14 @@ def _judge(
         )
     for layer, why in load.kernel_fallback.items():
         report.add(
-            "kernel_fallback", f"layer {layer}: {why}; it runs the exact path on the GPU", layer, severity="warning"
+            P.KERNEL_FALLBACK, f"layer {layer}: {why}; it runs the exact path on the GPU", layer, severity="warning"
         )
     for w in load.warnings:
-        report.add("tied_differs", w, severity="warning")
+        report.add(P.TIED_DIFFERS, w, severity="warning")
     if load.unused:
         shown = ", ".join(load.unused[:8]) + (f", ... ({len(load.unused)} tensors)" if len(load.unused) > 8 else "")
         report.add(
-            "unused_tensors",
+            P.UNUSED_TENSORS,
             f"{len(load.unused)} artifact tensor(s) feed no module of {load.architecture}: {shown}",
             severity="warning",
         )

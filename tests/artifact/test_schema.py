@@ -92,7 +92,7 @@ def test_every_problem_code_is_in_the_readme_table() -> None:
     readme = (REPO / "README.md").read_text()
     start = readme.index("Problem codes (`problems[].code`")
     table = readme[start : readme.index("\n\n", readme.index("| code |", start))]
-    documented = re.findall(r"^\| `([a-z_]+)` \|", table, flags=re.M)
+    documented = re.findall(r"^\| `([a-z0-9_]+)` \|", table, flags=re.M)
     assert documented == [c.value for c in ProblemCode]
 
 

@@ -35,7 +35,13 @@ from converter.model.names import LayerSlot, LinearSlot, bind, candidates, untie
 from converter.model.verify import verify_model  # noqa: E402
 from converter.verify import artifact_weight, unpack_layer  # noqa: E402
 from tests.helpers.artifact_edit import rewrite_artifact_arrays  # noqa: E402
-from tests.helpers.model_fixture import DEQUANT_LAYERS, FALLBACK_LAYERS, KERNEL_LAYERS, LAYERS, write_tiny_llama  # noqa: E402
+from tests.helpers.model_fixture import (  # noqa: E402
+    DEQUANT_LAYERS,
+    FALLBACK_LAYERS,
+    KERNEL_LAYERS,
+    LAYERS,
+    write_tiny_llama,
+)
 from tests.helpers.paths import REPO, SAMPLE  # noqa: E402
 
 LLAMA = [
