@@ -7,7 +7,8 @@
 //   A     fp16 [M, K] row-major, rows in Marlin K order (after any act-order gather),
 //         so every group is a contiguous run of group_size columns.
 //   xsum  fp32 [M, G]
-//   delta fp32 [G, N], natural column order (NOT scale-permuted)
+//   delta fp32 [G, ld_delta], natural column order (NOT scale-permuted); ld_delta >= N
+//         (a padded layer's delta has its padded width, C only the real N columns)
 //   C     fp16 [M, N] row-major, updated in place
 // Launch geometry:
 //   group_sums:     grid ceil(M * G / 4), block 128: one warp per (m, g); each lane
@@ -16,8 +17,8 @@
 //   add_correction: grid (N / 128, ceil(M / 8)), block 128: thread n of the block
 //                   owns column n for 8 rows; xsum is staged in shared memory 256
 //                   groups at a time; the g loop runs in order (deterministic).
-// Constraints: K % group_size == 0, group_size even, N % 128 == 0 for add_correction
-//   (guarded: columns past N are skipped, so N % 64 == 0 works too). Valid on sm_53+.
+// Constraints: K % group_size == 0, group_size even; add_correction takes any N
+//   (columns past N are skipped). Valid on sm_53+.
 // NumPy references: converter.gpu.reference.group_sums, .add_correction.
 
 #include "marlin_common.cuh"
@@ -42,7 +43,7 @@ group_sums(const u16* __restrict__ A, float* __restrict__ xsum, int M, int K, in
 
 extern "C" __global__ void __launch_bounds__(128)
 add_correction(u16* __restrict__ C, const float* __restrict__ xsum, const float* __restrict__ delta,
-               int M, int N, int G) {
+               int M, int N, int G, int ld_delta) {
     constexpr int ROWS = 8, GCHUNK = 256;
     __shared__ float xs[ROWS][GCHUNK];
     const int n = blockIdx.x * 128 + threadIdx.x;
@@ -60,7 +61,7 @@ add_correction(u16* __restrict__ C, const float* __restrict__ xsum, const float*
         __syncthreads();
         if (n < N) {
             for (int gg = 0; gg < gn; ++gg) {
-                const float d = delta[(size_t)(g0 + gg) * N + n];
+                const float d = delta[(size_t)(g0 + gg) * ld_delta + n];
 #pragma unroll
                 for (int r = 0; r < ROWS; ++r) acc[r] = fmaf(xs[r][gg], d, acc[r]);
             }

@@ -93,6 +93,22 @@ __device__ __forceinline__ void codes_minus8(u32 w, u32 m[4]) {
     m[3] = h2_fma(lop3_and_or(hi, hi_mask, ex), FP16_ONE_16TH, FP16_MINUS_72);
 }
 
+// Columns col and col + 1 (col even) of one row of C, a row of n_out columns: one 32-bit
+// store when both exist and the pair is 4-byte aligned (n_out even), else a 16-bit
+// store per existing column. n_out < N only for a layer whose N was padded to the
+// layout's 64 (the padding is computed, never stored).
+__device__ __forceinline__ void store_pair(u16* row, int col, int n_out, u16 lo, u16 hi) {
+    if (col + 1 < n_out && !(n_out & 1)) {
+        *reinterpret_cast<u32*>(row + col) = (u32)lo | ((u32)hi << 16);
+    } else {
+        if (col < n_out) row[col] = lo;
+        if (col + 1 < n_out) row[col + 1] = hi;
+    }
+}
+__device__ __forceinline__ float bias_at(const u16* bias, int n, int n_out) {
+    return (bias != nullptr && n < n_out) ? h_to_f32(ldg_u16(bias + n)) : 0.f;
+}
+
 // Position of natural column n inside a row of Marlin-permuted scales.
 //   grouped (G > 1): 8x8 transpose in each 64-column chunk, new[8i+j] = old[8j+i];
 //   per-channel (G == 1): the 32-entry list, inverted in closed form: old column

@@ -197,7 +197,7 @@ template <int NT, int U, int GPI, int NS, bool HAS_DELTA, bool GS>
 __global__ void __launch_bounds__(128, NT == 1 ? 4 : (NT == 2 ? (U == 8 ? 3 : 4) : (GS ? 2 : 3)))
 marlin_decode(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __restrict__ S,
               const u16* __restrict__ D, const u16* __restrict__ bias, u16* __restrict__ C,
-              float* __restrict__ ws, int* __restrict__ locks, int M, int K, int N,
+              float* __restrict__ ws, int* __restrict__ locks, int M, int K, int N, int n_out,
               int group_tiles, int per_channel, int splits, int tiles_per_split, int wk) {
     extern __shared__ __align__(16) unsigned char smem[];
     constexpr int AR = 8 * NT;
@@ -348,11 +348,7 @@ marlin_decode(const u16* __restrict__ A, const int4* __restrict__ B, const u16* 
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int m = mbase + 8 * nt + (e & 1), n = nbase + 16 * j + 8 * (e >> 1);
-                    if (m < M) {
-                        float x = acc[j][nt][e];
-                        if (bias != nullptr) x += h_to_f32(ldg_u16(bias + n));
-                        C[(size_t)m * N + n] = f32_to_h(x);
-                    }
+                    if (m < M && n < n_out) C[(size_t)m * n_out + n] = f32_to_h(acc[j][nt][e] + bias_at(bias, n, n_out));
                 }
         return;
     }
@@ -378,11 +374,7 @@ marlin_decode(const u16* __restrict__ A, const int4* __restrict__ B, const u16* 
     constexpr int RR = 4, RS = 4;
     const int rows = min(M - mrow0, AR);
     const int col = 64 * nb + 2 * lane;
-    float b0 = 0.f, b1 = 0.f;
-    if (bias != nullptr) {
-        b0 = h_to_f32(ldg_u16(bias + col));
-        b1 = h_to_f32(ldg_u16(bias + col + 1));
-    }
+    const float b0 = bias_at(bias, col, n_out), b1 = bias_at(bias, col + 1, n_out);
     for (int r0 = 0; r0 < rows; r0 += RR) {
         float2 sum[RR];
 #pragma unroll
@@ -407,10 +399,9 @@ marlin_decode(const u16* __restrict__ A, const int4* __restrict__ B, const u16* 
         }
 #pragma unroll
         for (int rr = 0; rr < RR; ++rr)
-            if (r0 + rr < rows) {
-                const u32 packed = (u32)f32_to_h(sum[rr].x + b0) | ((u32)f32_to_h(sum[rr].y + b1) << 16);
-                *reinterpret_cast<u32*>(C + (size_t)(mrow0 + r0 + rr) * N + col) = packed;
-            }
+            if (r0 + rr < rows)
+                store_pair(C + (size_t)(mrow0 + r0 + rr) * n_out, col, n_out, f32_to_h(sum[rr].x + b0),
+                           f32_to_h(sum[rr].y + b1));
     }
     if (lane == 0) locks[(size_t)mc * nblk + nb] = 0;  // ready for the next launch
 }

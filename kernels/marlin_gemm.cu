@@ -12,7 +12,8 @@
 //   A      fp16  [M, K] row-major, columns already in Marlin K order (act-order callers
 //          run gather_columns first, below).
 //   bias   fp16  [N] natural order or nullptr.
-//   C      fp16  [M, N] row-major.
+//   C      fp16  [M, n_out] row-major: the first n_out <= N columns (n_out < N only for a
+//          layer whose N was padded to a multiple of 64; the padding is never stored).
 // Group g(k) = k / group_size; G == 1 means per-channel. The dequantized weight is
 // bit-identical to dequant.cu's output, and fp32 accumulation is exact per product.
 //
@@ -108,7 +109,7 @@ template <int MT, int U, int GPI, int NS, bool HAS_DELTA>
 __global__ void __launch_bounds__(128, MT == 1 ? 4 : (MT == 2 ? 3 : 2))
 marlin_gemm(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __restrict__ S,
             const u16* __restrict__ D, const u16* __restrict__ bias, u16* __restrict__ C,
-            float* __restrict__ ws, int* __restrict__ locks, int M, int K, int N,
+            float* __restrict__ ws, int* __restrict__ locks, int M, int K, int N, int n_out,
             int group_tiles, int per_channel, int splits, int tiles_per_split, int wk) {
     extern __shared__ __align__(16) unsigned char smem[];
     using R = Ring<16 * MT, U, GPI>;
@@ -288,13 +289,9 @@ marlin_gemm(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __
 #pragma unroll
                 for (int f = 0; f < 8; ++f) {
                     const int col = colbase + 8 * f;
-                    float x0 = acc[mt][f][2 * h], x1 = acc[mt][f][2 * h + 1];
-                    if (bias != nullptr) {
-                        x0 += h_to_f32(ldg_u16(bias + col));
-                        x1 += h_to_f32(ldg_u16(bias + col + 1));
-                    }
-                    const u32 packed = (u32)f32_to_h(x0) | ((u32)f32_to_h(x1) << 16);
-                    *reinterpret_cast<u32*>(C + (size_t)r * N + col) = packed;
+                    store_pair(C + (size_t)r * n_out, col, n_out,
+                               f32_to_h(acc[mt][f][2 * h] + bias_at(bias, col, n_out)),
+                               f32_to_h(acc[mt][f][2 * h + 1] + bias_at(bias, col + 1, n_out)));
                 }
             }
         }

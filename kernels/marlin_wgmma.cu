@@ -185,7 +185,7 @@ template <int T, int WGS, int U, int GPI, int NS, bool HAS_DELTA>
 __global__ void __launch_bounds__(128 * WGS, 1)
 marlin_wgmma(const u16* __restrict__ At, const int4* __restrict__ B, const u16* __restrict__ S,
              const u16* __restrict__ D, const u16* __restrict__ bias, u16* __restrict__ C,
-             float* __restrict__ ws, int* __restrict__ locks, int M, int m_pad, int K, int N,
+             float* __restrict__ ws, int* __restrict__ locks, int M, int m_pad, int K, int N, int n_out,
              int group_tiles, int per_channel, int splits, int tiles_per_split) {
     using L = WgLayout<T, WGS, U, GPI, NS, HAS_DELTA>;
     constexpr int TOK = L::TOK, NTHR = L::NTHR, SUB = U / GPI;
@@ -381,8 +381,7 @@ marlin_wgmma(const u16* __restrict__ At, const int4* __restrict__ B, const u16* 
     float bf[8];
 #pragma unroll
     for (int p = 0; p < 8; ++p)
-        bf[p] = (bias != nullptr && nb < nblk) ? h_to_f32(ldg_u16(bias + 64 * nb + 16 * (p >> 1) + g4 + 8 * (p & 1)))
-                                               : 0.f;
+        bf[p] = nb < nblk ? bias_at(bias, 64 * nb + 16 * (p >> 1) + g4 + 8 * (p & 1), n_out) : 0.f;
     u16* tile = reinterpret_cast<u16*>(smem);
 #pragma unroll
     for (int j = 0; j < 4; ++j)
@@ -395,11 +394,17 @@ marlin_wgmma(const u16* __restrict__ At, const int4* __restrict__ B, const u16* 
         }
     __syncthreads();
     const int rows = min(M - mrow0, TOK);
-    const int fcols = 64 * live_blocks;
+    const int fcols = min(64 * live_blocks, n_out - 256 * nb4);
+    const bool vec = (n_out & 7) == 0;  // 16-byte rows of C (always, unless N was padded)
     for (int c = tid; c < TOK * 32; c += NTHR) {
         const int tok = c >> 5, f8 = 8 * (c & 31);
-        if (tok < rows && f8 < fcols)
-            *reinterpret_cast<int4*>(C + (size_t)(mrow0 + tok) * N + 256 * nb4 + f8) =
-                *reinterpret_cast<const int4*>(tile + tok * L::C_PITCH + f8);
+        if (tok >= rows || f8 >= fcols) continue;
+        u16* dst = C + (size_t)(mrow0 + tok) * n_out + 256 * nb4 + f8;
+        const u16* src = tile + tok * L::C_PITCH + f8;
+        if (vec) {
+            *reinterpret_cast<int4*>(dst) = *reinterpret_cast<const int4*>(src);
+        } else {
+            for (int e = 0; e < 8 && f8 + e < fcols; ++e) dst[e] = src[e];
+        }
     }
 }

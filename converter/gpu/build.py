@@ -29,6 +29,8 @@ SOURCES = (
     "asym_correction.cu",
     "marlin_common.cuh",
     "marlin_stream.cuh",
+    "marlin_wgmma.cu",
+    "wgmma_ops.cuh",
 )
 #: ``.cu`` file -> the kernels (template instantiations included) it is built for.
 NAMES: dict[str, list[str]] = {
@@ -36,7 +38,11 @@ NAMES: dict[str, list[str]] = {
     "marlin_decode.cu": kernel_names("marlin_decode.cu"),
     "dequant.cu": ["marlin_dequant<false>", "marlin_dequant<true>"],
     "asym_correction.cu": ["group_sums", "add_correction"],
+    "marlin_wgmma.cu": [*kernel_names("marlin_wgmma.cu"), "hopper_activations"],
 }
+#: Sources that use sm_90a-only instructions (wgmma): built for the device's "a"
+#: target, and only on sm_90 (the planner routes nothing to them elsewhere).
+ARCH_SPECIFIC = ("marlin_wgmma.cu",)
 
 
 def kernel_dir() -> Path:
@@ -79,7 +85,12 @@ def module(source: str) -> Any:
             raise _failures[key]
         folder = kernel_dir()
         code = (folder / source).read_text(encoding="utf-8")
-        options = ("-std=c++17", f"--gpu-architecture={info.arch}", f"-I{folder}")
+        arch = info.arch + "a" if source in ARCH_SPECIFIC else info.arch
+        if source in ARCH_SPECIFIC and info.compute_capability != 90:
+            err = KernelError(f"{source} needs sm_90 (wgmma); this device is {info.arch}", path=folder / source)
+            _failures[key] = err
+            raise err
+        options = ("-std=c++17", f"--gpu-architecture={arch}", f"-I{folder}")
         try:
             mod = cp.RawModule(code=code, options=options, name_expressions=NAMES[source])
             for name in NAMES[source]:
@@ -87,7 +98,7 @@ def module(source: str) -> Any:
         except Exception as exc:  # cupy.cuda.compiler.CompileException and driver errors
             log = str(exc)
             first = next((ln.strip() for ln in log.splitlines() if "error" in ln), log.strip()[:200])
-            err = KernelError(f"NVRTC could not build {source} for {info.arch}: {first}", path=folder / source)
+            err = KernelError(f"NVRTC could not build {source} for {arch}: {first}", path=folder / source)
             err.nvrtc_log = log  # type: ignore[attr-defined]
             _failures[key] = err
             raise err from None

@@ -23,12 +23,14 @@ from ..errors import GpuUnavailableError, KernelError
 from ..marlin.layout import permute_scales
 from ..marlin.shapes import kernel_layer_sizes, resolve_group_size
 from . import build, runtime
-from .plan import DEFAULT_TUNING, GemmPlan, Pipe, Tuning, default_pipe, kernel_variant, plan_gemm
+from .plan import DEFAULT_TUNING, GemmPlan, KernelKind, Pipe, Tuning, default_pipe, kernel_variant, plan_gemm
 
 #: Threads per block of every kernel but the gather (4 warps; ``kernels/*.cu`` launch geometry).
 BLOCK_THREADS = 128
-#: Threads per block of ``gather_columns``.
+#: Threads per block of ``gather_columns`` and ``hopper_activations``.
 GATHER_THREADS = 256
+#: Bytes of At (``hopper_activations``) per 16-byte piece: 8 fp16 values of one row.
+AT_PIECE = 8
 
 
 # ----------------------------------------------------------------------------- checks
@@ -79,8 +81,9 @@ def _ptr_or_null(x: Any) -> Any:
 _workspaces: dict[tuple[int, int], dict[str, Any]] = {}
 
 
-def _workspace(ws_floats: int, n_locks: int) -> tuple[Any, Any]:
-    """Per (device, stream) fp32 partials and zeroed lock counters, grown on demand.
+def _workspace(ws_floats: int, n_locks: int, at_halves: int = 0) -> tuple[Any, Any, Any]:
+    """Per (device, stream) fp32 partials, zeroed lock counters and the Hopper kernel's
+    activation buffer (fp16), grown on demand.
 
     The GEMM's last warp per output tile resets its counter, so the counters are zero
     again after every completed launch; launches on one stream never overlap.
@@ -92,7 +95,14 @@ def _workspace(ws_floats: int, n_locks: int) -> tuple[Any, Any]:
         ws["ws"] = cp.empty(max(ws_floats, 1), dtype=cp.float32)
     if ws.get("locks") is None or ws["locks"].size < n_locks:
         ws["locks"] = cp.zeros(max(n_locks, 1), dtype=cp.int32)
-    return ws["ws"], ws["locks"]
+    if ws.get("at") is None or ws["at"].size < at_halves:
+        ws["at"] = cp.empty(max(at_halves, 1), dtype=cp.float16)
+    return ws["ws"], ws["locks"], ws["at"]
+
+
+def hopper_device() -> bool:
+    """The current device runs the Hopper kernel (sm_90: wgmma, built for sm_90a)."""
+    return runtime.device_info().compute_capability == 90
 
 
 # ----------------------------------------------------------------------------- launch plans
@@ -126,8 +136,13 @@ def gemm_plan(
     gs, _, _ = _layer_sizes(size_k, size_n, group_size)
     info = runtime.device_info()
     if pipe is None:
-        pipe = default_pipe(m, size_k, size_n, gs // MARLIN_TILE, info.smem_per_block_optin, tuning)
-    return _plan(m, size_k, size_n, group_size, delta, Pipe.of(pipe), tuning, info)
+        pipe = default_pipe(
+            m, size_k, size_n, gs // MARLIN_TILE, info.smem_per_block_optin, tuning, hopper=hopper_device()
+        )
+    pipe = Pipe.of(pipe)
+    if pipe.kind is KernelKind.HOPPER and not hopper_device():
+        raise KernelError(f"GEMM variant {pipe} needs sm_90 (wgmma); this device is {info.arch}")
+    return _plan(m, size_k, size_n, group_size, delta, pipe, tuning, info)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -221,18 +236,23 @@ def marlin_gemm(
     perm: Any = None,
     bias: Any = None,
     out: Any = None,
+    n_out: int | None = None,
     pipe: tuple[str, int, int, int] | None = None,
     tuning: Tuning = DEFAULT_TUNING,
 ) -> Any:
     """INT4 x FP16 GEMM on Marlin tensors; fused asymmetric correction when ``delta`` given.
 
     Computes ``C = A[:, perm] @ W (+ bias)`` for ``W = (q - 8) * s (+ d)``,
-    ``d = fp16(delta)``, in one launch, fp32 accumulation, one fp16 rounding. Two
-    kernels share the work (:func:`gemm_path` picks by M and N): for small M the decode
-    kernel (``kernels/marlin_decode.cu``) sums ``A (q - 8)`` and A per group in fp32
-    and applies ``s`` and ``d`` once per group (its "decode_w" variant, and the tile
-    kernel ``kernels/marlin_gemm.cu`` for larger M, multiply by the fp16 weight
-    ``fp16((q - 8) * s (+ d))``). Twin: ``reference.marlin_gemm`` (same rule).
+    ``d = fp16(delta)``, fp32 accumulation, one fp16 rounding. The kernels share the
+    work (:func:`converter.gpu.plan.gemm_path` picks by M, N and the device): for small
+    M the decode kernel (``kernels/marlin_decode.cu``) sums ``A (q - 8)`` and A per
+    group in fp32 and applies ``s`` and ``d`` once per group; on sm_90 the Hopper kernel
+    (``kernels/marlin_wgmma.cu``, after ``hopper_activations`` re-lays A out, the
+    act-order gather included) serves M >= 9 on layers of N >= 4096; the decode
+    kernel's "decode_w" variant and the tile kernel (``kernels/marlin_gemm.cu``) serve
+    the rest on sm_80..89. Every kernel but the decode kernel multiplies by the fp16
+    weight ``fp16((q - 8) * s (+ d))``. Twin: ``reference.marlin_gemm`` with the plan's
+    ``arith``.
 
     Args:
         A: float16 ``(M, size_k)``, M >= 1, SOURCE channel order.
@@ -245,14 +265,17 @@ def marlin_gemm(
             converted on every call), float16 ``(G, size_n)`` from
             :func:`prepare_delta`, or None.
         perm: int32 ``(size_k,)`` act-order permutation (artifact ``marlin_perm``) or None.
-        bias: float16 ``(size_n,)`` or None.
-        out: optional float16 ``(M, size_n)`` destination.
+        bias: float16 ``(n_out,)`` or None.
+        out: optional float16 ``(M, n_out)`` destination.
+        n_out: columns of the result, at most ``size_n`` (default ``size_n``): a layer
+            whose N was padded to a multiple of 64 (artifact ``padded_n``) computes
+            ``size_n`` columns and stores its first ``n_out``, with no extra copy.
         pipe: ``(kind, R, U, NS)`` variant override (benchmarking); default
             :func:`~converter.gpu.plan.default_pipe`.
         tuning: the planner's knobs (:class:`~converter.gpu.plan.Tuning`).
 
     Returns:
-        float16 ``(M, size_n)`` CuPy array. Bitwise deterministic for fixed inputs
+        float16 ``(M, n_out)`` CuPy array. Bitwise deterministic for fixed inputs
         and a fixed device (the K split depends on the multiprocessor count).
 
     Raises:
@@ -272,25 +295,59 @@ def marlin_gemm(
             delta = _dev(delta, "delta", np.float16, (g, size_n))
         else:
             delta = prepare_delta(_dev(delta, "delta", np.float32, (g, size_n)))
+    n_out = _n_out(n_out, size_n)
     if bias is not None:
-        bias = _dev(bias, "bias", np.float16, (size_n,))
+        bias = _dev(bias, "bias", np.float16, (n_out,))
     if perm is not None:
         perm = _dev(perm, "perm", np.int32, (size_k,))
-    out = cp.empty((m, size_n), dtype=cp.float16) if out is None else _dev(out, "out", np.float16, (m, size_n))
+    out = cp.empty((m, n_out), dtype=cp.float16) if out is None else _dev(out, "out", np.float16, (m, n_out))
     plan = gemm_plan(m, size_k, size_n, group_size, delta=delta is not None, pipe=pipe, tuning=tuning)
-    if perm is not None:
-        A = gather_columns(A, perm)
-    ws, locks = _workspace(
-        plan.splits * m * size_n if plan.splits > 1 else 0, plan.m_chunks * (size_n // KERNEL_N_MULTIPLE)
-    )
     fn = build.function(plan.pipe.spec.source, plan.pipe.name(plan.gpi, delta is not None))
     if plan.smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < plan.smem:
         fn.max_dynamic_shared_size_bytes = plan.smem  # opt in above the 48 KB default
     gt = size_k // MARLIN_TILE if per_channel else gs // MARLIN_TILE
-    fn(
-        (plan.blocks,),
-        (BLOCK_THREADS,),
-        (
+    tail = (
+        np.int32(gt),
+        np.int32(1 if per_channel else 0),
+        np.int32(plan.splits),
+        np.int32(plan.tiles_per_split),
+    )
+    if plan.kind is KernelKind.HOPPER:
+        # The unit is 256 columns x one m-chunk; partials are kept in register order.
+        m_pad = plan.m_chunks * plan.rows
+        units = plan.m_chunks * -(-(size_n // KERNEL_N_MULTIPLE) // 4)
+        ws, locks, at = _workspace(
+            plan.splits * units * m_pad // plan.m_chunks * 256 if plan.splits > 1 else 0, units, m_pad * size_k
+        )
+        pieces = size_k // AT_PIECE * m_pad
+        build.function("marlin_wgmma.cu", "hopper_activations")(
+            (-(-pieces // GATHER_THREADS),),
+            (GATHER_THREADS,),
+            (A, _ptr_or_null(perm), at, np.int32(m), np.int32(size_k), np.int32(m_pad)),
+        )
+        args = (
+            at,
+            B,
+            scales,
+            _ptr_or_null(delta),
+            _ptr_or_null(bias),
+            out,
+            ws,
+            locks,
+            np.int32(m),
+            np.int32(m_pad),
+            np.int32(size_k),
+            np.int32(size_n),
+            np.int32(n_out),
+            *tail,
+        )
+    else:
+        if perm is not None:
+            A = gather_columns(A, perm)
+        ws, locks, _ = _workspace(
+            plan.splits * m * size_n if plan.splits > 1 else 0, plan.m_chunks * (size_n // KERNEL_N_MULTIPLE)
+        )
+        args = (
             A,
             B,
             scales,
@@ -302,15 +359,21 @@ def marlin_gemm(
             np.int32(m),
             np.int32(size_k),
             np.int32(size_n),
-            np.int32(gt),
-            np.int32(1 if per_channel else 0),
-            np.int32(plan.splits),
-            np.int32(plan.tiles_per_split),
+            np.int32(n_out),
+            *tail,
             np.int32(plan.wk),
-        ),
-        shared_mem=plan.smem,
-    )
+        )
+    fn((plan.blocks,), (plan.threads,), args, shared_mem=plan.smem)
     return out
+
+
+def _n_out(n_out: int | None, size_n: int) -> int:
+    """The result's columns: ``size_n``, or fewer for a padded layer."""
+    if n_out is None:
+        return size_n
+    if not 0 < int(n_out) <= size_n:
+        raise KernelError(f"n_out={n_out} must be in 1..size_n={size_n}", tensor="n_out")
+    return int(n_out)
 
 
 def dequant(
@@ -397,28 +460,33 @@ def group_sums(A: Any, *, group_size: int, out: Any = None) -> Any:
 
 
 def add_correction(C: Any, xsum: Any, delta: Any) -> Any:
-    """In place ``C = fp16(C + xsum @ delta)`` (``asym_correction.cu``); returns ``C``.
+    """In place ``C = fp16(C + xsum @ delta[:, :n])`` (``asym_correction.cu``); returns ``C``.
 
     Args:
-        C: float16 ``(M, N)``, N % 64 == 0, updated in place.
+        C: float16 ``(M, n)``, updated in place.
         xsum: float32 ``(M, G)``.
-        delta: float32 ``(G, N)``, natural column order.
+        delta: float32 ``(G, N)``, natural column order, N % 64 == 0 and N >= n (a
+            padded layer's delta is wider than its result).
 
     Raises:
         KernelError, GpuUnavailableError.
     """
-    if C is None or getattr(C, "ndim", 0) != 2 or getattr(xsum, "ndim", 0) != 2:
-        raise KernelError("C and xsum must be 2-D")
+    if C is None or getattr(C, "ndim", 0) != 2 or getattr(xsum, "ndim", 0) != 2 or getattr(delta, "ndim", 0) != 2:
+        raise KernelError("C, xsum and delta must be 2-D")
     m, n = (int(s) for s in C.shape)
-    g = int(xsum.shape[1])
+    g, ld = int(xsum.shape[1]), int(delta.shape[1])
     C = _dev(C, "C", np.float16, (m, n))
     xsum = _dev(xsum, "xsum", np.float32, (m, g))
-    delta = _dev(delta, "delta", np.float32, (g, n))
-    if n % KERNEL_N_MULTIPLE:
-        raise KernelError(f"N={n} must be a multiple of {KERNEL_N_MULTIPLE}", tensor="C")
+    delta = _dev(delta, "delta", np.float32, (g, ld))
+    if ld % KERNEL_N_MULTIPLE or ld < n:
+        raise KernelError(
+            f"delta has {ld} columns; need a multiple of {KERNEL_N_MULTIPLE} and at least C's {n}", tensor="delta"
+        )
     if m:
         build.function("asym_correction.cu", "add_correction")(
-            (-(-n // 128), -(-m // 8)), (BLOCK_THREADS,), (C, xsum, delta, np.int32(m), np.int32(n), np.int32(g))
+            (-(-n // 128), -(-m // 8)),
+            (BLOCK_THREADS,),
+            (C, xsum, delta, np.int32(m), np.int32(n), np.int32(g), np.int32(ld)),
         )
     return C
 
@@ -435,6 +503,7 @@ def marlin_gemm_two_kernel(
     perm: Any = None,
     bias: Any = None,
     out: Any = None,
+    n_out: int | None = None,
     tuning: Tuning = DEFAULT_TUNING,
 ) -> Any:
     """The two-kernel asymmetric path: symmetric GEMM, ``group_sums``, ``add_correction``.
@@ -451,7 +520,16 @@ def marlin_gemm_two_kernel(
     if perm is not None:
         a = gather_columns(a, perm)
     c = marlin_gemm(
-        a, B, scales, size_k=size_k, size_n=size_n, group_size=group_size, bias=bias, out=out, tuning=tuning
+        a,
+        B,
+        scales,
+        size_k=size_k,
+        size_n=size_n,
+        group_size=group_size,
+        bias=bias,
+        out=out,
+        n_out=n_out,
+        tuning=tuning,
     )
     return add_correction(c, group_sums(a, group_size=gs), delta)
 

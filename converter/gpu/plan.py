@@ -9,7 +9,8 @@ Kernel kinds (:class:`KernelKind`) are a table (:data:`KINDS`): each names its
 ``.cu`` file, its template instantiation, its arithmetic (what its NumPy twin in
 :mod:`converter.gpu.reference` computes) and the shape of its shared-memory rings.
 Adding a kind is a member, a :class:`KindSpec`, its variants in :data:`GEMM_PIPES`,
-and a routing rule in :func:`gemm_path`.
+and a routing rule in :func:`gemm_path`. The Hopper kind runs only on sm_90 (it is
+built for sm_90a): routing takes ``hopper`` (the device has it) as an argument.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ class KernelKind(str, enum.Enum):
     """``kernels/marlin_decode.cu``: 8-row activation tiles, per-group fp32 scale and delta."""
     DECODE_W = "decode_w"
     """The decode kernel with the tile kernel's per-weight fp16 scaling."""
+    HOPPER = "hopper"
+    """``kernels/marlin_wgmma.cu`` (sm_90a): weights as wgmma's register operand, R
+    8-token tiles per block (8 R tokens; R = 16 is two warpgroups of 64), per-weight
+    fp16 scaling."""
 
 
 class Arith(str, enum.Enum):
@@ -59,7 +64,8 @@ class Pipe(NamedTuple):
     """One compiled GEMM variant: ``(kind, R, U, NS)``.
 
     R: A-row tiles per warp (16-row m-tiles for the tile kernel, 8-row activation tiles
-    for the decode kernels); U: k-tiles per pipeline step; NS: shared-memory ring stages.
+    for the decode kernels), or per block (8-token tiles, the Hopper kernel); U: k-tiles
+    per pipeline step; NS: shared-memory ring stages.
     Plain tuples ``("tile", 1, 4, 3)`` are accepted wherever a Pipe is (:meth:`of`).
     """
 
@@ -82,11 +88,38 @@ class Pipe(NamedTuple):
 
     def name(self, gpi: int, delta: bool) -> str:
         """The template instantiation of this variant with ``gpi`` group slots per step."""
-        return self.spec.template.format(r=self.r, u=self.u, gpi=gpi, ns=self.ns, delta=str(delta).lower())
+        t, wgs = hopper_split(self.r)
+        return self.spec.template.format(
+            r=self.r, u=self.u, gpi=gpi, ns=self.ns, delta=str(delta).lower(), t=t, wgs=wgs
+        )
 
     def smem(self, gpi: int) -> int:
         """Dynamic shared memory of one block, bytes."""
         return self.spec.smem(self, gpi)
+
+    @property
+    def threads(self) -> int:
+        """Threads per block."""
+        return self.spec.threads(self)
+
+
+#: Tokens one warpgroup of the Hopper kernel takes at most (its accumulators: 2 T
+#: registers per thread, 128 at T = 64).
+HOPPER_MAX_T = 64
+
+
+def hopper_split(r: int) -> tuple[int, int]:
+    """``(T, WGS)`` of a Hopper block of ``8 r`` tokens: T tokens per warpgroup, WGS warpgroups."""
+    tokens = 8 * r
+    return min(tokens, HOPPER_MAX_T), max(1, tokens // HOPPER_MAX_T)
+
+
+def hopper_smem(pipe: Pipe, gpi: int) -> int:
+    """Dynamic shared memory of a Hopper block (``kernels/marlin_wgmma.cu``, WgLayout):
+    NS stages of U 2 KB weight rows, U x tokens x 32 bytes of activations and GPI
+    512-byte scale and delta rows (the delta rows counted always)."""
+    tokens = 8 * pipe.r
+    return pipe.ns * (pipe.u * 2048 + pipe.u * tokens * 32 + 2 * gpi * 512)
 
 
 def ring_smem(pipe: Pipe, gpi: int) -> int:
@@ -112,6 +145,11 @@ class KindSpec:
         sums_floats: fp32 sums a warp parks in shared memory, per unit of R.
         shares_a: with one output unit per block (``wk == 1``) its 4 warps stage A once.
         smem: shared memory of a block, ``smem(pipe, gpi)`` bytes.
+        threads: threads per block, ``threads(pipe)``.
+        block_shapes: the ``wk`` values it runs (1: a block takes 4 column blocks
+            over the whole K range; 4: one column block, a quarter of the range per warp).
+        reduce_weight: the split reduction's cost relative to the ring kernels' (the
+            Hopper kernel reduces 256-column units; measured on an H200).
     """
 
     source: str
@@ -121,6 +159,9 @@ class KindSpec:
     sums_floats: int
     shares_a: bool
     smem: Callable[[Pipe, int], int] = ring_smem
+    threads: Callable[[Pipe], int] = lambda pipe: BLOCK_WARPS * 32
+    block_shapes: tuple[int, ...] = (1, BLOCK_WARPS)
+    reduce_weight: float = 1.0
 
 
 KINDS: MappingProxyType[KernelKind, KindSpec] = MappingProxyType(
@@ -149,6 +190,18 @@ KINDS: MappingProxyType[KernelKind, KindSpec] = MappingProxyType(
             sums_floats=2048,
             shares_a=True,
         ),
+        KernelKind.HOPPER: KindSpec(
+            "marlin_wgmma.cu",
+            "marlin_wgmma<{t}, {wgs}, {u}, {gpi}, {ns}, {delta}>",
+            Arith.WEIGHT,
+            tile_rows=8,
+            sums_floats=0,
+            shares_a=True,
+            smem=hopper_smem,
+            threads=lambda pipe: 128 * hopper_split(pipe.r)[1],
+            block_shapes=(1,),
+            reduce_weight=2.0,
+        ),
     }
 )
 #: The arithmetic of each kind (``KINDS[kind].arith``), keyed by kind.
@@ -170,6 +223,11 @@ GEMM_PIPES: tuple[Pipe, ...] = tuple(
         ("decode", 4, 4, 3),
         ("decode_w", 2, 8, 3),
         ("decode_w", 4, 4, 3),
+        ("hopper", 1, 4, 4),
+        ("hopper", 2, 4, 4),
+        ("hopper", 4, 4, 4),
+        ("hopper", 8, 4, 6),
+        ("hopper", 16, 4, 6),
     )
 )
 GEMM_GPIS: MappingProxyType[int, tuple[int, ...]] = MappingProxyType({8: (1,), 4: (1, 2, 4), 2: (1, 2)})
@@ -204,6 +262,13 @@ class Tuning:
         occupancy_cap: ``((kind, blocks per SM), ...)``: the split counts on at most
             that many resident blocks of a kind (fewer resident warps stream the
             weights faster at small M); kinds not listed get as many as fit.
+        hopper: use the Hopper kernel where the device has it (sm_90).
+        hopper_min_m, hopper_min_n: it serves M >= hopper_min_m when N >= hopper_min_n
+            (below, the decode kernel at M <= 8 streams better, and narrow layers have
+            too few 256-column blocks to fill 132 multiprocessors without deep splits);
+        hopper_small_kn, hopper_small_max_m: on layers of at most hopper_small_kn
+            weights only up to hopper_small_max_m rows (the tile kernel was faster
+            above, measured on 4096 x 4096).
     """
 
     group_max_m: int = 16
@@ -215,6 +280,11 @@ class Tuning:
     a_weight: float = 0.5
     force_wk: int | None = None
     occupancy_cap: tuple[tuple[KernelKind, int], ...] = ()
+    hopper: bool = True
+    hopper_min_m: int = 9
+    hopper_min_n: int = 4096
+    hopper_small_kn: int = 4096 * 4096
+    hopper_small_max_m: int = 64
 
     def cap(self, kind: KernelKind) -> int | None:
         """The occupancy cap of ``kind``, or None."""
@@ -283,9 +353,36 @@ class GemmPlan:
     def pipe(self) -> Pipe:
         return Pipe(self.kind, self.r, self.u, self.ns)
 
+    @property
+    def arith(self) -> Arith:
+        """What this plan's kernel multiplies (its twin's ``arith``)."""
+        return ARITH[self.kind]
 
-def gemm_path(m: int, size_n: int, tuning: Tuning = DEFAULT_TUNING) -> KernelKind:
-    """The kernel kind that serves an (M, N) call (see :class:`Tuning`)."""
+    @property
+    def threads(self) -> int:
+        """Threads per block."""
+        return self.pipe.threads
+
+
+def gemm_path(
+    m: int, size_n: int, tuning: Tuning = DEFAULT_TUNING, *, hopper: bool = False, size_k: int = 0
+) -> KernelKind:
+    """The kernel kind that serves an (M, N) call (see :class:`Tuning`).
+
+    Args:
+        m, size_n: rows of A, N.
+        tuning: the knobs.
+        hopper: the device can run the Hopper kernel (sm_90); False gives the sm_80..89 rule.
+        size_k: K (only the Hopper rule for small layers uses it).
+    """
+    if (
+        hopper
+        and tuning.hopper
+        and m >= tuning.hopper_min_m
+        and size_n >= tuning.hopper_min_n
+        and (size_k * size_n > tuning.hopper_small_kn or m <= tuning.hopper_small_max_m)
+    ):
+        return KernelKind.HOPPER
     if m <= 8 or (m <= tuning.group_max_m and size_n >= tuning.wide_n):
         return KernelKind.DECODE
     if m <= tuning.decode_max_m and size_n > tuning.wide_n:
@@ -293,13 +390,20 @@ def gemm_path(m: int, size_n: int, tuning: Tuning = DEFAULT_TUNING) -> KernelKin
     return KernelKind.TILE
 
 
-def gemm_arith(m: int, size_n: int, tuning: Tuning = DEFAULT_TUNING) -> Arith:
-    """The arithmetic of the kernel that serves (M, N)."""
-    return ARITH[gemm_path(m, size_n, tuning)]
+def gemm_arith(m: int, size_n: int, tuning: Tuning = DEFAULT_TUNING, *, hopper: bool = False, size_k: int = 0) -> Arith:
+    """The arithmetic of the kernel that serves (M, N) (arguments as :func:`gemm_path`)."""
+    return ARITH[gemm_path(m, size_n, tuning, hopper=hopper, size_k=size_k)]
 
 
 def default_pipe(
-    m: int, size_k: int, size_n: int, group_tiles: int, smem_limit: int = 227 * 1024, tuning: Tuning = DEFAULT_TUNING
+    m: int,
+    size_k: int,
+    size_n: int,
+    group_tiles: int,
+    smem_limit: int = 227 * 1024,
+    tuning: Tuning = DEFAULT_TUNING,
+    *,
+    hopper: bool = False,
 ) -> Pipe:
     """The GEMM variant for batch size m (measured on an H200, scripts/perf_notes.md).
 
@@ -310,11 +414,16 @@ def default_pipe(
         m: rows of A. size_k, size_n: K, N. group_tiles: group size / 16 (K / 16
             per-channel).
         smem_limit: the device's opt-in shared memory per block, bytes.
+        hopper: the device runs the Hopper kernel (sm_90).
 
     Returns:
-        One of GEMM_PIPES.
+        One of GEMM_PIPES. The Hopper kernel's block holds the fewest 8-token tiles
+        (1, 2, 4, 8 or 16) that hold M; beyond 128 rows, 128-token chunks.
     """
-    kind = gemm_path(m, size_n, tuning)
+    kind = gemm_path(m, size_n, tuning, hopper=hopper, size_k=size_k)
+    if kind is KernelKind.HOPPER:
+        r = next((r for r in (1, 2, 4, 8) if 8 * r >= m), 16)
+        return Pipe(kind, r, 4, 6 if r >= 8 else 4)
     if kind is KernelKind.TILE:
         return Pipe(kind, 2, 4, 3) if m <= 32 else Pipe(kind, 4, 2, 3)
     if kind is KernelKind.DECODE_W:
@@ -368,16 +477,18 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def resident_blocks(regs: int, smem: int, smem_per_sm: int) -> int:
-    """4-warp blocks one multiprocessor holds (sm_80..sm_90 allocation rules).
+def resident_blocks(regs: int, smem: int, smem_per_sm: int, warps: int = BLOCK_WARPS) -> int:
+    """Blocks of ``warps`` warps (a multiple of 4) one multiprocessor holds (sm_80..sm_90
+    allocation rules).
 
     Each of the 4 sub-partitions has 16 K registers, given to a warp in units of 256
     (so 102 registers per thread cost 3328 per warp: 4 warps per sub-partition, not
-    5); a block's 4 warps take one warp slot in every sub-partition. Shared memory:
-    1 KB is reserved per block. At most 16 such blocks (64 warps).
+    5); a block takes ``warps / 4`` warp slots in every sub-partition. Shared memory:
+    1 KB is reserved per block. At most 64 warps.
     """
     per_warp = -(-max(regs, 1) * 32 // 256) * 256
-    return max(1, min(16384 // per_warp, smem_per_sm // (smem + 1024), 16))
+    per_sub = warps // BLOCK_WARPS
+    return max(1, min(16384 // (per_warp * per_sub), smem_per_sm // (smem + 1024), 64 // warps))
 
 
 def plan_gemm(
@@ -409,7 +520,8 @@ def plan_gemm(
     """
     pipe, spec = variant.pipe, variant.pipe.spec
     kt = size_k // MARLIN_TILE
-    blocks_per_sm = resident_blocks(regs, variant.smem, device.smem_per_sm)
+    warps_per_block = pipe.threads // 32
+    blocks_per_sm = resident_blocks(regs, variant.smem, device.smem_per_sm, warps_per_block)
     cap = tuning.cap(pipe.kind)
     if cap:
         blocks_per_sm = min(blocks_per_sm, cap)
@@ -419,7 +531,8 @@ def plan_gemm(
     nblk = size_n // KERNEL_N_MULTIPLE
     rows = min(m, chunk_rows)
     best = None
-    for wk in (tuning.force_wk,) if tuning.force_wk else (1, BLOCK_WARPS):
+    shapes = (tuning.force_wk,) if tuning.force_wk and tuning.force_wk in spec.block_shapes else spec.block_shapes
+    for wk in shapes:
         blocks_n = m_chunks * -(-nblk // (BLOCK_WARPS // wk))
         quantum = wk * pipe.u  # each warp's share of a K split is whole steps
         for splits in range(1, -(-kt // quantum) + 1):
@@ -433,9 +546,8 @@ def plan_gemm(
             # partial writes, the counter, reads)
             a_share = BLOCK_WARPS if (spec.shares_a and wk == 1) else 1
             tile_cost = 1 + tuning.a_weight * rows / MARLIN_TILE / a_share
-            cost = waves * (tps // wk * tile_cost + tuning.latency_tiles) + tuning.reduce_tiles * (splits - 1) * -(
-                -rows // 8
-            )
+            reduce = spec.reduce_weight * tuning.reduce_tiles * (splits - 1) * -(-rows // 8)
+            cost = waves * (tps // wk * tile_cost + tuning.latency_tiles) + reduce
             if best is None or cost < best[0]:
                 best = (cost, wk, splits, tps, blocks_n * splits)
     assert best is not None
@@ -453,7 +565,7 @@ def plan_gemm(
         wk=wk,
         splits=splits,
         tiles_per_split=tps,
-        warps=BLOCK_WARPS * blocks,
+        warps=warps_per_block * blocks,
         blocks=blocks,
-        resident_warps=BLOCK_WARPS * resident,
+        resident_warps=warps_per_block * resident,
     )

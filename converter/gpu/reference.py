@@ -86,9 +86,33 @@ def gather_columns(A: np.ndarray, perm: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(A)[:, np.asarray(perm, dtype=np.intp)])
 
 
+def hopper_activations(A: np.ndarray, perm: np.ndarray | None, m_pad: int) -> np.ndarray:
+    """Twin of ``hopper_activations`` (``kernels/marlin_wgmma.cu``): A in 16-byte pieces,
+    chunk-major, exactly.
+
+    Args:
+        A: float16 ``(M, K)``, source channel order; K % 8 == 0.
+        perm: int32 ``(K,)`` act-order permutation, or None.
+        m_pad: rows of the result (>= M), a whole number of the kernel's token chunks.
+
+    Returns:
+        float16 ``(K // 8, m_pad, 8)``: ``[c, r, :] = A[r, 8 c : 8 c + 8]`` after the gather,
+        zero for ``r >= M``.
+    """
+    a = np.asarray(A, dtype=np.float16)
+    if perm is not None:
+        a = gather_columns(a, perm)
+    m, k = a.shape
+    out = np.zeros((k // 8, m_pad, 8), dtype=np.float16)
+    out[:, :m, :] = a.reshape(m, k // 8, 8).transpose(1, 0, 2)
+    return out
+
+
 def _arith(m: int, size_n: int, arith: str | None) -> Arith:
     if arith is None:
-        return gemm_arith(m, size_n)  # the launcher's rule (converter.gpu.plan, no GPU needed)
+        # The sm_80..89 rule (converter.gpu.plan, no GPU needed); on sm_90 the Hopper
+        # kernel takes more calls, so tests pass the plan's own ``arith``.
+        return gemm_arith(m, size_n)
     try:
         return Arith(arith)
     except ValueError:

@@ -79,9 +79,10 @@ def test_gemm_matches_twin(cp, m, k, n, group_size, act_order, asym):
     got = cp.asnumpy(c).astype(np.float64)
     assert np.isfinite(got).all(), "unwritten (NaN) outputs"
     assert np.array_equal(cp.asnumpy(c).view(np.uint16), cp.asnumpy(again).view(np.uint16)), "not deterministic"
-    host = dict(delta=L["delta"], perm=L["perm"], bias=L["bias"])
+    plan = kernels.gemm_plan(m, k, n, group_size, delta=asym)
+    splits = plan.splits
+    host = dict(delta=L["delta"], perm=L["perm"], bias=L["bias"], arith=plan.arith)
     twin = ref.marlin_gemm(a, L["B"], L["S"], **kw, **host).astype(np.float64)
-    splits = kernels.gemm_plan(m, k, n, group_size, delta=asym).splits
     bound = ref.gemm_error_bound(a, L["B"], L["S"], **kw, **host, splits=splits)
     bad = np.abs(got - twin) > bound
     assert not bad.any(), f"{bad.sum()} outputs out of bound; worst {np.abs(got - twin).max():.3g}"
@@ -92,12 +93,16 @@ def test_gemm_matches_twin(cp, m, k, n, group_size, act_order, asym):
         )
         got2 = cp.asnumpy(c2).astype(np.float64)
         assert np.isfinite(got2).all()
-        twin2 = ref.marlin_gemm_two_kernel(a, L["B"], L["S"], **kw, **host).astype(np.float64)
+        sym_plan = kernels.gemm_plan(m, k, n, group_size, delta=False)
+        host2 = dict(host, arith=sym_plan.arith)
+        twin2 = ref.marlin_gemm_two_kernel(a, L["B"], L["S"], **kw, **host2).astype(np.float64)
         a_m = a[:, L["perm"]] if act_order else a
         gs = k if group_size == -1 else group_size
         xs_mag = np.abs(a_m.astype(np.float64)).reshape(m, -1, gs).sum(-1)
         corr = (gs + k // gs + 4) * 2.0**-24 * (xs_mag @ np.abs(L["delta"].astype(np.float64)))
-        sym_bound = ref.gemm_error_bound(a, L["B"], L["S"], **kw, perm=L["perm"], bias=L["bias"], splits=splits)
+        sym_bound = ref.gemm_error_bound(
+            a, L["B"], L["S"], **kw, perm=L["perm"], bias=L["bias"], splits=sym_plan.splits, arith=sym_plan.arith
+        )
         bound2 = sym_bound + corr + 2.0**-10 * (np.abs(twin2) + corr) + 2.0**-24
         bad2 = np.abs(got2 - twin2) > bound2
         assert not bad2.any(), f"two-kernel: {bad2.sum()} out of bound"
@@ -129,7 +134,7 @@ def test_gemm_block_shapes(cp, wk, m, k, n, group_size):
     )
     got = cp.asnumpy(c).astype(np.float64)
     assert np.isfinite(got).all()
-    host = dict(delta=L["delta"], perm=L["perm"])
+    host = dict(delta=L["delta"], perm=L["perm"], arith=plan.arith)
     twin = ref.marlin_gemm(a, L["B"], L["S"], **kw, **host).astype(np.float64)
     bound = ref.gemm_error_bound(a, L["B"], L["S"], **kw, **host, splits=plan.splits)
     assert (np.abs(got - twin) <= bound).all()
@@ -138,7 +143,7 @@ def test_gemm_block_shapes(cp, wk, m, k, n, group_size):
 DECODE_CASES = [
     (p, m, k, n, gs)
     for p in GEMM_PIPES
-    if p[0] != "tile"
+    if p[0] in ("decode", "decode_w")
     for (m, k, n, gs) in (
         (1, 1024, 192, 128),
         (8 * p[1], 512, 320, 32),
@@ -324,3 +329,151 @@ def test_api_module_roundtrip(cp):
     yt = mod(torch.from_numpy(a).cuda())
     assert yt.dtype == torch.float16 and tuple(yt.shape) == (2, 3, n)
     assert np.array_equal(yt.cpu().numpy().view(np.uint16), y.view(np.uint16))
+
+
+def _hopper_or_skip():
+    if not kernels.hopper_device():
+        pytest.skip("the Hopper kernel needs sm_90")
+
+
+HOPPER_CASES = [
+    (p, m, k, n, gs, act, asym)
+    for p in GEMM_PIPES
+    if p[0] == "hopper"
+    for (m, k, n, gs, act, asym) in (
+        (8 * p[1], 1024, 512, 128, False, True),  # a full chunk
+        (8 * p[1] - 3, 2048, 320, 32, True, True),  # ragged N (one live block of 4), GPI 2, act-order
+        (8 * p[1] * 2 + 5, 768, 256, 48, False, False),  # three chunks, GPI 4, symmetric
+        (1, 4096, 4096, -1, True, True),  # per-channel, deep K split
+        (8 * p[1] + 1, 256, 8192, 16, False, True),  # two chunks, group 16, one split
+    )
+]
+
+
+@pytest.mark.parametrize("pipe,m,k,n,group_size,act_order,asym", HOPPER_CASES)
+def test_every_hopper_variant(cp, pipe, m, k, n, group_size, act_order, asym):
+    """Every Hopper variant (forced): full and ragged token chunks, several chunks, ragged
+    N, every group-slot count, per-channel, act-order (gathered by hopper_activations),
+    K splits of 1 and many; against the per-weight twin, bitwise stable over 3 calls,
+    and the prepared fp16 delta giving the artifact fp32 delta's bits."""
+    _hopper_or_skip()
+    rng = np.random.default_rng([pipe[1], pipe[3], m, k, n, group_size % 97])
+    L = make_layer(rng, k, n, group_size, act_order, asym)
+    a = rng.standard_normal((m, k), dtype=np.float32).astype(np.float16)
+    kw = dict(size_k=k, size_n=n, group_size=group_size)
+    plan = kernels.gemm_plan(m, k, n, group_size, delta=asym, pipe=pipe)
+    assert plan.kind == "hopper" and plan.arith == "weight"
+    args = dict(delta=_dev(cp, L["delta"]), perm=_dev(cp, L["perm"]), bias=_dev(cp, L["bias"]), pipe=pipe)
+    outs = [
+        cp.asnumpy(
+            kernels.marlin_gemm(
+                cp.asarray(a), cp.asarray(L["B"]), cp.asarray(L["S"]), out=poisoned(cp, (m, n)), **kw, **args
+            )
+        )
+        for _ in range(3)
+    ]
+    assert all(np.array_equal(o.view(np.uint16), outs[0].view(np.uint16)) for o in outs), "not deterministic"
+    got = outs[0].astype(np.float64)
+    assert np.isfinite(got).all(), "unwritten (NaN) outputs"
+    host = dict(delta=L["delta"], perm=L["perm"], bias=L["bias"], arith="weight")
+    twin = ref.marlin_gemm(a, L["B"], L["S"], **kw, **host).astype(np.float64)
+    bound = ref.gemm_error_bound(a, L["B"], L["S"], **kw, **host, splits=plan.splits)
+    bad = np.abs(got - twin) > bound
+    assert not bad.any(), (plan, int(bad.sum()), float(np.abs(got - twin).max()))
+    if asym:
+        c16 = kernels.marlin_gemm(
+            cp.asarray(a),
+            cp.asarray(L["B"]),
+            cp.asarray(L["S"]),
+            out=poisoned(cp, (m, n)),
+            **kw,
+            **dict(args, delta=kernels.prepare_delta(cp.asarray(L["delta"]))),
+        )
+        assert np.array_equal(cp.asnumpy(c16).view(np.uint16), outs[0].view(np.uint16))
+
+
+@pytest.mark.parametrize("m,k,perm", [(1, 64, False), (37, 512, True), (128, 8192, False), (300, 1024, True)])
+def test_hopper_activations_exact(cp, m, k, perm):
+    _hopper_or_skip()
+    from converter.gpu import build
+
+    rng = np.random.default_rng([m, k])
+    a = rng.standard_normal((m, k)).astype(np.float16)
+    p = rng.permutation(k).astype(np.int32) if perm else None
+    m_pad = -(-m // 64) * 64
+    at = cp.full(m_pad * k, cp.nan, dtype=cp.float16)
+    pieces = k // 8 * m_pad
+    build.function("marlin_wgmma.cu", "hopper_activations")(
+        (-(-pieces // 256),),
+        (256,),
+        (cp.asarray(a), cp.asarray(p) if perm else np.uint64(0), at, np.int32(m), np.int32(k), np.int32(m_pad)),
+    )
+    got = cp.asnumpy(at).reshape(k // 8, m_pad, 8)
+    assert np.array_equal(got.view(np.uint16), ref.hopper_activations(a, p, m_pad).view(np.uint16))
+
+
+PADDED_PIPES = [
+    ("decode", 1, 4, 3),
+    ("decode_w", 4, 4, 3),
+    ("tile", 2, 4, 3),
+    ("tile", 4, 2, 3),
+    ("hopper", 2, 4, 4),
+    ("hopper", 16, 4, 6),
+]
+
+
+@pytest.mark.parametrize("pipe", PADDED_PIPES)
+@pytest.mark.parametrize("n_out,m", [(333, 5), (320, 17), (257, 70), (1, 3)])
+def test_padded_layer_stores_exactly_n_out_columns(cp, pipe, n_out, m):
+    """A layer padded from n_out to 384 columns (zero codes, scale 1, delta 0 in the
+    padding) gives exactly n_out columns, the real ones equal to the unpadded product's
+    first n_out; nothing past them is written (poisoned guard columns)."""
+    if pipe[0] == "hopper":
+        _hopper_or_skip()
+    rng = np.random.default_rng([n_out, m, pipe[1]])
+    k, n = 512, 384
+    L = make_layer(rng, k, n, 128, True, True)
+    bias = rng.standard_normal(n_out).astype(np.float16)
+    a = rng.standard_normal((m, k), dtype=np.float32).astype(np.float16)
+    kw = dict(size_k=k, size_n=n, group_size=128)
+    try:
+        plan = kernels.gemm_plan(m, k, n, 128, delta=True, pipe=pipe)
+    except KernelError as exc:
+        assert "not supported" in str(exc)
+        return
+    flat = cp.full(m * n_out + 64, cp.nan, dtype=cp.float16)  # 64 guard values after the result
+    out = flat[: m * n_out].reshape(m, n_out)
+    c = kernels.marlin_gemm(
+        cp.asarray(a),
+        cp.asarray(L["B"]),
+        cp.asarray(L["S"]),
+        delta=cp.asarray(L["delta"]),
+        perm=cp.asarray(L["perm"]),
+        bias=cp.asarray(bias),
+        out=out,
+        n_out=n_out,
+        pipe=pipe,
+        **kw,
+    )
+    assert c.shape == (m, n_out)
+    got = cp.asnumpy(c).astype(np.float64)
+    assert np.isfinite(got).all() and np.isnan(cp.asnumpy(flat[m * n_out :])).all()
+    full_bias = np.concatenate([bias, np.zeros(n - n_out, np.float16)])
+    host = dict(delta=L["delta"], perm=L["perm"], bias=full_bias, arith=plan.arith)
+    twin = ref.marlin_gemm(a, L["B"], L["S"], **kw, **host).astype(np.float64)[:, :n_out]
+    bound = ref.gemm_error_bound(a, L["B"], L["S"], **kw, **host, splits=plan.splits * plan.wk)[:, :n_out]
+    assert (np.abs(got - twin) <= bound).all()
+    # the two-kernel path stores the same columns
+    c2 = kernels.marlin_gemm_two_kernel(
+        cp.asarray(a),
+        cp.asarray(L["B"]),
+        cp.asarray(L["S"]),
+        delta=cp.asarray(L["delta"]),
+        perm=cp.asarray(L["perm"]),
+        bias=cp.asarray(bias),
+        n_out=n_out,
+        **kw,
+    )
+    assert c2.shape == (m, n_out) and np.isfinite(cp.asnumpy(c2)).all()
+    with pytest.raises(KernelError, match=r"n_out=385 must be in 1..size_n=384"):
+        kernels.marlin_gemm(cp.asarray(a), cp.asarray(L["B"]), cp.asarray(L["S"]), n_out=385, **kw)

@@ -35,9 +35,11 @@ class H200:
     smem_per_sm: int = 228 * 1024
 
 
-def _plan(m: int, k: int, n: int, g: int, *, regs: int = 96, tuning: Tuning = DEFAULT_TUNING, pipe=None) -> GemmPlan:
+def _plan(
+    m: int, k: int, n: int, g: int, *, regs: int = 96, tuning: Tuning = DEFAULT_TUNING, pipe=None, hopper: bool = False
+) -> GemmPlan:
     gs = k if g == -1 else g
-    pipe = pipe or default_pipe(m, k, n, gs // 16, H200.smem_per_block_optin, tuning)
+    pipe = pipe or default_pipe(m, k, n, gs // 16, H200.smem_per_block_optin, tuning, hopper=hopper)
     variant = kernel_variant(k, n, g, pipe, smem_limit=H200.smem_per_block_optin, arch="sm_90")
     return plan_gemm(m, k, n, variant, regs=regs, device=H200(), tuning=tuning)
 
@@ -53,6 +55,11 @@ def test_tuning_defaults_are_the_measured_values() -> None:
         a_weight=0.5,
         force_wk=None,
         occupancy_cap=(),
+        hopper=True,
+        hopper_min_m=9,
+        hopper_min_n=4096,
+        hopper_small_kn=4096 * 4096,
+        hopper_small_max_m=64,
     )
     with pytest.raises(dataclasses.FrozenInstanceError):
         DEFAULT_TUNING.waves = 2  # type: ignore[misc]
@@ -100,10 +107,54 @@ def test_kind_table() -> None:
         KernelKind.TILE: Arith.WEIGHT,
         KernelKind.DECODE: Arith.GROUP,
         KernelKind.DECODE_W: Arith.WEIGHT,
+        KernelKind.HOPPER: Arith.WEIGHT,
     }
     assert Pipe.of(("tile", 1, 4, 3)) == ("tile", 1, 4, 3) and repr(Pipe.of(("tile", 1, 4, 3))) == "('tile', 1, 4, 3)"
     assert Pipe.of(("decode", 2, 8, 3)).name(1, True) == "marlin_decode<2, 8, 1, 3, true, true>"
     assert Pipe.of(("decode_w", 4, 4, 3)).name(2, False) == "marlin_decode<4, 4, 2, 3, false, false>"
     # Every variant is built for every GPI of its U, with and without delta.
     n_gemm = sum(2 * len(GEMM_GPIS[p.u]) for p in GEMM_PIPES)
-    assert len(build.NAMES["marlin_gemm.cu"]) + len(build.NAMES["marlin_decode.cu"]) == n_gemm + 1  # + gather_columns
+    built = sum(len(build.NAMES[f]) for f in ("marlin_gemm.cu", "marlin_decode.cu", "marlin_wgmma.cu"))
+    assert built == n_gemm + 2  # + gather_columns, hopper_activations
+    assert Pipe.of(("hopper", 16, 4, 6)).name(2, True) == "marlin_wgmma<64, 2, 4, 2, 6, true>"
+    assert Pipe.of(("hopper", 4, 4, 4)).name(1, False) == "marlin_wgmma<32, 1, 4, 1, 4, false>"
+    assert [Pipe.of(("hopper", r, 4, 4)).threads for r in (1, 8, 16)] == [128, 128, 256]
+
+
+def test_hopper_routing() -> None:
+    """sm_90 only; M >= 9 on layers of N >= 4096; small layers only up to 64 rows."""
+    for m in (1, 8):
+        assert gemm_path(m, 8192, hopper=True, size_k=8192) is KernelKind.DECODE
+    assert gemm_path(9, 8192, hopper=True, size_k=8192) is KernelKind.HOPPER
+    assert gemm_path(256, 57344, hopper=True, size_k=8192) is KernelKind.HOPPER
+    assert gemm_path(16, 8192, size_k=8192) is KernelKind.DECODE  # not on sm_80..89
+    assert gemm_path(16, 2048, hopper=True, size_k=8192) is KernelKind.TILE  # narrow: the sm_80 rule
+    assert gemm_path(64, 4096, hopper=True, size_k=4096) is KernelKind.HOPPER
+    assert gemm_path(65, 4096, hopper=True, size_k=4096) is KernelKind.TILE
+    assert gemm_path(65, 4096, hopper=True, size_k=8192) is KernelKind.HOPPER
+    assert gemm_path(64, 8192, Tuning(hopper=False), hopper=True, size_k=8192) is KernelKind.TILE
+
+
+@pytest.mark.parametrize(
+    "m,r,ns", [(9, 2, 4), (16, 2, 4), (17, 4, 4), (32, 4, 4), (33, 8, 6), (64, 8, 6), (65, 16, 6), (300, 16, 6)]
+)
+def test_hopper_pipe_holds_m(m: int, r: int, ns: int) -> None:
+    pipe = default_pipe(m, 8192, 57344, 8, H200.smem_per_block_optin, hopper=True)
+    assert pipe == ("hopper", r, 4, ns)
+
+
+def test_hopper_plan_occupancy_and_split() -> None:
+    """The split fills the device once (28672 x 8192 at 16 rows: 32 units of 256
+    columns, 4 blocks per SM, so 14 splits: 448 blocks); the wide 70B layer needs none
+    at 64 and 128 rows (224 units; the H200 sweep's best, scripts/perf_notes.md); a
+    two-warpgroup block holds one multiprocessor."""
+    p16 = _plan(16, 28672, 8192, 128, regs=127, hopper=True)
+    assert (p16.kind, p16.splits, p16.tiles_per_split, p16.threads) == (KernelKind.HOPPER, 14, 128, 128)
+    assert p16.blocks == 32 * 14 and p16.resident_warps == 4 * 4 * 132
+    p64 = _plan(64, 8192, 57344, 128, regs=254, hopper=True)
+    assert (p64.splits, p64.blocks, p64.m_chunks) == (1, 224, 1)
+    p128 = _plan(128, 8192, 57344, 128, regs=254, hopper=True)
+    assert (p128.threads, p128.splits, p128.resident_warps) == (256, 1, 8 * 132)
+    p300 = _plan(300, 8192, 57344, 128, regs=254, hopper=True)
+    assert (p300.m_chunks, p300.rows) == (3, 128)
+    assert resident_blocks(254, Pipe.of(("hopper", 16, 4, 6)).smem(1), H200.smem_per_sm, 8) == 1
