@@ -11,7 +11,7 @@ from converter.marlin.layout import pack_b, permute_scales
 rng = np.random.default_rng(0)
 print("| K | N | group | act-order | asym | M | fused mean | fused max | 2-kernel mean | 2-kernel max | bitwise-stable x10 |")
 print("|---|---|---|---|---|---|---|---|---|---|---|")
-for k, n, gs, act, asym in [(4096, 4096, 128, False, True), (4096, 14336, 128, True, True),
+for k, n, gs, act, asym in [(4096, 4096, 128, False, True), (4096, 14336, 128, True, True), (8192, 8192, 128, True, True),
                             (14336, 4096, -1, False, True), (8192, 1024, 32, True, True),
                             (2048, 8192, 64, False, False), (1024, 320, 16, True, True)]:
     g = 1 if gs == -1 else k // gs
@@ -22,7 +22,7 @@ for k, n, gs, act, asym in [(4096, 4096, 128, False, True), (4096, 14336, 128, T
     perm = rng.permutation(k).astype(np.int32) if act else None
     B, S = pack_b(q), permute_scales(s)
     w = ref.reference_weight(B, S, delta, perm, size_k=k, size_n=n, group_size=gs)
-    res = verify_layer_gpu(B, S, delta, perm, k, n, gs, w, repeats=10)
+    res = verify_layer_gpu(B, S, delta, perm, k, n, gs, w, repeats=10, ms=(1, 8, 16, 17, 32, 33, 64, 65, 128, 129, 256))
     for m, e in res.items():
         if m == "ok":
             continue

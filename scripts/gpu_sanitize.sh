@@ -8,29 +8,43 @@ export PYTHONPATH=$PWD
 cat > /tmp/sanitize_cases.py <<'PY'
 import numpy as np, cupy as cp
 from converter.gpu import kernels, reference as ref
+from converter.gpu.plan import Tuning
 from converter.marlin.layout import pack_b, permute_scales
 rng = np.random.default_rng(0)
+hopper = kernels.hopper_device()
 def layer(k, n, gs):
     g = k // gs
     q = rng.integers(0, 16, (k, n), dtype=np.uint8)
     s = (rng.uniform(0.5, 2, (g, n)) / 32).astype(np.float16)
     d = rng.normal(0, 0.05, (g, n)).astype(np.float32)
     return cp.asarray(pack_b(q)), cp.asarray(permute_scales(s)), cp.asarray(d)
-# (m, k, n, group, act-order, wk, pipe): pipe None = the launcher's choice
-for (m, k, n, gs, act, wk, pipe) in [
-        (1, 1024, 256, 128, False, None, None), (17, 1024, 256, 32, True, 4, None),
-        (65, 512, 128, 64, False, 1, None), (16, 256, 64, 256, False, None, None),
-        (128, 384, 192, 128, True, 1, None), (5, 192, 320, 64, False, 1, None),
-        (33, 1536, 320, 48, True, 4, None), (24, 512, 256, 128, False, 1, None),
-        (12, 1024, 320, 1024, True, 1, None),
-        (14, 1024, 320, 128, False, 1, ("decode", 2, 8, 3)), (27, 512, 320, 64, True, 1, ("decode", 4, 4, 3)),
-        (27, 512, 320, 512, False, 1, ("decode_w", 4, 4, 3)), (9, 512, 192, 32, False, 4, ("decode", 2, 4, 3))]:
-    kernels.FORCE_WK = wk
-    B, S, D = layer(k, n, gs)
+# (m, k, n, group, act-order, wk, pipe, n_out): pipe None = the launcher's choice
+cases = [
+        (1, 1024, 256, 128, False, None, None, None), (17, 1024, 256, 32, True, 4, None, None),
+        (65, 512, 128, 64, False, 1, None, None), (16, 256, 64, 256, False, None, None, None),
+        (128, 384, 192, 128, True, 1, None, None), (5, 192, 320, 64, False, 1, None, 301),
+        (33, 1536, 320, 48, True, 4, None, None), (24, 512, 256, 128, False, 1, None, 255),
+        (12, 1024, 320, 1024, True, 1, None, None),
+        (14, 1024, 320, 128, False, 1, ("decode", 2, 8, 3), None),
+        (27, 512, 320, 64, True, 1, ("decode", 4, 4, 3), 290),
+        (27, 512, 320, 512, False, 1, ("decode_w", 4, 4, 3), None),
+        (9, 512, 192, 32, False, 4, ("decode", 2, 4, 3), None),
+        (40, 512, 320, 64, True, 4, ("tile", 4, 2, 3), 317)]
+if hopper:  # every Hopper variant: full/ragged chunks, several chunks, ragged N, splits, GPI 1/2/4, padding
+    cases += [(8, 2048, 320, 128, True, None, ("hopper", 1, 4, 4), None),
+              (13, 768, 512, 32, False, None, ("hopper", 2, 4, 4), 509),
+              (70, 1024, 256, 48, True, None, ("hopper", 4, 4, 4), None),
+              (64, 4096, 512, -1, False, None, ("hopper", 8, 4, 6), None),
+              (129, 512, 4096, 16, True, None, ("hopper", 16, 4, 6), 4000),
+              (300, 256, 8192, 128, False, None, None, None)]
+for (m, k, n, gs, act, wk, pipe, n_out) in cases:
+    tuning = Tuning(force_wk=wk)
+    gsz = k if gs == -1 else gs
+    B, S, D = layer(k, n, gsz)
     a = cp.asarray(rng.standard_normal((m, k)).astype(np.float16))
     perm = cp.asarray(rng.permutation(k).astype(np.int32)) if act else None
-    bias = cp.asarray(rng.standard_normal(n).astype(np.float16))
-    kw = dict(size_k=k, size_n=n, group_size=gs, perm=perm)
+    bias = cp.asarray(rng.standard_normal(n_out or n).astype(np.float16))
+    kw = dict(size_k=k, size_n=n, group_size=gs, perm=perm, n_out=n_out, tuning=tuning)
     for _ in range(2):
         kernels.marlin_gemm(a, B, S, delta=D, bias=bias, pipe=pipe, **kw)
         kernels.marlin_gemm(a, B, S, pipe=pipe, **kw)
@@ -38,7 +52,8 @@ for (m, k, n, gs, act, wk, pipe) in [
     kernels.dequant(B, S, delta=D, size_k=k, size_n=n, group_size=gs)
     kernels.dequant(B, S, size_k=k, size_n=n, group_size=gs)
     kernels.synchronize()
-    print("case", m, k, n, gs, act, "plan", kernels.gemm_plan(m, k, n, gs, pipe=pipe), flush=True)
+    p = kernels.gemm_plan(m, k, n, gs, pipe=pipe, tuning=tuning)
+    print("case", m, k, n, gs, act, n_out, p.kind.value, p.r, p.u, p.ns, "splits", p.splits, flush=True)
 print("sanitize cases done")
 PY
 python3 /tmp/sanitize_cases.py >/dev/null || { echo "cases fail outside the sanitizer"; exit 1; }

@@ -303,8 +303,9 @@ def marlin_gemm(
     out = cp.empty((m, n_out), dtype=cp.float16) if out is None else _dev(out, "out", np.float16, (m, n_out))
     plan = gemm_plan(m, size_k, size_n, group_size, delta=delta is not None, pipe=pipe, tuning=tuning)
     fn = build.function(plan.pipe.spec.source, plan.pipe.name(plan.gpi, delta is not None))
-    if plan.smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < plan.smem:
-        fn.max_dynamic_shared_size_bytes = plan.smem  # opt in above the 48 KB default
+    if fn.max_dynamic_shared_size_bytes < plan.smem:
+        # Opt in above the default (48 KB less the kernel's static shared memory).
+        fn.max_dynamic_shared_size_bytes = plan.smem
     gt = size_k // MARLIN_TILE if per_channel else gs // MARLIN_TILE
     tail = (
         np.int32(gt),

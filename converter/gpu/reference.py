@@ -316,12 +316,16 @@ def marlin_gemm_two_kernel(
     delta: np.ndarray,
     perm: np.ndarray | None = None,
     bias: np.ndarray | None = None,
+    arith: str | None = None,
 ) -> np.ndarray:
     """Twin of the two-kernel path: symmetric GEMM (with bias), then ``C += xsum @ delta``.
 
-    Args and returns as :func:`marlin_gemm`; ``delta`` is required.
+    Args and returns as :func:`marlin_gemm` (``arith`` that of the symmetric GEMM's
+    kernel); ``delta`` is required.
     """
-    c = marlin_gemm(A, B, scales, size_k=size_k, size_n=size_n, group_size=group_size, perm=perm, bias=bias)
+    c = marlin_gemm(
+        A, B, scales, size_k=size_k, size_n=size_n, group_size=group_size, perm=perm, bias=bias, arith=arith
+    )
     a = gather_columns(A, perm) if perm is not None else np.asarray(A)
     return add_correction(c, group_sums(a, group_size=group_size), delta)
 
