@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
@@ -188,46 +189,132 @@ def convert_cmd(
             show_default=False,
         ),
     ] = None,
+    pad: Annotated[
+        bool,
+        typer.Option(
+            "--pad/--no-pad",
+            help="Convert a layer whose N is not a multiple of 64 with N padded by zero columns (recorded as "
+            "padded_n; the kernels return exactly N columns). --no-pad passes such layers through.",
+        ),
+    ] = True,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="The long summary: every layer and every passed-through tensor.")
+    ] = False,
     debug: DebugOpt = False,
     version: VersionOpt = False,
 ) -> None:
     from .convert import convert
 
     with _errors_to_exit(debug, as_json), _progress(_show_progress(quiet, as_json)) as prog:
-        report = convert(source, output, force=force, dry_run=dry_run, progress=prog, max_shard_size=max_shard_size)
+        report = convert(
+            source, output, force=force, dry_run=dry_run, progress=prog, max_shard_size=max_shard_size, pad=pad
+        )
     if as_json:
         print(json.dumps(report.to_json()))
         return
-    if quiet:
-        return
-    table = Table(title=("plan (dry run)" if dry_run else f"wrote {report.output}"), title_justify="left")
-    for col in ("layer", "K", "N", "group", "bits", "sym", "zeros", "upstream"):
+    if not quiet:
+        _render_convert(report, verbose)
+
+
+#: Lines of "not converted" groups and of warnings shown before "... more" (``--verbose``: all).
+SUMMARY_LINES = 12
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)")
+
+
+def name_patterns(names: Iterable[str]) -> list[tuple[str, int]]:
+    """Layer or tensor names grouped by their pattern, numeric components as ``*``.
+
+    ``model.layers.3.self_attn.q_proj`` -> ``model.layers.*.self_attn.q_proj``; a
+    pattern only one name has is that name.  Returns ``[(pattern, count)]`` in order
+    of first appearance.
+    """
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(_INDEX.sub("*", name), []).append(name)
+    return [(pat if len(ns) > 1 else ns[0], len(ns)) for pat, ns in groups.items()]
+
+
+def _patterns_text(names: Iterable[str]) -> str:
+    return ", ".join(p if n == 1 else f"{p} ({n})" for p, n in name_patterns(names))
+
+
+def _layer_cells(lay: Any) -> tuple[str, ...]:
+    """The K ... upstream cells of a converted layer's row (a ``LayerEntry``)."""
+    group = "chan" if lay.group_size == lay.size_k else str(lay.group_size)
+    return (
+        str(lay.size_k),
+        str(lay.size_n) + (f" (pad {lay.padded_n})" if lay.padded_n is not None else ""),
+        group + (f" (from {lay.source_group_size})" if lay.source_group_size is not None else ""),
+        str(lay.bits),
+        "yes" if lay.symmetric else "no",
+        lay.zero_convention.value,
+        "yes" if lay.upstream_marlin_compatible else "no",
+    )
+
+
+def _render_convert(report: Any, verbose: bool) -> None:
+    """The summary of :func:`~converter.convert.convert` on stderr.
+
+    By default: the converted layers as one table row per name pattern and shape (a
+    200-layer model fits on a screen), the regrouped and padded layers, the layers not
+    converted grouped by reason with their name patterns, the plain tensors counted by
+    reason, the warnings grouped, and a total.  ``verbose``: one row per layer, every
+    passed-through tensor with its reason, every warning.
+    """
+    print_ = err_console.print
+    table = Table(title=("plan (dry run)" if report.dry_run else f"wrote {report.output}"), title_justify="left")
+    for col in ("layer", "count", "K", "N", "group", "bits", "sym", "zeros", "upstream"):
         table.add_column(col, overflow="fold")
+    rows: dict[tuple[str, ...], list[str]] = {}
     for lay in report.converted:
-        table.add_row(
-            escape(lay.name),
-            str(lay.size_k),
-            str(lay.size_n),
-            "chan" if lay.group_size == lay.size_k else str(lay.group_size),
-            str(lay.bits),
-            "yes" if lay.symmetric else "no",
-            lay.zero_convention.value,
-            "yes" if lay.upstream_marlin_compatible else "no",
-        )
-    err_console.print(table)
-    reasons: dict[str, list[str]] = {}
+        rows.setdefault((lay.name if verbose else _INDEX.sub("*", lay.name), *_layer_cells(lay)), []).append(lay.name)
+    for (pattern, *cells), names in rows.items():
+        table.add_row(escape(names[0] if len(names) == 1 else pattern), str(len(names)), *cells)
+    print_(table)
+    lines: list[str] = []
+    for what, attr in (
+        ("regrouped (short last group; each source group's scale and zero repeated per slice)", "source_group_size"),
+        ("padded (N rounded up to a multiple of 64 with zero columns; outputs keep N)", "padded_n"),
+    ):
+        names = [lay.name for lay in report.converted if getattr(lay, attr) is not None]
+        if names:
+            listed = ", ".join(names) if verbose else _patterns_text(names)
+            lines.append(f"{len(names)} layer(s) {what}: {escape(listed)}")
+    by_reason: dict[str, list[str]] = {}
+    for nc in report.not_converted:
+        by_reason.setdefault(nc.reason, []).append(nc.name)
+    for reason, names in by_reason.items():
+        listed = ", ".join(names) if verbose else _patterns_text(names)
+        lines.append(f"{len(names)} layer(s) not converted: {escape(reason)}\n  {escape(listed)}")
+    of_layers = {t for nc in report.not_converted for t in nc.tensors}
+    plain: dict[str, list[str]] = {}
     for p in report.passthrough:
-        reasons.setdefault(p.reason, []).append(p.name)
-    for reason, names in reasons.items():
-        shown = ", ".join(names[:4]) + (f", ... ({len(names)} tensors)" if len(names) > 4 else "")
-        err_console.print(f"pass-through: {escape(shown)}  [dim]({escape(reason)})[/]", soft_wrap=True)
+        if p.name not in of_layers:
+            plain.setdefault(p.reason, []).append(p.name)
+    if plain and verbose:
+        lines += [f"pass-through: {escape(', '.join(names))}  [dim]({escape(why)})[/]" for why, names in plain.items()]
+    elif plain:
+        counts = "; ".join(f"{escape(why)} ({len(names)})" for why, names in plain.items())
+        lines.append(f"{sum(map(len, plain.values()))} plain tensor(s) carried over unchanged: {counts}")
+    warnings: dict[str, list[str]] = {}
     for lay in report.converted:
         for w in lay.warnings:
-            err_console.print(f"[yellow]warning:[/] {escape(lay.name)}: {escape(w)}", soft_wrap=True)
-    verb = "would write" if dry_run else "wrote"
-    err_console.print(
-        f"{len(report.converted)} layers converted, {len(report.passthrough)} tensors passed through; "
-        f"{verb} {report.bytes_out / 1e6:.2f} MB of tensor data"
+            warnings.setdefault(w, []).append(lay.name)
+    for w, names in warnings.items():
+        listed = ", ".join(names) if verbose else _patterns_text(names)
+        lines.append(f"[yellow]warning:[/] {escape(listed)}: {escape(w)}")
+    shown = lines if verbose else lines[:SUMMARY_LINES]
+    for line in shown:
+        print_(line, soft_wrap=True)
+    if len(shown) < len(lines):
+        print_(f"... and {len(lines) - len(shown)} more (--verbose for all; --json for every tensor)")
+    verb = "would write" if report.dry_run else "wrote"
+    counts = [(sum(lay.source_group_size is not None for lay in report.converted), "regrouped")]
+    counts.append((sum(lay.padded_n is not None for lay in report.converted), "padded"))
+    extra = ", ".join(f"{n} {what}" for n, what in counts if n)
+    print_(
+        f"{len(report.converted)} layers converted{f' ({extra})' if extra else ''}, "
+        f"{len(report.passthrough)} tensors passed through; {verb} {report.bytes_out / 1e6:.2f} MB of tensor data"
     )
 
 

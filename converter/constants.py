@@ -70,6 +70,11 @@ CONVERT_GROUP_MULTIPLE = MARLIN_TILE
 #: Rows in a whole block of every packed bit width (3-bit packs 32 codes in 3 words,
 #: 2-bit 16 in one): K chunks that start on it never split a source word.
 PACKED_ROW_BLOCK = 32
+#: What the columns of a padded layer (N rounded up to a multiple of 64) hold: the
+#: zero weight (q - 8) * s + delta = 0, so a kernel that computed them would get 0.
+PAD_CODE = MARLIN_ZERO
+PAD_SCALE = 1.0
+PAD_DELTA = 0.0
 #: Upstream IST-DASLab Marlin's own limits (marlin.Layer), recorded per layer.
 UPSTREAM_K_MULTIPLE = 128
 UPSTREAM_N_MULTIPLE = 256
@@ -93,10 +98,11 @@ KERNEL_N_MULTIPLE = 64
 #: relative error (marlin-verify's GPU mode and converter.gpu.verify).
 GPU_MEAN_REL_TOL = 1e-3
 
-# --- Artifact (schemas/marlin-artifact.v1.schema.json) --------------------------------
+# --- Artifact (schemas/marlin-artifact.v2.schema.json) --------------------------------
 PRODUCER_NAME = "marlin-convert"
-ARTIFACT_SCHEMA_VERSION = 1
-SUPPORTED_SCHEMA_VERSIONS = (1,)
+#: v2 added the layer fields ``source_group_size`` (regrouped) and ``padded_n`` (padded).
+ARTIFACT_SCHEMA_VERSION = 2
+SUPPORTED_SCHEMA_VERSIONS = (1, 2)
 META_FORMAT = "format"
 META_FORMAT_VALUE = "pt"
 META_SCHEMA_VERSION = "marlin.schema_version"
@@ -111,11 +117,12 @@ class Suffix(str, enum.Enum):
     """Artifact tensor-name suffixes for a converted layer ``<prefix>``."""
 
     B = "marlin_B"
-    """int32 ``(size_k // 16, size_n * 16 // MARLIN_PACK_FACTOR)``, Marlin tile order."""
+    """int32 ``(size_k // 16, layout_n * 16 // MARLIN_PACK_FACTOR)``, Marlin tile order
+    (``layout_n``: ``padded_n`` when the layer is padded, else ``size_n``)."""
     SCALES = "marlin_scales"
-    """float16 ``(num_groups, size_n)``, Marlin scale permutation (64- or 32-entry)."""
+    """float16 ``(num_groups, layout_n)``, Marlin scale permutation (64- or 32-entry)."""
     DELTA = "marlin_delta"
-    """float32 ``(num_groups, size_n)``, natural column order, group order."""
+    """float32 ``(num_groups, layout_n)``, natural column order, group order."""
     PERM = "marlin_perm"
     """int32 ``(size_k,)``: Marlin row k holds source input channel ``perm[k]``."""
     BIAS = "bias"

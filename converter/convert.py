@@ -5,6 +5,10 @@ input runs here, before anything is written), then stream each layer in K chunks
 through :func:`~converter.marlin.layout.pack_b` into an
 :class:`~converter.artifact.writer.ArtifactWriter` (one file, shards or a model
 folder; temporary files, fsync, rename), hashing every tensor's bytes on the way.
+
+A padded layer (``LayerPlan.padded_n``) gets its zero columns here, the one place
+that writes the layout: code 8, scale 1, delta 0 (:data:`~converter.constants.PAD_CODE`
+...).  A regrouped layer arrives from its reader already at the artifact's group size.
 """
 
 from __future__ import annotations
@@ -25,7 +29,16 @@ from .artifact.schema import Checksums, LayerEntry, Passthrough
 from .artifact.shards import Layout, parse_size, plan_shards
 from .artifact.target import InputGuard, OutputTarget
 from .artifact.writer import ArtifactWriter
-from .constants import CHECKSUM_HEX_LEN, MARLIN_TILE, PACKED_ROW_BLOCK, SAFETENSORS_METADATA_KEY, Suffix
+from .constants import (
+    CHECKSUM_HEX_LEN,
+    MARLIN_TILE,
+    PACKED_ROW_BLOCK,
+    PAD_CODE,
+    PAD_DELTA,
+    PAD_SCALE,
+    SAFETENSORS_METADATA_KEY,
+    Suffix,
+)
 from .dtypes import nbytes
 from .errors import SourceFormatError
 from .formats import open_source
@@ -43,6 +56,16 @@ PLAIN_REASON = "not a quantized linear layer"
 Progress = Callable[[str, int], None]
 
 
+@dataclasses.dataclass(frozen=True)
+class NotConverted:
+    """A quantized layer that passes through: its name, why (the shape or format rule
+    with the numbers), and its tensors (bias included), each listed in ``passthrough``."""
+
+    name: str
+    reason: str
+    tensors: tuple[str, ...]
+
+
 @dataclasses.dataclass
 class ConvertReport:
     """What a conversion did (or, for a dry run, would do).
@@ -50,8 +73,10 @@ class ConvertReport:
     Attributes:
         source: input path; output: artifact path (planned, for a dry run).
         source_format: detected format.
-        converted: manifest records of the converted layers.
+        converted: manifest records of the converted layers (``source_group_size`` set on a
+            regrouped layer, ``padded_n`` on a padded one).
         passthrough: every carried-over tensor, with its reason.
+        not_converted: the quantized layers among them.
         tensors: ``[(name, dtype, shape)]`` of the artifact.
         bytes_out: size of the tensor data written (or planned).
         dry_run: True when nothing was written.
@@ -65,6 +90,7 @@ class ConvertReport:
     tensors: list[tuple[str, str, tuple[int, ...]]]
     bytes_out: int
     dry_run: bool
+    not_converted: list[NotConverted] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -78,7 +104,7 @@ class ConvertReport:
 def layer_tensor_names(layer: LayerPlan) -> dict[Suffix, tuple[str, tuple[int, ...], str]]:
     """``{suffix: (artifact name, shape, dtype)}`` for a convertible layer."""
     shapes = marlin_shapes(
-        LayerShape(layer.size_k, layer.size_n, layer.group_size),
+        LayerShape(layer.size_k, layer.size_n, layer.group_size, layer.padded_n),
         act_order=layer.act_order,
         bias_dtype=layer.bias.dtype if layer.bias else None,
     )
@@ -138,11 +164,20 @@ def _passthrough_infos(source: Source, plan: SourcePlan, names: list[str]) -> li
 
 
 def _chunk_rows(layer: LayerPlan) -> int:
-    # Chunks start on group boundaries (or any 16-row boundary when per-channel)
-    # and on 32-row boundaries so 2- and 3-bit words are never split.
-    unit = math.lcm(MARLIN_TILE if layer.group_size == layer.size_k else layer.group_size, PACKED_ROW_BLOCK)
-    rows = max(unit, (CHUNK_CODE_BYTES // max(layer.size_n, 1)) // unit * unit)
+    # Chunks start on the source's group boundaries (or any 16-row boundary when
+    # per-channel) and on 32-row boundaries so 2- and 3-bit words are never split.
+    gs = layer.source_group_size or layer.group_size
+    unit = math.lcm(MARLIN_TILE if gs >= layer.size_k else gs, PACKED_ROW_BLOCK)
+    rows = max(unit, (CHUNK_CODE_BYTES // max(layer.layout_n, 1)) // unit * unit)
     return min(rows, layer.size_k)
+
+
+def _padded(a: np.ndarray, layer: LayerPlan, value: float) -> np.ndarray:
+    """``a`` ``(rows, size_n)`` widened to ``(rows, padded_n)`` with ``value`` (same
+    dtype); ``a`` itself when the layer is not padded."""
+    if layer.padded_n is None:
+        return a
+    return np.pad(a, ((0, 0), (0, layer.padded_n - layer.size_n)), constant_values=value)
 
 
 def convert(
@@ -153,6 +188,7 @@ def convert(
     dry_run: bool = False,
     progress: Progress | None = None,
     max_shard_size: int | str | None = None,
+    pad: bool = True,
 ) -> ConvertReport:
     """Convert a checkpoint into one Marlin safetensors artifact.
 
@@ -165,6 +201,8 @@ def convert(
         max_shard_size: bytes (or ``"5GB"``) of tensor data per file; more data is
             written as HF shards plus ``<stem>.safetensors.index.json``.
         dry_run: plan and report, write nothing.
+        pad: convert a layer whose N is not a multiple of 64 with its N padded
+            (recorded as ``padded_n``); False passes it through.
         progress: called as ``progress(description, total_steps)`` once, then
             ``progress("", 1)`` per step.
 
@@ -178,7 +216,7 @@ def convert(
     out_arg = out_path  # as given: Path() drops the trailing "/" that selects folder mode
     src_path, out_path = Path(src_path), Path(out_path)
     with open_source(src_path) as source:
-        plan = source.plan()
+        plan = source.plan(pad=pad)
         layout, layers, passthrough = build_layout(plan, path=src_path)
         layout += _passthrough_infos(source, plan, [p.name for p in passthrough])
         desc = source.describe()
@@ -192,6 +230,11 @@ def convert(
             layout,
             bytes_out,
             dry_run,
+            [
+                NotConverted(lay.name, lay.reason, lay.source_tensors + ((lay.bias.name,) if lay.bias else ()))
+                for lay in plan.layers
+                if not lay.convertible
+            ],
         )
         max_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
         shards = plan_shards(layout, [lay.name for lay in layers], max_bytes)
@@ -283,10 +326,10 @@ def _write_layer(source: Source, layer: LayerPlan, writer: StreamingWriter, behi
     groups_done = 0
     for k0 in range(0, layer.size_k, step):
         k1 = min(k0 + step, layer.size_k)
-        packed = source.load_packed(layer, k0, k1)
+        packed = source.load_packed(layer, k0, k1) if layer.padded_n is None else None
         if packed is None:
             qw = source.load_layer(layer, k0, k1)
-            b = pack_b(qw.marlin_codes())
+            b = pack_b(_padded(qw.marlin_codes(), layer, PAD_CODE))
         else:  # same bits, without materialising the uint8 codes (4-bit: no code offset)
             b, qw = packed
         jobs: list[tuple[str, np.ndarray, int, Any]] = [(names[Suffix.B], b, k0 // MARLIN_TILE, hashers[Suffix.B])]
@@ -294,8 +337,8 @@ def _write_layer(source: Source, layer: LayerPlan, writer: StreamingWriter, behi
         # A per-channel layer returns its one group with every chunk: write it once.
         skip = max(groups_done - g0, 0)
         if skip < qw.num_groups:
-            s = permute_scales(qw.scales[skip:], single=layer.num_groups == 1)
-            delta = np.ascontiguousarray(qw.marlin_delta()[skip:], dtype=np.float32)
+            s = permute_scales(_padded(qw.scales[skip:], layer, PAD_SCALE), single=layer.num_groups == 1)
+            delta = np.ascontiguousarray(_padded(qw.marlin_delta()[skip:], layer, PAD_DELTA), dtype=np.float32)
             jobs.append((names[Suffix.SCALES], s, g0 + skip, hashers[Suffix.SCALES]))
             jobs.append((names[Suffix.DELTA], delta, g0 + skip, hashers[Suffix.DELTA]))
             groups_done = g0 + qw.num_groups

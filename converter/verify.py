@@ -1,5 +1,8 @@
 """``marlin-verify``'s checks beyond structure: exact comparison with the source
 (``--against``), CPU numerics, and (through ``converter.gpu``) GPU numerics.
+
+A padded layer is compared on its ``size_n`` real columns, and its padding columns
+must be exactly code 8, scale 1.0 and delta +0.0; numerics use the real columns only.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from .artifact.problems import ProblemCode, Report
 from .artifact.reader import Artifact
 from .artifact.schema import LayerEntry
 from .artifact.validate import broken_layers, validate_artifact
-from .constants import GPU_MEAN_REL_TOL, KERNEL_K_MULTIPLE, MARLIN_ZERO, Suffix
+from .constants import GPU_MEAN_REL_TOL, KERNEL_K_MULTIPLE, MARLIN_ZERO, PAD_CODE, PAD_DELTA, PAD_SCALE, Suffix
 from .errors import ConverterError, GpuUnavailableError
 from .formats import open_source
 from .formats.base import Source
@@ -33,12 +36,14 @@ def unpack_layer(art: Artifact, rec: LayerEntry) -> dict[str, np.ndarray | None]
     """Exact inverse of the conversion for one layer.
 
     Returns:
-        ``q`` uint8 ``(size_k, size_n)`` in Marlin row order; ``scales`` float16
-        ``(num_groups, size_n)`` natural order; ``delta`` float32; ``perm`` int32 or None.
+        ``q`` uint8 ``(size_k, layout_n)`` in Marlin row order; ``scales`` float16
+        ``(num_groups, layout_n)`` natural order; ``delta`` float32; ``perm`` int32 or
+        None.  ``layout_n`` is ``padded_n`` for a padded layer: the columns from
+        ``size_n`` on are its padding.
     """
     p = rec.name + "."
     return {
-        "q": unpack_b(art.tensor(p + Suffix.B.value), rec.size_n),
+        "q": unpack_b(art.tensor(p + Suffix.B.value), rec.layout_n),
         "scales": unpermute_scales(art.tensor(p + Suffix.SCALES.value), single=rec.shape.num_groups == 1),
         "delta": np.asarray(art.tensor(p + Suffix.DELTA.value), dtype=np.float32),
         "perm": np.asarray(art.tensor(p + Suffix.PERM.value)) if rec.act_order else None,
@@ -46,9 +51,11 @@ def unpack_layer(art: Artifact, rec: LayerEntry) -> dict[str, np.ndarray | None]
 
 
 def artifact_weight(u: dict[str, np.ndarray | None], rec: LayerEntry) -> np.ndarray:
-    """float32 ``(size_k, size_n)`` = ``(q - 8) * s + delta``, rows in SOURCE channel order."""
+    """float32 ``(size_k, size_n)`` = ``(q - 8) * s + delta``, rows in SOURCE channel order
+    (the real columns of a padded layer)."""
     g = np.arange(rec.size_k) // rec.group_size
-    w = (u["q"].astype(np.float32) - MARLIN_ZERO) * u["scales"].astype(np.float32)[g] + u["delta"][g]
+    n = rec.size_n
+    w = (u["q"][:, :n].astype(np.float32) - MARLIN_ZERO) * u["scales"][:, :n].astype(np.float32)[g] + u["delta"][g, :n]
     return _to_source_order(w, u["perm"])
 
 
@@ -77,10 +84,15 @@ def compare_against(
     """Compare the artifact with its source exactly; append problems to ``report``.
 
     Checks that the artifact holds exactly the tensors a conversion of this source
-    makes; per layer the manifest facts (bits, zero convention, bias), codes (unpacked
-    ``B``), scales (unpermuted, bitwise), ``delta`` (bitwise) and ``perm``; the bias
-    and every pass-through tensor byte for byte.  Layers in ``skip`` (structurally
-    broken, already reported) are not compared.
+    makes; per layer the manifest facts (sizes, group sizes, padding, bits, zero
+    convention, bias), codes (unpacked ``B``), scales (unpermuted, bitwise), ``delta``
+    (bitwise) and ``perm`` (a regrouped layer against its source's scales and zeros
+    repeated per slice, a padded layer on its real columns, its padding against code
+    8, scale 1 and delta 0); the bias and every pass-through tensor byte for byte.
+    Layers in ``skip`` (structurally broken, already reported) are not compared.
+
+    The conversion's ``--pad``/``--no-pad`` is read from the artifact: a source layer
+    that pads and is not among the artifact's layers means ``--no-pad``.
 
     Returns:
         ``{layer name: QuantWeight}`` of the source layers (for numerics).
@@ -98,6 +110,9 @@ def compare_against(
             str(source.path),
         )
     plan = source.plan()
+    padded = {lay.name for lay in plan.layers if lay.padded_n is not None}
+    if padded and not padded & art.layers.keys():
+        plan = source.plan(pad=False)  # converted with --no-pad: those layers passed through
     loaded: dict[str, QuantWeight] = {}
     src_layers = {lay.name: lay for lay in plan.layers if lay.convertible}
     for name in art.layers.keys() - src_layers.keys():
@@ -127,7 +142,9 @@ def compare_against(
         facts = {
             "size_k": (rec.size_k, lay.size_k),
             "size_n": (rec.size_n, lay.size_n),
+            "padded_n": (rec.padded_n, lay.padded_n),
             "group_size": (rec.group_size, lay.group_size),
+            "source_group_size": (rec.source_group_size, lay.source_group_size),
             "bits": (rec.bits, lay.bits),
             "zero_convention": (rec.zero_convention.value, lay.zero_convention.value),
             "has_bias": (rec.has_bias, lay.bias is not None),
@@ -148,11 +165,14 @@ def compare_against(
         qw = source.load_layer(lay)
         loaded[name] = qw
         u = unpack_layer(art, rec)
+        n = rec.size_n
         checks = {
-            "codes": (u["q"], qw.marlin_codes()),
-            "scales": (u["scales"], np.ascontiguousarray(qw.scales, dtype=np.float16)),
-            "delta": (u["delta"], np.ascontiguousarray(qw.marlin_delta(), dtype=np.float32)),
+            "codes": (u["q"][:, :n], qw.marlin_codes()),
+            "scales": (u["scales"][:, :n], np.ascontiguousarray(qw.scales, dtype=np.float16)),
+            "delta": (u["delta"][:, :n], np.ascontiguousarray(qw.marlin_delta(), dtype=np.float32)),
         }
+        if rec.padded_n is not None:
+            layer_rows[name]["padding_exact"] = _check_padding(report, rec, u)
         if (u["perm"] is None) != (qw.perm is None):
             report.add(
                 P.SOURCE_MISMATCH,
@@ -204,6 +224,26 @@ def compare_against(
     return loaded
 
 
+def _check_padding(report: Report, rec: LayerEntry, u: dict[str, np.ndarray | None]) -> bool:
+    """Whether the padding columns of a padded layer are exactly the zero weight (code 8,
+    scale 1.0, delta +0.0, bitwise); each part that is not is a ``source_mismatch``."""
+    ok = True
+    for what, key, value in (("codes", "q", PAD_CODE), ("scales", "scales", PAD_SCALE), ("delta", "delta", PAD_DELTA)):
+        a = u[key]
+        assert a is not None
+        bad = np.argwhere(_bits(a[:, rec.size_n :]) != _bits(np.full_like(a[:, rec.size_n :], value)))
+        if bad.size:
+            ok = False
+            r, c = (int(i) for i in bad[0])
+            report.add(
+                P.SOURCE_MISMATCH,
+                f"layer {rec.name}: padding columns {rec.size_n}..{rec.layout_n - 1} of {what} must all be "
+                f"{value:g}; {len(bad)} differ, first at [{r}, {rec.size_n + c}]: {a[r, rec.size_n + c].item()}",
+                rec.name,
+            )
+    return ok
+
+
 def _source_weight(qw: QuantWeight) -> np.ndarray:
     return _to_source_order(qw.source_weight(), qw.perm)
 
@@ -214,7 +254,9 @@ def cpu_numerics(art: Artifact, rec: LayerEntry, qw: QuantWeight | None, rng: np
     The artifact side computes what a Marlin kernel does: gather ``x[:, perm]``,
     multiply by ``(q - 8) * s``, add ``xsum @ delta`` with per-group sums of the
     gathered ``x``.  The reference is ``x @ W_source`` (source formula) when a
-    source is given, else ``x @ W`` from the artifact's own exact unpacking.
+    source is given, else ``x @ W`` from the artifact's own exact unpacking.  A padded
+    layer is computed over all ``layout_n`` columns, as the kernel does, and compared
+    on its ``size_n`` real ones.
 
     Returns:
         ``||y - y_ref|| / ||y_ref||`` over random ``x`` of shape ``(8, size_k)``.
@@ -225,7 +267,7 @@ def cpu_numerics(art: Artifact, rec: LayerEntry, qw: QuantWeight | None, rng: np
     g = np.arange(rec.size_k) // rec.group_size
     w_sym = (u["q"].astype(np.float32) - MARLIN_ZERO) * u["scales"].astype(np.float32)[g]
     xsum = xp.reshape(CPU_M, rec.shape.num_groups, rec.group_size).sum(axis=2)
-    y = xp @ w_sym + xsum @ u["delta"]
+    y = (xp @ w_sym + xsum @ u["delta"])[:, : rec.size_n]
     w_ref = _source_weight(qw) if qw is not None else artifact_weight(u, rec)
     y_ref = x @ w_ref
     denom = float(np.linalg.norm(y_ref)) or 1.0
@@ -264,6 +306,8 @@ def verify(
                 "bits": rec.bits,
                 "symmetric": rec.symmetric,
                 "act_order": rec.act_order,
+                **({"source_group_size": rec.source_group_size} if rec.source_group_size is not None else {}),
+                **({"padded_n": rec.padded_n} if rec.padded_n is not None else {}),
             }
             for rec in art.layers.values()
         }
@@ -346,9 +390,10 @@ def _gpu_numerics(
             u["delta"],
             u["perm"],
             rec.size_k,
-            rec.size_n,
+            rec.layout_n,
             rec.group_size,
             w_ref,
+            n_out=rec.size_n,
         )
         per_m = {str(m): v for m, v in res.items() if m != "ok"}
         rows[name]["gpu"] = {

@@ -42,10 +42,13 @@ def layer_entry(layer: LayerPlan) -> LayerEntry:
         symmetric=layer.symmetric,
         zero_convention=layer.zero_convention,
         has_bias=layer.bias is not None,
-        upstream_marlin_compatible=upstream_compatible(layer.size_k, layer.size_n, layer.group_size),
-        kernel_compatible=kernel_compatible(layer.size_k, layer.size_n, layer.group_size),
+        # Of the stored layout: a runtime runs padded_n columns at the stored group size.
+        upstream_marlin_compatible=upstream_compatible(layer.size_k, layer.layout_n, layer.group_size),
+        kernel_compatible=kernel_compatible(layer.size_k, layer.layout_n, layer.group_size),
         warnings=tuple(layer.warnings),
         act_order=layer.act_order,
+        source_group_size=layer.source_group_size,
+        padded_n=layer.padded_n,
     )
 
 

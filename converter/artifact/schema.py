@@ -16,7 +16,14 @@ they use, against the schema file).  Rules that keep them in step:
   still reads every older artifact.
 
 Adding a layer field is one dataclass field plus the schema's property: reading,
-writing and the schema test follow from the dataclass.
+writing and the schema test follow from the dataclass.  A field a version adds is
+listed in :data:`ADDED_IN` under that version, so the older versions' parsers refuse
+it (their schema files do not have it) and the schema test checks each file.
+
+Versions: v1 (the first); v2 adds ``layers[].source_group_size`` (a layer stored at a
+smaller group size than its source's, whose last group was short) and
+``layers[].padded_n`` (a layer whose N was padded to a multiple of 64; ``size_n`` is
+the true N).  A v1 layer has neither: it is stored at its source's group size and N.
 """
 
 from __future__ import annotations
@@ -110,6 +117,15 @@ class LayerEntry(SchemaObject):
         kernel_compatible: this project's GEMM limits hold.
         warnings: data-versus-config findings from conversion.
         act_order: the layer carries ``<name>.marlin_perm`` (written only when true).
+        source_group_size: (v2) the source's group size when the layer was regrouped
+            (its last group was short, ``size_k % source_group_size != 0``): every
+            source group's scale and zero are repeated for each of its
+            ``group_size``-row slices.  Written only when regrouped.
+        padded_n: (v2) the width of ``marlin_B``, the scales and ``delta`` when N was
+            padded to a multiple of 64 (columns ``size_n..padded_n`` hold code 8,
+            scale 1, delta 0); ``size_n`` stays the true N, the bias and the output
+            have ``size_n`` columns.  Written only when padded, so a reader that
+            does not know it refuses the layer instead of running ``padded_n`` columns.
     """
 
     name: str
@@ -126,12 +142,19 @@ class LayerEntry(SchemaObject):
     kernel_compatible: bool
     warnings: tuple[str, ...]
     act_order: bool = False
+    source_group_size: int | None = None
+    padded_n: int | None = None
 
     @property
     def shape(self) -> LayerShape:
-        """The tensor shapes ``size_k``, ``size_n`` and ``group_size`` imply (its
-        ``num_groups`` is computed, so it can be checked against the recorded one)."""
-        return LayerShape(self.size_k, self.size_n, self.group_size)
+        """The tensor shapes ``size_k``, ``size_n``, ``padded_n`` and ``group_size`` imply
+        (its ``num_groups`` is computed, so it can be checked against the recorded one)."""
+        return LayerShape(self.size_k, self.size_n, self.group_size, self.padded_n)
+
+    @property
+    def layout_n(self) -> int:
+        """Columns of ``marlin_B``, the scales and ``delta``: ``padded_n``, else ``size_n``."""
+        return self.shape.layout_n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,13 +321,62 @@ def _read(tp: Any, value: Any, where: str) -> Any:
 # --------------------------------------------------------------------------- versions
 
 
+#: The fields each version added, by the object they belong to (SCHEMA_OBJECTS' paths):
+#: a manifest of an older version that has one does not fit its own schema.
+ADDED_IN: dict[int, dict[str, tuple[str, ...]]] = {
+    2: {"layers[]": ("source_group_size", "padded_n")},
+}
+
+
+def _objects_at(obj: Any, path: str) -> list[tuple[str, Any]]:
+    """``[(JSON path, value)]`` of the objects at ``path`` in SCHEMA_OBJECTS' notation."""
+    nodes: list[tuple[str, Any]] = [("", obj)]
+    for part in filter(None, path.split(".")):
+        name, found = part.removesuffix("[]"), []
+        for where, node in nodes:
+            if not isinstance(node, dict) or name not in node:
+                continue
+            at = f"{where}.{name}" if where else name
+            child = node[name]
+            if part.endswith("[]"):
+                found += [(f"{at}[{i}]", c) for i, c in enumerate(child)] if isinstance(child, list) else []
+            else:
+                found.append((at, child))
+        nodes = found
+    return nodes
+
+
+def _refuse_newer_fields(obj: dict[str, Any], version: int) -> None:
+    """Raise when a version-``version`` manifest has a field a later version added.
+
+    Raises:
+        ArtifactError: naming the field, its path and the version that added it.
+    """
+    for later, objects in sorted(ADDED_IN.items()):
+        for path, names in objects.items() if later > version else ():
+            for where, node in _objects_at(obj, path):
+                for name in (n for n in names if isinstance(node, dict) and n in node):
+                    raise ArtifactError(
+                        f"manifest does not fit its schema: {where or '(root)'}: unknown field {name!r} "
+                        f"(schema v{later} added it; this manifest is v{version})",
+                        tensor=META_MANIFEST,
+                    )
+
+
 def _parse_v1(obj: dict[str, Any]) -> Manifest:
-    """Schema v1 is the current version: its objects are the dataclasses as they are."""
+    """Schema v1: the v2 objects without v2's fields, which keep their defaults (not
+    regrouped, not padded: a v1 layer is stored at its source's group size and N)."""
+    _refuse_newer_fields(obj, 1)
+    return from_json(Manifest, obj)
+
+
+def _parse_v2(obj: dict[str, Any]) -> Manifest:
+    """Schema v2 is the current version: its objects are the dataclasses as they are."""
     return from_json(Manifest, obj)
 
 
 #: schema version -> reader of that version's JSON object into the current :class:`Manifest`.
-PARSERS: dict[int, Callable[[dict[str, Any]], Manifest]] = {1: _parse_v1}
+PARSERS: dict[int, Callable[[dict[str, Any]], Manifest]] = {1: _parse_v1, 2: _parse_v2}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,7 @@ import numpy as np
 import xxhash
 
 from ..constants import (
+    CONVERT_N_MULTIPLE,
     META_FORMAT,
     META_FORMAT_VALUE,
     META_MANIFEST,
@@ -23,7 +24,14 @@ from ..constants import (
 )
 from ..dtypes import FLOAT_DTYPES
 from ..formats import CONVENTIONS
-from ..marlin.shapes import kernel_compatible, marlin_shapes, upstream_compatible
+from ..marlin.shapes import (
+    kernel_compatible,
+    marlin_shapes,
+    padded_width,
+    regroup_rows,
+    regrouped_size,
+    upstream_compatible,
+)
 from ..quant_weight import marlin_code_offset
 from .problems import Problem, ProblemCode, Report
 from .reader import Artifact, open_artifact
@@ -46,10 +54,11 @@ def expected_layer_tensors(art: Artifact, rec: LayerEntry) -> dict[Suffix, tuple
 def validate_artifact(path: str | Path, *, checksums: bool = True) -> tuple[Report, Artifact]:
     """Check an artifact's structure without a GPU (what ``--shapes`` runs).
 
-    Checks: the manifest validates against the v1 JSON Schema and its own checksum;
-    every layer's tensors are present with the dtypes and shapes derived from
-    ``size_k``, ``size_n`` and ``group_size``; every pass-through tensor is present;
-    no tensor is unaccounted for; every tensor's xxh3-128 matches the manifest.
+    Checks: the manifest validates against its version's JSON Schema and its own
+    checksum; every layer's tensors are present with the dtypes and shapes derived from
+    ``size_k``, ``size_n`` (``padded_n`` when padded) and ``group_size``; every
+    pass-through tensor is present; no tensor is unaccounted for; every tensor's
+    xxh3-128 matches the manifest; and the derived facts hold (below).
 
     Args:
         path: the artifact file.
@@ -116,7 +125,9 @@ def validate_artifact(path: str | Path, *, checksums: bool = True) -> tuple[Repo
                 report.add(
                     P.SHAPE_MISMATCH,
                     f"{name}: shape {list(info.shape)}, expected {list(shape)} from "
-                    f"size_k={rec.size_k}, size_n={rec.size_n}, group_size={rec.group_size}",
+                    f"size_k={rec.size_k}, size_n={rec.size_n}, "
+                    + (f"padded_n={rec.padded_n}, " if rec.padded_n is not None else "")
+                    + f"group_size={rec.group_size}",
                     name,
                     list(shape),
                     list(info.shape),
@@ -193,8 +204,10 @@ def _check_layer_facts(art: Artifact, manifest: Manifest, report: Report) -> Non
                 f"layer {rec.name}: zero_convention {rec.zero_convention.value!r} cannot come from a {fmt!r} source",
                 rec.name,
             )
+        _check_padding(rec, report)
+        _check_regrouping(art, rec, report)
         for key, fn in (("upstream_marlin_compatible", upstream_compatible), ("kernel_compatible", kernel_compatible)):
-            want, recorded = fn(rec.size_k, rec.size_n, rec.group_size), getattr(rec, key)
+            want, recorded = fn(rec.size_k, rec.layout_n, rec.group_size), getattr(rec, key)
             if recorded is not want:
                 report.add(
                     P.MANIFEST_INCONSISTENT,
@@ -205,7 +218,7 @@ def _check_layer_facts(art: Artifact, manifest: Manifest, report: Report) -> Non
                 )
         delta_name = f"{rec.name}.{Suffix.DELTA.value}"
         info = art.file.infos.get(delta_name)
-        if info is not None and info.dtype == "F32" and info.shape == (rec.shape.num_groups, rec.size_n):
+        if info is not None and info.dtype == "F32" and info.shape == (rec.shape.num_groups, rec.layout_n):
             zero = not np.any(art.file.array(delta_name))
             if zero is not rec.symmetric:
                 report.add(
@@ -223,6 +236,65 @@ def _check_layer_facts(art: Artifact, manifest: Manifest, report: Report) -> Non
             if not np.array_equal(np.sort(perm), np.arange(rec.size_k)):
                 report.add(P.BAD_PERMUTATION, f"{perm_name}: not a permutation of 0..{rec.size_k - 1}", perm_name)
         art.file.release_pages()
+
+
+def _check_padding(rec: LayerEntry, report: Report) -> None:
+    """``padded_n`` is ``size_n`` rounded up to the next multiple of 64, present exactly
+    when ``size_n`` needs it (a runtime sizes its output by ``size_n``, its operands by ``padded_n``)."""
+    needs = rec.size_n % CONVERT_N_MULTIPLE != 0
+    if rec.padded_n is None and needs:
+        report.add(
+            P.MANIFEST_INCONSISTENT,
+            f"layer {rec.name}: size_n {rec.size_n} is not a multiple of {CONVERT_N_MULTIPLE} and padded_n is absent",
+            rec.name,
+        )
+    elif rec.padded_n is not None and rec.padded_n != (padded_width(rec.size_n) if needs else None):
+        want = padded_width(rec.size_n) if needs else "absent"
+        report.add(
+            P.MANIFEST_INCONSISTENT,
+            f"layer {rec.name}: padded_n {rec.padded_n} is not size_n {rec.size_n} rounded up to a multiple of "
+            f"{CONVERT_N_MULTIPLE} (expected {want})",
+            rec.name,
+            want,
+            rec.padded_n,
+        )
+
+
+def _check_regrouping(art: Artifact, rec: LayerEntry, report: Report) -> None:
+    """A regrouped layer: ``group_size`` is the one its ``source_group_size`` regroups to,
+    and the scale and ``delta`` rows of each source group are one row repeated (bitwise;
+    the Marlin scale permutation moves columns, not rows)."""
+    sgs = rec.source_group_size
+    if sgs is None:
+        return
+    if rec.size_k % sgs == 0 or rec.group_size != regrouped_size(rec.size_k, sgs):
+        want = "no regrouping" if rec.size_k % sgs == 0 else f"group_size {regrouped_size(rec.size_k, sgs)}"
+        report.add(
+            P.MANIFEST_INCONSISTENT,
+            f"layer {rec.name}: source_group_size {sgs} with size_k {rec.size_k} means {want}, "
+            f"but group_size is {rec.group_size}",
+            rec.name,
+        )
+        return
+    src = np.asarray(regroup_rows(0, rec.size_k, rec.group_size, sgs))
+    first = np.searchsorted(src, src)  # each artifact group's first sibling in its source group
+    for suffix in (Suffix.SCALES, Suffix.DELTA):
+        name = f"{rec.name}.{suffix.value}"
+        info = art.file.infos.get(name)
+        if info is None or info.shape != (rec.shape.num_groups, rec.layout_n) or info.dtype not in ("F16", "F32"):
+            continue  # reported as missing / shape or dtype mismatch already
+        a = np.asarray(art.file.array(name))
+        bits = a.view(np.uint16 if info.dtype == "F16" else np.uint32)
+        bad = np.flatnonzero(np.any(bits != bits[first], axis=1))
+        if bad.size:
+            row = int(bad[0])
+            report.add(
+                P.MANIFEST_INCONSISTENT,
+                f"{name}: row {row} differs from row {int(first[row])} of the same source group "
+                f"(source_group_size {sgs}, group_size {rec.group_size}): a regrouped layer repeats each source "
+                f"group's row ({bad.size} row(s) differ)",
+                name,
+            )
 
 
 def broken_layers(report: Report, layer_names: set[str]) -> set[str]:

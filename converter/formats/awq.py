@@ -26,7 +26,6 @@ import numpy as np
 from ..constants import MARLIN_ZERO, SourceFormat, ZeroConvention
 from ..dtypes import FLOAT_DTYPES
 from ..errors import ConfigError, SourceFormatError, UnsupportedQuantError
-from ..marlin.shapes import check_convertible
 from ..quant_weight import QuantWeight
 from .base import LayerPlan, SourcePlan
 from .hf import (
@@ -97,15 +96,18 @@ class AwqSource(HFSource, format=SourceFormat.AWQ, methods=("awq",), conventions
             raise ConfigError(f"must be -1 or positive, found {self.group_size}", path=cfg_path, tensor=group_key)
 
     # -- planning --------------------------------------------------------------------
-    def plan(self) -> SourcePlan:
-        """Plan every ``*.qweight`` layer; reads qzeros and scales (small) only.
+    def plan(self, *, pad: bool = True) -> SourcePlan:
+        """Plan every ``*.qweight`` layer; reads qzeros and scales (small) only.  A short
+        last group (``ceil(K / group_size)`` scale rows; AutoAWQ itself needs K % group_size
+        == 0, but the rows say what the layer is) is regrouped and an ``N % 64`` layer
+        padded (with ``pad``): :meth:`LayerPlan.fit`.
 
         Raises:
             SourceFormatError: a missing companion tensor, a wrong dtype or shape,
                 NaN/Inf or fp16-overflowing scales.
             UnsupportedQuantError: a Marlin-packed ``qweight`` under a gemm label.
         """
-        layers = [self._plan_layer(n[: -len(".qweight")]) for n in self.ckpt.infos if n.endswith(".qweight")]
+        layers = [self._plan_layer(n[: -len(".qweight")], pad) for n in self.ckpt.infos if n.endswith(".qweight")]
         return assemble_plan(layers, self.ckpt.infos, self._plain_reason)
 
     def _plain_reason(self, module: str) -> str | None:
@@ -116,7 +118,7 @@ class AwqSource(HFSource, format=SourceFormat.AWQ, methods=("awq",), conventions
             else None
         )
 
-    def _plan_layer(self, prefix: str) -> LayerPlan:
+    def _plan_layer(self, prefix: str, pad: bool) -> LayerPlan:
         qw = self.need(prefix, "qweight", ("I32",))
         qw_path = self.ckpt.file_of(qw.name)
         scales = self.need(prefix, "scales", FLOAT_DTYPES)
@@ -169,9 +171,7 @@ class AwqSource(HFSource, format=SourceFormat.AWQ, methods=("awq",), conventions
             warnings=warnings,
             extra={"version": self.version},
         )
-        ok, reason = check_convertible(size_k, size_n, g)
-        if not ok:
-            layer.convertible, layer.reason = False, reason
+        if not layer.fit(pad):
             return layer
         z = unpack_awq(np.asarray(self.ckpt.array(qzeros.name)))
         layer.symmetric = bool(np.all(z == MARLIN_ZERO))
@@ -179,8 +179,9 @@ class AwqSource(HFSource, format=SourceFormat.AWQ, methods=("awq",), conventions
 
     # -- loading ---------------------------------------------------------------------
     def load_layer(self, layer: LayerPlan, k_start: int = 0, k_stop: int | None = None) -> QuantWeight:
-        """Read input rows ``[k_start, k_stop)`` (multiples of the group size, or any
-        16-row boundary when per-channel).
+        """Read input rows ``[k_start, k_stop)`` (multiples of the source's group size, or
+        any 16-row boundary when per-channel; ``k_stop`` may be K), at the artifact's
+        group size.
 
         Returns codes uint8 ``(rows, N)`` de-interleaved, fp16 scales, true zeros
         uint8 ``(groups, N)``, ``delta = (8 - z) * s`` float32 from the scales as stored.
@@ -189,12 +190,12 @@ class AwqSource(HFSource, format=SourceFormat.AWQ, methods=("awq",), conventions
             SourceFormatError: a scale overflows fp16 or is not finite.
         """
         k_stop = layer.size_k if k_stop is None else k_stop
-        g = layer.group_size
+        g, _ = layer.source_groups
         q = unpack_awq(np.asarray(self.ckpt.array(f"{layer.name}.qweight")[k_start:k_stop]))
         g0, g1 = k_start // g, -(-k_stop // g)
         z = unpack_awq(np.asarray(self.ckpt.array(f"{layer.name}.qzeros")[g0:g1]))
         return integer_zero_weight(
-            self.ckpt, layer, q=q, z=z, scales=f"{layer.name}.scales", g0=g0, g1=g1, k_start=k_start
+            self.ckpt, layer, q=q, z=z, scales=f"{layer.name}.scales", g0=g0, g1=g1, rows=(k_start, k_stop)
         )
 
 

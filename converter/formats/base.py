@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..constants import SourceFormat, ZeroConvention
+from ..marlin.shapes import LayerFit, fit_layer, regroup_rows
 from ..quant_weight import QuantWeight, Tensor, TensorInfo
 
 
@@ -25,8 +26,9 @@ class LayerPlan:
 
     Attributes:
         name: layer prefix (the source's module or linear name).
-        size_k, size_n: in- and out-features.
-        group_size: rows per group; ``size_k`` for per-channel.
+        size_k, size_n: in- and out-features (``size_n`` the true N, padded or not).
+        group_size: rows per group of the artifact, and of the :class:`QuantWeight`
+            :meth:`Source.load_layer` returns; ``size_k`` for per-channel.
         bits: source bit width.
         zero_convention: how the source stores the offset.
         symmetric: derived from the data (all zeros at the symmetric point), not flags.
@@ -37,6 +39,9 @@ class LayerPlan:
         reason: why it does not convert ("" when it does).
         warnings: data-versus-config findings worth telling the user.
         extra: format-specific facts for the manifest (JSON-serialisable).
+        source_group_size: the source's group size when the layer is regrouped (its
+            last group is short; :func:`~converter.marlin.shapes.fit_layer`), else None.
+        padded_n: the layout's N when N is padded to a multiple of 64, else None.
     """
 
     name: str
@@ -53,10 +58,43 @@ class LayerPlan:
     reason: str = ""
     warnings: list[str] = dataclasses.field(default_factory=list)
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    source_group_size: int | None = None
+    padded_n: int | None = None
 
     @property
     def num_groups(self) -> int:
         return self.size_k // self.group_size
+
+    @property
+    def source_groups(self) -> tuple[int, int]:
+        """``(group size, number of groups)`` as the source stores them: ``ceil(K / g)``
+        groups, the last one short when the layer is regrouped."""
+        gs = self.source_group_size or self.group_size
+        return gs, -(-self.size_k // gs)
+
+    @property
+    def layout_n(self) -> int:
+        """Columns of the artifact's ``B``, scales and ``delta``: ``padded_n``, else ``size_n``."""
+        return self.size_n if self.padded_n is None else self.padded_n
+
+    def fit(self, pad: bool) -> bool:
+        """Apply :func:`~converter.marlin.shapes.fit_layer` to this layer, planned at its
+        source's group size: set ``group_size``, ``source_group_size`` and ``padded_n``,
+        or ``convertible = False`` with the reason.  Returns ``convertible``."""
+        fit: LayerFit = fit_layer(self.size_k, self.size_n, self.group_size, pad=pad)
+        if not fit.ok:
+            self.convertible, self.reason = False, fit.reason
+            return False
+        self.group_size, self.source_group_size, self.padded_n = fit.group_size, fit.source_group_size, fit.padded_n
+        return True
+
+    def source_group_rows(self, k_start: int, k_stop: int) -> np.ndarray | None:
+        """For a regrouped layer, the source group (counted from ``k_start``'s) of each
+        artifact group of rows ``[k_start, k_stop)``: the rows that turn the chunk's
+        source scales and zeros into the artifact's; None when not regrouped."""
+        if self.source_group_size is None:
+            return None
+        return np.asarray(regroup_rows(k_start, k_stop, self.group_size, self.source_group_size), dtype=np.intp)
 
 
 @dataclasses.dataclass
@@ -121,16 +159,23 @@ class Source(abc.ABC):
         """The manifest's ``source`` object: format, files (name, bytes, sha256), quant config."""
 
     @abc.abstractmethod
-    def plan(self) -> SourcePlan:
-        """Read metadata and small tensors; raise on malformed input, never on large reads."""
+    def plan(self, *, pad: bool = True) -> SourcePlan:
+        """Read metadata and small tensors; raise on malformed input, never on large reads.
+
+        Each layer's shape decision is :meth:`LayerPlan.fit`: with ``pad`` an ``N % 64
+        != 0`` layer converts padded (``padded_n``), without it it passes through.
+        """
 
     @abc.abstractmethod
     def load_layer(self, layer: LayerPlan, k_start: int = 0, k_stop: int | None = None) -> QuantWeight:
         """Read one convertible layer, optionally only Marlin rows ``[k_start, k_stop)``.
 
-        ``k_start`` and ``k_stop`` are multiples of ``group_size`` (or of 16 for a
-        per-channel layer).  The returned ``QuantWeight`` holds just those rows and the
-        groups they cover, with ``k_offset = k_start``.
+        ``k_start`` is a multiple of the source's group size (``LayerPlan.source_groups``;
+        of 16 for a per-channel layer) and ``k_stop`` one too, or ``size_k``.  The
+        returned ``QuantWeight`` holds just those rows and the groups they cover, at
+        the artifact's ``group_size`` (a regrouped layer's source scales and zeros
+        repeated per slice), ``size_n`` columns (padding is the converter's), with
+        ``k_offset = k_start``.
         """
 
     def load_packed(

@@ -38,7 +38,6 @@ import numpy as np
 from ..constants import SourceFormat, ZeroConvention
 from ..dtypes import FLOAT_DTYPES
 from ..errors import ConfigError, SourceFormatError, UnsupportedQuantError
-from ..marlin.shapes import check_convertible
 from ..quant_weight import QuantWeight
 from .base import LayerPlan, SourcePlan
 from .hf import HFSource, assemble_plan, integer_zero_weight
@@ -201,8 +200,10 @@ class CompressedTensorsSource(
         return None
 
     # -- planning --------------------------------------------------------------------
-    def plan(self) -> SourcePlan:
-        """Plan every ``*.weight_packed`` layer (reads the small tensors only).
+    def plan(self, *, pad: bool = True) -> SourcePlan:
+        """Plan every ``*.weight_packed`` layer (reads the small tensors only).  A short
+        last group (compressed-tensors keeps ``ceil(K / group_size)`` groups) is
+        regrouped and an ``N % 64`` layer padded (with ``pad``): :meth:`LayerPlan.fit`.
 
         Raises:
             SourceFormatError: missing companions, wrong dtypes or shapes,
@@ -212,7 +213,7 @@ class CompressedTensorsSource(
                 not ``compressed`` (weights still in float).
         """
         layers = [
-            self._plan_layer(n[: -len(".weight_packed")]) for n in self.ckpt.infos if n.endswith(".weight_packed")
+            self._plan_layer(n[: -len(".weight_packed")], pad) for n in self.ckpt.infos if n.endswith(".weight_packed")
         ]
         if not layers and self.status not in (None, "compressed"):
             raise UnsupportedQuantError(
@@ -227,7 +228,7 @@ class CompressedTensorsSource(
         entry = self.ignored(module)
         return f"kept unquantized by the producer: listed in quantization_config.ignore ({entry!r})" if entry else None
 
-    def _plan_layer(self, prefix: str) -> LayerPlan:
+    def _plan_layer(self, prefix: str, pad: bool) -> LayerPlan:
         packed = self.need(prefix, "weight_packed", ("I32",))
         shape_info = self.need(prefix, "weight_shape", ("I64", "I32"), (2,))
         size_n, size_k = (int(v) for v in np.asarray(self.ckpt.array(shape_info.name)))
@@ -322,9 +323,7 @@ class CompressedTensorsSource(
             warnings=warnings,
             extra={"config_group": args.group, "actorder": args.actorder, "strategy": strategy},
         )
-        ok, reason = check_convertible(size_k, size_n, g)
-        if not ok:
-            layer.convertible, layer.reason = False, reason
+        if not layer.fit(pad):
             return layer
         z = self._zeros(layer)
         # Artifact delta == 0: b-bit codes are stored centred on 8 (marlin_code_offset).
@@ -337,17 +336,19 @@ class CompressedTensorsSource(
         return layer
 
     def _zeros(self, layer: LayerPlan, g0: int = 0, g1: int | None = None) -> np.ndarray:
-        """Unsigned zeros ``z_u`` uint8 ``(groups, N)``: the stored values, or ``2^(b-1)`` when symmetric."""
+        """Unsigned zeros ``z_u`` uint8 ``(groups, N)`` of source groups ``[g0, g1)``: the
+        stored values, or ``2^(b-1)`` when symmetric."""
         name = f"{layer.name}.weight_zero_point"
         if name not in self.ckpt:
-            g1 = layer.num_groups if g1 is None else g1
+            g1 = layer.source_groups[1] if g1 is None else g1
             return np.full((g1 - g0, layer.size_n), symmetric_zero(layer.bits), dtype=np.uint8)
         words = np.asarray(self.ckpt.array(name)[:, g0:g1])
         return np.ascontiguousarray(unpack_words(words, layer.bits, axis=0)[: layer.size_n].T)
 
     # -- loading ---------------------------------------------------------------------
     def load_layer(self, layer: LayerPlan, k_start: int = 0, k_stop: int | None = None) -> QuantWeight:
-        """Read Marlin rows ``[k_start, k_stop)`` (group multiples; act-order rows via ``perm``).
+        """Read Marlin rows ``[k_start, k_stop)`` (multiples of the source's group size, or
+        K; act-order rows via ``perm``), at the artifact's group size.
 
         Returns codes uint8 ``(rows, N)`` (``weight_packed`` unpacked along K and
         transposed to ``(K, N)``), fp16 scales ``(groups, N)`` (``weight_scale``
@@ -357,12 +358,12 @@ class CompressedTensorsSource(
             SourceFormatError: a scale overflows fp16 or is not finite.
         """
         k_stop = layer.size_k if k_stop is None else k_stop
-        g, b = layer.group_size, layer.bits
+        (g, num_groups), b = layer.source_groups, layer.bits
         per = codes_per_word(b)
         packed = self.ckpt.array(f"{layer.name}.weight_packed")
         perm = None
         if layer.act_order:
-            perm = self.act_order(f"{layer.name}.weight_g_idx", g, layer.num_groups)
+            perm = self.act_order(f"{layer.name}.weight_g_idx", g, num_groups)
             assert perm is not None
             # The transposed view makes K the packed row axis, as in GPTQ's qweight.
             q = gather_rows(packed.T, perm[k_start:k_stop], b)
@@ -383,6 +384,6 @@ class CompressedTensorsSource(
             g0=g0,
             g1=g1,
             perm=perm,
-            k_start=k_start,
+            rows=(k_start, k_stop),
             scales_transposed=True,
         )

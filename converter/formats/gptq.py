@@ -37,7 +37,6 @@ from ..constants import MARLIN_TILE, SourceFormat, ZeroConvention
 from ..dtypes import FLOAT_DTYPES
 from ..errors import ConfigError, SourceFormatError, UnsupportedQuantError
 from ..marlin.layout import pack_b_from_gptq4
-from ..marlin.shapes import check_convertible
 from ..quant_weight import QuantWeight
 from .base import LayerPlan, SourcePlan, TensorInfo
 from .hf import (
@@ -215,9 +214,12 @@ class GptqSource(
         return base
 
     # -- planning --------------------------------------------------------------------
-    def plan(self) -> SourcePlan:
+    def plan(self, *, pad: bool = True) -> SourcePlan:
         """Plan every ``*.qweight`` layer from headers, configs and the small tensors
         (qzeros, scales, g_idx); the checks that can fail on the input all run here.
+        A short last group (``K % group_size``, GPTQModel's and AutoGPTQ's ``g_idx = k //
+        group_size`` with ``ceil(K / group_size)`` scale rows) is regrouped and an
+        ``N % 64`` layer padded (with ``pad``): :meth:`LayerPlan.fit`.
 
         Raises:
             SourceFormatError: a missing companion tensor, a wrong dtype or shape,
@@ -225,7 +227,7 @@ class GptqSource(
                 fp16-overflowing scales (named by tensor).
             ConfigError: ``bits`` contradicting ``qweight`` and ``g_idx``.
         """
-        layers = [self._plan_layer(n[: -len(".qweight")]) for n in self.ckpt.infos if n.endswith(".qweight")]
+        layers = [self._plan_layer(n[: -len(".qweight")], pad) for n in self.ckpt.infos if n.endswith(".qweight")]
         plan = assemble_plan(layers, self.ckpt.infos, self._plain_reason)
         for info in plan.tensors:
             prefix, _, suffix = info.name.rpartition(".")
@@ -247,7 +249,7 @@ class GptqSource(
             return "config says lm_head: true but the checkpoint stores lm_head unquantized; carried over as stored"
         return None
 
-    def _plan_layer(self, prefix: str) -> LayerPlan:
+    def _plan_layer(self, prefix: str, pad: bool) -> LayerPlan:
         cfg = self.layer_config(prefix)
         b = cfg.bits
         warnings: list[str] = []
@@ -335,9 +337,7 @@ class GptqSource(
         if b in PASSTHROUGH_BITS:
             layer.convertible, layer.reason = False, f"{b}-bit codes do not fit Marlin's 4-bit layout"
             return layer
-        ok, reason = check_convertible(size_k, size_n, g)
-        if not ok:
-            layer.convertible, layer.reason = False, reason
+        if not layer.fit(pad):
             return layer
         z = self._decode_zeros(prefix, b, convention)
         # "symmetric" in the manifest means the artifact's delta == 0: z == 2^(b-1),
@@ -419,22 +419,23 @@ class GptqSource(
     ) -> QuantWeight:
         """Read Marlin rows ``[k_start, k_stop)`` of a convertible layer.
 
-        ``k_start``/``k_stop`` are multiples of the group size (or of 32 for a
-        per-channel layer, so 3-bit blocks are never split).  Returns codes uint8
-        ``(rows, N)`` in Marlin row order (act-order rows gathered by ``perm``),
-        fp16 scales, true zeros uint8, ``delta = (8 - z) * s`` in float32 from the
-        scales as stored (spec 4.6).
+        ``k_start``/``k_stop`` are multiples of the source's group size (or of 32 for a
+        per-channel layer, so 3-bit blocks are never split; ``k_stop`` may be K).
+        Returns codes uint8 ``(rows, N)`` in Marlin row order (act-order rows gathered
+        by ``perm``: source groups in order, the short one last), fp16 scales, true
+        zeros uint8, ``delta = (8 - z) * s`` in float32 from the scales as stored
+        (spec 4.6), at the artifact's group size.
 
         Raises:
             SourceFormatError: a scale overflows fp16 (bf16 sources) or is not finite.
         """
         k_stop = layer.size_k if k_stop is None else k_stop
-        g = layer.group_size
+        g, num_groups = layer.source_groups
         b = layer.bits
         qweight = self.ckpt.array(f"{layer.name}.qweight")
         perm = None
         if layer.act_order:
-            perm = self.act_order(f"{layer.name}.g_idx", g, layer.num_groups)
+            perm = self.act_order(f"{layer.name}.g_idx", g, num_groups)
             assert perm is not None
             q = gather_rows(qweight, perm[k_start:k_stop], b) if codes else np.zeros((0, layer.size_n), np.uint8)
         elif not codes:  # load_packed: B is made from the words directly
@@ -448,7 +449,7 @@ class GptqSource(
         g0, g1 = k_start // g, -(-k_stop // g)
         z = self._decode_zeros(layer.name, b, layer.zero_convention, g0, g1)
         return integer_zero_weight(
-            self.ckpt, layer, q=q, z=z, scales=f"{layer.name}.scales", g0=g0, g1=g1, perm=perm, k_start=k_start
+            self.ckpt, layer, q=q, z=z, scales=f"{layer.name}.scales", g0=g0, g1=g1, perm=perm, rows=(k_start, k_stop)
         )
 
     def load_packed(
@@ -457,10 +458,11 @@ class GptqSource(
         """:meth:`Source.load_packed`: Marlin ``B`` for rows ``[k_start, k_stop)`` made
         straight from the 4-bit ``qweight`` words (:func:`pack_b_from_gptq4`), plus the
         chunk's scales and delta (its ``q`` is empty).  None where it does not apply
-        (not 4-bit, act-order, rows not on 16-row tiles).
+        (not 4-bit, act-order, rows not on 16-row tiles, a padded layer: the converter
+        pads the codes of :meth:`load_layer`).
         """
         k_stop = layer.size_k if k_stop is None else k_stop
-        if layer.bits != 4 or layer.act_order or k_start % MARLIN_TILE or k_stop % MARLIN_TILE:
+        if layer.bits != 4 or layer.act_order or layer.padded_n or k_start % MARLIN_TILE or k_stop % MARLIN_TILE:
             return None
         per = codes_per_word(4)
         words = np.asarray(self.ckpt.array(f"{layer.name}.qweight")[k_start // per : k_stop // per])

@@ -245,7 +245,7 @@ def integer_zero_weight(
     g0: int,
     g1: int | None,
     perm: np.ndarray | None = None,
-    k_start: int = 0,
+    rows: tuple[int, int],
     scales_transposed: bool = False,
 ) -> QuantWeight:
     """A :class:`QuantWeight` for formats with integer zero points (``W = s * (q - z)``).
@@ -253,15 +253,18 @@ def integer_zero_weight(
     Args:
         ckpt: the checkpoint holding the scales and bias.
         layer: the planned layer.
-        q: uint8 ``(rows, N)`` source codes, Marlin row order.
-        z: uint8 ``(groups, N)`` true zero points of groups ``[g0, g1)``.
+        q: uint8 ``(rows, N)`` source codes, Marlin row order (empty for ``load_packed``).
+        z: uint8 ``(groups, N)`` true zero points of source groups ``[g0, g1)``.
         scales: name of the scale tensor, ``(G, N)`` or, with ``scales_transposed``,
             ``(N, G)`` (compressed-tensors).
-        g0, g1: the groups the rows cover.
+        g0, g1: the source groups the rows cover.
+        rows: ``(k_start, k_stop)``, the Marlin rows of the chunk.
 
     Returns:
-        The layer chunk, with fp16 scales (range-checked) and
-        ``delta = (8 - z) * s`` in float32 from the scales as stored (spec 4.6).
+        The layer chunk at the artifact's group size (a regrouped layer's source
+        scales and zeros repeated for each slice, :meth:`LayerPlan.source_group_rows`),
+        with fp16 scales (range-checked) and ``delta = (8 - z) * s`` in float32 from
+        the scales as stored (spec 4.6).
 
     Raises:
         SourceFormatError: a scale is NaN/Inf or overflows fp16.
@@ -269,6 +272,10 @@ def integer_zero_weight(
     info = ckpt.info(scales)
     raw = ckpt.array(scales)
     s_src = as_f32(raw[:, g0:g1], info.dtype).T.copy() if scales_transposed else as_f32(raw[g0:g1], info.dtype)
+    k_start, k_stop = rows
+    slices = layer.source_group_rows(k_start, k_stop)
+    if slices is not None:
+        z, s_src = z[slices], s_src[slices]
     return QuantWeight(
         name=layer.name,
         q=q,

@@ -49,7 +49,6 @@ from ..constants import (
 )
 from ..errors import ConverterError, SourceFormatError, UnsupportedQuantError
 from ..jsonio import JsonRule, json_type
-from ..marlin.shapes import check_convertible
 from ..quant_weight import QuantWeight, Tensor
 from ..safetensors_io import drop_pages
 from .base import LayerPlan, Source, SourcePlan, TensorInfo
@@ -245,11 +244,13 @@ class TinyloopSource(Source, format=SourceFormat.TINYLOOP, conventions=(ZeroConv
             "quant_config": {"model": self._model},
         }
 
-    def plan(self) -> SourcePlan:
+    def plan(self, *, pad: bool = True) -> SourcePlan:
         """Plan every linear and plain tensor; reads only the ``scale``/``zero`` tensors.
 
-        A linear converts when :func:`~converter.marlin.shapes.check_convertible`
-        accepts ``(K, N, group_size)`` and it is not ``exact_int4``.  Its ``frac4`` /
+        A linear converts when it is not ``exact_int4`` and :meth:`LayerPlan.fit`
+        accepts ``(K, N, group_size)`` (with ``pad``, an ``N % 64`` layer such as a
+        50257-vocabulary head converts padded; the spec's group size always divides
+        K, so no layer is regrouped).  Its ``frac4`` /
         ``sign_bit`` channels are not part of the converted layer: they go to
         ``SourcePlan.tensors`` and are carried over unchanged, with their reason in
         ``passthrough_reasons``.  A linear that does not convert keeps all its tensors
@@ -272,41 +273,35 @@ class TinyloopSource(Source, format=SourceFormat.TINYLOOP, conventions=(ZeroConv
         for lin in self._linears.values():
             scale = self._checked_finite(lin.scale)
             zero = self._checked_finite(lin.zero)
-            if lin.exact_int4:
-                ok, reason = False, EXACT_INT4_REASON
-            else:
-                ok, reason = check_convertible(lin.size_k, lin.size_n, lin.group_size)
             # As in every reader, source_tensors leaves the bias out: it is LayerPlan.bias.
-            if ok:
-                source_tensors: tuple[str, ...] = (lin.qweight, lin.scale, lin.zero)
+            layer = LayerPlan(
+                name=lin.name,
+                size_k=lin.size_k,
+                size_n=lin.size_n,
+                group_size=lin.group_size,
+                bits=lin.bits,
+                zero_convention=ZeroConvention.TINYLOOP_ADDITIVE,
+                # The artifact's delta: codes are stored centred on 8, so it is
+                # zero + 2^(bits-1) * scale (quant_weight.marlin_code_offset).
+                symmetric=not bool(
+                    np.any(zero.astype(np.float32) + np.float32(1 << (lin.bits - 1)) * scale.astype(np.float32))
+                ),
+                act_order=False,
+                source_tensors=(lin.qweight, lin.scale, lin.zero),
+                bias=self._info(lin.bias) if lin.bias else None,
+                extra={"exact_int4": lin.exact_int4, "channels": dict(lin.channels)},
+            )
+            if lin.exact_int4:
+                layer.convertible, layer.reason = False, EXACT_INT4_REASON
+            if layer.convertible and layer.fit(pad):
                 for ch, tname in lin.channels.items():
                     reasons[tname] = CHANNEL_REASONS[ch]
                     channel_infos.append(self._info(tname))
             else:
-                source_tensors = (lin.qweight, lin.scale, lin.zero, *lin.channels.values())
+                layer.source_tensors += tuple(lin.channels.values())
                 for tname in lin.tensors():
-                    reasons[tname] = f"layer {lin.name} not converted: {reason}"
-            layers.append(
-                LayerPlan(
-                    name=lin.name,
-                    size_k=lin.size_k,
-                    size_n=lin.size_n,
-                    group_size=lin.group_size,
-                    bits=lin.bits,
-                    zero_convention=ZeroConvention.TINYLOOP_ADDITIVE,
-                    # The artifact's delta: codes are stored centred on 8, so it is
-                    # zero + 2^(bits-1) * scale (quant_weight.marlin_code_offset).
-                    symmetric=not bool(
-                        np.any(zero.astype(np.float32) + np.float32(1 << (lin.bits - 1)) * scale.astype(np.float32))
-                    ),
-                    act_order=False,
-                    source_tensors=source_tensors,
-                    bias=self._info(lin.bias) if lin.bias else None,
-                    convertible=ok,
-                    reason=reason,
-                    extra={"exact_int4": lin.exact_int4, "channels": dict(lin.channels)},
-                )
-            )
+                    reasons[tname] = f"layer {lin.name} not converted: {layer.reason}"
+            layers.append(layer)
         owned = {t for lin in self._linears.values() for t in lin.tensors()}
         plain = [self._info(name) for name in self._entries if name not in owned]
         return SourcePlan(layers=layers, tensors=plain + channel_infos, passthrough_reasons=reasons)
@@ -647,7 +642,10 @@ class TinyloopSource(Source, format=SourceFormat.TINYLOOP, conventions=(ZeroConv
             if value <= 0:
                 self._fail(f"field {key!r} must be positive, found {value}", name)
         if size_k % group:
-            self._fail(f"group_size = {group} does not divide in_features K = {size_k}", name)
+            self._fail(
+                f"group_size = {group} does not divide in_features K = {size_k} (the spec has no short last group)",
+                name,
+            )
         if size_k * bits % 8:
             self._fail(f"in_features K = {size_k} times bits = {bits} is not a whole number of bytes", name)
         if "exact_int4" in raw and not isinstance(raw["exact_int4"], bool):

@@ -32,10 +32,14 @@ class MarlinLinear:
 
     ``W`` is the artifact's weight including the asymmetric correction (fused into the
     GEMM when ``marlin_delta`` is non-zero) and ``bias`` is added in the GEMM's epilogue.
+    A padded layer's kernels compute ``padded_n`` columns and store the first ``size_n``
+    into the result directly (no copy).
 
     Attributes:
         name: layer prefix in the artifact.
-        size_k, size_n, group_size: the layer's sizes (group_size == size_k: per-channel).
+        size_k, size_n, group_size: the layer's sizes (group_size == size_k: per-channel);
+            ``size_n`` the true N, the result's columns.
+        padded_n: the width of ``B``, the scales and ``delta`` (``size_n`` unless padded).
     """
 
     def __init__(
@@ -49,15 +53,18 @@ class MarlinLinear:
         delta: np.ndarray | None,
         perm: np.ndarray | None,
         bias: np.ndarray | None,
+        *,
+        padded_n: int | None = None,
     ) -> None:
         """Copy the layer's tensors to the current GPU.
 
         Args:
             name: layer prefix.
             size_k, size_n, group_size: sizes as in the artifact's layer record.
-            B: int32 ``(K/16, 2N)``; scales: float16 ``(G, N)`` Marlin-permuted;
-            delta: float32 ``(G, N)`` or None; perm: int32 ``(K,)`` or None;
-            bias: float16 ``(N,)`` or None.
+            B: int32 ``(K/16, 2P)``; scales: float16 ``(G, P)`` Marlin-permuted;
+            delta: float32 ``(G, P)`` or None; perm: int32 ``(K,)`` or None;
+            bias: float16 ``(N,)`` or None; ``P`` is ``padded_n`` (default ``size_n``).
+            padded_n: the record's ``padded_n`` for a padded layer, else None.
 
         Raises:
             GpuUnavailableError: no CuPy / GPU / sm_80+.
@@ -66,7 +73,10 @@ class MarlinLinear:
         cp = runtime.cupy_module()
         self.name = name
         self.size_k, self.size_n, self.group_size = size_k, size_n, group_size
-        kernels.gemm_plan(1, size_k, size_n, group_size)  # fail early on unsupported sizes
+        self.padded_n = size_n if padded_n is None else padded_n
+        kernels.gemm_plan(1, size_k, self.padded_n, group_size)  # fail early on unsupported sizes
+        if not 0 < size_n <= self.padded_n:
+            raise KernelError(f"size_n={size_n} must be in 1..padded_n={self.padded_n}", tensor=name)
         self._B = cp.asarray(np.ascontiguousarray(B, dtype=np.int32))
         self._scales = cp.asarray(np.ascontiguousarray(scales, dtype=np.float16))
         use_delta = delta is not None and bool(np.any(delta))
@@ -83,7 +93,7 @@ class MarlinLinear:
                 (e.g. a CUDA torch tensor); leading dims are flattened into M.
 
         Returns:
-            float16 CuPy array ``(..., size_n)``.
+            float16 CuPy array ``(..., size_n)`` (a padded layer's true N).
 
         Raises:
             KernelError: wrong dtype, shape or device. GpuUnavailableError: no GPU.
@@ -102,11 +112,12 @@ class MarlinLinear:
             self._B,
             self._scales,
             size_k=self.size_k,
-            size_n=self.size_n,
+            size_n=self.padded_n,
             group_size=self.group_size,
             delta=self._delta,
             perm=self._perm,
             bias=self._bias,
+            n_out=self.size_n,
         )
         return y.reshape(*lead, self.size_n)
 
@@ -122,7 +133,8 @@ def load_artifact_gpu(path: str | Path) -> dict[str, MarlinLinear]:
         path: the artifact file (``marlin-convert`` output).
 
     Returns:
-        ``{layer prefix: MarlinLinear}``.
+        ``{layer prefix: MarlinLinear}``; each returns the record's ``size_n`` columns
+        (a padded layer too: a 50257-vocabulary head gives 50257).
 
     Raises:
         ArtifactError (and subclasses): unreadable artifact (from the reader).
@@ -147,7 +159,16 @@ def load_artifact_gpu(path: str | Path) -> dict[str, MarlinLinear]:
         perm = t(Suffix.PERM) if rec.act_order else None
         bias = _bias_to_f16(t(Suffix.BIAS)) if rec.has_bias else None
         layers[name] = MarlinLinear(
-            name, rec.size_k, rec.size_n, rec.group_size, t(Suffix.B), t(Suffix.SCALES), delta, perm, bias
+            name,
+            rec.size_k,
+            rec.size_n,
+            rec.group_size,
+            t(Suffix.B),
+            t(Suffix.SCALES),
+            delta,
+            perm,
+            bias,
+            padded_n=rec.padded_n,
         )
     return layers
 

@@ -165,6 +165,7 @@ def marlin_gemm(
     perm: np.ndarray | None = None,
     bias: np.ndarray | None = None,
     arith: str | None = None,
+    n_out: int | None = None,
 ) -> np.ndarray:
     """Twin of ``kernels.marlin_gemm`` (symmetric, or fused-asymmetric when ``delta`` is given).
 
@@ -174,19 +175,21 @@ def marlin_gemm(
         delta: float32 ``(G, size_n)`` natural order, or float16 from
             ``kernels.prepare_delta`` (permuted like the scales), or None.
         perm: int32 ``(size_k,)`` or None.
-        bias: float16 ``(size_n,)`` or None, added before the final rounding.
+        bias: float16 ``(n_out,)`` or None, added before the final rounding.
         arith: "weight" or "group" (``plan.Arith``); None picks the arithmetic of
             the kernel the launcher picks for (M, N) (``plan.gemm_arith``).
+        n_out: columns of the result, at most ``size_n`` (default ``size_n``): the
+            first ``n_out`` of a padded layer's ``size_n``, as the launcher stores them.
 
     Returns:
-        float16 ``(M, size_n)``, the product in float64 and one rounding:
+        float16 ``(M, n_out)``, the product in float64 and one rounding:
         "weight": ``fp16(A @ W16 + bias)`` with W16 the fp16 weight of :func:`dequant`;
         "group": ``fp16(A @ ((q - 8) s + fp16(delta)) + bias)``, the weight unrounded
         (the kernel applies s and delta per group in fp32).
     """
     a = gather_columns(A, perm) if perm is not None else np.asarray(A)
     w = _weight(a.shape[0], B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size, arith=arith)
-    acc = a.astype(np.float64) @ w
+    acc = a.astype(np.float64) @ w[:, : size_n if n_out is None else n_out]
     if bias is not None:
         acc = acc + np.asarray(bias, dtype=np.float16).astype(np.float64)
     return acc.astype(np.float16)
@@ -291,17 +294,19 @@ def group_sums(A: np.ndarray, *, group_size: int) -> np.ndarray:
 
 
 def add_correction(C: np.ndarray, xsum: np.ndarray, delta: np.ndarray) -> np.ndarray:
-    """Twin of ``add_correction``: ``fp16(C + xsum @ delta)`` (a new array).
+    """Twin of ``add_correction``: ``fp16(C + xsum @ delta[:, :n])`` (a new array).
 
     Args:
-        C: float16 ``(M, N)``.
+        C: float16 ``(M, n)``.
         xsum: float32 ``(M, G)`` from :func:`group_sums`.
-        delta: float32 ``(G, N)`` natural column order.
+        delta: float32 ``(G, N)`` natural column order, ``N >= n`` (a padded layer's
+            delta is wider than its result).
 
     Returns:
-        float16 ``(M, N)``, the sum formed in float64 and rounded once.
+        float16 ``(M, n)``, the sum formed in float64 and rounded once.
     """
-    acc = np.asarray(C).astype(np.float64) + np.asarray(xsum, np.float64) @ np.asarray(delta, np.float64)
+    n = np.asarray(C).shape[1]
+    acc = np.asarray(C).astype(np.float64) + np.asarray(xsum, np.float64) @ np.asarray(delta, np.float64)[:, :n]
     return acc.astype(np.float16)
 
 
@@ -317,6 +322,7 @@ def marlin_gemm_two_kernel(
     perm: np.ndarray | None = None,
     bias: np.ndarray | None = None,
     arith: str | None = None,
+    n_out: int | None = None,
 ) -> np.ndarray:
     """Twin of the two-kernel path: symmetric GEMM (with bias), then ``C += xsum @ delta``.
 
@@ -324,7 +330,16 @@ def marlin_gemm_two_kernel(
     kernel); ``delta`` is required.
     """
     c = marlin_gemm(
-        A, B, scales, size_k=size_k, size_n=size_n, group_size=group_size, perm=perm, bias=bias, arith=arith
+        A,
+        B,
+        scales,
+        size_k=size_k,
+        size_n=size_n,
+        group_size=group_size,
+        perm=perm,
+        bias=bias,
+        arith=arith,
+        n_out=n_out,
     )
     a = gather_columns(A, perm) if perm is not None else np.asarray(A)
     return add_correction(c, group_sums(a, group_size=group_size), delta)

@@ -3,7 +3,8 @@
 Used by ``marlin-verify --gpu``. The check runs the fused path (GEMM with the delta
 folded into the dequantized weight) and the two-kernel path (symmetric GEMM, then
 ``C += xsum @ delta``) on random fp16 activations and compares both with
-``A.astype(float32) @ w_ref_f32`` over all N columns.
+``A.astype(float32) @ w_ref_f32`` over all the layer's columns (``n_out`` of a padded
+layer: the kernels store exactly those).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def verify_layer_gpu(
     group_size: int,
     w_ref_f32: Any,
     *,
+    n_out: int | None = None,
     ms: tuple[int, ...] = (1, 16, 17, 64, 128),
     repeats: int = 10,
     seed: int = 0,
@@ -52,10 +54,12 @@ def verify_layer_gpu(
         delta: float32 ``(G, size_n)`` artifact ``marlin_delta``, or None (symmetric).
         perm: int32 ``(size_k,)`` artifact ``marlin_perm``, or None.
         size_k, size_n, group_size: the layer's sizes (``group_size == size_k`` or -1
-            means per-channel).
-        w_ref_f32: float32 ``(size_k, size_n)`` reference weight in SOURCE input-channel
+            means per-channel); ``size_n`` the width of ``B`` (``padded_n`` when padded).
+        w_ref_f32: float32 ``(size_k, n_out)`` reference weight in SOURCE input-channel
             order (the source checkpoint's dequantized weight, or
             :func:`converter.gpu.reference.reference_weight` when there is none).
+        n_out: the layer's true N (``size_n`` in the manifest), at most ``size_n``;
+            default ``size_n``. The kernels store exactly ``n_out`` columns.
         ms: batch sizes M to test.
         repeats: calls per path and M; all must be bitwise identical (a race shows as
             a moving result).
@@ -66,7 +70,7 @@ def verify_layer_gpu(
         "two_kernel_mean_rel_err", "two_kernel_max_rel_err",
         "two_kernel_deterministic"}, ..., "ok": bool}``. Relative errors are
         ``mean|C - ref| / mean|ref|`` and ``max|C - ref| / mean|ref|`` over all M x N
-        outputs (inf when any output is NaN/inf). ``ok`` holds when, for every M and
+        outputs (``M x n_out``; inf when any output is NaN/inf). ``ok`` holds when, for every M and
         both paths, the mean relative error is at most ``GPU_MEAN_REL_TOL`` (1e-3) and
         all repeats agree.
         With ``delta`` None only the symmetric GEMM runs and the two-kernel keys are
@@ -87,9 +91,10 @@ def verify_layer_gpu(
     w_ref = cp.asarray(
         np.asarray(w_ref_f32, dtype=np.float32) if isinstance(w_ref_f32, np.ndarray) else w_ref_f32.astype(cp.float32)
     )
-    if tuple(w_ref.shape) != (size_k, size_n):
-        raise KernelError(f"w_ref_f32 must be ({size_k}, {size_n}), got {tuple(w_ref.shape)}")
-    kw = dict(size_k=size_k, size_n=size_n, group_size=group_size, perm=dev["perm"])
+    n_out = size_n if n_out is None else n_out
+    if tuple(w_ref.shape) != (size_k, n_out):
+        raise KernelError(f"w_ref_f32 must be ({size_k}, {n_out}), got {tuple(w_ref.shape)}")
+    kw = dict(size_k=size_k, size_n=size_n, group_size=group_size, perm=dev["perm"], n_out=n_out)
     result: dict[Any, Any] = {}
     ok = True
     for m in ms:

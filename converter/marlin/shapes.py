@@ -2,11 +2,28 @@
 
 Used by the converter to plan and by ``marlin-verify --shapes`` to check an artifact
 without touching tensor data.
+
+Two rules live here.  :func:`check_convertible` is the layout's own: ``K % 16``,
+``N % 64`` and a group size that is a multiple of 16 dividing K (or per-channel); an
+artifact layer always satisfies it, with ``N`` its layout width.  :func:`fit_layer`
+is how a *source* layer is brought to that rule without changing a value:
+
+* a short last group (``K % group_size != 0``, as GPTQModel, AutoGPTQ and
+  compressed-tensors quantize ``K = 576`` at ``g = 128``: groups of 128, 128, 128, 128
+  and 64) is re-expressed at ``gcd(K, group_size)`` rows per group, each source group's
+  scale and zero repeated for each of its slices (one group of K when the one source
+  group is longer than K): *regrouped*;
+* an ``N`` that no 64-column block divides is padded to the next multiple of 64 with
+  zero columns (code 8, scale 1, delta 0): *padded*; ``size_n`` stays the true N and
+  the kernels store only those columns.
+
+``K`` is never padded: a ``K % 16 != 0`` layer does not convert.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from ..constants import (
     CONVERT_GROUP_MULTIPLE,
@@ -26,21 +43,29 @@ from ..constants import (
 class LayerShape:
     """Shapes of one converted layer's artifact tensors.
 
-    ``group_size == size_k`` means per-channel (one group).
+    ``group_size == size_k`` means per-channel (one group).  ``size_n`` is the true N
+    (the bias and the layer's output); ``padded_n``, when set, the width of ``B``,
+    the scales and ``delta`` (:attr:`layout_n`).
     """
 
     size_k: int
     size_n: int
     group_size: int
+    padded_n: int | None = None
 
     @property
     def num_groups(self) -> int:
         return self.size_k // self.group_size
 
     @property
+    def layout_n(self) -> int:
+        """Columns of ``B``, the scales and ``delta``: ``padded_n``, else ``size_n``."""
+        return self.size_n if self.padded_n is None else self.padded_n
+
+    @property
     def b_shape(self) -> tuple[int, int]:
-        """int32 ``(size_k // 16, size_n * 16 // pack_factor)`` = ``(K/16, 2N)``."""
-        return (self.size_k // MARLIN_TILE, self.size_n * MARLIN_TILE // MARLIN_PACK_FACTOR)
+        """int32 ``(size_k // 16, layout_n * 16 // pack_factor)`` = ``(K/16, 2N)``."""
+        return (self.size_k // MARLIN_TILE, self.layout_n * MARLIN_TILE // MARLIN_PACK_FACTOR)
 
 
 def marlin_shapes(
@@ -54,12 +79,13 @@ def marlin_shapes(
         bias_dtype: safetensors dtype code of the bias, or None when there is none.
 
     Returns:
-        ``{suffix: (safetensors dtype code, shape)}``.
+        ``{suffix: (safetensors dtype code, shape)}``: ``B``, scales and ``delta`` are
+        ``layout_n`` wide, the bias ``size_n`` long.
     """
     out: dict[Suffix, tuple[str, tuple[int, ...]]] = {
         Suffix.B: ("I32", shape.b_shape),
-        Suffix.SCALES: ("F16", (shape.num_groups, shape.size_n)),
-        Suffix.DELTA: ("F32", (shape.num_groups, shape.size_n)),
+        Suffix.SCALES: ("F16", (shape.num_groups, shape.layout_n)),
+        Suffix.DELTA: ("F32", (shape.num_groups, shape.layout_n)),
     }
     if act_order:
         out[Suffix.PERM] = ("I32", (shape.size_k,))
@@ -128,6 +154,95 @@ def check_convertible(size_k: int, size_n: int, group_size: int) -> tuple[bool, 
         return False, f"size_n = {size_n} is not a multiple of {CONVERT_N_MULTIPLE} (Marlin tile)"
     reason = group_error(size_k, group_size)
     return (False, reason) if reason else (True, "")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerFit:
+    """How a source layer goes into the layout (:func:`fit_layer`), or why it cannot.
+
+    Attributes:
+        ok: it converts.
+        reason: why not ("" when it does), one line with the rule and the numbers.
+        group_size: the artifact's rows per group (``size_k`` for one group).
+        source_group_size: the source's group size when it was regrouped, else None.
+        padded_n: the layout's N when N was padded, else None.
+    """
+
+    ok: bool
+    reason: str = ""
+    group_size: int = 0
+    source_group_size: int | None = None
+    padded_n: int | None = None
+
+
+def padded_width(size_n: int) -> int:
+    """``size_n`` rounded up to the next multiple of 64, the layout's column block."""
+    return -(-size_n // CONVERT_N_MULTIPLE) * CONVERT_N_MULTIPLE
+
+
+def regrouped_size(size_k: int, group_size: int) -> int:
+    """The group size a layer with a short last group is stored at (``K % group_size != 0``).
+
+    ``gcd(K, group_size)``: it divides every source group, the short one included, so
+    each artifact group lies inside one source group; a multiple of 16 when K and the
+    group size are.  A group size above K (one short group) gives ``size_k``: one group.
+    """
+    return size_k if group_size > size_k else math.gcd(size_k, group_size)
+
+
+def fit_layer(size_k: int, size_n: int, group_size: int, *, pad: bool = True) -> LayerFit:
+    """Whether a source layer converts, and at which group size and width (module docstring).
+
+    Args:
+        size_k: in-features K.
+        size_n: out-features N, as the source has it.
+        group_size: the source's rows per group, or -1 / ``size_k`` for per-channel;
+            the source has ``ceil(K / group_size)`` groups, the last one short when
+            ``K % group_size``.
+        pad: pad an ``N % 64 != 0`` layer (else it does not convert).
+
+    Returns:
+        A :class:`LayerFit`.  The rule: ``K % 16 == 0`` (K is never padded); ``N %
+        64 == 0``, or padded; a group size that fits (:func:`groups_fit`), or one
+        that leaves a short last group and is a multiple of 16 or longer than K
+        (regrouped at :func:`regrouped_size`).
+    """
+    if size_k <= 0 or size_n <= 0:
+        return LayerFit(False, f"empty layer (size_k={size_k}, size_n={size_n})")
+    if size_k % CONVERT_K_MULTIPLE:
+        return LayerFit(False, f"size_k = {size_k} is not a multiple of {CONVERT_K_MULTIPLE} (Marlin tile)")
+    padded = None
+    if size_n % CONVERT_N_MULTIPLE:
+        if not pad:
+            return LayerFit(False, f"size_n = {size_n} is not a multiple of {CONVERT_N_MULTIPLE} (Marlin tile)")
+        padded = padded_width(size_n)
+    gs = resolve_group_size(size_k, group_size)
+    if groups_fit(size_k, group_size):
+        return LayerFit(True, group_size=gs, padded_n=padded)
+    if gs > size_k or (gs > 0 and gs % CONVERT_GROUP_MULTIPLE == 0):
+        return LayerFit(True, group_size=regrouped_size(size_k, gs), source_group_size=gs, padded_n=padded)
+    return LayerFit(False, group_error(size_k, group_size) or "")
+
+
+def regroup_rows(k_start: int, k_stop: int, group_size: int, source_group_size: int) -> list[int]:
+    """For each artifact group of rows ``[k_start, k_stop)``, its source group, counted
+    from the source group of row ``k_start`` (where a reader's chunk of source groups starts).
+
+    Args:
+        k_start, k_stop: rows of a chunk, ``k_start`` on an artifact group (or any row
+            of a one-group layer).
+        group_size: the artifact's rows per group (:func:`regrouped_size`); every
+            artifact group lies inside one source group.
+        source_group_size: the source's.
+
+    Returns:
+        ``[t * group_size // source_group_size - k_start // source_group_size]`` for each
+        artifact group ``t`` the rows touch: the rows of the chunk's source scales and
+        zeros that give the artifact's.
+    """
+    first = k_start // source_group_size
+    groups = range(k_start // group_size, -(-k_stop // group_size))
+    return [t * group_size // source_group_size - first for t in groups]
 
 
 def group_count(size_k: int, group_size: int) -> tuple[int, int]:

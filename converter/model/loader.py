@@ -32,10 +32,11 @@ TINYLOOP_MESSAGE = (
     "no model to build; run its layers with converter.gpu.api.load_artifact_gpu"
 )
 
-#: ``kernel_factory(name, size_k, size_n, group_size, B, scales, delta, perm, bias)`` ->
-#: a module taking float16 ``(..., K)`` and returning float16 ``(..., N)`` (the bias
-#: applied inside). Arrays are the artifact's as stored (scales Marlin-permuted, bias
-#: float16 or None).
+#: ``kernel_factory(name, size_k, size_n, group_size, B, scales, delta, perm, bias, *, padded_n)``
+#: -> a module taking float16 ``(..., K)`` and returning float16 ``(..., N)`` (the bias
+#: applied inside; ``N = size_n``, the true one). Arrays are the artifact's as stored
+#: (scales Marlin-permuted, ``B``, scales and delta ``padded_n`` wide, bias float16 or
+#: None); ``padded_n`` is ``size_n`` for a layer that is not padded.
 KernelFactory = Callable[..., Any]
 
 
@@ -152,11 +153,14 @@ def _marlin_kernel(
     delta: np.ndarray,
     perm: np.ndarray | None,
     bias: np.ndarray | None,
+    *,
+    padded_n: int,
 ) -> Any:
     """The default kernel factory: :class:`~converter.gpu.api.MarlinLinearModule` on the current GPU."""
     from ..gpu.api import MarlinLinear, MarlinLinearModule
 
-    return MarlinLinearModule(MarlinLinear(name, size_k, size_n, group_size, B, scales, delta, perm, bias))
+    layer = MarlinLinear(name, size_k, size_n, group_size, B, scales, delta, perm, bias, padded_n=padded_n)
+    return MarlinLinearModule(layer)
 
 
 def _passthrough_quantized(folder: Path, cfg: dict[str, Any], art: Any) -> tuple[Any, dict[str, Any], dict[str, str]]:
@@ -307,19 +311,23 @@ def build_converted(
             B, S, D = (np.asarray(art.tensor(p + s.value)) for s in (Suffix.B, Suffix.SCALES, Suffix.DELTA))
             perm = np.asarray(art.tensor(p + Suffix.PERM.value)) if rec.act_order else None
             bias = tensor(p + Suffix.BIAS.value) if rec.has_bias else None
-            if use_kernel and kernel_compatible(rec.size_k, rec.size_n, rec.group_size):
+            if use_kernel and kernel_compatible(rec.size_k, rec.layout_n, rec.group_size):
                 b16 = None if bias is None else bias.to(torch.float16).numpy()
-                kernel = factory(layer, rec.size_k, rec.size_n, rec.group_size, B, S, D, perm, b16)
+                kernel = factory(
+                    layer, rec.size_k, rec.size_n, rec.group_size, B, S, D, perm, b16, padded_n=rec.layout_n
+                )
                 report.layers[layer] = KERNEL
                 return KernelMarlinLinear(layer, kernel, rec.size_k, rec.size_n)
             if use_kernel:
                 report.kernel_fallback[layer] = (
                     f"K = {rec.size_k} is outside the kernel's limits (K % {KERNEL_K_MULTIPLE} == 0)"
                 )
-            q = unpack_b(B, rec.size_n)
-            scales = unpermute_scales(S, single=rec.shape.num_groups == 1)
+            # The exact path keeps the real columns only: the padding is zero weight.
+            n = rec.size_n
+            q = unpack_b(B, rec.layout_n)[:, :n]
+            scales = unpermute_scales(S, single=rec.shape.num_groups == 1)[:, :n]
             report.layers[layer] = EXACT
-            return ExactMarlinLinear(layer, q, scales, D, perm, bias, rec.group_size).to(dev)
+            return ExactMarlinLinear(layer, q, scales, D[:, :n], perm, bias, rec.group_size).to(dev)
 
         report.warnings += untie(b, lambda a, o: same_tensor(art.file, a, art.file, o))
         apply_binding(model, b, make_layer=make_layer, load_tensor=tensor, path=folder)

@@ -47,7 +47,7 @@ def test_artifact_future_schema_version(artifact: Path, tmp_path: Path) -> None:
     write_st(p, tensors, meta)
     with pytest.raises(
         SchemaVersionError,
-        match=r"marlin.schema_version: artifact schema version '7' is not supported \(this tool reads 1\); "
+        match=r"marlin.schema_version: artifact schema version '7' is not supported \(this tool reads 1, 2\); "
         r"upgrade marlin-convert",
     ):
         validate_artifact(p)

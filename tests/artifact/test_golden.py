@@ -38,7 +38,13 @@ def test_golden_is_a_valid_artifact(tmp_path: Path) -> None:
         schema_errors(manifest) == []
         and manifest["schema_version"] == load_schema()["properties"]["schema_version"]["const"]
     )
-    assert [(lay["name"], lay["bits"], lay["code_offset"]) for lay in manifest["layers"]] == [("a", 4, 0), ("b", 2, 6)]
+    assert [(lay["name"], lay["bits"], lay["code_offset"], lay.get("padded_n")) for lay in manifest["layers"]] == [
+        ("a", 4, 0, None),
+        ("b", 2, 6, None),
+        ("c", 4, 0, 64),
+    ]
+    assert manifest["layers"][2]["size_n"] == 48 and doc["c.marlin_B"]["shape"] == [2, 128]
+    assert doc["c.marlin_scales"]["shape"] == [1, 64]
     out = tmp_path / "tiny.marlin.safetensors"
     convert(SOURCE, out)
     assert verify(out, against=SOURCE, gpu=False).ok

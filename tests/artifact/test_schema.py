@@ -13,6 +13,7 @@ import pytest
 from converter.artifact.problems import ProblemCode
 from converter.artifact.reader import open_artifact
 from converter.artifact.schema import (
+    ADDED_IN,
     PARSERS,
     SCHEMA_OBJECTS,
     LayerEntry,
@@ -37,9 +38,9 @@ from tests.helpers.artifact_edit import read_st, rewrite_artifact, write_st
 from tests.helpers.paths import REPO, SAMPLE
 
 
-def _schema_object(path: str) -> dict:
+def _schema_object(path: str, version: int = ARTIFACT_SCHEMA_VERSION) -> dict:
     """The schema of the object at ``path`` in SCHEMA_OBJECTS' notation."""
-    node = load_schema()
+    node = load_schema(version)
     for part in filter(None, path.split(".")):
         node = node["properties"][part.removesuffix("[]")]
         if part.endswith("[]"):
@@ -47,19 +48,42 @@ def _schema_object(path: str) -> dict:
     return node
 
 
+def _fields_of(cls: type, path: str, version: int) -> list[dataclasses.Field]:
+    """The dataclass fields schema ``version`` has: those a later version added are not."""
+    later = {name for v, objects in ADDED_IN.items() if v > version for name in objects.get(path, ())}
+    return [f for f in dataclasses.fields(cls) if f.name not in later]
+
+
+@pytest.mark.parametrize("version", SUPPORTED_SCHEMA_VERSIONS)
 @pytest.mark.parametrize("path", sorted(SCHEMA_OBJECTS))
-def test_dataclass_fields_are_the_schema_properties(path: str) -> None:
-    """A field added to one side only fails here: the schema's properties are the
-    dataclass's fields, its required list the fields without a default."""
-    node, cls = _schema_object(path), SCHEMA_OBJECTS[path]
-    fields = dataclasses.fields(cls)
+def test_dataclass_fields_are_the_schema_properties(path: str, version: int) -> None:
+    """A field added to one side only fails here: each version's schema properties are
+    the dataclass's fields (less those a later version added, :data:`ADDED_IN`), its
+    required list the fields without a default."""
+    node, cls = _schema_object(path, version), SCHEMA_OBJECTS[path]
+    fields = _fields_of(cls, path, version)
     assert node["additionalProperties"] is False
     assert sorted(f.name for f in fields) == sorted(node["properties"])
     required = [f.name for f in fields if f.default is dataclasses.MISSING]
     assert sorted(required) == sorted(node["required"])
 
 
-def test_every_schema_object_has_a_dataclass() -> None:
+def test_v2_adds_exactly_the_regrouping_and_padding_fields() -> None:
+    assert ADDED_IN == {2: {"layers[]": ("source_group_size", "padded_n")}}
+    v1, v2 = (_schema_object("layers[]", v)["properties"] for v in (1, 2))
+    assert sorted(set(v2) - set(v1)) == ["padded_n", "source_group_size"]
+    # v2's size_n is the true N; a v1 layer's N was always a multiple of 64.
+    assert v1["size_n"]["multipleOf"] == 64 and "multipleOf" not in v2["size_n"]
+    assert v2["padded_n"]["multipleOf"] == 64
+    # Every other property is v1's (only descriptions may say more).
+    for key in set(v1) - {"size_n"}:
+        assert {k: v for k, v in v1[key].items() if k != "description"} == {
+            k: v for k, v in v2[key].items() if k != "description"
+        }, key
+
+
+@pytest.mark.parametrize("version", SUPPORTED_SCHEMA_VERSIONS)
+def test_every_schema_object_has_a_dataclass(version: int) -> None:
     found = set()
 
     def walk(node: dict, path: str) -> None:
@@ -70,15 +94,17 @@ def test_every_schema_object_has_a_dataclass() -> None:
         if node.get("type") == "array" and "items" in node:
             walk(node["items"], path + "[]")
 
-    walk(load_schema(), "")
+    walk(load_schema(version), "")
     assert found == set(SCHEMA_OBJECTS)
 
 
-def test_enums_are_the_schema_enums() -> None:
-    assert [f.value for f in SourceFormat] == _schema_object("source")["properties"]["format"]["enum"]
-    layer = _schema_object("layers[]")["properties"]
+@pytest.mark.parametrize("version", SUPPORTED_SCHEMA_VERSIONS)
+def test_enums_are_the_schema_enums(version: int) -> None:
+    assert [f.value for f in SourceFormat] == _schema_object("source", version)["properties"]["format"]["enum"]
+    layer = _schema_object("layers[]", version)["properties"]
     assert [z.value for z in ZeroConvention] == layer["zero_convention"]["enum"]
-    assert load_schema()["properties"]["schema_version"]["const"] == ARTIFACT_SCHEMA_VERSION
+    assert load_schema(version)["properties"]["schema_version"]["const"] == version
+    assert load_schema()["properties"]["schema_version"]["const"] == ARTIFACT_SCHEMA_VERSION == 2
 
 
 def test_every_supported_version_has_a_parser_and_a_schema_file() -> None:
@@ -110,8 +136,45 @@ def test_parse_then_write_gives_the_stored_object(artifact: Path) -> None:
     assert manifest.to_json() == doc.data
     assert schema_errors(doc.data) == []
     assert isinstance(manifest.layers[0], LayerEntry) and manifest.source.format is SourceFormat.TINYLOOP
-    # act_order is written only when true: no sample layer is act-order.
-    assert all("act_order" not in entry for entry in doc.data["layers"])
+    # act_order is written only when true: no sample layer is act-order; padded_n only
+    # for the padded head, source_group_size for no layer (none is regrouped).
+    assert all("act_order" not in entry and "source_group_size" not in entry for entry in doc.data["layers"])
+    assert {e["name"]: e["padded_n"] for e in doc.data["layers"] if "padded_n" in e} == {"head": 1024}
+    head = next(rec for rec in manifest.layers if rec.name == "head")
+    assert (head.size_n, head.padded_n, head.layout_n, head.shape.b_shape) == (1000, 1024, 1024, (8, 2048))
+
+
+def test_a_v1_artifact_is_still_read_and_verified(tmp_path: Path) -> None:
+    """What the tool wrote before v2 (no padded or regrouped layer: the sample with
+    --no-pad) reads and verifies as it did; absent v2 fields mean what they meant in v1."""
+    v2 = tmp_path / "v2.safetensors"
+    convert(SAMPLE, v2, pad=False)
+    v1 = rewrite_artifact(v2, tmp_path / "v1.safetensors", lambda m, t: None, schema_version=1)
+    meta, _ = read_st(v1)
+    assert meta[META_SCHEMA_VERSION] == "1" and json.loads(meta["marlin.manifest"])["schema_version"] == 1
+    manifest = Manifest.parse(meta, path=v1)
+    assert manifest.schema_version == 1
+    assert all(rec.padded_n is None and rec.source_group_size is None for rec in manifest.layers)
+    assert schema_errors(read_document(meta, path=v1).data, 1) == []
+    report = verify(v1, against=SAMPLE, gpu=False)
+    assert report.ok, [p.message for p in report.problems]
+    assert report.schema_version == 1 and report.checked["layers"] == 14
+
+
+def test_a_v1_manifest_with_a_v2_field_is_refused(artifact: Path, tmp_path: Path) -> None:
+    """A v1 reader never saw padded_n: a manifest that says v1 and has it does not fit v1."""
+    bad = rewrite_artifact(artifact, tmp_path / "bad.safetensors", lambda m, t: None, schema_version=1)
+    meta, _ = read_st(bad)
+    with pytest.raises(
+        ArtifactError,
+        match=r"layers\[14\]: unknown field 'padded_n' \(schema v2 added it; this manifest is v1\)",
+    ):
+        Manifest.parse(meta, path=bad)
+    report = verify(bad, gpu=False)
+    assert not report.ok and {p.code for p in report.problems} == {ProblemCode.SCHEMA_VIOLATION}
+    assert any(
+        "schema v1: layers/14: Additional properties are not allowed ('padded_n'" in p.message for p in report.problems
+    )
 
 
 def test_integral_floats_read_as_ints() -> None:
@@ -148,9 +211,9 @@ def test_integral_floats_read_as_ints() -> None:
 @pytest.mark.parametrize(
     ("version", "match"),
     [
-        ("2", r"artifact schema version '2' is not supported \(this tool reads 1\); upgrade marlin-convert"),
-        ("0", r"artifact schema version '0' is not supported \(this tool reads 1\)$"),
-        ("one", r"artifact schema version 'one' is not supported \(this tool reads 1\)$"),
+        ("3", r"artifact schema version '3' is not supported \(this tool reads 1, 2\); upgrade marlin-convert"),
+        ("0", r"artifact schema version '0' is not supported \(this tool reads 1, 2\)$"),
+        ("one", r"artifact schema version 'one' is not supported \(this tool reads 1, 2\)$"),
     ],
 )
 def test_version_is_read_first(artifact: Path, tmp_path: Path, version: str, match: str) -> None:

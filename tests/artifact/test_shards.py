@@ -182,7 +182,7 @@ def test_folder_mode_writes_a_complete_model_folder(tmp_path: Path, src: tuple[P
     qc = cfg["quantization_config"]
     assert (qc["quant_method"], qc["schema_version"], qc["bits"], qc["zero_correction"]) == (
         "marlin-convert",
-        1,
+        2,
         4,
         "delta",
     )

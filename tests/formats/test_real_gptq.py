@@ -55,7 +55,7 @@ def test_real_manifest_records_conventions(name: str, artifacts: dict[str, Path]
         files = {f.name for f in art.manifest.source.files}
         assert any(f.endswith(".safetensors") for f in files)
         assert art.file.metadata["format"] == "pt"
-        assert art.file.metadata["marlin.schema_version"] == "1"
+        assert art.file.metadata["marlin.schema_version"] == "2"
         for entry in art.manifest.layers:
             assert entry.zero_convention == convention
             assert entry.symmetric is symmetric

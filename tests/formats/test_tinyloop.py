@@ -254,10 +254,10 @@ def test_sample_plan() -> None:
     kinds = ("attn_qkv", "attn_out", "mlp_gate", "mlp_up", "mlp_down")
     assert set(layers) == {f"{b}.{k}" for b in blocks for k in kinds} | {"head"}
     not_converted = {name: layer.reason for name, layer in layers.items() if not layer.convertible}
-    assert not_converted == {
-        "pre.1.attn_out": EXACT_INT4_REASON,
-        "head": "size_n = 1000 is not a multiple of 64 (Marlin tile)",
-    }
+    assert not_converted == {"pre.1.attn_out": EXACT_INT4_REASON}
+    # The 1000-vocabulary head converts padded to 1024 columns (--pad, the default).
+    assert (layers["head"].size_n, layers["head"].padded_n, layers["head"].layout_n) == (1000, 1024, 1024)
+    assert all(lay.padded_n is None and lay.source_group_size is None for n, lay in layers.items() if n != "head")
     assert layers["pre.1.attn_qkv"].bits == 2
     assert layers["pre.0.attn_qkv"].group_size == 64 and layers["pre.0.attn_out"].group_size == 128  # per-row
     assert layers["loop.0.attn_out"].symmetric and not layers["pre.0.attn_qkv"].symmetric
@@ -269,8 +269,15 @@ def test_sample_plan() -> None:
         "frac4: TinyLoop stochastic-rounding channel; Marlin ignores it"
     )
     assert "pre.0.mlp_up.frac4" in plain and "pre.0.mlp_up.frac4" not in layers["pre.0.mlp_up"].source_tensors
+    with TinyloopSource(SAMPLE) as src:
+        unpadded = {layer.name: layer for layer in src.plan(pad=False).layers}
+    assert unpadded["head"].padded_n is None and not unpadded["head"].convertible
+    reason = "size_n = 1000 is not a multiple of 64 (Marlin tile)"
+    assert unpadded["head"].reason == reason
+    with TinyloopSource(SAMPLE) as src:
+        reasons = src.plan(pad=False).passthrough_reasons
     for name in ("head.qweight", "head.scale", "head.zero"):
-        assert plan.passthrough_reasons[name] == "layer head not converted: " + not_converted["head"]
+        assert reasons[name] == "layer head not converted: " + reason
     assert layers["pre.0.attn_qkv"].source_tensors == tuple(f"pre.0.attn_qkv.{s}" for s in ("qweight", "scale", "zero"))
     assert set(layers["pre.1.attn_out"].source_tensors) == {f"pre.1.attn_out.{s}" for s in ("qweight", "scale", "zero")}
     assert SAMPLE.stat().st_size < 1_500_000

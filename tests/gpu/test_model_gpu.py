@@ -21,7 +21,7 @@ from tests.helpers.model_fixture import DEQUANT_LAYERS, FALLBACK_LAYERS, KERNEL_
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("tiny-gpu")
     src = write_tiny_llama(root / "src")
-    convert(src, str(root / "out") + "/")
+    convert(src, str(root / "out") + "/", pad=False)  # N % 64 layers pass through: the dequant-fp16 path
     return src, root / "out"
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from converter.artifact.manifest import checksum, dump_manifest
-from converter.constants import META_MANIFEST, META_MANIFEST_CHECKSUM, SAFETENSORS_DTYPES
+from converter.constants import META_MANIFEST, META_MANIFEST_CHECKSUM, META_SCHEMA_VERSION, SAFETENSORS_DTYPES
 
 
 def read_st(path: Path) -> tuple[dict[str, str], dict[str, tuple[str, list[int], bytes]]]:
@@ -43,13 +43,17 @@ def write_st(
     path.write_bytes(struct.pack("<Q", len(raw_h)) + raw_h + b"".join(blobs))
 
 
-def rewrite_artifact(src: Path, dst: Path, edit) -> Path:
+def rewrite_artifact(src: Path, dst: Path, edit, *, schema_version: int | None = None) -> Path:
     """Rewrite an artifact with ``edit(manifest, tensors)``, then re-seal every checksum,
-    so the only thing wrong with the result is what ``edit`` did."""
+    so the only thing wrong with the result is what ``edit`` did; ``schema_version``
+    restamps the manifest and ``marlin.schema_version`` (an older version's artifact)."""
     meta, tensors = read_st(src)
     manifest = json.loads(meta[META_MANIFEST])
     edit(manifest, tensors)
     manifest["checksums"]["tensors"] = {n: checksum(raw) for n, (_, _, raw) in tensors.items()}
+    if schema_version is not None:
+        manifest["schema_version"] = schema_version
+        meta = {**meta, META_SCHEMA_VERSION: str(schema_version)}
     text = dump_manifest(manifest)
     meta = {**meta, META_MANIFEST: text, META_MANIFEST_CHECKSUM: checksum(text.encode())}
     write_st(dst, tensors, meta)

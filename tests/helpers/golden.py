@@ -3,7 +3,7 @@
 Both files live in ``tests/data/golden/`` and are rebuilt by ``python scripts/make_golden.py``
 (only when the artifact format is meant to change: the test then shows the diff).  The
 source holds one grouped 4-bit layer with a bias, one per-row 2-bit layer, one layer
-whose N no Marlin tile divides (it passes through), and a plain f16 tensor.
+whose N no Marlin tile divides (N = 48, padded to 64: ``padded_n``), and a plain f16 tensor.
 """
 
 from __future__ import annotations

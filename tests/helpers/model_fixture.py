@@ -6,8 +6,9 @@ untied quantized ``lm_head``:
 
 * q_proj (act-order), k_proj, v_proj, o_proj: convert, and our kernel runs them;
 * down_proj (K = 80): converts, but K % 64 != 0 is outside the kernel (exact fallback on the GPU);
-* gate_proj, up_proj (N = 80) and lm_head (N = 200): N % 64 != 0, they pass through
-  unconverted and run dequantized in fp16.
+* gate_proj, up_proj (N = 80) and lm_head (N = 200): N % 64 != 0; converted with
+  ``pad=False`` (``--no-pad``) they pass through unconverted and run dequantized in fp16
+  (with the default ``--pad`` they convert padded: :func:`write_ragged_llama` covers that).
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ def test_untie_loads_differing_tied_tensors_separately() -> None:
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("tiny")
     src = write_tiny_llama(root / "src")
-    convert(src, str(root / "out") + "/")
+    convert(src, str(root / "out") + "/", pad=False)  # N % 64 layers pass through: the dequant-fp16 path
     return src, root / "out"
 
 
@@ -200,6 +200,19 @@ def test_exact_path_is_the_artifacts_weight_and_matches_the_source(tiny: tuple[P
     assert rel < 4e-3  # bf16 output rounding (2^-9) dominates
 
 
+def exact_from_stored(name, size_n, group_size, B, scales, delta, perm, bias, padded_n) -> ExactMarlinLinear:
+    """The exact module of a layer from its tensors as stored (what a kernel factory gets)."""
+    return ExactMarlinLinear(
+        name,
+        unpack_b(B, padded_n)[:, :size_n],
+        unpermute_scales(scales, single=scales.shape[0] == 1)[:, :size_n],
+        delta[:, :size_n],
+        perm,
+        None if bias is None else torch.from_numpy(bias),
+        group_size,
+    )
+
+
 class FakeKernel(torch.nn.Module):
     """Stands in for MarlinLinearModule on the CPU: same contract (fp16 in, fp16 out)."""
 
@@ -218,17 +231,10 @@ def test_kernel_swap_runs_every_kernel_layer_through_the_kernel_module(tiny: tup
     calls: list = []
     seen: dict = {}
 
-    def factory(name, size_k, size_n, group_size, B, scales, delta, perm, bias):
+    def factory(name, size_k, size_n, group_size, B, scales, delta, perm, bias, *, padded_n):
         seen[name] = (B, scales, delta, perm, bias)
-        exact = ExactMarlinLinear(
-            name,
-            unpack_b(B, size_n),
-            unpermute_scales(scales, single=scales.shape[0] == 1),
-            delta,
-            perm,
-            None if bias is None else torch.from_numpy(bias),
-            group_size,
-        )
+        assert padded_n == size_n  # converted with pad=False
+        exact = exact_from_stored(name, size_n, group_size, B, scales, delta, perm, bias, padded_n)
         return FakeKernel(name, exact, calls)
 
     model, r = build_converted(out, "cpu", kernel_factory=factory)
@@ -281,20 +287,8 @@ def test_verify_model_passes_on_the_synthetic_llama(tiny: tuple[Path, Path]) -> 
 def test_verify_model_reports_the_kernel_fallback(tiny: tuple[Path, Path]) -> None:
     src, out = tiny
 
-    def factory(name, size_k, size_n, group_size, B, scales, delta, perm, bias):
-        return FakeKernel(
-            name,
-            ExactMarlinLinear(
-                name,
-                unpack_b(B, size_n),
-                unpermute_scales(scales),
-                delta,
-                perm,
-                None if bias is None else torch.from_numpy(bias),
-                group_size,
-            ),
-            [],
-        )
+    def factory(name, size_k, size_n, group_size, B, scales, delta, perm, bias, *, padded_n):
+        return FakeKernel(name, exact_from_stored(name, size_n, group_size, B, scales, delta, perm, bias, padded_n), [])
 
     rep = verify_model(out, src, gpu=False, kernel_factory=factory)
     assert rep.ok
