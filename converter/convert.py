@@ -96,6 +96,9 @@ class ConvertReport:
         d = dataclasses.asdict(self)
         d["converted"] = [lay.to_json() for lay in self.converted]
         d["passthrough"] = [p.to_json() for p in self.passthrough]
+        d["not_converted"] = [
+            {"name": s.name, "reason": s.reason, "tensors": list(s.tensors)} for s in self.not_converted
+        ]
         d["tensors"] = [{"name": n, "dtype": t, "shape": list(s)} for n, t, s in self.tensors]
         d["ok"] = True
         return d

@@ -83,3 +83,37 @@ def test_forced_gpu_without_gpu_is_a_problem(monkeypatch: pytest.MonkeyPatch, ar
     assert [p.message for p in report.problems if p.code == "gpu"] == ["--gpu given but no CUDA device found"]
     auto = verify(artifact, gpu=None)
     assert auto.ok and auto.checked["gpu_numerics"] == "skipped: no CUDA device found"
+
+
+def test_gpu_check_on_the_kernels_numpy_twins_covers_regrouped_and_padded_layers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The real converter.gpu.verify check, with NumPy for CuPy and the kernels' twins for
+    the launchers: the regrouped (K = 576 and 960) and padded (N = 32) layers of a short-
+    last-group checkpoint pass the 1e-3 bar on exactly their size_n columns."""
+    import functools
+    import types
+
+    import converter.gpu.reference as ref
+    import converter.gpu.runtime as runtime
+    import converter.gpu.verify as gverify
+    from tests.helpers.producers import RAGGED_SIZES, ragged_gptq
+
+    monkeypatch.setattr(runtime, "require_gpu", lambda: None)
+    monkeypatch.setattr(gverify.runtime, "cupy_module", lambda: np)
+    fake = types.SimpleNamespace(
+        marlin_gemm=ref.marlin_gemm, marlin_gemm_two_kernel=ref.marlin_gemm_two_kernel, synchronize=lambda: None
+    )
+    monkeypatch.setattr(gverify, "kernels", fake)
+    monkeypatch.setattr(gverify, "verify_layer_gpu", functools.partial(gverify.verify_layer_gpu, repeats=2))
+    src, _ = ragged_gptq(tmp_path / "src", np.random.default_rng(21), bits=2, act_order=True)
+    out = tmp_path / "a.safetensors"
+    convert(src, out)
+    report = verify(out, against=src, gpu=True)
+    assert report.ok, [p.message for p in report.problems]
+    rows = {r["name"]: r for r in report.layers}
+    assert set(rows) == set(RAGGED_SIZES)
+    for row in rows.values():
+        gpu = row["gpu"]
+        assert gpu["ok"] and gpu["deterministic"] and set(gpu["per_m"]) == {"1", "16", "17", "64", "128"}
+        assert 0 < gpu["mean_rel_err"] < 1e-3 and "two_kernel_mean_rel_err" in gpu["per_m"]["17"]

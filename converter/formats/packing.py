@@ -194,7 +194,9 @@ def act_order_perm(
     Raises:
         SourceFormatError: a value outside ``[0, num_groups)``, or a group that does
             not have exactly ``group_size`` members (the last group may be short when
-            ``K % group_size``), so sorted groups would not be contiguous blocks.
+            ``K % group_size``, as GPTQ makes it), so sorted groups would not be
+            contiguous blocks on group boundaries (a short last group is regrouped
+            afterwards; a short group elsewhere is refused here).
     """
     g_idx = np.asarray(g_idx)
     size_k = int(g_idx.size)
@@ -211,8 +213,14 @@ def act_order_perm(
     full[-1] = size_k - group_size * (num_groups - 1)
     if not np.array_equal(counts, full):
         bad = int(np.flatnonzero(counts != full)[0])
+        tail = int(full[-1])
+        short = (
+            f" (only the last, group {num_groups - 1}, may be short: {tail} when K = {size_k})"
+            if tail != group_size
+            else ""
+        )
         raise SourceFormatError(
-            f"act-order groups must each have group_size={group_size} members; "
+            f"act-order groups must each have group_size={group_size} members{short}; "
             f"group {bad} has {int(counts[bad])} (expected {int(full[bad])})",
             path=path,
             tensor=tensor,

@@ -29,3 +29,52 @@ def test_corrupted_artifact_never_reaches_the_gpu(monkeypatch: pytest.MonkeyPatc
         r"run marlin-verify",
     ):
         load_artifact_gpu(bad)
+
+
+def _twin_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """converter.gpu.api on the CPU: NumPy as the array module and the kernels' NumPy
+    twins as the launchers, so the loader's wiring (sizes, padded_n, n_out) runs for real."""
+    import types
+
+    import numpy as np
+
+    import converter.gpu.api as api
+    import converter.gpu.reference as ref
+    import converter.gpu.runtime as runtime
+
+    monkeypatch.setattr(runtime, "cupy_module", lambda: np)
+    fake = types.SimpleNamespace(gemm_plan=lambda *a, **k: None, prepare_delta=lambda d: d, marlin_gemm=ref.marlin_gemm)
+    monkeypatch.setattr(api, "kernels", fake)
+
+
+@pytest.mark.parametrize("case", ["vocab-head", "n32-gptq", "regrouped"])
+def test_loaded_layers_return_exactly_size_n_columns(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, case) -> None:
+    import numpy as np
+
+    from converter.artifact.reader import open_artifact
+    from converter.gpu.api import load_artifact_gpu
+    from converter.verify import artifact_weight, unpack_layer
+    from tests.helpers.producers import RAGGED_SIZES, ragged_gptq
+    from tests.helpers.sample import build_vocab_head
+
+    _twin_gpu(monkeypatch)
+    if case == "vocab-head":
+        src, name, want = build_vocab_head(tmp_path / "v.tinyloop"), "head", (50257, 50304)
+    else:
+        q, _, k = RAGGED_SIZES
+        src, _ = ragged_gptq(tmp_path / "src", np.random.default_rng(4), act_order=True)
+        name, want = (k, (32, 64)) if case == "n32-gptq" else (q, (128, 128))
+    out = tmp_path / "a.safetensors"
+    convert(src, out)
+    layers = load_artifact_gpu(out)
+    layer = layers[name]
+    assert (layer.size_n, layer.padded_n) == want
+    with open_artifact(out) as art:
+        rec = art.layers[name]
+        w = artifact_weight(unpack_layer(art, rec), rec)
+        bias = np.asarray(art.tensor(f"{name}.bias"), np.float32) if rec.has_bias else 0.0
+    a = np.random.default_rng(0).standard_normal((2, 3, rec.size_k)).astype(np.float16)
+    y = layer(a)
+    assert y.shape == (2, 3, want[0]) and y.dtype == np.float16
+    ref = a.astype(np.float32) @ w + bias
+    assert float(np.abs(y.astype(np.float32) - ref).mean() / np.abs(ref).mean()) < 1e-3

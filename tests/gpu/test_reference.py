@@ -211,6 +211,24 @@ def test_two_kernel_twin_close_to_fused_twin():
     assert np.abs(f - t).mean() / np.abs(t).mean() < 2e-3
 
 
+@pytest.mark.parametrize("arith", ["weight", "group"])
+def test_twins_store_n_out_columns_of_a_padded_layer(arith):
+    """A padded layer (N = 50 in a 64-wide layout): the twins, as the launchers, give the
+    first n_out columns of the full product, with an n_out-long bias and a wider delta."""
+    rng = np.random.default_rng(50)
+    k, n, n_out = 128, 64, 50
+    L = make_layer(rng, k, n, 32, act_order=True)
+    a = rng.standard_normal((5, k)).astype(np.float16)
+    bias = rng.standard_normal(n).astype(np.float16)
+    kw = dict(size_k=k, size_n=n, group_size=32, delta=L["delta"], perm=L["perm"], arith=arith)
+    full = ref.marlin_gemm(a, L["B"], L["S"], bias=bias, **kw)
+    part = ref.marlin_gemm(a, L["B"], L["S"], bias=bias[:n_out], n_out=n_out, **kw)
+    assert part.shape == (5, n_out) and np.array_equal(part.view(np.uint16), full[:, :n_out].view(np.uint16))
+    two = ref.marlin_gemm_two_kernel(a, L["B"], L["S"], bias=bias[:n_out], n_out=n_out, **kw)
+    two_full = ref.marlin_gemm_two_kernel(a, L["B"], L["S"], bias=bias, **kw)
+    assert two.shape == (5, n_out) and np.array_equal(two.view(np.uint16), two_full[:, :n_out].view(np.uint16))
+
+
 def _without_cupy(monkeypatch):
     from converter.gpu import runtime
 

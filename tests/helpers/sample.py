@@ -93,3 +93,26 @@ def build_sample(out: Path) -> Path:
     linears["head"] = entry
     out.parent.mkdir(parents=True, exist_ok=True)
     return write_tinyloop(out, MODEL, tensors, linears)
+
+
+#: GPT-2's vocabulary, TinyLoop's head width: no 64-column block divides it.
+GPT2_VOCAB = 50257
+
+
+def build_vocab_head(out: Path, *, vocab: int = GPT2_VOCAB, d_model: int = 64, seed: int = 15) -> Path:
+    """A small ``.tinyloop`` model whose quantized ``head`` has ``vocab`` outputs.
+
+    ``blk.0.mlp`` (64 -> 128, group 32, converts as it is), ``head`` (64 -> ``vocab``,
+    group 32, with a bias; converts padded to the next multiple of 64), a bf16 embedding.
+    """
+    rng = np.random.default_rng(seed)
+    tensors: dict[str, Any] = {"embed": ("bf16", _bf16_bits(rng.standard_normal((vocab, d_model)) * 0.02))}
+    linears: dict[str, Any] = {}
+    for name, n, bias in (("blk.0.mlp", 128, False), ("head", vocab, True)):
+        w = (rng.standard_normal((d_model, n)) / np.sqrt(d_model)).astype(np.float32)
+        b = 0.01 * rng.standard_normal(n) if bias else None
+        t, entry = quantize_linear_tinyloop(name, w, 4, 32, rng, bias=b)
+        tensors.update(t)
+        linears[name] = entry
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return write_tinyloop(out, {"d_model": d_model, "vocab_size": vocab}, tensors, linears)

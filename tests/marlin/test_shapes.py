@@ -7,13 +7,18 @@ import pytest
 
 from converter.errors import KernelError
 from converter.marlin.shapes import (
+    LayerFit,
     LayerShape,
     check_convertible,
+    fit_layer,
     group_count,
     groups_fit,
     kernel_compatible,
     kernel_layer_sizes,
     marlin_shapes,
+    padded_width,
+    regroup_rows,
+    regrouped_size,
     tiles_fit,
     upstream_compatible,
 )
@@ -102,3 +107,57 @@ def test_marlin_shapes_from_the_sizes() -> None:
         "marlin_perm": ("I32", (256,)),
         "bias": ("BF16", (128,)),
     }
+
+
+def test_marlin_shapes_of_a_padded_layer() -> None:
+    shapes = marlin_shapes(LayerShape(64, 50257, 64, padded_n=50304), act_order=False, bias_dtype="F16")
+    assert {s.value: v for s, v in shapes.items()} == {
+        "marlin_B": ("I32", (4, 100608)),
+        "marlin_scales": ("F16", (1, 50304)),
+        "marlin_delta": ("F32", (1, 50304)),
+        "bias": ("F16", (50257,)),  # the true N: the output's columns
+    }
+
+
+@pytest.mark.parametrize(
+    ("k", "n", "g", "pad", "fit"),
+    [
+        (512, 512, 128, True, LayerFit(True, group_size=128)),
+        (512, 512, -1, True, LayerFit(True, group_size=512)),
+        # Short last groups (GPTQModel's hidden sizes): gcd(K, g).
+        (576, 576, 128, True, LayerFit(True, group_size=64, source_group_size=128)),
+        (960, 192, 256, True, LayerFit(True, group_size=64, source_group_size=256)),
+        (2880, 64, 256, True, LayerFit(True, group_size=64, source_group_size=256)),
+        (1600, 64, 128, True, LayerFit(True, group_size=64, source_group_size=128)),
+        (512, 512, 48, True, LayerFit(True, group_size=16, source_group_size=48)),
+        # One group longer than K: one group of K (per-channel), whatever its size.
+        (64, 64, 128, True, LayerFit(True, group_size=64, source_group_size=128)),
+        (64, 64, 100, True, LayerFit(True, group_size=64, source_group_size=100)),
+        # N padded to the next multiple of 64, or refused with --no-pad.
+        (64, 50257, 64, True, LayerFit(True, group_size=64, padded_n=50304)),
+        (576, 32, 128, True, LayerFit(True, group_size=64, source_group_size=128, padded_n=64)),
+        (64, 50257, 64, False, LayerFit(False, "size_n = 50257 is not a multiple of 64 (Marlin tile)")),
+        # K is never padded; a group size that is no multiple of 16 below K is refused.
+        (520, 512, 8, True, LayerFit(False, "size_k = 520 is not a multiple of 16 (Marlin tile)")),
+        (576, 64, 100, True, LayerFit(False, "group_size = 100 is not a multiple of 16 that divides size_k = 576")),
+        (512, 512, 24, True, LayerFit(False, "group_size = 24 is not a multiple of 16 that divides size_k = 512")),
+        (0, 64, -1, True, LayerFit(False, "empty layer (size_k=0, size_n=64)")),
+    ],
+)
+def test_fit_layer(k: int, n: int, g: int, pad: bool, fit: LayerFit) -> None:
+    assert fit_layer(k, n, g, pad=pad) == fit
+    if fit.ok:  # what it stores always meets the layout's own rule
+        assert check_convertible(k, fit.padded_n or n, fit.group_size) == (True, "")
+    if fit.source_group_size is not None:
+        assert regrouped_size(k, fit.source_group_size) == fit.group_size
+
+
+def test_padded_width_and_regroup_rows() -> None:
+    assert [padded_width(n) for n in (1, 32, 64, 65, 1000, 50257)] == [64, 64, 64, 128, 1024, 50304]
+    # K = 576, g = 128 -> 64: artifact group t holds source group t // 2; the short
+    # source group 4 is artifact group 8.
+    assert regroup_rows(0, 576, 64, 128) == [0, 0, 1, 1, 2, 2, 3, 3, 4]
+    # A chunk from row 256 counts from its first source group (2).
+    assert regroup_rows(256, 576, 64, 128) == [0, 0, 1, 1, 2]
+    assert regroup_rows(0, 960, 64, 256) == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 3
+    assert regroup_rows(32, 64, 64, 128) == [0]  # one group of K, any chunk
