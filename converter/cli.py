@@ -270,28 +270,37 @@ def _render_convert(report: Any, verbose: bool) -> None:
         rows.setdefault((lay.name if verbose else _INDEX.sub("*", lay.name), *_layer_cells(lay)), []).append(lay.name)
     for (pattern, *cells), names in rows.items():
         table.add_row(escape(names[0] if len(names) == 1 else pattern), str(len(names)), *cells)
-    print_(table)
+    print_(table if rows else table.title)
     lines: list[str] = []
-    for what, attr in (
-        ("regrouped (short last group; each source group's scale and zero repeated per slice)", "source_group_size"),
-        ("padded (N rounded up to a multiple of 64 with zero columns; outputs keep N)", "padded_n"),
-    ):
-        names = [lay.name for lay in report.converted if getattr(lay, attr) is not None]
-        if names:
-            listed = ", ".join(names) if verbose else _patterns_text(names)
-            lines.append(f"{len(names)} layer(s) {what}: {escape(listed)}")
+
+    def group(head: str, names: list[str]) -> None:
+        lines.append(f"{head}\n  {escape(', '.join(names) if verbose else _patterns_text(names))}")
+
+    regrouped = [lay for lay in report.converted if lay.source_group_size is not None]
+    if regrouped:
+        sizes = ", ".join(f"{a} -> {b}" for a, b in sorted({(r.source_group_size, r.group_size) for r in regrouped}))
+        group(
+            f"{len(regrouped)} layer(s) regrouped, exactly (short last group; each source group's scale and zero "
+            f"repeated per slice): group size {sizes}",
+            [lay.name for lay in regrouped],
+        )
+    padded = [lay for lay in report.converted if lay.padded_n is not None]
+    if padded:
+        group(
+            f"{len(padded)} layer(s) padded (N rounded up to a multiple of 64 with zero columns; outputs keep N)",
+            [lay.name for lay in padded],
+        )
     by_reason: dict[str, list[str]] = {}
     for nc in report.not_converted:
         by_reason.setdefault(nc.reason, []).append(nc.name)
     for reason, names in by_reason.items():
-        listed = ", ".join(names) if verbose else _patterns_text(names)
-        lines.append(f"{len(names)} layer(s) not converted: {escape(reason)}\n  {escape(listed)}")
+        group(f"{len(names)} layer(s) not converted: {escape(reason)}", names)
     of_layers = {t for nc in report.not_converted for t in nc.tensors}
     plain: dict[str, list[str]] = {}
     for p in report.passthrough:
-        if p.name not in of_layers:
+        if verbose or p.name not in of_layers:
             plain.setdefault(p.reason, []).append(p.name)
-    if plain and verbose:
+    if verbose:  # every carried-over tensor, the not-converted layers' too
         lines += [f"pass-through: {escape(', '.join(names))}  [dim]({escape(why)})[/]" for why, names in plain.items()]
     elif plain:
         counts = "; ".join(f"{escape(why)} ({len(names)})" for why, names in plain.items())
@@ -305,13 +314,11 @@ def _render_convert(report: Any, verbose: bool) -> None:
         lines.append(f"[yellow]warning:[/] {escape(listed)}: {escape(w)}")
     shown = lines if verbose else lines[:SUMMARY_LINES]
     for line in shown:
-        print_(line, soft_wrap=True)
+        print_(line)
     if len(shown) < len(lines):
         print_(f"... and {len(lines) - len(shown)} more (--verbose for all; --json for every tensor)")
     verb = "would write" if report.dry_run else "wrote"
-    counts = [(sum(lay.source_group_size is not None for lay in report.converted), "regrouped")]
-    counts.append((sum(lay.padded_n is not None for lay in report.converted), "padded"))
-    extra = ", ".join(f"{n} {what}" for n, what in counts if n)
+    extra = ", ".join(f"{len(xs)} {what}" for xs, what in ((regrouped, "regrouped"), (padded, "padded")) if xs)
     print_(
         f"{len(report.converted)} layers converted{f' ({extra})' if extra else ''}, "
         f"{len(report.passthrough)} tensors passed through; {verb} {report.bytes_out / 1e6:.2f} MB of tensor data"
@@ -445,14 +452,15 @@ def _render_verify(report: Report, quiet: bool) -> None:
         for col in cols:
             table.add_column(col, overflow="fold")
         for row in report.layers:
-            exact = [row[k] for k in ("codes_exact", "scales_exact", "delta_exact") if k in row]
+            exact = [row[k] for k in ("codes_exact", "scales_exact", "delta_exact", "padding_exact") if k in row]
             gpu = row.get("gpu")
+            group = "chan" if row["group_size"] == row["size_k"] else str(row["group_size"])
             cells = [
                 "❌" if row["name"] in bad_layers else "✅",
                 escape(row["name"]),
                 str(row["size_k"]),
-                str(row["size_n"]),
-                "chan" if row["group_size"] == row["size_k"] else str(row["group_size"]),
+                str(row["size_n"]) + (f" (pad {row['padded_n']})" if "padded_n" in row else ""),
+                group + (f" (from {row['source_group_size']})" if "source_group_size" in row else ""),
                 "yes" if row["symmetric"] else "no",
                 ("yes" if all(exact) else "NO") if exact else "-",
                 f"{row['cpu_rel_err']:.2e}" if "cpu_rel_err" in row else "-",

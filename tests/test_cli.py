@@ -301,3 +301,90 @@ def test_cli_environment_oserror_is_one_line_exit_2(tmp_path: Path, monkeypatch:
     assert r.exit_code == 2
     out = r.output.strip().splitlines()
     assert out == [f"error: {tmp_path / 'out.safetensors'}: No space left on device"]
+
+
+# --------------------------------------------------------------------------- the summary (issue 15)
+
+
+@pytest.fixture(scope="module")
+def two_hundred(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 203-layer GPTQ Llama (29 blocks of 7) with hidden 96, group 64: q/k/v/o and
+    gate/up regroup (96 % 64) and pad (N = 96, 32, 72), down_proj (K = 72) does not convert."""
+    from tests.helpers.synthetic_gptq import write_gptq
+
+    folder = tmp_path_factory.mktemp("g200") / "src"
+    write_gptq(folder, hidden=96, intermediate=72, kv=32, blocks=29, vocab=64, shards=1, group_size=64)
+    return folder
+
+
+def test_name_patterns_group_by_numeric_components() -> None:
+    from converter.cli import name_patterns
+
+    names = [f"model.layers.{i}.self_attn.q_proj" for i in range(30)] + ["lm_head", "0.weight", "h.1.mlp.c_fc"]
+    assert name_patterns(names) == [
+        ("model.layers.*.self_attn.q_proj", 30),
+        ("lm_head", 1),
+        ("0.weight", 1),  # a pattern of one name is that name
+        ("h.1.mlp.c_fc", 1),
+    ]
+    assert name_patterns(["a.1.b.2", "a.3.b.4", "a.1.bb"]) == [("a.*.b.*", 2), ("a.1.bb", 1)]
+
+
+def test_the_summary_of_a_200_layer_conversion_fits_on_a_screen(two_hundred: Path, tmp_path: Path) -> None:
+    res = run_cli("marlin-convert", two_hundred, tmp_path / "a.safetensors")
+    assert res.returncode == 0 and res.stdout == "", res.stderr
+    lines = res.stderr.splitlines()
+    assert len(lines) == 21 and max(map(len, lines)) <= 160, res.stderr  # piped: a 160-column console
+    patterns = [f"model.layers.*.self_attn.{p}_proj" for p in "qkvo"] + [
+        f"model.layers.*.mlp.{p}_proj" for p in ("gate", "up")
+    ]
+    rows = [ln for ln in lines if ln.startswith("│ ")]
+    assert [r.split("│")[1].strip() for r in rows] == patterns
+    assert rows[1].split("│")[2:6] == [" 29    ", " 96 ", " 32 (pad 64)  ", " 32 (from 64) "]
+    text = "\n".join(lines)
+    assert (
+        "174 layer(s) regrouped, exactly (short last group; each source group's scale and zero repeated per slice): "
+        "group size 64 -> 32\n  model.layers.*.self_attn.q_proj (29), model.layers.*.self_attn.k_proj (29)"
+    ) in text
+    assert "174 layer(s) padded (N rounded up to a multiple of 64 with zero columns; outputs keep N)\n" in text
+    assert (
+        "29 layer(s) not converted: size_k = 72 is not a multiple of 16 (Marlin tile)\n"
+        "  model.layers.*.mlp.down_proj (29)\n"
+        "61 plain tensor(s) carried over unchanged: not a quantized linear layer (61)\n"
+        "174 layers converted (174 regrouped, 174 padded), 177 tensors passed through; wrote 1.38 MB of tensor data"
+    ) in text
+    assert "model.layers.17." not in text  # no layer is named one by one
+
+
+def test_verbose_gives_the_long_form(two_hundred: Path, tmp_path: Path) -> None:
+    res = run_cli("marlin-convert", two_hundred, tmp_path / "a.safetensors", "--verbose")
+    assert res.returncode == 0, res.stderr
+    text = res.stderr
+    rows = [ln for ln in text.splitlines() if ln.startswith("│ ")]
+    assert len(rows) == 174 and rows[0].split("│")[1].strip() == "model.layers.0.self_attn.q_proj"
+    down = "model.layers.28.mlp.down_proj"
+    flat = " ".join(text.split())  # long lines wrap at 160 columns
+    assert (
+        f"pass-through: {down}.qweight, {down}.qzeros, {down}.scales, {down}.g_idx "
+        f"(layer {down} not converted: size_k = 72 is not a multiple of 16 (Marlin tile))"
+    ) in flat
+    assert "model.layers.28.input_layernorm.weight" in text and len(text.splitlines()) > 300
+
+
+def test_json_keeps_every_tensor_and_no_pad_passes_through(two_hundred: Path, tmp_path: Path) -> None:
+    res = run_cli("marlin-convert", two_hundred, tmp_path / "a.safetensors", "--json")
+    doc = json.loads(res.stdout)
+    assert res.returncode == 0 and res.stderr == ""
+    assert len(doc["converted"]) == 174 and len(doc["passthrough"]) == 177 and len(doc["not_converted"]) == 29
+    k = next(r for r in doc["converted"] if r["name"] == "model.layers.3.self_attn.k_proj")
+    assert (k["size_n"], k["padded_n"], k["group_size"], k["source_group_size"]) == (32, 64, 32, 64)
+    res = run_cli("marlin-convert", two_hundred, tmp_path / "b.safetensors", "--json", "--no-pad")
+    doc = json.loads(res.stdout)
+    assert doc["converted"] == [] and len(doc["not_converted"]) == 203
+    assert {s["reason"] for s in doc["not_converted"]} == {
+        f"size_n = {n} is not a multiple of 64 (Marlin tile)" for n in (96, 32, 72)
+    } | {"size_k = 72 is not a multiple of 16 (Marlin tile)"}
+    res = run_cli("marlin-convert", two_hundred, tmp_path / "c.safetensors", "--no-pad")
+    lines = res.stderr.splitlines()
+    assert lines[-1] == "0 layers converted, 873 tensors passed through; wrote 0.84 MB of tensor data"
+    assert len(lines) == 11 and lines[0] == f"wrote {tmp_path / 'c.safetensors'}", res.stderr

@@ -79,9 +79,12 @@ def _g_idx(size_k: int, g: int) -> Callable[[], Iterator[np.ndarray]]:
 def gptq_layer(
     prefix: str, size_k: int, size_n: int, *, group_size: int = 128, seed: int = 0, bias: bool = False
 ) -> list[TensorSpec]:
-    """The tensors of one 4-bit GPTQ linear (qweight, qzeros, scales, g_idx, optional bias)."""
+    """The tensors of one 4-bit GPTQ linear (qweight, qzeros, scales, g_idx, optional bias).
+
+    ``size_k % group_size != 0`` gives GPTQModel's short last group: ``ceil(K / g)``
+    scale and zero rows, ``g_idx = k // g``."""
     g = size_k if group_size == -1 else group_size
-    groups = size_k // g
+    groups = -(-size_k // g)
     out: list[TensorSpec] = [
         (
             f"{prefix}.qweight",
