@@ -71,3 +71,31 @@ def test_verify_model_on_the_gpu_passes(cp, tiny: tuple[Path, Path]) -> None:
     assert sorted(r["name"] for r in kernel) == sorted(KERNEL_LAYERS)
     assert all(r["rel_err"] < 1e-3 for r in kernel), kernel
     assert [p.tensor for p in rep.problems if p.code == "kernel_fallback"] == FALLBACK_LAYERS
+
+
+def test_ragged_llama_runs_every_layer_on_the_kernel(cp, tmp_path: Path) -> None:
+    """Regrouped (K = 192, 320 at group 128) and padded (k/v N = 32, lm_head 200) layers
+    of a whole model, through MarlinLinearModule on the GPU, against the CPU exact path."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    from converter import load_model
+    from converter.model.verify import verify_model
+    from tests.helpers.model_fixture import RAGGED_LAYERS, write_ragged_llama
+
+    src = write_ragged_llama(tmp_path / "src")
+    out = tmp_path / "out"
+    convert(src, str(out) + "/")
+    gpu = load_model(out, "cuda")
+    assert gpu.marlin_report.layers == {n: "marlin-kernel" for n in RAGGED_LAYERS}
+    ids = torch.from_numpy(np.random.default_rng(2).integers(0, 200, (3, 33)))
+    cpu = load_model(out, "cpu")
+    with torch.no_grad():
+        y_gpu = gpu(input_ids=ids.cuda(), use_cache=False).logits.float().cpu()
+        y_cpu = cpu(input_ids=ids, use_cache=False).logits.float()
+    assert tuple(y_gpu.shape) == (3, 33, 200)
+    rel = float((y_gpu - y_cpu).abs().mean() / y_cpu.abs().mean())
+    assert rel < 3e-3, rel
+    rep = verify_model(out, src, gpu=True)
+    assert rep.ok, [p.message for p in rep.problems]
+    kernel = {r["name"]: r for r in rep.layers if r["path"] == "marlin-kernel"}
+    assert set(kernel) == set(RAGGED_LAYERS) and all(r["rel_err"] < 1e-3 for r in kernel.values()), kernel

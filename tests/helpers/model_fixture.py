@@ -64,3 +64,49 @@ def write_tiny_llama(folder: Path, seed: int = 0) -> Path:
     cfg = dict(CONFIG, quantization_config=gptq_config(4, 16, sym=False, lm_head=True))
     (folder / "config.json").write_text(json.dumps(cfg, indent=1))
     return folder
+
+
+#: The regrouped-and-padded Llama (issue 15): hidden 192 and intermediate 320 at group
+#: 128 end in a short group (regrouped at 64); k/v (one kv head of 32: N = 32) and the
+#: quantized lm_head (vocab 200) convert padded.  Every layer converts, and every one
+#: is inside the kernel's limits (K % 64 == 0).
+RAGGED_HIDDEN, RAGGED_INTER, RAGGED_HEADS, RAGGED_HEAD_DIM = 192, 320, 6, 32
+#: name -> (K, N, act_order, bias)
+RAGGED_LAYERS = {
+    f"{P}.self_attn.q_proj": (RAGGED_HIDDEN, RAGGED_HIDDEN, True, True),
+    f"{P}.self_attn.k_proj": (RAGGED_HIDDEN, RAGGED_HEAD_DIM, False, True),
+    f"{P}.self_attn.v_proj": (RAGGED_HIDDEN, RAGGED_HEAD_DIM, False, True),
+    f"{P}.self_attn.o_proj": (RAGGED_HIDDEN, RAGGED_HIDDEN, True, True),
+    f"{P}.mlp.gate_proj": (RAGGED_HIDDEN, RAGGED_INTER, False, False),
+    f"{P}.mlp.up_proj": (RAGGED_HIDDEN, RAGGED_INTER, False, False),
+    f"{P}.mlp.down_proj": (RAGGED_INTER, RAGGED_HIDDEN, True, False),
+    "lm_head": (RAGGED_HIDDEN, VOCAB, False, False),
+}
+RAGGED_PADDED = {f"{P}.self_attn.k_proj": 64, f"{P}.self_attn.v_proj": 64, "lm_head": 256}
+RAGGED_CONFIG = dict(
+    CONFIG,
+    hidden_size=RAGGED_HIDDEN,
+    intermediate_size=RAGGED_INTER,
+    num_attention_heads=RAGGED_HEADS,
+    num_key_value_heads=1,
+    head_dim=RAGGED_HEAD_DIM,
+)
+
+
+def write_ragged_llama(folder: Path, seed: int = 0) -> Path:
+    """Write the regrouped-and-padded GPTQ Llama (``model.safetensors`` + ``config.json``)."""
+    rng = np.random.default_rng(seed)
+    tensors: dict[str, np.ndarray] = {}
+    for name, (k, n, act_order, bias) in RAGGED_LAYERS.items():
+        layer = make_layer(rng, k, n, group_size=128, act_order=act_order, bias=bias)
+        if layer.bias is not None:
+            layer.bias = (layer.bias * np.float16(0.25)).astype(np.float16)
+        tensors.update(gptq_tensors(name, layer, v1=True))
+    tensors["model.embed_tokens.weight"] = rng.standard_normal((VOCAB, RAGGED_HIDDEN)).astype(np.float16)
+    for norm in (f"{P}.input_layernorm", f"{P}.post_attention_layernorm", "model.norm"):
+        tensors[f"{norm}.weight"] = (1 + 0.1 * rng.standard_normal(RAGGED_HIDDEN)).astype(np.float16)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_safetensors(folder / "model.safetensors", tensors)
+    cfg = dict(RAGGED_CONFIG, quantization_config=gptq_config(4, 128, sym=False, lm_head=True, desc_act=True))
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    return folder

@@ -672,3 +672,86 @@ def test_folder_mode_files_are_untouched_by_a_read(real: dict[str, tuple[Path, P
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     load_model(out, "cpu")
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+# --------------------------------------------------------------------------- regrouped and padded layers (issue 15)
+
+
+@pytest.fixture(scope="module")
+def ragged(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    from tests.helpers.model_fixture import write_ragged_llama
+
+    root = tmp_path_factory.mktemp("ragged")
+    src = write_ragged_llama(root / "src")
+    convert(src, str(root / "out") + "/")
+    return src, root / "out"
+
+
+def test_ragged_llama_converts_every_layer(ragged: tuple[Path, Path]) -> None:
+    from tests.helpers.model_fixture import RAGGED_LAYERS, RAGGED_PADDED
+
+    _, out = ragged
+    with open_artifact(out) as art:
+        assert set(art.layers) == set(RAGGED_LAYERS)
+        assert {n: r.padded_n for n, r in art.layers.items() if r.padded_n} == RAGGED_PADDED
+        assert {(r.group_size, r.source_group_size) for r in art.layers.values()} == {(64, 128)}
+        assert all(r.kernel_compatible for r in art.layers.values())
+
+
+def test_load_model_cpu_runs_regrouped_and_padded_layers_exactly(ragged: tuple[Path, Path]) -> None:
+    from tests.helpers.model_fixture import RAGGED_LAYERS
+
+    src, out = ragged
+    m = load_model(out, "cpu")
+    r = m.marlin_report
+    assert r.layers == {n: "exact" for n in RAGGED_LAYERS} and r.not_converted == {} and r.missing == []
+    with open_source(src) as source:
+        plans = {lp.name: lp for lp in source.plan().layers}
+        for name, (k, n, _, _) in RAGGED_LAYERS.items():
+            mod = m.get_submodule(name)
+            assert (mod.in_features, mod.out_features) == (k, n)  # the true N: padding never reaches the model
+            w = mod.weight_f32().numpy()
+            if mod.perm is not None:
+                w_src = np.empty_like(w)
+                w_src[mod.perm.numpy()] = w
+                w = w_src
+            assert np.array_equal(w, dequantized_weight(source, plans[name]))  # exact, bit for bit
+    with torch.inference_mode():
+        logits = m(input_ids=_ids(), use_cache=False).logits
+    assert tuple(logits.shape) == (2, 7, 200) and bool(torch.isfinite(logits).all())
+
+
+def test_kernel_factory_gets_the_padded_width(ragged: tuple[Path, Path]) -> None:
+    from tests.helpers.model_fixture import RAGGED_LAYERS, RAGGED_PADDED
+
+    _, out = ragged
+    calls: list = []
+    widths: dict = {}
+
+    def factory(name, size_k, size_n, group_size, B, scales, delta, perm, bias, *, padded_n):
+        widths[name] = (size_n, padded_n, B.shape[1] // 2, scales.shape[1], delta.shape[1])
+        exact = exact_from_stored(name, size_n, group_size, B, scales, delta, perm, bias, padded_n)
+        return FakeKernel(name, exact, calls)
+
+    model, r = build_converted(out, "cpu", kernel_factory=factory)
+    assert r.layers == {n: "marlin-kernel" for n in RAGGED_LAYERS}
+    for name, (_, n, _, _) in RAGGED_LAYERS.items():
+        p = RAGGED_PADDED.get(name, n)
+        assert widths[name] == (n, p, p, p, p)
+    with torch.inference_mode():
+        via_kernel = model(input_ids=_ids(), use_cache=False).logits
+        exact = load_model(out, "cpu")(input_ids=_ids(), use_cache=False).logits
+    assert torch.equal(via_kernel, exact)
+
+
+def test_verify_model_passes_on_the_ragged_llama(ragged: tuple[Path, Path]) -> None:
+    from tests.helpers.model_fixture import RAGGED_LAYERS
+
+    src, out = ragged
+    rep = verify_model(out, src, gpu=False)
+    assert rep.ok, [p.message for p in rep.problems]
+    assert rep.problems == []  # no layer passes through, none falls back
+    assert {r["name"]: r["path"] for r in rep.layers} == {n: "exact" for n in RAGGED_LAYERS}
+    assert all(r["ok"] and r["rel_err"] < 1e-3 for r in rep.layers)
+    conv, f16 = rep.metrics["converted"], rep.metrics["fp16_dequant"]
+    assert conv["mean_rel_err"] <= 1.5 * f16["mean_rel_err"] and conv["top1"] >= 0.99
