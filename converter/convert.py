@@ -6,9 +6,10 @@ through :func:`~converter.marlin.layout.pack_b` into an
 :class:`~converter.artifact.writer.ArtifactWriter` (one file, shards or a model
 folder; temporary files, fsync, rename), hashing every tensor's bytes on the way.
 
-A padded layer (``LayerPlan.padded_n``) gets its zero columns here, the one place
-that writes the layout: code 8, scale 1, delta 0 (:data:`~converter.constants.PAD_CODE`
-...).  A regrouped layer arrives from its reader already at the artifact's group size.
+A padded layer (``LayerPlan.padded_n``) gets its zero columns here, where the layout is
+written: code 8, scale 1, delta 0 (``PAD_CODE``, ``PAD_SCALE``, ``PAD_DELTA`` in
+:mod:`converter.constants`).  A regrouped layer arrives from its reader already at the
+artifact's group size (:meth:`~converter.formats.base.LayerPlan.source_group_rows`).
 """
 
 from __future__ import annotations

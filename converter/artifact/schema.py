@@ -353,11 +353,14 @@ def _refuse_newer_fields(obj: dict[str, Any], version: int) -> None:
         ArtifactError: naming the field, its path and the version that added it.
     """
     for later, objects in sorted(ADDED_IN.items()):
-        for path, names in objects.items() if later > version else ():
+        if later <= version:
+            continue
+        for path, names in objects.items():
             for where, node in _objects_at(obj, path):
-                for name in (n for n in names if isinstance(node, dict) and n in node):
+                found = [n for n in names if isinstance(node, dict) and n in node]
+                if found:
                     raise ArtifactError(
-                        f"manifest does not fit its schema: {where or '(root)'}: unknown field {name!r} "
+                        f"manifest does not fit its schema: {where or '(root)'}: unknown field {found[0]!r} "
                         f"(schema v{later} added it; this manifest is v{version})",
                         tensor=META_MANIFEST,
                     )

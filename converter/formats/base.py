@@ -80,7 +80,7 @@ class LayerPlan:
     def fit(self, pad: bool) -> bool:
         """Apply :func:`~converter.marlin.shapes.fit_layer` to this layer, planned at its
         source's group size: set ``group_size``, ``source_group_size`` and ``padded_n``,
-        or ``convertible = False`` with the reason.  Returns ``convertible``."""
+        or ``convertible = False`` with the reason.  Returns whether it converts."""
         fit: LayerFit = fit_layer(self.size_k, self.size_n, self.group_size, pad=pad)
         if not fit.ok:
             self.convertible, self.reason = False, fit.reason

@@ -30,11 +30,11 @@ from converter.formats.packing import (
     unpack_words,
 )
 from converter.marlin.layout import pack_b
-from converter.verify import verify
 from tests.helpers.producers import (
     assert_truth,
     autogptq_pack_cols,
     autogptq_pack_rows,
+    convert_and_verify,
     gptq_config,
     gptq_qzeros,
     gptq_tensors,
@@ -60,13 +60,6 @@ def slow_unpack_rows(words: np.ndarray, bits: int, k: int) -> np.ndarray:
         for kk in range(k):
             out[kk, col] = (big >> (bits * kk)) & ((1 << bits) - 1)
     return out
-
-
-def convert_and_verify(src: Path, out: Path, **kw) -> dict:
-    report = convert(src, out, **kw)
-    rep = verify(report.output, against=src, gpu=False)
-    assert rep.ok, [p.message for p in rep.problems]
-    return report.to_json()
 
 
 # --------------------------------------------------------------------------- packing

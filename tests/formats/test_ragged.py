@@ -26,6 +26,7 @@ from tests.helpers.producers import (
     RAGGED_SIZES,
     assert_truth,
     awq_tensors,
+    convert_and_verify,
     ct_tensors,
     gptq_config,
     gptq_tensors,
@@ -36,15 +37,6 @@ from tests.helpers.producers import (
 )
 
 Q, DOWN, K_PROJ = RAGGED_SIZES
-
-
-def convert_and_verify(src: Path, out: Path, **kw) -> dict:
-    report = convert(src, out, **kw)
-    rep = verify(report.output, against=src, gpu=False)
-    assert rep.ok, [p.message for p in rep.problems]
-    assert all(row["cpu_rel_err"] <= 1e-5 for row in rep.layers), rep.layers
-    assert all(row["codes_exact"] and row["scales_exact"] and row["delta_exact"] for row in rep.layers)
-    return report.to_json()
 
 
 @pytest.mark.parametrize("act", [False, True], ids=["in-order", "act-order"])
@@ -154,7 +146,8 @@ def test_act_order_with_the_short_group_not_last_is_refused(tmp_path: Path) -> N
 
 
 def test_awq_short_last_group(tmp_path: Path) -> None:
-    """AutoAWQ itself needs K % g == 0; a file whose scale rows say ceil(K / g) is read by them."""
+    """AutoAWQ itself quantizes only K % g == 0; a file whose scale rows say ceil(K / g)
+    is read as those rows say: regrouped like GPTQ's."""
     rng = np.random.default_rng(10)
     lay = make_layer(rng, 576, 128, group_size=128)
     cfg = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True}
