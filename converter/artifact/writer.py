@@ -4,7 +4,7 @@
   ``<stem>-0000i-of-0000n.safetensors`` beside an HF index
   ``<stem>.safetensors.index.json`` (:mod:`converter.hf_index`; spec section 7).
 * Every shard carries the whole-model manifest (``layers``, ``passthrough`` and
-  ``checksums`` describe the whole model) plus ``shard: {index, count}`` (schema v1).
+  ``checksums`` describe the whole model) plus ``shard: {index, count}`` (schema v1 and later).
 * Atomicity: every shard (and, in folder mode, ``config.json`` and the tokenizer
   files) is first written under a temporary name in the output folder; only when all
   of them are complete and fsynced are they renamed onto their final names, the index
