@@ -8,6 +8,10 @@ folder as a transformers model; imports torch and transformers on call), and
 
 __version__ = "0.1.0"
 
+# First: in the two commands' processes, a Ctrl-C during the imports below (and cli.py's)
+# exits 130 with one line instead of a traceback (see converter/faults.py).
+from . import faults as _faults  # noqa: F401
+
 # Imported eagerly: the submodules `convert` and `verify` share their function's
 # name, and a lazy import would leave the package attribute bound to the module.
 from .artifact.reader import open_artifact

@@ -8,10 +8,17 @@ exclusive ``flock`` on its temporary (``.<name>.<random>.incomplete``) for as lo
 it lives; the kernel drops the lock when the process dies, however it dies (SIGKILL,
 power loss), which is how :func:`remove_stale_temporaries` tells a dead writer's
 leftovers from a live concurrent writer's file.
+
+Every writer with temporaries on disk is listed (:func:`track`), so that a fatal
+signal that unwinds no stack (:mod:`converter.faults`) can still delete them
+(:func:`abort_all`).  Errors of the environment (a full disk, a file-size limit) name
+the user's output and, for a full disk, the free and the needed bytes
+(:func:`output_write_error`), never a hidden temporary.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import secrets
@@ -32,6 +39,56 @@ STAGED_SUFFIX = ".staged"
 BACKUP_SUFFIX = ".backup"
 #: Staged files older than this process cannot be a live sibling's (see remove_stale_temporaries).
 _PROCESS_START = time.time()
+#: Writers whose temporaries exist now, by id: their abort functions (see abort_all).
+_LIVE: dict[int, Callable[[], None]] = {}
+#: errno values that mean the output does not fit (disk or quota full, file-size limit).
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def track(owner: object, abort: Callable[[], None]) -> None:
+    """List a writer whose temporaries exist until it commits or aborts (:func:`untrack`)."""
+    _LIVE[id(owner)] = abort
+
+
+def untrack(owner: object) -> None:
+    _LIVE.pop(id(owner), None)
+
+
+def abort_all() -> None:
+    """Abort every tracked writer (delete its temporaries); for a fatal signal, where no
+    ``finally`` block will run.  Never raises."""
+    for abort in list(_LIVE.values()):
+        try:
+            abort()
+        except BaseException:  # best effort on the way out
+            pass
+    _LIVE.clear()
+
+
+def free_bytes(folder: Path) -> int | None:
+    """Bytes this process may still write in ``folder``'s filesystem (None if unknown).
+
+    ``f_bavail`` for ordinary users; root may also use the blocks the filesystem
+    reserves for it (``f_bfree``).
+    """
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return None
+    blocks = st.f_bfree if os.geteuid() == 0 else st.f_bavail
+    return blocks * st.f_frsize
+
+
+def output_write_error(exc: OSError, path: Path, need: int | None = None) -> ConverterError:
+    """The one-line error for a failed write of the output ``path`` (the user's name for
+    it, not the temporary's): the reason, and for a full disk the needed and free bytes."""
+    why = exc.strerror or str(exc)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        free = free_bytes(path.parent)
+        parts = [f"needs {need} bytes" if need is not None else "", f"{free} free" if free is not None else ""]
+        detail = ", ".join(p for p in parts if p)
+        why = f"{why} ({detail})" if detail else why
+    return ConverterError(f"cannot write the output: {why}; nothing was written", path=path)
 
 
 def target_mode(path: Path) -> int:

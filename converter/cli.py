@@ -2,7 +2,12 @@
 
 Exit codes: 0 success; 1 verification found problems; 2 bad input, bad usage or an
 unreadable file (one line on stderr naming the file, the tensor and the rule; the
-traceback only with ``--debug`` or ``MARLIN_DEBUG=1``).
+traceback only with ``--debug`` or ``MARLIN_DEBUG=1``); 130 interrupted (Ctrl-C,
+SIGTERM, SIGHUP), with every temporary file removed.
+
+With ``--json``, stdout is exactly one JSON document and stderr stays empty, for
+usage errors and interrupts too.  Names that come from files (tensors, layers, file
+names) are printed with control characters escaped (:func:`converter.errors.printable`).
 """
 
 from __future__ import annotations
@@ -13,10 +18,11 @@ import re
 import signal
 import sys
 import traceback
+import warnings as pywarnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -26,7 +32,8 @@ from rich.table import Table
 
 from . import __version__
 from .artifact.problems import Report
-from .errors import ConverterError
+from .errors import ConverterError, json_text, printable
+from .faults import INTERRUPTED, INTERRUPTED_EXIT, error_document, restore_interrupt, sigbus_as_error
 
 # Piped output (logs, CI) gets wide tables instead of 80-column wrapping.
 err_console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
@@ -73,7 +80,12 @@ VersionOpt = Annotated[
 
 def _one_line(text: str) -> str:
     """Escape control characters (a tensor name may hold a newline) so the error stays one line."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return printable(text)
+
+
+def _show(text: str) -> str:
+    """A name or message from a file, safe for a rich console: escaped markup and control characters."""
+    return escape(printable(str(text)))
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:
@@ -81,55 +93,75 @@ def _exit_on_signal(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _print_json(doc: Any) -> None:
+    print(json.dumps(_json_safe(doc), default=_jsonable))
+
+
+def _json_safe(obj: Any) -> Any:
+    """Every string valid Unicode (see :func:`converter.errors.json_text`)."""
+    if isinstance(obj, str):
+        return json_text(obj)
+    if isinstance(obj, dict):
+        return {_json_safe(k): _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def _fail(message: str, as_json: bool, *, kind: str = "UsageError", code: int = 2, file: str | None = None) -> NoReturn:
+    """One error line on stderr, or (``--json``) one error document on stdout; then exit."""
+    if as_json:
+        print(error_document(kind, json_text(message), json_text(file) if file else None))
+    else:
+        err_console.print(f"[bold red]error:[/] {_show(message)}", soft_wrap=True)
+    raise typer.Exit(code)
+
+
 @contextmanager
 def _errors_to_exit(debug: bool, as_json: bool) -> Iterator[None]:
-    """Map our errors to one stderr line (and a JSON error document) and exit 2."""
+    """Map our errors to one stderr line (or, with ``--json``, one JSON error document
+    on stdout and nothing on stderr) and exit 2; interrupts exit 130."""
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _exit_on_signal)
+    restore_interrupt()  # from here on Ctrl-C unwinds, so the writers delete their temporaries
+
+    def on_sigbus(message: str) -> None:
+        out = error_document("SigbusError", json_text(message)) if as_json else f"error: {printable(message)}"
+        os.write(1 if as_json else 2, (out + "\n").encode("utf-8", "backslashreplace"))
+
+    debugging = debug or bool(os.environ.get("MARLIN_DEBUG"))
     try:
-        yield
+        with sigbus_as_error(on_sigbus), pywarnings.catch_warnings():
+            if as_json:  # stderr stays empty: a library's warning would land there
+                pywarnings.simplefilter("ignore")
+            yield
     except ConverterError as exc:
-        if debug or os.environ.get("MARLIN_DEBUG"):
+        if debugging:
             traceback.print_exc()
             raise typer.Exit(exc.exit_code) from None
-        err_console.print(f"[bold red]error:[/] {escape(_one_line(str(exc)))}", soft_wrap=True)
         if as_json:
             print(
-                json.dumps(
-                    {
-                        "ok": False,
-                        "error": {
-                            "type": type(exc).__name__,
-                            "message": str(exc),
-                            "file": exc.path,
-                            "tensor": exc.tensor,
-                        },
-                    }
+                error_document(
+                    type(exc).__name__,
+                    json_text(str(exc)),
+                    json_text(exc.path) if exc.path else None,
+                    json_text(exc.tensor) if exc.tensor else None,
                 )
             )
+        else:
+            err_console.print(f"[bold red]error:[/] {_show(str(exc))}", soft_wrap=True)
         raise typer.Exit(exc.exit_code) from None
     except OSError as exc:
         # The environment, not the input's content (disk full, folder vanished): one
         # line and exit 2 as well; the temporary output was already removed.
-        if debug or os.environ.get("MARLIN_DEBUG"):
+        if debugging:
             traceback.print_exc()
             raise typer.Exit(2) from None
         where = f"{exc.filename}: " if exc.filename else ""
-        msg = _one_line(f"{where}{exc.strerror or exc}")
-        err_console.print(f"[bold red]error:[/] {escape(msg)}", soft_wrap=True)
-        if as_json:
-            print(
-                json.dumps(
-                    {
-                        "ok": False,
-                        "error": {"type": type(exc).__name__, "message": msg, "file": exc.filename, "tensor": None},
-                    }
-                )
-            )
-        raise typer.Exit(2) from None
+        msg = f"{where}{exc.strerror or exc}"
+        _fail(msg, as_json, kind=type(exc).__name__, file=str(exc.filename) if exc.filename else None)
     except KeyboardInterrupt:
-        err_console.print("[bold red]interrupted[/]; no output was written")
-        raise typer.Exit(130) from None
+        _fail(INTERRUPTED, as_json, kind="KeyboardInterrupt", code=INTERRUPTED_EXIT)
 
 
 @contextmanager
@@ -171,7 +203,7 @@ convert_app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_ex
 @convert_app.command(
     help="Convert an asymmetric 4-bit checkpoint (.tinyloop, GPTQ, AWQ, compressed-tensors) into a Marlin "
     "safetensors artifact (one file, HF shards with --max-shard-size, or a model folder).\n\n"
-    "Exit codes: 0 ok; 2 bad input or usage (nothing is written).",
+    "Exit codes: 0 ok; 2 bad input or usage (nothing is written); 130 interrupted (nothing is written).",
     epilog="Example: marlin-convert model.tinyloop model.marlin.safetensors",
 )
 def convert_cmd(
@@ -203,17 +235,20 @@ def convert_cmd(
     debug: DebugOpt = False,
     version: VersionOpt = False,
 ) -> None:
-    from .convert import convert
-
     with _errors_to_exit(debug, as_json), _progress(_show_progress(quiet, as_json)) as prog:
+        from .convert import convert
+
         report = convert(
             source, output, force=force, dry_run=dry_run, progress=prog, max_shard_size=max_shard_size, pad=pad
         )
     if as_json:
-        print(json.dumps(report.to_json()))
+        _print_json(report.to_json())
         return
     if not quiet:
         _render_convert(report, verbose)
+    else:
+        for w in report.warnings:
+            err_console.print(f"[yellow]warning:[/] {_show(w)}", soft_wrap=True)
 
 
 #: Lines of "not converted" groups and of warnings shown before "... more" (``--verbose``: all).
@@ -262,19 +297,19 @@ def _render_convert(report: Any, verbose: bool) -> None:
     passed-through tensor with its reason, every warning.
     """
     print_ = err_console.print
-    table = Table(title=("plan (dry run)" if report.dry_run else f"wrote {report.output}"), title_justify="left")
+    table = Table(title=_show("plan (dry run)" if report.dry_run else f"wrote {report.output}"), title_justify="left")
     for col in ("layer", "count", "K", "N", "group", "bits", "sym", "zeros", "upstream"):
         table.add_column(col, overflow="fold")
     rows: dict[tuple[str, ...], list[str]] = {}
     for lay in report.converted:
         rows.setdefault((lay.name if verbose else _INDEX.sub("*", lay.name), *_layer_cells(lay)), []).append(lay.name)
     for (pattern, *cells), names in rows.items():
-        table.add_row(escape(names[0] if len(names) == 1 else pattern), str(len(names)), *cells)
+        table.add_row(_show(names[0] if len(names) == 1 else pattern), str(len(names)), *cells)
     print_(table if rows else table.title)
     lines: list[str] = []
 
     def group(head: str, names: list[str]) -> None:
-        lines.append(f"{head}\n  {escape(', '.join(names) if verbose else _patterns_text(names))}")
+        lines.append(f"{head}\n  {_show(', '.join(names) if verbose else _patterns_text(names))}")
 
     regrouped = [lay for lay in report.converted if lay.source_group_size is not None]
     if regrouped:
@@ -294,16 +329,16 @@ def _render_convert(report: Any, verbose: bool) -> None:
     for nc in report.not_converted:
         by_reason.setdefault(nc.reason, []).append(nc.name)
     for reason, names in by_reason.items():
-        group(f"{len(names)} layer(s) not converted: {escape(reason)}", names)
+        group(f"{len(names)} layer(s) not converted: {_show(reason)}", names)
     of_layers = {t for nc in report.not_converted for t in nc.tensors}
     plain: dict[str, list[str]] = {}
     for p in report.passthrough:
         if verbose or p.name not in of_layers:
             plain.setdefault(p.reason, []).append(p.name)
     if verbose:  # every carried-over tensor, the not-converted layers' too
-        lines += [f"pass-through: {escape(', '.join(names))}  [dim]({escape(why)})[/]" for why, names in plain.items()]
+        lines += [f"pass-through: {_show(', '.join(names))}  [dim]({_show(why)})[/]" for why, names in plain.items()]
     elif plain:
-        counts = "; ".join(f"{escape(why)} ({len(names)})" for why, names in plain.items())
+        counts = "; ".join(f"{_show(why)} ({len(names)})" for why, names in plain.items())
         lines.append(f"{sum(map(len, plain.values()))} plain tensor(s) carried over unchanged: {counts}")
     warnings: dict[str, list[str]] = {}
     for lay in report.converted:
@@ -311,13 +346,17 @@ def _render_convert(report: Any, verbose: bool) -> None:
             warnings.setdefault(w, []).append(lay.name)
     for w, names in warnings.items():
         listed = ", ".join(names) if verbose else _patterns_text(names)
-        lines.append(f"[yellow]warning:[/] {escape(listed)}: {escape(w)}")
+        lines.append(f"[yellow]warning:[/] {_show(listed)}: {_show(w)}")
+    lines += [f"[yellow]warning:[/] {_show(w)}" for w in report.warnings]
     shown = lines if verbose else lines[:SUMMARY_LINES]
     for line in shown:
         print_(line)
     if len(shown) < len(lines):
         print_(f"... and {len(lines) - len(shown)} more (--verbose for all; --json for every tensor)")
     verb = "would write" if report.dry_run else "wrote"
+    if report.dry_run or len(report.files) > 1:
+        files = ", ".join(f"{f['name']} ({f['bytes'] / 1e6:.2f} MB)" for f in report.files)
+        print_(f"files: {verb} {len(report.files)}: {_show(files)}", soft_wrap=True)
     extra = ", ".join(f"{len(xs)} {what}" for xs, what in ((regrouped, "regrouped"), (padded, "padded")) if xs)
     print_(
         f"{len(report.converted)} layers converted{f' ({extra})' if extra else ''}, "
@@ -331,7 +370,7 @@ verify_app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exc
 @verify_app.command(
     help="Verify a Marlin artifact: structure and checksums (--shapes, no GPU), exact agreement with its source "
     "(--against), and numerics on CPU and GPU.\n\n"
-    "Exit codes: 0 all good; 1 problems found; 2 unreadable input or bad usage.",
+    "Exit codes: 0 all good; 1 problems found; 2 unreadable input or bad usage; 130 interrupted.",
     epilog="Example: marlin-verify model.marlin.safetensors --shapes --against model.tinyloop",
 )
 def verify_cmd(
@@ -366,11 +405,8 @@ def verify_cmd(
     debug: DebugOpt = False,
     version: VersionOpt = False,
 ) -> None:
-    from .verify import verify
-
     if gpu and cpu:
-        err_console.print("[bold red]error:[/] --gpu and --cpu contradict each other")
-        raise typer.Exit(2)
+        _fail("--gpu and --cpu contradict each other", as_json)
     if model or text is not None:
         _verify_model_cmd(
             artifact,
@@ -384,11 +420,13 @@ def verify_cmd(
             debug=debug,
         )
     with _errors_to_exit(debug, as_json), _progress(_show_progress(quiet, as_json)) as prog:
+        from .verify import verify
+
         report = verify(
             artifact, shapes_only=shapes, against=against, gpu=True if gpu else (False if cpu else None), progress=prog
         )
     if as_json:
-        print(json.dumps(report.to_json(), default=_jsonable))
+        _print_json(report.to_json())
     else:
         _render_verify(report, quiet)
     raise typer.Exit(0 if report.ok else 1)
@@ -417,18 +455,18 @@ def _verify_model_cmd(
         else None
     )
     if usage:
-        err_console.print(f"[bold red]error:[/] {usage}")
-        raise typer.Exit(2)
-    from .model.report import render
-    from .model.verify import verify_model
+        _fail(usage, as_json)
 
     def stage(line: str) -> None:
-        err_console.print(f"marlin-verify --model: {escape(line)}", soft_wrap=True)
+        err_console.print(f"marlin-verify --model: {_show(line)}", soft_wrap=True)
 
     with _errors_to_exit(debug, as_json):
+        from .model.report import render
+        from .model.verify import verify_model
+
         report = verify_model(folder, against, text=text, gpu=gpu, progress=None if (as_json or quiet) else stage)
     if as_json:
-        print(json.dumps(report.to_json(), default=_jsonable))
+        _print_json(report.to_json())
     else:
         render(report, out_console, err_console, quiet=quiet)
     raise typer.Exit(0 if report.ok else 1)
@@ -445,7 +483,7 @@ def _render_verify(report: Report, quiet: bool) -> None:
     bad_layers = {p.tensor.rsplit(".", 1)[0] for p in errors} | {p.tensor for p in errors}
     if not quiet and report.layers:
         with_gpu = any(isinstance(row.get("gpu"), dict) for row in report.layers)
-        table = Table(title=f"{report.artifact}", title_justify="left")
+        table = Table(title=_show(report.artifact), title_justify="left")
         cols = ["", "layer", "K", "N", "group", "sym", "exact", "cpu rel err"] + (
             ["gpu mean / max rel err"] if with_gpu else []
         )
@@ -457,7 +495,7 @@ def _render_verify(report: Report, quiet: bool) -> None:
             group = "chan" if row["group_size"] == row["size_k"] else str(row["group_size"])
             cells = [
                 "❌" if row["name"] in bad_layers else "✅",
-                escape(row["name"]),
+                _show(row["name"]),
                 str(row["size_k"]),
                 str(row["size_n"]) + (f" (pad {row['padded_n']})" if "padded_n" in row else ""),
                 group + (f" (from {row['source_group_size']})" if "source_group_size" in row else ""),
@@ -473,10 +511,10 @@ def _render_verify(report: Report, quiet: bool) -> None:
         out_console.print(table)
     for p in report.problems:
         tag = "[red]problem[/]" if p.severity == "error" else "[yellow]warning[/]"
-        out_console.print(f"{tag} {escape(f'[{p.code}]')} {escape(p.message)}", soft_wrap=True)
+        out_console.print(f"{tag} {escape(f'[{p.code}]')} {_show(p.message)}", soft_wrap=True)
     gpu_note = report.checked.get("gpu_numerics")
     if isinstance(gpu_note, str) and not quiet:
-        err_console.print(f"[dim]GPU numerics {escape(gpu_note)}[/]", soft_wrap=True)
+        err_console.print(f"[dim]GPU numerics {_show(gpu_note)}[/]", soft_wrap=True)
     errors = sum(p.severity == "error" for p in report.problems)
     checked = report.checked
     what = (
@@ -491,12 +529,49 @@ def _render_verify(report: Report, quiet: bool) -> None:
     )
 
 
+def _main(app: typer.Typer, prog: str) -> None:
+    """Run a command.  With ``--json`` a usage error (an unknown option, a missing
+    argument, a path that does not exist) is a JSON error document on stdout too, with
+    exit 2, not click's text on stderr."""
+    if "--json" not in sys.argv[1:]:
+        app(prog_name=prog)
+        return
+    try:
+        code = app(prog_name=prog, standalone_mode=False)
+    except typer.Abort:
+        print(error_document("KeyboardInterrupt", INTERRUPTED))
+        sys.exit(INTERRUPTED_EXIT)
+    except _USAGE_ERRORS as exc:
+        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+        print(error_document("UsageError", json_text(message)))
+        sys.exit(2)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _usage_errors() -> tuple[type[BaseException], ...]:
+    """Click's usage errors: typer >= 0.22 vendors click (its errors derive from
+    ``typer.TyperException``), older typer uses click itself."""
+    found: list[type[BaseException]] = []
+    if hasattr(typer, "TyperException"):
+        found.append(typer.TyperException)
+    try:
+        import click
+
+        found.append(click.ClickException)
+    except ImportError:
+        pass
+    return tuple(found)
+
+
+_USAGE_ERRORS = _usage_errors()
+
+
 def main_convert() -> None:
-    convert_app(prog_name="marlin-convert")
+    _main(convert_app, "marlin-convert")
 
 
 def main_verify() -> None:
-    verify_app(prog_name="marlin-verify")
+    _main(verify_app, "marlin-verify")
 
 
 if __name__ == "__main__":  # pragma: no cover

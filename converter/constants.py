@@ -100,7 +100,8 @@ GPU_MEAN_REL_TOL = 1e-3
 
 # --- Artifact (schemas/marlin-artifact.v2.schema.json) --------------------------------
 PRODUCER_NAME = "marlin-convert"
-#: v2 added the layer fields ``source_group_size`` (regrouped) and ``padded_n`` (padded).
+#: v2 added the layer fields ``source_group_size`` (regrouped) and ``padded_n`` (padded), and
+#: ``checksums.files`` (folder mode's config.json and tokenizer files).
 ARTIFACT_SCHEMA_VERSION = 2
 SUPPORTED_SCHEMA_VERSIONS = (1, 2)
 META_FORMAT = "format"

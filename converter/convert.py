@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from .artifact.hf_config import folder_extras
+from .artifact.hf_config import copied_files, file_checksums, folder_extras
 from .artifact.manifest import layer_entry, new_manifest
-from .artifact.schema import Checksums, LayerEntry, Passthrough
+from .artifact.schema import LayerEntry, Passthrough, SourceInfo, from_json
 from .artifact.shards import Layout, parse_size, plan_shards
 from .artifact.target import InputGuard, OutputTarget
 from .artifact.writer import ArtifactWriter
@@ -41,9 +41,10 @@ from .constants import (
     Suffix,
 )
 from .dtypes import nbytes
-from .errors import SourceFormatError
+from .errors import ConfigError, SourceFormatError, UnsupportedQuantError
 from .formats import open_source
 from .formats.base import LayerPlan, Source, SourcePlan
+from .jsonio import non_finite_path
 from .marlin.layout import pack_b, permute_scales
 from .marlin.shapes import LayerShape, marlin_shapes
 from .safetensors_io import StreamingWriter, release_mapped_pages
@@ -81,6 +82,9 @@ class ConvertReport:
         tensors: ``[(name, dtype, shape)]`` of the artifact.
         bytes_out: size of the tensor data written (or planned).
         dry_run: True when nothing was written.
+        files: ``[{"name", "bytes"}]`` of every file written (or planned): the shards,
+            folder mode's extra files, the index last.
+        warnings: findings about the conversion as a whole.
     """
 
     source: str
@@ -92,6 +96,8 @@ class ConvertReport:
     bytes_out: int
     dry_run: bool
     not_converted: list[NotConverted] = dataclasses.field(default_factory=list)
+    files: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    warnings: list[str] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -215,16 +221,51 @@ def convert(
 
     Raises:
         ConverterError and subclasses: bad input (nothing is written), an existing
-            output without ``force``, or an output that would overwrite the input.
+            output without ``force``, an output that would overwrite the input, or an
+            output that cannot be written (a read-only folder, too little free space,
+            the file-size or open-files limit), found before the input is hashed.
+        UnsupportedQuantError: the source has no quantized layer at all.
     """
     out_arg = out_path  # as given: Path() drops the trailing "/" that selects folder mode
     src_path, out_path = Path(src_path), Path(out_path)
     with open_source(src_path) as source:
         plan = source.plan(pad=pad)
+        if not plan.layers:
+            raise UnsupportedQuantError(
+                f"no quantized layers: the {source.format.value} checkpoint has no {source.layer_anchor}, so "
+                "nothing would be converted; is it quantized (or already converted)?",
+                path=src_path,
+            )
         layout, layers, passthrough = build_layout(plan, path=src_path)
         layout += _passthrough_infos(source, plan, [p.name for p in passthrough])
-        desc = source.describe()
+        # Placeholder digests of the right length: the output is checked to fit before
+        # the input is hashed (which reads all of it).
+        desc = source.describe(digests=False)
+        _refuse_non_finite(source, desc)
         bytes_out = sum(nbytes(d, s) for _, d, s in layout)
+        max_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
+        shards = plan_shards(layout, [lay.name for lay in layers], max_bytes)
+        target = OutputTarget(out_arg)
+        artifact_path = target.path if len(shards) == 1 else target.index
+        extras = folder_extras(source, desc, layers, artifact_path.name) if target.directory else {}
+        copied = list(copied_files(source).values()) if target.directory else []
+        guard = InputGuard([*source.input_files(), *copied], source.checkpoint_folder)
+        # A dry run checks the output too, so it fails exactly when the real run would.
+        target.check(guard, force, count=len(shards), extra_names=extras, create=not dry_run)
+        # Placeholder checksums of the final length size the headers before any data.
+        manifest = new_manifest(desc, layers, passthrough, files=file_checksums(extras))
+        manifest = dataclasses.replace(
+            manifest,
+            checksums=dataclasses.replace(
+                manifest.checksums, tensors={n: "0" * CHECKSUM_HEX_LEN for n, _, _ in layout}
+            ),
+        )
+        sizes = ArtifactWriter.file_sizes(target, shards, manifest, extras)
+        try:
+            target.preflight(sizes, artifact=artifact_path)
+        except BaseException:
+            target.discard_created()
+            raise
         report = ConvertReport(
             str(src_path),
             str(out_path),
@@ -239,23 +280,12 @@ def convert(
                 for lay in plan.layers
                 if not lay.convertible
             ],
+            files=[{"name": p.name, "bytes": n} for p, n in sizes.items()],
+            warnings=_plan_warnings(plan, layers),
         )
-        max_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
-        shards = plan_shards(layout, [lay.name for lay in layers], max_bytes)
-        target = OutputTarget(out_arg)
-        artifact_path = target.path if len(shards) == 1 else target.index
-        extras = folder_extras(source, desc, layers, artifact_path.name) if target.directory else {}
-        guard = InputGuard(source.input_files(), source.checkpoint_folder)
-        # A dry run checks the output too, so it fails exactly when the real run would.
-        target.check(guard, force, count=len(shards), extra_names=extras, create=not dry_run)
         if dry_run:
             return report
-        # Placeholder checksums of the final length size the headers before any data.
-        manifest = new_manifest(desc, layers, passthrough)
-        manifest = dataclasses.replace(
-            manifest,
-            checksums=Checksums(manifest.checksums.algorithm, {n: "0" * CHECKSUM_HEX_LEN for n, _, _ in layout}),
-        )
+        manifest = dataclasses.replace(manifest, source=from_json(SourceInfo, source.describe(), "source"))
         steps = sum(1 for lay in plan.layers if lay.convertible) + len(passthrough)
         if progress:
             progress(f"converting {src_path.name}", steps)
@@ -281,10 +311,33 @@ def convert(
                 if progress:
                     progress("", 1)
             manifest = dataclasses.replace(
-                manifest, checksums=Checksums(manifest.checksums.algorithm, {n: sums[n] for n, _, _ in layout})
+                manifest,
+                checksums=dataclasses.replace(manifest.checksums, tensors={n: sums[n] for n, _, _ in layout}),
             )
             writer.finish(manifest)
     return report
+
+
+def _refuse_non_finite(source: Source, desc: dict[str, Any]) -> None:
+    """The manifest records the quant config as found, and is standard JSON: a NaN or an
+    infinity in it (Python's json reads them) is refused by name."""
+    where = non_finite_path(desc.get("quant_config"))
+    if where is not None:
+        raise ConfigError(
+            f"field {where} is NaN or infinite, which standard JSON cannot hold; the artifact's manifest "
+            "records the quant config and must be standard JSON: fix the value",
+            path=getattr(source, "cfg_path", source.path),
+        )
+
+
+def _plan_warnings(plan: SourcePlan, layers: list[LayerEntry]) -> list[str]:
+    """Findings about the conversion as a whole (layer findings are in each layer's record)."""
+    if not layers:
+        return [
+            f"none of the {len(plan.layers)} quantized layers converts (each passes through with its reason, "
+            "listed above): the artifact holds the source's tensors unchanged"
+        ]
+    return []
 
 
 class _WriteBehind:

@@ -10,6 +10,23 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable escaped (``\\x1b``, ``\\n``,
+    ``\\u202e``, ``\\udcff``): names from a file (tensors, layers, file names) can hold
+    terminal escape sequences, newlines, bidirectional overrides or undecodable bytes,
+    and none of them may reach a terminal raw or break a one-line message."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def json_text(text: str) -> str:
+    """``text`` as valid Unicode for a JSON document: a lone surrogate (an undecodable
+    byte of a file name) becomes its ``\\udcXX`` spelling instead of an escape strict
+    parsers reject."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class ConverterError(Exception):
     """Base class: bad input, bad usage or an environment we cannot run in.
 

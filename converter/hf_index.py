@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ from .errors import ConverterError
 from .jsonio import read_object
 
 WEIGHT_MAP = "weight_map"
+#: HF's shard file names: ``<stem>-0000i-of-0000n.safetensors`` (1-based ``i``).
+SHARD_NAME_RE = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.safetensors$")
 
 
 @dataclasses.dataclass(frozen=True)

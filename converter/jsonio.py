@@ -8,13 +8,20 @@ headers all go through :func:`loads`, which accepts a document only when:
 * its bytes are UTF-8 and every string is Unicode text: an escaped lone UTF-16
   surrogate (``"\\ud800"``) is refused, as serde_json, which the reference safetensors
   reader uses, refuses it;
-* it is JSON: nesting deep enough to exhaust the parser is refused, not a crash;
+* it is JSON, nested at most :data:`MAX_DEPTH` levels deep: deeper nesting is refused
+  before any code that walks the value (``repr``, ``json.dumps``, the schema check) can
+  exhaust the stack on it;
 * no object repeats a key (Python's ``json`` would keep the last value silently);
 * the top level is an object, where the caller needs one.
 
 ``NaN`` and ``Infinity`` are accepted by default, as Python's ``json`` (and therefore
 transformers, which writes HF configs) accepts them; ``finite_numbers=True`` refuses
-them and floats that overflow, for formats whose spec says numbers are finite.
+them and floats that overflow, for formats whose spec says numbers are finite.  What we
+*write* is standard JSON: :func:`non_finite_path` finds a value that standard JSON
+cannot hold before a source config is copied into an output.
+
+:func:`read_object` reads regular files only: a FIFO would block the reader forever,
+a device would never end.
 
 Failures are :class:`JsonError`, a ``ValueError`` carrying the rule broken and where;
 :meth:`JsonError.message` phrases it for a named document, and :func:`parse_object` /
@@ -26,7 +33,9 @@ from __future__ import annotations
 import enum
 import json
 import math
+import os
 import re
+import stat
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -39,6 +48,10 @@ _DETAIL_CHARS = 200
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 #: Bound on the walk that locates a duplicate key (only run once one was found).
 _MAX_WALK = 1_000_000
+#: Deepest nesting of arrays and objects accepted.  Real configs, indexes, headers and
+#: manifests nest fewer than 10 levels; Python's parser itself gives up near 1000, and
+#: code that walks a value that deep from inside a call stack can hit the recursion limit.
+MAX_DEPTH = 64
 
 
 class JsonRule(enum.Enum):
@@ -171,6 +184,9 @@ def loads(
         raise JsonError(JsonRule.NOT_JSON, "nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError, the hooks, int digit limits
         raise JsonError(JsonRule.NOT_JSON, str(exc)[:_DETAIL_CHARS]) from None
+    # Fewer brackets than the bound cannot nest past it: the walk runs only when needed.
+    if text.count("[") + text.count("{") > MAX_DEPTH and _depth(value) > MAX_DEPTH:
+        raise JsonError(JsonRule.NOT_JSON, f"nested more than {MAX_DEPTH} levels deep")
     if _SURROGATE_ESCAPE.search(text):
         try:
             json.dumps(value, ensure_ascii=False).encode("utf-8")
@@ -182,6 +198,38 @@ def loads(
         obj_id, key = duplicates[0]
         raise JsonError(JsonRule.DUPLICATE_KEY, key, key=key, where=_path_to(value, obj_id))
     return value
+
+
+def _depth(root: Any) -> int:
+    """Nesting depth of arrays and objects (1 for a flat object), walked without recursion;
+    stops as soon as it passes :data:`MAX_DEPTH`."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(root, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if not isinstance(node, (dict, list)):
+            continue
+        deepest = max(deepest, depth)
+        if deepest > MAX_DEPTH:
+            break
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return deepest
+
+
+def non_finite_path(value: Any) -> str | None:
+    """The JSON path (``a.b[3]``) of the first NaN or infinite number in a parsed
+    value, or None when standard JSON can hold all of it (``json.dumps(allow_nan=False)``)."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, float) and not math.isfinite(node):
+            return where or "(root)"
+        if isinstance(node, dict):
+            stack.extend((v, f"{where}.{k}" if where else str(k)) for k, v in reversed(node.items()))
+        elif isinstance(node, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in reversed(list(enumerate(node))))
+    return None
 
 
 def _path_to(root: Any, target: int) -> tuple[str | int, ...]:
@@ -223,16 +271,56 @@ def read_object(
 ) -> dict[str, Any]:
     """Read a whole JSON file that must hold an object (configs, indexes).
 
-    The size is checked from ``stat`` before anything is read.
+    The file must be a regular file (opened without blocking, so a FIFO is refused
+    instead of waited on), and its size is checked from ``fstat`` before anything is read.
 
     Raises:
-        error: unreadable, too large, or any rule of the policy (naming ``path``).
+        error: unreadable, not a regular file, too large, or any rule of the policy
+            (naming ``path``).
+    """
+    return parse_object(
+        read_regular_file(path, what=what, error=error, max_bytes=max_bytes),
+        path=path,
+        what=what,
+        error=error,
+        max_bytes=max_bytes,
+    )
+
+
+def read_regular_file(path: Path, *, what: str, error: type[ConverterError], max_bytes: int) -> bytes:
+    """The bytes of a regular file of at most ``max_bytes``.
+
+    Raises:
+        error: the file cannot be opened, is not a regular file (a FIFO, device, socket
+            or folder), or is larger than ``max_bytes``.
     """
     try:
-        size = path.stat().st_size
-        if size > max_bytes:
-            raise error(JsonError(JsonRule.TOO_LARGE, str(size), limit=max_bytes).message(what), path=path)
-        raw = path.read_bytes()
+        # O_NONBLOCK: opening a FIFO returns at once instead of waiting for a writer.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
         raise error(f"cannot read: {exc.strerror}", path=path) from None
-    return parse_object(raw, path=path, what=what, error=error, max_bytes=max_bytes)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{not_regular(st.st_mode)}; refusing to read it as a {what}", path=path)
+        if st.st_size > max_bytes:
+            raise error(JsonError(JsonRule.TOO_LARGE, str(st.st_size), limit=max_bytes).message(what), path=path)
+        chunks, total = [], 0
+        while block := os.read(fd, 1 << 20):
+            chunks.append(block)
+            total += len(block)
+            if total > max_bytes:  # it grew while being read
+                raise error(JsonError(JsonRule.TOO_LARGE, str(total), limit=max_bytes).message(what), path=path)
+        return b"".join(chunks)
+    except OSError as exc:
+        raise error(f"cannot read: {exc.strerror}", path=path) from None
+    finally:
+        os.close(fd)
+
+
+def not_regular(mode: int) -> str:
+    """What a non-regular file is, for a message: "a directory", "a FIFO", ..."""
+    if stat.S_ISDIR(mode):
+        return "a directory, not a file"
+    kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+    return f"not a regular file ({kind})"

@@ -17,16 +17,26 @@ import mmap
 import os
 import stat
 import struct
+import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
 
-from .atomic import fsync_dir, open_temporary, remove_stale_temporaries, temporary_name
+from .atomic import (
+    fsync_dir,
+    open_temporary,
+    output_write_error,
+    remove_stale_temporaries,
+    temporary_name,
+    track,
+    untrack,
+)
 from .constants import SAFETENSORS_DTYPES, SAFETENSORS_MAX_HEADER_BYTES, SAFETENSORS_METADATA_KEY
 from .errors import ConverterError, SourceFormatError
-from .jsonio import parse_object
+from .jsonio import not_regular, parse_object
 from .quant_weight import Tensor, TensorInfo
 
 #: Array limits (NumPy's): at most 64 dimensions, each below 2**63.
@@ -40,9 +50,19 @@ class SafetensorsFile:
     Validation (before any tensor is handed out): header length within the file and
     at most 100 MB; header is a UTF-8 JSON object without duplicate names;
     ``__metadata__`` is a string-to-string map; each entry has a known dtype, a
-    shape of non-negative ints and ``data_offsets`` with ``end - begin ==
-    prod(shape) * itemsize``; sorted by offset the tensors tile the data buffer from
-    0 with no gap or overlap, ending exactly at the end of the file.
+    shape of non-negative ints (whose non-zero dimensions multiply to less than
+    2**62 bytes, so that even a zero-size tensor is an array NumPy can make) and
+    ``data_offsets`` with ``end - begin == prod(shape) * itemsize``; sorted by offset
+    the tensors tile the data buffer from 0 with no gap or overlap, ending exactly at
+    the end of the file.
+
+    Files are opened lazily and boundedly: the header is read and the file closed; the
+    data is memory-mapped on first access, and at most :data:`MAX_MAPPED_FILES` files
+    are mapped at once (the least recently used map is dropped), so a checkpoint of
+    thousands of shards stays within the open-files limit.  Each access first checks
+    that the file has not shrunk (a read past the end of a mapped file is a SIGBUS),
+    and a file mapped again must be the one whose header was read (device, inode,
+    size and modification time).
 
     Args:
         path: the file.
@@ -50,13 +70,26 @@ class SafetensorsFile:
             inputs, ArtifactError for artifacts).
 
     Raises:
-        error: any rule above, naming the file, the tensor and the rule.
+        error: any rule above, naming the file, the tensor and the rule; on access, a
+            file that changed since its header was read.
         ConverterError: the file cannot be opened.
     """
 
     def __init__(self, path: str | Path, *, error: type[ConverterError] = SourceFormatError) -> None:
         self.path = Path(path)
         self._error = error
+        self._mm: mmap.mmap | None = None
+        fd = self._open()
+        try:
+            st = os.fstat(fd)
+            self.file_size = st.st_size
+            self._identity = _identity(st)
+            self._parse_header(fd)
+        finally:
+            os.close(fd)
+        _OPEN_FILES.add(self)
+
+    def _open(self) -> int:
         try:
             # O_NONBLOCK: opening a FIFO must not wait for a writer; only regular files
             # are read (a FIFO or device would block or lie about its length).
@@ -66,33 +99,64 @@ class SafetensorsFile:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             os.close(fd)
-            what = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a FIFO, device or socket)"
-            raise self._error(f"{what}, cannot be read as safetensors", path=self.path)
-        self._fh = os.fdopen(fd, "rb")
+            raise self._error(f"{not_regular(mode)}, cannot be read as safetensors", path=self.path)
+        return fd
+
+    def _map(self) -> mmap.mmap | None:
+        """The file's map (made on first use), after checking the file did not shrink."""
+        mm = self._mm
+        if mm is None and self.file_size:
+            fd = self._open()
+            try:
+                now = _identity(os.fstat(fd))
+                if now != self._identity:
+                    self._fail(
+                        f"changed since its header was read ({_change(self._identity, now)}); "
+                        "was it rewritten while being converted?"
+                    )
+                # mmap keeps a duplicate of the descriptor; ours is closed right away.
+                mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            finally:
+                os.close(fd)
+            self._mm = mm
+        if mm is not None:
+            _POOL.use(self)
+            size = mm.size()  # fstat of the map's own descriptor: the file's size now
+            if size < self.file_size:
+                self._fail(
+                    f"shrank from {self.file_size} to {size} bytes while being read (truncated by another "
+                    "program?); nothing was written"
+                )
+        return mm
+
+    def shrunk(self) -> bool:
+        """Whether a mapped file is now shorter than when it was opened (a read past
+        its new end raises SIGBUS: :mod:`converter.faults` reports it by name)."""
+        mm = self._mm
         try:
-            self.file_size = os.fstat(self._fh.fileno()).st_size
-            self._parse_header()
-            self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ) if self.file_size else None
-        except BaseException:
-            self._fh.close()
-            raise
-        _OPEN_FILES.add(self)
+            return mm is not None and mm.size() < self.file_size
+        except (OSError, ValueError):
+            return False
+
+    def _unmap(self) -> None:
+        # Views handed out keep the map (and its descriptor) alive until they are freed.
+        self._mm = None
 
     # -- header ---------------------------------------------------------------------
     def _fail(self, message: str, tensor: str | None = None) -> None:
         raise self._error(message, path=self.path, tensor=tensor)
 
-    def _parse_header(self) -> None:
+    def _parse_header(self, fd: int) -> None:
         if self.file_size < 8:
             self._fail(f"not a safetensors file: {self.file_size} bytes, need at least 8 for the header length")
-        (n,) = struct.unpack("<Q", self._fh.read(8))
+        (n,) = struct.unpack("<Q", _pread_exact(fd, 8, 0, self))
         if n > SAFETENSORS_MAX_HEADER_BYTES:
             self._fail(
                 f"not a safetensors file: header length {n} exceeds the {SAFETENSORS_MAX_HEADER_BYTES}-byte limit"
             )
         if 8 + n > self.file_size:
             self._fail(f"header length {n} runs past the end of the file ({self.file_size} bytes)")
-        raw = self._fh.read(n)
+        raw = _pread_exact(fd, n, 8, self)
         header = parse_object(
             raw, path=self.path, what="safetensors header", error=self._error, max_bytes=SAFETENSORS_MAX_HEADER_BYTES
         )
@@ -132,7 +196,16 @@ class SafetensorsFile:
             self._fail(f"shape must be a list of non-negative integers, found {shape!r}", name)
         # What an array can have (NumPy): a zero-size tensor could otherwise claim any dims.
         if len(shape) > MAX_NDIM or any(d > MAX_DIM for d in shape):
-            self._fail(f"shape {shape!r} exceeds {MAX_NDIM} dimensions or {MAX_DIM} elements per dimension", name)
+            self._fail(f"shape {_short(shape)} exceeds {MAX_NDIM} dimensions or {MAX_DIM} elements per dimension", name)
+        itemsize = np.dtype(SAFETENSORS_DTYPES[dtype]).itemsize
+        # NumPy refuses an array whose non-zero dimensions multiply past its index range,
+        # even when a zero dimension makes it empty.
+        if 0 in shape and math.prod(max(d, 1) for d in shape) * itemsize >= MAX_ARRAY_BYTES:
+            self._fail(
+                f"shape {_short(shape)} is too large for any array: its non-zero dimensions multiply past "
+                f"2**62 bytes (a zero-size tensor may not claim such dimensions)",
+                name,
+            )
         if (
             not isinstance(offsets, list)
             or len(offsets) != 2
@@ -145,7 +218,6 @@ class SafetensorsFile:
             self._fail(
                 f"data_offsets end {end} is past the end of the data buffer ({data_len} bytes; file truncated?)", name
             )
-        itemsize = np.dtype(SAFETENSORS_DTYPES[dtype]).itemsize
         nbytes = math.prod(shape) * itemsize
         if nbytes != end - begin:
             self._fail(f"shape {shape} of {dtype} needs {nbytes} bytes, data_offsets span {end - begin}", name)
@@ -174,16 +246,17 @@ class SafetensorsFile:
         info = self._infos[name]
         begin, end = self.byte_range(name)
         dt = np.dtype(SAFETENSORS_DTYPES[info.dtype])
-        if end == begin or self._mm is None:
+        if end == begin:
             return np.zeros(info.shape, dtype=dt)
-        return np.frombuffer(self._mm, dtype=dt, count=(end - begin) // dt.itemsize, offset=begin).reshape(info.shape)
+        mm = self._map()
+        return np.frombuffer(mm, dtype=dt, count=(end - begin) // dt.itemsize, offset=begin).reshape(info.shape)
 
     def raw(self, name: str) -> memoryview:
         """The tensor's raw little-endian bytes (zero-copy)."""
         begin, end = self.byte_range(name)
-        if self._mm is None or end == begin:
+        if end == begin:
             return memoryview(b"")
-        return memoryview(self._mm)[begin:end]
+        return memoryview(self._map())[begin:end]
 
     def tensor(self, name: str) -> Tensor:
         """One tensor as a :class:`Tensor` (memory-mapped)."""
@@ -201,7 +274,8 @@ class SafetensorsFile:
 
     def close(self) -> None:
         # Views may still reference the map; let garbage collection unmap it then.
-        self._fh.close()
+        _POOL.discard(self)
+        self._unmap()
 
     def __enter__(self) -> SafetensorsFile:
         return self
@@ -212,6 +286,90 @@ class SafetensorsFile:
 
 #: Every SafetensorsFile still alive, for :func:`release_mapped_pages`.
 _OPEN_FILES: weakref.WeakSet[SafetensorsFile] = weakref.WeakSet()
+#: Most files mapped at once.  Each map holds one descriptor; 64 stays far below the
+#: usual 1024 open files with room for the output shards being written.
+MAX_MAPPED_FILES = 64
+#: NumPy's bound on an array's bytes (its index type), with a factor 2 of headroom.
+MAX_ARRAY_BYTES = 2**62
+
+
+class _MapPool:
+    """The mapped files, least recently used first; mapping one more past the bound
+    drops the oldest map (it is made again, checked, on its file's next access)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lru: OrderedDict[int, weakref.ref[SafetensorsFile]] = OrderedDict()
+        # Re-entrant: a file freed by the garbage collector while the lock is held
+        # removes itself through _forget.
+        self._lock = threading.RLock()
+
+    def _forget(self, ref: weakref.ref[SafetensorsFile]) -> None:
+        with self._lock:
+            for key, entry in list(self._lru.items()):
+                if entry is ref:
+                    del self._lru[key]
+
+    def use(self, f: SafetensorsFile) -> None:
+        with self._lock:
+            key = id(f)
+            entry = self._lru.get(key)
+            if entry is not None and entry() is f:
+                self._lru.move_to_end(key)
+                return
+            self._lru[key] = weakref.ref(f, self._forget)
+            while len(self._lru) > self.limit:
+                _, ref = self._lru.popitem(last=False)
+                old = ref()
+                if old is not None:
+                    old._unmap()
+
+    def discard(self, f: SafetensorsFile) -> None:
+        with self._lock:
+            self._lru.pop(id(f), None)
+
+
+_POOL = _MapPool(MAX_MAPPED_FILES)
+
+
+def shrunk_files() -> list[Path]:
+    """Mapped files that are now shorter than when they were opened (see :func:`converter.faults`)."""
+    return [f.path for f in list(_OPEN_FILES) if f.shrunk()] + [
+        p for owner in list(_MAP_OWNERS) if (p := owner.shrunk_path()) is not None
+    ]
+
+
+#: Other readers with maps of their own (``.tinyloop``), for :func:`shrunk_files`.
+_MAP_OWNERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def register_map_owner(owner: object) -> None:
+    """Let :func:`shrunk_files` ask ``owner.shrunk_path()`` (a reader with its own map)."""
+    _MAP_OWNERS.add(owner)
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _change(old: tuple[int, int, int, int], new: tuple[int, int, int, int]) -> str:
+    if old[:2] != new[:2]:
+        return "it was replaced by another file"
+    if old[2] != new[2]:
+        return f"size {old[2]} -> {new[2]} bytes"
+    return "its modification time changed"
+
+
+def _pread_exact(fd: int, n: int, offset: int, f: SafetensorsFile) -> bytes:
+    data = os.pread(fd, n, offset)
+    if len(data) != n:
+        f._fail(f"shrank while its header was being read ({offset + len(data)} bytes left, needed {offset + n})")
+    return data
+
+
+def _short(value: object, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 5] + " ...]"
 
 
 def drop_pages(mm: mmap.mmap | None) -> None:
@@ -261,15 +419,24 @@ class StreamingWriter:
             8-byte-itemsize tensors first, then 4, 2, 1 (stable), so every tensor is
             aligned to its itemsize.
         header_reserve: bytes reserved for the header JSON.
+        error_path: the output's name in error messages, when ``path`` is a multi-file
+            commit's hidden placeholder (default ``path``).
 
     Raises:
-        ConverterError: the folder is not writable.
+        ConverterError: the folder is not writable, or the file does not fit (a full
+            disk names the needed and free bytes).
     """
 
     def __init__(
-        self, path: str | Path, layout: Iterable[tuple[str, str, tuple[int, ...]]], *, header_reserve: int
+        self,
+        path: str | Path,
+        layout: Iterable[tuple[str, str, tuple[int, ...]]],
+        *,
+        header_reserve: int,
+        error_path: Path | None = None,
     ) -> None:
         self.path = Path(path)
+        self._error_path = Path(error_path) if error_path is not None else self.path
         items = list(layout)
         order = sorted(range(len(items)), key=lambda i: -np.dtype(SAFETENSORS_DTYPES[items[i][1]]).itemsize)
         self.entries: dict[str, dict] = {}
@@ -290,7 +457,8 @@ class StreamingWriter:
         self.tmp_path = temporary_name(self.path)
         self._fd = -1
         self._done = False
-        size = self.data_start + self.data_size
+        self.file_size = size = self.data_start + self.data_size
+        track(self, self.abort)
         try:
             self._fd = fd = open_temporary(self.tmp_path, self.path)
             os.ftruncate(fd, size)
@@ -302,8 +470,7 @@ class StreamingWriter:
         except OSError as exc:
             if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                 self.abort()
-                need = f" (needs {size} bytes)" if exc.errno == errno.ENOSPC else ""
-                raise ConverterError(f"cannot allocate the output file: {exc.strerror}{need}", path=self.path) from None
+                raise output_write_error(exc, self._error_path, size) from None
         except BaseException:  # SIGTERM/Ctrl-C during a long fallocate: no temporary may stay
             self.abort()
             raise
@@ -344,9 +511,12 @@ class StreamingWriter:
     def _pwrite(self, data: np.ndarray, start: int) -> None:
         view = memoryview(data.view(np.uint8).reshape(-1)) if data.nbytes else memoryview(b"")
         pos = self.data_start + start
-        while view:
-            done = os.pwrite(self._fd, view, pos)
-            view, pos = view[done:], pos + done
+        try:
+            while view:
+                done = os.pwrite(self._fd, view, pos)
+                view, pos = view[done:], pos + done
+        except OSError as exc:  # a filesystem without fallocate can still fill up here
+            raise output_write_error(exc, self._error_path, self.file_size) from None
 
     def finish(self, metadata: Mapping[str, str]) -> Path:
         """Write the header, fsync, and atomically rename onto ``path``.
@@ -358,13 +528,18 @@ class StreamingWriter:
         if len(raw) != self.header_reserve:
             self.abort()
             raise ValueError(f"header needs {len(raw)} bytes, only {self.header_reserve} reserved")
-        os.pwrite(self._fd, struct.pack("<Q", len(raw)) + raw, 0)
-        os.fsync(self._fd)
+        try:
+            os.pwrite(self._fd, struct.pack("<Q", len(raw)) + raw, 0)
+            os.fsync(self._fd)
+        except OSError as exc:
+            self.abort()
+            raise output_write_error(exc, self._error_path, self.file_size) from None
         # Rename while still holding the lock, so no cleaner can take the file first.
         os.replace(self.tmp_path, self.path)
         os.close(self._fd)
         fsync_dir(self.path.parent)
         self._done = True
+        untrack(self)
         return self.path
 
     def abort(self) -> None:
@@ -377,6 +552,7 @@ class StreamingWriter:
                 except OSError:
                     pass
             self.tmp_path.unlink(missing_ok=True)
+            untrack(self)
 
     def __enter__(self) -> StreamingWriter:
         return self

@@ -15,11 +15,11 @@ import numpy as np
 import xxhash
 
 from .artifact.problems import ProblemCode, Report
-from .artifact.reader import Artifact
+from .artifact.reader import Artifact, open_artifact
 from .artifact.schema import LayerEntry
 from .artifact.validate import broken_layers, validate_artifact
 from .constants import GPU_MEAN_REL_TOL, KERNEL_K_MULTIPLE, MARLIN_ZERO, PAD_CODE, PAD_DELTA, PAD_SCALE, Suffix
-from .errors import ConverterError, GpuUnavailableError
+from .errors import ArtifactError, ConverterError, GpuUnavailableError
 from .formats import open_source
 from .formats.base import Source
 from .marlin.layout import unpack_b, unpermute_scales
@@ -293,9 +293,20 @@ def verify(
         progress: as for :func:`converter.convert.convert`.
 
     Raises:
-        ConverterError and subclasses: unreadable artifact or source (exit 2).
+        ConverterError and subclasses: unreadable artifact or source (exit 2); an
+            ``ArtifactError`` saying so when ``path`` is a source and ``against`` an
+            artifact (the arguments swapped).
     """
-    report, art = validate_artifact(path)
+    try:
+        report, art = validate_artifact(path)
+    except ArtifactError:
+        if against is not None and _is_artifact(against):
+            raise ArtifactError(
+                f"not an artifact, but --against {against} is one: the arguments are swapped; "
+                f"run marlin-verify {against} --against {path}",
+                path=path,
+            ) from None
+        raise
     with art:
         rows = {
             rec.name: {
@@ -348,6 +359,15 @@ def verify(
         if gpu is not False:
             _gpu_numerics(art, report, rows, source_layers, forced=bool(gpu), progress=progress, skip=broken)
     return report
+
+
+def _is_artifact(path: str | Path) -> bool:
+    """Whether ``path`` opens as a marlin-convert artifact (for the swapped-arguments hint)."""
+    try:
+        open_artifact(path).close()
+    except ConverterError:
+        return False
+    return True
 
 
 def _gpu_numerics(

@@ -3,7 +3,11 @@ source's tokenizer files (``marlin-convert IN OUT/``).
 
 The config is the source's ``config.json`` with ``quantization_config`` replaced by a
 description of the artifact (for a ``.tinyloop`` source, which has none, a minimal one
-built from the header's ``model`` object).
+built from the header's ``model`` object).  Both are standard JSON (no NaN or
+Infinity), and every one of these files is checksummed in the manifest
+(``checksums.files``, schema v2), so ``marlin-verify`` covers them too.  Tokenizer
+files are taken from the source's folder only when they are regular files inside it
+(a link that leaves the folder is refused, never copied).
 """
 
 from __future__ import annotations
@@ -13,12 +17,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 from .. import __version__
 from ..constants import ARTIFACT_SCHEMA_VERSION, PRODUCER_NAME, Suffix
+from ..errors import ConfigError
 from ..formats.base import Source
 from ..formats.hf import HFSource
-from ..formats.hf_checkpoint import TOKENIZER_FILES
-from .schema import LayerEntry
+from ..formats.hf_checkpoint import TOKENIZER_FILES, folder_member, read_member_bytes
+from ..jsonio import non_finite_path
+from .schema import FileChecksum, LayerEntry
 from .target import CONFIG_NAME
 
 
@@ -60,9 +68,21 @@ def artifact_config(
     return cfg
 
 
+def copied_files(source: Source) -> dict[str, Path]:
+    """The source's tokenizer (and generation-config) files that folder mode copies:
+    ``{name: path}``, from an HF checkpoint's folder or a ``.tinyloop`` file's.
+
+    Raises:
+        SourceFormatError: one is a link that leaves the folder, or not a regular file
+            (:func:`~converter.formats.hf_checkpoint.folder_member`).
+    """
+    folder = source.ckpt.folder if isinstance(source, HFSource) else source.path.parent
+    return {name: p for name in TOKENIZER_FILES if (p := folder_member(folder, name)) is not None}
+
+
 def folder_extras(
     source: Source, description: Mapping[str, Any], layers: list[LayerEntry], weight_file: str
-) -> dict[str, bytes | Path]:
+) -> dict[str, bytes]:
     """The extra files of folder mode: ``config.json`` and the source's tokenizer files.
 
     Args:
@@ -74,20 +94,35 @@ def folder_extras(
         weight_file: the artifact's file name or index name, recorded in the config.
 
     Returns:
-        ``{file name: bytes to write or source path to copy}``.
+        ``{file name: bytes to write}``; the tokenizer files are read now, so what is
+        checksummed in the manifest is what is written.
+
+    Raises:
+        ConfigError: the source's ``config.json`` holds NaN or an infinity, which the
+            written ``config.json`` (standard JSON) cannot (naming the field).
+        SourceFormatError: a tokenizer file is a link out of the folder, not a regular
+            file, or too large (:func:`copied_files`).
     """
     quant = description.get("quant_config", {}) or {}
     if isinstance(source, HFSource):
         ckpt = source.ckpt
+        source_config = ckpt.config or {"model_type": "unknown"}
+        # Its quantization_config is replaced by ours below.
+        where = non_finite_path({k: v for k, v in source_config.items() if k != "quantization_config"})
+        if where is not None:
+            raise ConfigError(
+                f"field {where} is NaN or infinite, which standard JSON cannot hold; the config.json written "
+                "beside the artifact must be standard JSON: fix the value",
+                path=ckpt.folder / CONFIG_NAME,
+            )
         cfg = artifact_config(
-            ckpt.config or {"model_type": "unknown"},
+            source_config,
             None,
             source_format=description["format"],
             layers=layers,
             weight_file=weight_file,
             source_quant_config=quant,
         )
-        folder = ckpt.folder
     else:
         cfg = artifact_config(
             None,
@@ -97,9 +132,13 @@ def folder_extras(
             weight_file=weight_file,
             source_quant_config=quant,
         )
-        folder = source.path.parent
-    extras: dict[str, bytes | Path] = {CONFIG_NAME: json.dumps(cfg, indent=2, sort_keys=False).encode("utf-8") + b"\n"}
-    for name in TOKENIZER_FILES:
-        if (folder / name).is_file():
-            extras[name] = folder / name
+    text = json.dumps(cfg, indent=2, sort_keys=False, allow_nan=False).encode("utf-8") + b"\n"
+    extras: dict[str, bytes] = {CONFIG_NAME: text}
+    for name, path in copied_files(source).items():
+        extras[name] = read_member_bytes(path)
     return extras
+
+
+def file_checksums(extras: Mapping[str, bytes]) -> tuple[FileChecksum, ...]:
+    """The manifest's ``checksums.files`` for folder mode's extra files (schema v2)."""
+    return tuple(FileChecksum(name, len(data), xxhash.xxh3_128_hexdigest(data)) for name, data in extras.items())

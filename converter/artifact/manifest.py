@@ -24,7 +24,17 @@ from ..constants import (
 from ..formats.base import LayerPlan
 from ..marlin.shapes import kernel_compatible, upstream_compatible
 from ..quant_weight import marlin_code_offset
-from .schema import Checksums, LayerEntry, Manifest, Passthrough, Producer, SourceInfo, checksum, from_json
+from .schema import (
+    Checksums,
+    FileChecksum,
+    LayerEntry,
+    Manifest,
+    Passthrough,
+    Producer,
+    SourceInfo,
+    checksum,
+    from_json,
+)
 
 __all__ = ["checksum", "dump_manifest", "layer_entry", "metadata_for", "new_manifest"]
 
@@ -52,11 +62,18 @@ def layer_entry(layer: LayerPlan) -> LayerEntry:
     )
 
 
-def new_manifest(source: dict[str, Any], layers: list[LayerEntry], passthrough: list[Passthrough]) -> Manifest:
+def new_manifest(
+    source: dict[str, Any],
+    layers: list[LayerEntry],
+    passthrough: list[Passthrough],
+    *,
+    files: tuple[FileChecksum, ...] = (),
+) -> Manifest:
     """A manifest with no tensor checksums yet (filled in as tensors are written).
 
     Args:
         source: the reader's ``describe()`` (the schema's ``source`` object).
+        files: checksums of folder mode's files beside the artifact (schema v2).
 
     Raises:
         ArtifactError: ``source`` does not fit the schema (a reader bug).
@@ -67,13 +84,17 @@ def new_manifest(source: dict[str, Any], layers: list[LayerEntry], passthrough: 
         source=from_json(SourceInfo, source, "source"),
         layers=tuple(layers),
         passthrough=tuple(passthrough),
-        checksums=Checksums(CHECKSUM_ALGORITHM, {}),
+        checksums=Checksums(CHECKSUM_ALGORITHM, {}, files),
     )
 
 
-def dump_manifest(data: dict[str, Any]) -> str:
-    """Canonical JSON text of a manifest object (sorted keys, no spaces)."""
-    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+def dump_manifest(data: dict[str, Any], *, allow_nan: bool = False) -> str:
+    """Canonical JSON text of a manifest object (sorted keys, no spaces).
+
+    What we write is standard JSON: a NaN or infinity raises ValueError (the converter
+    refuses them earlier, by name).  ``allow_nan`` is for comparing manifests as read.
+    """
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=allow_nan)
 
 
 def metadata_for(manifest: Manifest) -> dict[str, str]:

@@ -40,7 +40,11 @@ class ProblemCode(str, enum.Enum):
     CHECKSUM_ORPHAN = "checksum_orphan"
     CHECKSUM_MISMATCH = "checksum_mismatch"
     NON_FINITE = "non_finite"
+    FP16_OVERFLOW = "fp16_overflow"
     BAD_PERMUTATION = "bad_permutation"
+    # -- folder mode's files beside the artifact (schema v2 checksums.files)
+    FOLDER_FILE_MISSING = "folder_file_missing"
+    FOLDER_FILE_MISMATCH = "folder_file_mismatch"
     # -- sharded artifacts
     MISSING_SHARD = "missing_shard"
     DUPLICATE_TENSOR = "duplicate_tensor"

@@ -23,7 +23,9 @@ it (their schema files do not have it) and the schema test checks each file.
 Versions: v1 (the first); v2 adds ``layers[].source_group_size`` (a layer stored at a
 smaller group size than its source's, whose last group was short) and
 ``layers[].padded_n`` (a layer whose N was padded to a multiple of 64; ``size_n`` is
-the true N).  A v1 layer has neither: it is stored at its source's group size and N.
+the true N), and ``checksums.files`` (folder mode's ``config.json`` and tokenizer
+files, so that verification covers them).  A v1 layer has neither layer field: it is
+stored at its source's group size and N; a v1 manifest checksums no files.
 """
 
 from __future__ import annotations
@@ -166,11 +168,23 @@ class Passthrough(SchemaObject):
 
 
 @dataclasses.dataclass(frozen=True)
+class FileChecksum(SchemaObject):
+    """A file folder mode writes beside the artifact (``config.json``, tokenizer files):
+    its name in the artifact's folder, its size in bytes and its xxh3-128 (schema v2)."""
+
+    name: str
+    bytes: int
+    xxh3_128: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Checksums(SchemaObject):
-    """Integrity of every tensor's bytes: ``{tensor name: 32-hex-digit xxh3-128}``."""
+    """Integrity of every tensor's bytes: ``{tensor name: 32-hex-digit xxh3-128}``, and
+    (schema v2, folder mode) of every file written beside the artifact."""
 
     algorithm: str
     tensors: dict[str, str]
+    files: tuple[FileChecksum, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,6 +228,7 @@ SCHEMA_OBJECTS: dict[str, type] = {
     "layers[]": LayerEntry,
     "passthrough[]": Passthrough,
     "checksums": Checksums,
+    "checksums.files[]": FileChecksum,
     "shard": Shard,
 }
 
@@ -324,7 +339,7 @@ def _read(tp: Any, value: Any, where: str) -> Any:
 #: The fields each version added, by the object they belong to (SCHEMA_OBJECTS' paths):
 #: a manifest of an older version that has one does not fit its own schema.
 ADDED_IN: dict[int, dict[str, tuple[str, ...]]] = {
-    2: {"layers[]": ("source_group_size", "padded_n")},
+    2: {"layers[]": ("source_group_size", "padded_n"), "checksums": ("files",)},
 }
 
 
@@ -368,7 +383,8 @@ def _refuse_newer_fields(obj: dict[str, Any], version: int) -> None:
 
 def _parse_v1(obj: dict[str, Any]) -> Manifest:
     """Schema v1: the v2 objects without v2's fields, which keep their defaults (not
-    regrouped, not padded: a v1 layer is stored at its source's group size and N)."""
+    regrouped, not padded: a v1 layer is stored at its source's group size and N; no
+    checksummed files beside the artifact)."""
     _refuse_newer_fields(obj, 1)
     return from_json(Manifest, obj)
 
@@ -427,8 +443,11 @@ def read_document(metadata: Mapping[str, str], *, path: Path) -> ManifestDocumen
         raise ArtifactError(
             f"not a marlin-convert artifact: __metadata__ lacks {META_SCHEMA_VERSION!r} or {META_MANIFEST!r}", path=path
         )
-    if not version.isdigit() or int(version) not in SUPPORTED_SCHEMA_VERSIONS:
-        newer = version.isdigit() and int(version) > max(SUPPORTED_SCHEMA_VERSIONS)
+    # Canonical ASCII digits only: str.isdigit() also accepts "²" and "١", which int()
+    # refuses or reads as another number.
+    number = version.isascii() and version.isdecimal() and version == str(int(version))
+    if not number or int(version) not in SUPPORTED_SCHEMA_VERSIONS:
+        newer = number and int(version) > max(SUPPORTED_SCHEMA_VERSIONS)
         fix = "; upgrade marlin-convert" if newer else ""
         raise SchemaVersionError(
             f"artifact schema version {version!r} is not supported (this tool reads "

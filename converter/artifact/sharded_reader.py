@@ -25,7 +25,7 @@ from .target import DIR_MODE_NAME, SHARD_NAME_RE, artifact_stem, index_name_for
 
 
 def _strip_shard(manifest: dict[str, Any]) -> str:
-    return dump_manifest({k: v for k, v in manifest.items() if k != "shard"})
+    return dump_manifest({k: v for k, v in manifest.items() if k != "shard"}, allow_nan=True)
 
 
 def resolve_artifact(path: Path) -> tuple[HFIndex | None, list[Path]]:

@@ -17,17 +17,18 @@ artifact's shards at the output path).
 from __future__ import annotations
 
 import os
-import re
-from collections.abc import Iterable
+import resource
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from ..atomic import free_bytes
 from ..errors import ConverterError, OutputExistsError
-from ..hf_index import read_index
+from ..hf_index import SHARD_NAME_RE, read_index
+from ..safetensors_io import MAX_MAPPED_FILES
 
 #: The artifact's file name in folder mode (HF's single-file name).
 DIR_MODE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
-SHARD_NAME_RE = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.safetensors$")
 
 
 def shard_name(stem: str, index: int, count: int) -> str:
@@ -181,6 +182,12 @@ class OutputTarget:
             OutputExistsError: an output file exists and ``force`` is False.
         """
         extra_names = list(extra_names)
+        try:
+            str(self.path).encode("utf-8")
+        except UnicodeEncodeError:  # the index and config.json name the files in UTF-8 JSON
+            raise ConverterError(
+                f"output path {ascii(str(self.path))} is not valid UTF-8; choose another name", path=self.folder
+            ) from None
         if self.directory and not self.folder.exists() and not create:
             if not self.folder.parent.is_dir():
                 raise ConverterError("output folder's parent does not exist", path=self.folder.parent)
@@ -219,3 +226,78 @@ class OutputTarget:
             for p in finals + stale:
                 if os.path.lexists(p):
                     raise OutputExistsError("output exists; pass --force to overwrite it", path=p)
+
+    def preflight(self, sizes: Mapping[Path, int], *, artifact: Path) -> None:
+        """Check that the outputs can be written at all, before the input is read whole:
+        the folder is writable, its filesystem has room for every file, no file exceeds
+        the file-size limit (``ulimit -f``), and the open-files limit allows writing all
+        shards at once (raised up to the hard limit when it does not).
+
+        Args:
+            sizes: ``{final path: bytes}`` of every file the write creates.
+            artifact: the path errors name (the file, or the index when sharded).
+
+        Raises:
+            ConverterError: one of the above, with the numbers.
+        """
+        folder = self.folder if self.folder.exists() else self.folder.parent
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise ConverterError(
+                "output folder is not writable (its permissions, or a read-only filesystem); nothing was written",
+                path=folder,
+            )
+        need = sum(sizes.values())
+        free = free_bytes(folder)
+        if free is not None and need > free:
+            raise ConverterError(
+                f"not enough free space: the output needs {need} bytes, its filesystem has {free} free; "
+                "nothing was written",
+                path=artifact,
+            )
+        limit, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+        biggest = max(sizes, key=lambda p: sizes[p])
+        if limit != resource.RLIM_INFINITY and sizes[biggest] > limit:
+            raise ConverterError(
+                f"this file would be {sizes[biggest]} bytes, above the file-size limit of {limit} bytes (ulimit -f); "
+                "raise the limit, or split the output with a smaller --max-shard-size",
+                path=biggest,
+            )
+        shards = sum(1 for p in sizes if p.name.endswith(".safetensors"))
+        ensure_open_files(shards + MAX_MAPPED_FILES + _SPARE_FILES, shards=shards, path=artifact)
+
+    def discard_created(self) -> None:
+        """Remove the folder :meth:`check` created, while it is still empty."""
+        if self.created:
+            try:
+                self.folder.rmdir()
+            except OSError:
+                pass
+            self.created = False
+
+
+#: Descriptors beyond the shards and the input maps: the interpreter, stdio, the index, extras.
+_SPARE_FILES = 32
+
+
+def ensure_open_files(needed: int, *, shards: int, path: Path) -> None:
+    """Make sure this process may hold ``needed`` files open: every output shard is held
+    open (and locked) until the commit.  The soft limit is raised up to the hard one.
+
+    Raises:
+        ConverterError: the hard limit is lower, naming the counts and what to do.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or needed <= soft:
+        return
+    if hard == resource.RLIM_INFINITY or needed <= hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+            return
+        except (ValueError, OSError):
+            pass
+    raise ConverterError(
+        f"writing {shards} shards holds {shards} files open at once, and with the input that needs {needed}; "
+        f"the open-files limit is {soft} (hard limit {hard}, ulimit -n): raise it, or pass a larger "
+        "--max-shard-size",
+        path=path,
+    )

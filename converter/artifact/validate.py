@@ -8,6 +8,7 @@ then nothing further can be checked.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -20,10 +21,16 @@ from ..constants import (
     META_MANIFEST,
     META_MANIFEST_CHECKSUM,
     META_SCHEMA_VERSION,
+    SCALE_PERM_GROUPED_CHUNK,
     Suffix,
 )
 from ..dtypes import FLOAT_DTYPES
+from ..errors import ArtifactError
 from ..formats import CONVENTIONS
+from ..formats.hf_checkpoint import MAX_COPIED_FILE_BYTES
+from ..formats.scales import kernel_range_error
+from ..jsonio import read_regular_file
+from ..marlin.layout import unpermute_scales
 from ..marlin.shapes import (
     kernel_compatible,
     marlin_shapes,
@@ -58,7 +65,9 @@ def validate_artifact(path: str | Path, *, checksums: bool = True) -> tuple[Repo
     checksum; every layer's tensors are present with the dtypes and shapes derived from
     ``size_k``, ``size_n`` (``padded_n`` when padded) and ``group_size``; every
     pass-through tensor is present; no tensor is unaccounted for; every tensor's
-    xxh3-128 matches the manifest; and the derived facts hold (below).
+    xxh3-128 matches the manifest; scales and ``delta`` are finite, and float16 holds
+    ``delta`` and the weights the codes form; folder mode's files beside the artifact
+    match ``checksums.files``; and the derived facts hold (below).
 
     Args:
         path: the artifact file.
@@ -163,8 +172,10 @@ def validate_artifact(path: str | Path, *, checksums: bool = True) -> tuple[Repo
                     got,
                 )
             art.file.release_pages()  # keep RSS bounded on multi-GB artifacts
-    _check_finite(art, report)
+    non_finite = _check_finite(art, report)
+    _check_fp16_range(art, report, skip=non_finite)
     _check_layer_facts(art, manifest, report)
+    _check_folder_files(art, manifest, report)
     report.checked = {"layers": len(art.layers), "tensors": len(infos), "checksums": checksums}
     return report, art
 
@@ -316,9 +327,10 @@ def broken_layers(report: Report, layer_names: set[str]) -> set[str]:
 FINITE_SUFFIXES = (Suffix.SCALES, Suffix.DELTA)
 
 
-def _check_finite(art: Artifact, report: Report) -> None:
+def _check_finite(art: Artifact, report: Report) -> set[str]:
     """Report NaN/Inf in every layer's scales and delta, even when checksums agree
-    (a producer that wrote them would also have hashed them)."""
+    (a producer that wrote them would also have hashed them).  Returns those layers."""
+    bad_layers: set[str] = set()
     for rec in art.layers.values():
         for suffix in FINITE_SUFFIXES:
             name = f"{rec.name}.{suffix.value}"
@@ -330,7 +342,71 @@ def _check_finite(art: Artifact, report: Report) -> None:
             if bad:
                 what = suffix.value.removeprefix("marlin_")
                 report.add(P.NON_FINITE, f"{name}: {bad} NaN or Inf value(s); {what} must be finite", name, 0, bad)
+                bad_layers.add(rec.name)
         art.file.release_pages()
+    return bad_layers
+
+
+def _check_fp16_range(art: Artifact, report: Report, *, skip: set[str]) -> None:
+    """Report a layer whose ``delta``, or a weight ``(q - 8) * s + delta`` its codes can
+    form, overflows float16, the dtype the kernels compute them in (finite float32
+    values can still be infinite there)."""
+    for rec in art.layers.values():
+        if rec.name in skip:
+            continue
+        shape = (rec.shape.num_groups, rec.layout_n)
+        s_name, d_name = f"{rec.name}.{Suffix.SCALES.value}", f"{rec.name}.{Suffix.DELTA.value}"
+        s_info, d_info = art.file.infos.get(s_name), art.file.infos.get(d_name)
+        if (
+            s_info is None
+            or d_info is None
+            or (s_info.dtype, s_info.shape, d_info.dtype, d_info.shape) != ("F16", shape, "F32", shape)
+            or rec.layout_n % SCALE_PERM_GROUPED_CHUNK
+        ):
+            continue  # reported as missing / dtype_mismatch / shape_mismatch already
+        scales = unpermute_scales(art.file.array(s_name), single=shape[0] == 1)
+        why = kernel_range_error(scales, np.asarray(art.file.array(d_name)), marlin_code_offset(rec.bits), rec.bits)
+        if why:
+            report.add(P.FP16_OVERFLOW, f"layer {rec.name}: {why}", rec.name)
+        art.file.release_pages()
+
+
+def artifact_folder(art: Artifact) -> Path:
+    """The folder an artifact's files sit in (the path itself for a folder artifact)."""
+    return art.path if art.path.is_dir() else art.path.parent
+
+
+def _check_folder_files(art: Artifact, manifest: Manifest, report: Report) -> None:
+    """Folder mode's ``config.json`` and tokenizer files against ``checksums.files``
+    (schema v2): present beside the artifact, with the recorded size and xxh3-128."""
+    folder = artifact_folder(art)
+    for entry in manifest.checksums.files:
+        if Path(entry.name).name != entry.name or entry.name in ("", ".", ".."):
+            report.add(P.FOLDER_FILE_MISMATCH, f"{entry.name!r}: not a plain file name in the artifact's folder", "")
+            continue
+        path = folder / entry.name
+        if not os.path.lexists(path):
+            report.add(
+                P.FOLDER_FILE_MISSING,
+                f"{entry.name}: the manifest lists this file beside the artifact, but it is missing",
+                entry.name,
+            )
+            continue
+        try:
+            data = read_regular_file(path, what="file", error=ArtifactError, max_bytes=MAX_COPIED_FILE_BYTES)
+        except ArtifactError as exc:
+            report.add(P.FOLDER_FILE_MISMATCH, f"{entry.name}: {exc.rule}", entry.name)
+            continue
+        got = xxhash.xxh3_128_hexdigest(data)
+        if len(data) != entry.bytes or got != entry.xxh3_128:
+            report.add(
+                P.FOLDER_FILE_MISMATCH,
+                f"{entry.name}: {len(data)} bytes with xxh3-128 {got}, the manifest records {entry.bytes} bytes "
+                f"with {entry.xxh3_128} (changed since conversion)",
+                entry.name,
+                entry.xxh3_128,
+                got,
+            )
 
 
 #: The ``__metadata__`` keys every artifact file carries (manifest.metadata_for).

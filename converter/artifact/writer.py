@@ -20,21 +20,29 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 
-from ..atomic import TEMP_SUFFIX, commit_all, remove_stale_temporaries, stage_placeholder, target_mode, write_durably
+from ..atomic import (
+    TEMP_SUFFIX,
+    commit_all,
+    output_write_error,
+    remove_stale_temporaries,
+    stage_placeholder,
+    target_mode,
+    track,
+    untrack,
+    write_durably,
+)
 from ..dtypes import nbytes
-from ..errors import ConverterError
 from ..hf_index import index_bytes
 from ..safetensors_io import StreamingWriter, header_size_for
 from .manifest import metadata_for
 from .schema import Manifest, Shard
 from .shards import Layout
-from .target import InputGuard, OutputTarget
+from .target import SHARD_NAME_RE, InputGuard, OutputTarget, artifact_stem
 
 
 class ArtifactWriter:
@@ -49,7 +57,7 @@ class ArtifactWriter:
         shards: the artifact's tensors per shard (:func:`~converter.artifact.shards.plan_shards`).
         manifest: the manifest with placeholder checksums of final length (sizes the headers).
         guard: the input's files: nothing the commit deletes may be one of them.
-        extra_files: folder-mode files ``{name: bytes or source Path}`` committed with the shards.
+        extra_files: folder-mode files ``{name: bytes}`` committed with the shards.
 
     Raises:
         ConverterError: the folder is not writable.
@@ -62,7 +70,7 @@ class ArtifactWriter:
         manifest: Manifest,
         *,
         guard: InputGuard,
-        extra_files: Mapping[str, bytes | Path] | None = None,
+        extra_files: Mapping[str, bytes] | None = None,
     ) -> None:
         self.target = target
         self.guard = guard
@@ -77,13 +85,17 @@ class ArtifactWriter:
         self._temps: list[Path] = []
         self._commit: list[tuple[Path, Path]] = []
         self._done = False
-        for name in [*self.names, target.index.name]:
-            remove_stale_temporaries(target.folder / name)  # left by a killed earlier run
+        # Left by a killed earlier run to this output, sharded or not, with any shard count.
+        for name in {*self.names, target.path.name, target.index.name, *_earlier_shard_names(target)}:
+            remove_stale_temporaries(target.folder / name)
+        track(self, self.abort)
         try:
             for i, (shard, name) in enumerate(zip(self.shards, self.names, strict=True)):
                 meta = metadata_for(self._shard_manifest(manifest, i))
                 staged = self._stage_path(name)
-                writer = StreamingWriter(staged, shard, header_reserve=header_size_for(shard, meta))
+                writer = StreamingWriter(
+                    staged, shard, header_reserve=header_size_for(shard, meta), error_path=target.folder / name
+                )
                 self._writers.append(writer)
                 self._commit.append((staged, target.folder / name))
                 for entry in shard:
@@ -91,6 +103,27 @@ class ArtifactWriter:
         except BaseException:
             self.abort()
             raise
+
+    @staticmethod
+    def file_sizes(
+        target: OutputTarget, shards: list[Layout], manifest: Manifest, extra_files: Mapping[str, bytes]
+    ) -> dict[Path, int]:
+        """``{final path: bytes}`` of every file a write of ``shards`` creates, in commit
+        order (shards, extra files, the index), exact when ``manifest`` holds checksums and
+        digests of their final lengths: what the free-space check compares."""
+        count = len(shards)
+        sizes: dict[Path, int] = {}
+        for i, (shard, path) in enumerate(zip(shards, target.shard_paths(count), strict=True)):
+            reserve = header_size_for(shard, metadata_for(_shard_manifest(manifest, i, count)))
+            sizes[path] = 8 + reserve + (-reserve % 8) + sum(nbytes(d, s) for _, d, s in shard)
+        for name, content in extra_files.items():
+            sizes[target.folder / name] = len(content)
+        if count > 1:
+            names = [p.name for p in target.shard_paths(count)]
+            wmap = {n: names[i] for i, shard in enumerate(shards) for n, _, _ in shard}
+            total = sum(nbytes(d, s) for shard in shards for _, d, s in shard)
+            sizes[target.index] = len(index_bytes(wmap, total))
+        return sizes
 
     @property
     def artifact_path(self) -> Path:
@@ -101,9 +134,7 @@ class ArtifactWriter:
         return stage_placeholder(self.target.folder, name, self._temps)
 
     def _shard_manifest(self, manifest: Manifest, i: int) -> Manifest:
-        if len(self.shards) == 1:
-            return manifest
-        return dataclasses.replace(manifest, shard=Shard(i + 1, len(self.shards)))
+        return _shard_manifest(manifest, i, len(self.shards))
 
     def write(self, name: str, data: np.ndarray, row_start: int = 0) -> None:
         """See :meth:`StreamingWriter.write`."""
@@ -129,10 +160,7 @@ class ArtifactWriter:
                 writer.finish(metadata_for(self._shard_manifest(manifest, i)))
             for name, content in self.extra_files.items():
                 remove_stale_temporaries(self.target.folder / name)
-                tmp = (
-                    self._stage_bytes(name, content) if isinstance(content, bytes) else self._stage_copy(name, content)
-                )
-                self._commit.append((tmp, self.target.folder / name))
+                self._commit.append((self._stage_bytes(name, content), self.target.folder / name))
             if len(self.shards) > 1:
                 wmap = {n: self.names[i] for i, shard in enumerate(self.shards) for n, _, _ in shard}
                 text = index_bytes(wmap, self.total_size)
@@ -153,6 +181,7 @@ class ArtifactWriter:
             self.abort()
             raise
         self._done = True
+        untrack(self)
         self._temps.clear()
         for old in stale:
             old.unlink(missing_ok=True)
@@ -160,15 +189,10 @@ class ArtifactWriter:
 
     def _stage_bytes(self, name: str, content: bytes) -> Path:
         tmp = self._stage_path(name)
-        write_durably(tmp, content)
-        return tmp
-
-    def _stage_copy(self, name: str, src: Path) -> Path:
-        tmp = self._stage_path(name)
         try:
-            shutil.copyfile(src, tmp)
+            write_durably(tmp, content)
         except OSError as exc:
-            raise ConverterError(f"cannot copy into the output folder: {exc.strerror}", path=src) from None
+            raise output_write_error(exc, self.target.folder / name, len(content)) from None
         return tmp
 
     def abort(self) -> None:
@@ -176,6 +200,7 @@ class ArtifactWriter:
         if self._done:
             return
         self._done = True
+        untrack(self)
         for writer in self._writers:
             writer.abort()
         for tmp in self._temps:
@@ -196,3 +221,28 @@ class ArtifactWriter:
     def __exit__(self, exc_type: object, *exc: object) -> None:
         if not self._done:
             self.abort()
+
+
+def _shard_manifest(manifest: Manifest, i: int, count: int) -> Manifest:
+    """Shard ``i`` (0-based) of ``count``'s manifest: the whole model's, plus ``shard``."""
+    return manifest if count == 1 else dataclasses.replace(manifest, shard=Shard(i + 1, count))
+
+
+def _earlier_shard_names(target: OutputTarget) -> set[str]:
+    """Shard names of this output, for any shard count, that hidden temporaries in its
+    folder belong to (``.<stem>-0000i-of-0000n.safetensors.<random>...``): what a
+    killed sharded run left, which a later run must clean up whatever its own count."""
+    stem = artifact_stem(target.path)
+    names: set[str] = set()
+    try:
+        entries = os.listdir(target.folder)
+    except OSError:
+        return names
+    for entry in entries:
+        if not entry.startswith(f".{stem}-") and not entry.startswith(f"..{stem}-"):
+            continue
+        final, sep, _ = entry.lstrip(".").partition(".safetensors.")
+        m = SHARD_NAME_RE.match(final + ".safetensors") if sep else None
+        if m and m.group("stem") == stem:
+            names.add(m.group(0))
+    return names

@@ -103,12 +103,15 @@ def open_source(path: str | Path) -> Source:
                 return cls(path)  # type: ignore[call-arg]  # single-file readers take the path
     ckpt = HFCheckpoint(path)
     try:
+        # Before the quant config: a converted model folder's config.json names our own
+        # quant_method, which is no input format.
+        if any(META_SCHEMA_VERSION in f.metadata for f in ckpt.shards):
+            raise UnsupportedQuantError(
+                "this is already a marlin-convert artifact, not a source checkpoint; check it with marlin-verify",
+                path=path,
+            )
         qc = ckpt.quant_config
         method = (_named_method(qc) if qc else "") or _sniff_method(ckpt)
-        if not method and any(META_SCHEMA_VERSION in f.metadata for f in ckpt.shards):
-            raise UnsupportedQuantError(
-                "this is already a marlin-convert artifact; check it with marlin-verify", path=path
-            )
         if not method:
             raise UnsupportedQuantError(
                 "no quantization config found (looked for quantize_config.json, quantization_config.json, "

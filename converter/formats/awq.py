@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..constants import MARLIN_ZERO, SourceFormat, ZeroConvention
+from ..constants import SourceFormat, ZeroConvention
 from ..dtypes import FLOAT_DTYPES
 from ..errors import ConfigError, SourceFormatError, UnsupportedQuantError
 from ..quant_weight import QuantWeight
@@ -174,7 +174,8 @@ class AwqSource(HFSource, format=SourceFormat.AWQ, methods=("awq",), conventions
         if not layer.fit(pad):
             return layer
         z = unpack_awq(np.asarray(self.ckpt.array(qzeros.name)))
-        layer.symmetric = bool(np.all(z == MARLIN_ZERO))
+        # The artifact's delta is zero: z == 8, or s == 0.
+        layer.symmetric = not bool(np.any(self.layer_delta(layer, z, scales)))
         return layer
 
     # -- loading ---------------------------------------------------------------------

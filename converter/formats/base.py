@@ -132,6 +132,8 @@ class Source(abc.ABC):
     format: ClassVar[SourceFormat]
     #: The ``zero_convention`` values this reader records in the manifest.
     zero_conventions: ClassVar[tuple[ZeroConvention, ...]]
+    #: What a quantized layer of this format has, as "no quantized layers" names it.
+    layer_anchor: ClassVar[str] = "quantized layer"
     path: Path
 
     def __init_subclass__(
@@ -155,8 +157,12 @@ class Source(abc.ABC):
         return False
 
     @abc.abstractmethod
-    def describe(self) -> dict[str, Any]:
-        """The manifest's ``source`` object: format, files (name, bytes, sha256), quant config."""
+    def describe(self, *, digests: bool = True) -> dict[str, Any]:
+        """The manifest's ``source`` object: format, files (name, bytes, sha256), quant config.
+
+        ``digests=False`` gives placeholder sha256 values of the same length without
+        reading the files (the output's size is known before the input is hashed).
+        """
 
     @abc.abstractmethod
     def plan(self, *, pad: bool = True) -> SourcePlan:

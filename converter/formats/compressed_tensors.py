@@ -30,7 +30,8 @@ or ``re:`` regexes) lists modules kept unquantized, which pass through with that
 from __future__ import annotations
 
 import dataclasses
-import re
+import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,7 @@ from .base import LayerPlan, SourcePlan
 from .hf import HFSource, assemble_plan, integer_zero_weight
 from .hf_checkpoint import HFCheckpoint
 from .packing import codes_per_word, gather_rows, symmetric_zero, unpack_words
+from .patterns import ConfigPattern
 
 PACK_QUANTIZED = "pack-quantized"
 CONVERTIBLE_BITS = (2, 4)
@@ -63,10 +65,18 @@ class WeightArgs:
     format: str
 
 
-def _matches(target: str, name: str) -> bool:
-    if target.startswith("re:"):
-        return re.match(target[3:], name) is not None
-    return target == name
+class _Target:
+    """One ``targets`` or ``ignore`` entry: an exact module name, or a ``re:`` regex
+    (matched with ``re.match`` semantics, in bounded time: :mod:`~converter.formats.patterns`)."""
+
+    def __init__(self, entry: str, *, field: str, path: Path) -> None:
+        self.entry = entry
+        self._rx = (
+            ConfigPattern(entry[3:], entry=repr(entry), field=field, path=path) if entry.startswith("re:") else None
+        )
+
+    def matches(self, name: str) -> bool:
+        return self._rx.match(name) if self._rx is not None else self.entry == name
 
 
 def _is_class_name(target: str) -> bool:
@@ -104,7 +114,7 @@ class CompressedTensorsSource(
             raise ConfigError(
                 "expected a non-empty object of quantization groups", path=self.cfg_path, tensor="config_groups"
             )
-        self.groups: list[tuple[list[str], WeightArgs]] = []
+        self.groups: list[tuple[list[_Target], WeightArgs]] = []
         for gname, group in groups.items():
             self.groups.append(self._parse_group(gname, group))
         formats = {a.format for _, a in self.groups}
@@ -125,31 +135,23 @@ class CompressedTensorsSource(
         self.status = qc.get("quantization_status")
         ignore = qc.get("ignore") or []
         if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
-            raise ConfigError(f"expected a list of strings, found {ignore!r}", path=self.cfg_path, tensor="ignore")
-        for entry in ignore:
-            self._check_regex(entry, "ignore")
-        self.ignore = ignore
+            raise ConfigError(
+                f"expected a list of strings, found {json.dumps(ignore)[:200]}", path=self.cfg_path, tensor="ignore"
+            )
+        self.ignore = [_Target(entry, field="ignore", path=self.cfg_path) for entry in ignore]
 
-    def _check_regex(self, entry: str, field: str) -> None:
-        if entry.startswith("re:"):
-            try:
-                re.compile(entry[3:])
-            except re.error as exc:
-                raise ConfigError(
-                    f"{entry!r} is not a valid regular expression ({exc})", path=self.cfg_path, tensor=field
-                ) from None
-
-    def _parse_group(self, gname: str, group: Any) -> tuple[list[str], WeightArgs]:
+    def _parse_group(self, gname: str, group: Any) -> tuple[list[_Target], WeightArgs]:
         field = f"config_groups.{gname}"
         if not isinstance(group, dict):
             raise ConfigError("expected an object", path=self.cfg_path, tensor=field)
-        targets = group.get("targets") or []
-        if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raw_targets = group.get("targets") or []
+        if not isinstance(raw_targets, list) or not all(isinstance(t, str) for t in raw_targets):
             raise ConfigError(
-                f"expected a list of strings, found {targets!r}", path=self.cfg_path, tensor=f"{field}.targets"
+                f"expected a list of strings, found {json.dumps(raw_targets)[:200]}",
+                path=self.cfg_path,
+                tensor=f"{field}.targets",
             )
-        for t in targets:
-            self._check_regex(t, f"{field}.targets")
+        targets = [_Target(t, field=f"{field}.targets", path=self.cfg_path) for t in raw_targets]
         w = group.get("weights")
         if not isinstance(w, dict):
             raise ConfigError(
@@ -185,18 +187,18 @@ class CompressedTensorsSource(
         """The weights args of the first group whose targets name ``module`` (exact or
         ``re:``), else of the first group with a class-name target; None if none."""
         for targets, args in self.groups:
-            if any(not _is_class_name(t) and _matches(t, module) for t in targets):
+            if any(not _is_class_name(t.entry) and t.matches(module) for t in targets):
                 return args
         for targets, args in self.groups:
-            if any(_is_class_name(t) for t in targets):
+            if any(_is_class_name(t.entry) for t in targets):
                 return args
         return None
 
     def ignored(self, module: str) -> str | None:
         """The ``ignore`` entry that names ``module``, or None."""
-        for entry in self.ignore:
-            if not _is_class_name(entry) and _matches(entry, module):
-                return entry
+        for target in self.ignore:
+            if not _is_class_name(target.entry) and target.matches(module):
+                return target.entry
         return None
 
     # -- planning --------------------------------------------------------------------
@@ -326,8 +328,8 @@ class CompressedTensorsSource(
         if not layer.fit(pad):
             return layer
         z = self._zeros(layer)
-        # Artifact delta == 0: b-bit codes are stored centred on 8 (marlin_code_offset).
-        layer.symmetric = bool(np.all(z == symmetric_zero(b)))
+        # Artifact delta == 0: b-bit codes are stored centred on 8 (marlin_code_offset), or s == 0.
+        layer.symmetric = not bool(np.any(self.layer_delta(layer, z, scale, transposed=True)))
         if args.symmetric and has_zp and not bool(np.all(z == symmetric_zero(b))):
             layer.warnings.append(
                 f"config group {args.group} says symmetric but weight_zero_point varies; "

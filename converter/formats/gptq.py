@@ -28,7 +28,7 @@ transformers) and GPTQModel's ``lm_head`` flag.
 from __future__ import annotations
 
 import dataclasses
-import re
+import json
 from typing import Any
 
 import numpy as np
@@ -59,6 +59,7 @@ from .packing import (
     unpack_words,
     unpacked_len,
 )
+from .patterns import ConfigPattern
 
 GPTQ_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "bias")
 #: Bit widths whose codes convert to Marlin 4-bit losslessly: a b-bit code is a valid
@@ -154,11 +155,69 @@ class GptqSource(
                 tensor="bits",
             )
         self.convention = ZeroConvention.GPTQ_V2 if fmt == "gptq_v2" else ZeroConvention.GPTQ_V1
+        #: ``(sidecar's format, config.json's)`` when the two configs disagree on v1 / v2.
+        self.format_conflict = self._format_conflict(fmt)
         self.lm_head = config_field(qc, "lm_head", bool, None, path=cfg_path)
         self.not_convert = string_list(qc, "modules_to_not_convert", path=cfg_path)
         self.dynamic = self._parse_dynamic(qc.get("dynamic"))
 
-    def _parse_dynamic(self, dyn: Any) -> list[tuple[str, re.Pattern[str], dict[str, Any]]]:
+    def _format_conflict(self, fmt: str) -> tuple[str, str] | None:
+        inner = self.ckpt.config.get("quantization_config")
+        if self.ckpt.quant_config_file in (None, "config.json") or not isinstance(inner, dict):
+            return None
+        if str(inner.get("quant_method", "gptq")).lower() != "gptq":
+            return None
+        other = inner.get("checkpoint_format") or inner.get("format") or "gptq"
+        other = other.lower() if isinstance(other, str) else other
+        if other in ("gptq", "gptq_v2") and other != fmt:
+            return fmt, other
+        return None
+
+    def _settle_format(self, prefixes: list[str]) -> ZeroConvention:
+        """The zero convention when the two configs disagree: what the data shows.
+
+        A layer whose stored zeros are all the symmetric value of one convention shows
+        it (spec 1.6); every such layer must show the same one, and there must be one.
+
+        Raises:
+            ConfigError: no layer's zeros tell v1 from v2, or two layers disagree.
+        """
+        assert self.format_conflict is not None
+        mine, theirs = self.format_conflict
+        said = f"{self.ckpt.quant_config_file} says checkpoint_format {mine!r} but config.json says {theirs!r}"
+        shown: dict[ZeroConvention, str] = {}
+        for prefix in prefixes:
+            bits = self.layer_config(prefix).bits
+            if bits not in (*CONVERTIBLE_BITS, *PASSTHROUGH_BITS) or f"{prefix}.qzeros" not in self.ckpt:
+                continue
+            data = self._zeros_show(prefix, bits)
+            if data is not None:
+                shown.setdefault(data, prefix)
+        if len(shown) == 1:
+            ((convention, layer),) = shown.items()
+            self._conflict_note = (
+                f"{said}; the zeros of {layer} (all the symmetric value of {convention.value}) decide: "
+                f"decoded as {convention.value} (data wins)"
+            )
+            return convention
+        why = (
+            "and layers' zeros show both (" + ", ".join(f"{c.value}: {n}" for c, n in shown.items()) + ")"
+            if shown
+            else "and no layer's zeros tell v1 from v2 (none is all the symmetric value)"
+        )
+        raise ConfigError(
+            f"{said}, {why}; correct the config that is wrong", path=self.cfg_path, tensor="checkpoint_format"
+        )
+
+    def _zeros_show(self, prefix: str, bits: int) -> ZeroConvention | None:
+        """The convention a layer's stored zeros show by being all one symmetric value, or None."""
+        stored = unpack_words(np.asarray(self.ckpt.array(f"{prefix}.qzeros")), bits, axis=1)
+        if not stored.size or not np.all(stored == stored.flat[0]):
+            return None
+        sym = symmetric_zero(bits)
+        return {sym - 1: ZeroConvention.GPTQ_V1, sym: ZeroConvention.GPTQ_V2}.get(int(stored.flat[0]))
+
+    def _parse_dynamic(self, dyn: Any) -> list[tuple[str, ConfigPattern, dict[str, Any]]]:
         if dyn is None:
             return []
         if not isinstance(dyn, dict):
@@ -170,22 +229,17 @@ class GptqSource(
         rules = []
         for key, overrides in dyn.items():
             pattern = key[2:] if key.startswith(("-:", "+:")) else key
-            try:
-                rx = re.compile(pattern)
-            except re.error as exc:
-                raise ConfigError(
-                    f"key {key!r} is not a valid regular expression ({exc})", path=self.cfg_path, tensor="dynamic"
-                ) from None
+            rx = ConfigPattern(pattern, entry=f"key {key!r}", field="dynamic", path=self.cfg_path)
             if not isinstance(overrides, dict):
                 raise ConfigError(
-                    f"value of {key!r} must be an object of overrides, found {overrides!r}",
+                    f"value of {key!r} must be an object of overrides, found {json.dumps(overrides)[:200]}",
                     path=self.cfg_path,
                     tensor="dynamic",
                 )
             for k in DYNAMIC_KEYS:
                 if k in overrides:
                     want = bool if k in ("sym", "desc_act") else int
-                    config_field(overrides, k, want, None, path=self.cfg_path)
+                    config_field(overrides, k, want, None, path=self.cfg_path, field=f"dynamic[{key!r}].{k}")
             rules.append((key, rx, overrides))
         return rules
 
@@ -227,19 +281,43 @@ class GptqSource(
                 fp16-overflowing scales (named by tensor).
             ConfigError: ``bits`` contradicting ``qweight`` and ``g_idx``.
         """
-        layers = [self._plan_layer(n[: -len(".qweight")], pad) for n in self.ckpt.infos if n.endswith(".qweight")]
+        self._refuse_marlin_tensors()
+        prefixes = [n[: -len(".qweight")] for n in self.ckpt.infos if n.endswith(".qweight")]
+        if self.format_conflict is not None:
+            self.convention = self._settle_format(prefixes)
+        layers = [self._plan_layer(prefix, pad) for prefix in prefixes]
         plan = assemble_plan(layers, self.ckpt.infos, self._plain_reason)
         for info in plan.tensors:
             prefix, _, suffix = info.name.rpartition(".")
             if suffix in ("qzeros", "g_idx"):
                 # Carrying these over as plain tensors would silently drop a layer.
-                hint = "; a single shard given alone? pass the index or the folder" if len(self.ckpt.files) == 1 else ""
+                hint = self.ckpt.lone_shard_hint or (
+                    "; a single shard given alone? pass the index or the folder" if len(self.ckpt.files) == 1 else ""
+                )
                 raise SourceFormatError(
                     f"layer {prefix} has {suffix} but no qweight{hint}",
                     path=self.ckpt.file_of(info.name),
                     tensor=info.name,
                 )
         return plan
+
+    def _refuse_marlin_tensors(self) -> None:
+        """Marlin's own ``<layer>.B`` (int32) and ``<layer>.s`` under a GPTQ label: the data
+        says the checkpoint is already Marlin-packed, whatever the config says (spec 5.1)."""
+        infos = self.ckpt.infos
+        for name, info in infos.items():
+            prefix = name[: -len(".B")]
+            if name.endswith(".B") and info.dtype == "I32" and len(info.shape) == 2 and f"{prefix}.s" in infos:
+                raise UnsupportedQuantError(
+                    already_marlin(
+                        "checkpoint is",
+                        f"tensors {name} and {prefix}.s are AutoGPTQ's Marlin format, though the config says "
+                        "checkpoint_format gptq; spec 5.1",
+                        advice="use the file as it is, or convert from the original GPTQ checkpoint",
+                    ),
+                    path=self.ckpt.file_of(name),
+                    tensor=name,
+                )
 
     def _plain_reason(self, module: str) -> str | None:
         cfg = self.layer_config(module)
@@ -320,6 +398,8 @@ class GptqSource(
         self.check_scales(scales)
         convention, zwarn = self._layer_convention(prefix, b)
         warnings += zwarn
+        if self.format_conflict is not None:
+            warnings.append(self._conflict_note)
         layer = LayerPlan(
             name=prefix,
             size_k=size_k,
@@ -340,9 +420,9 @@ class GptqSource(
         if not layer.fit(pad):
             return layer
         z = self._decode_zeros(prefix, b, convention)
-        # "symmetric" in the manifest means the artifact's delta == 0: z == 2^(b-1),
-        # since b-bit codes are stored centred on Marlin's 8 (quant_weight.marlin_code_offset).
-        layer.symmetric = bool(np.all(z == symmetric_zero(b)))
+        # "symmetric" in the manifest means the artifact's delta == 0: z == 2^(b-1) (b-bit
+        # codes are stored centred on Marlin's 8, quant_weight.marlin_code_offset) or s == 0.
+        layer.symmetric = not bool(np.any(self.layer_delta(layer, z, scales)))
         if cfg.sym and not bool(np.all(z == symmetric_zero(b))):
             n_bad = int(np.count_nonzero(z != symmetric_zero(b)))
             layer.warnings.append(
@@ -373,24 +453,21 @@ class GptqSource(
     def _layer_convention(self, prefix: str, bits: int) -> tuple[ZeroConvention, list[str]]:
         """The zero convention of one layer: the config's, unless the stored zeros are
         all the symmetric value of the other convention (spec 1.6 table and trap)."""
-        name = f"{prefix}.qzeros"
-        stored = unpack_words(np.asarray(self.ckpt.array(name)), bits, axis=1)
         warnings: list[str] = []
-        sym = symmetric_zero(bits)
-        if stored.size and np.all(stored == stored.flat[0]):
-            value = int(stored.flat[0])
-            data = {sym - 1: ZeroConvention.GPTQ_V1, sym: ZeroConvention.GPTQ_V2}.get(value)
-            if data is not None and data is not self.convention:
-                label = {
-                    ZeroConvention.GPTQ_V1: "gptq (v1: stored = z - 1)",
-                    ZeroConvention.GPTQ_V2: "gptq_v2 (stored = z)",
-                }
-                warnings.append(
-                    f"config says checkpoint_format {label[self.convention]} but every stored zero is {value}, "
-                    f"the symmetric value of {label[data]}; decoded as {data.value} (data wins)"
-                )
-                return data, warnings
+        data = self._zeros_show(prefix, bits)
+        if data is not None and data is not self.convention:
+            label = {
+                ZeroConvention.GPTQ_V1: "gptq (v1: stored = z - 1)",
+                ZeroConvention.GPTQ_V2: "gptq_v2 (stored = z)",
+            }
+            value = symmetric_zero(bits) - (data is ZeroConvention.GPTQ_V1)
+            warnings.append(
+                f"config says checkpoint_format {label[self.convention]} but every stored zero is {value}, "
+                f"the symmetric value of {label[data]}; decoded as {data.value} (data wins)"
+            )
+            return data, warnings
         convention = self.convention
+        stored = unpack_words(np.asarray(self.ckpt.array(f"{prefix}.qzeros")), bits, axis=1)
         if convention is ZeroConvention.GPTQ_V1:
             wrapped = int(np.count_nonzero(stored == (1 << bits) - 1))
             if wrapped:

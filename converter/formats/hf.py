@@ -19,11 +19,11 @@ import numpy as np
 from ..constants import MARLIN_ZERO
 from ..dtypes import as_f32
 from ..errors import ConfigError, SourceFormatError
-from ..quant_weight import QuantWeight, Tensor
+from ..quant_weight import QuantWeight, Tensor, marlin_code_offset
 from .base import READERS, LayerPlan, Source, SourcePlan, TensorInfo
 from .hf_checkpoint import HFCheckpoint
 from .packing import act_order_perm
-from .scales import scales_to_fp16
+from .scales import kernel_range_error, scales_to_fp16
 
 
 class HFSource(Source):
@@ -53,6 +53,10 @@ class HFSource(Source):
     #: Appended to :meth:`need`'s "missing tensor" message.
     missing_note: ClassVar[str] = ""
 
+    @property
+    def layer_anchor(self) -> str:  # type: ignore[override]
+        return f"tensor named *.{self.anchor}"
+
     def __init_subclass__(cls, *, methods: tuple[str, ...] = (), **kwargs: Any) -> None:
         for other in READERS.values():
             taken = set(methods) & set(getattr(other, "quant_methods", ()))
@@ -74,11 +78,11 @@ class HFSource(Source):
         (legacy configs, configs that are missing altogether)."""
         return False
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self, *, digests: bool = True) -> dict[str, Any]:
         """The manifest's ``source``: format, files (weights, index, configs with sha256), quant config."""
         return {
             "format": self.format.value,
-            "files": self.ckpt.describe_files(),
+            "files": self.ckpt.describe_files(digests=digests),
             "quant_config": self.ckpt.quant_config,
         }
 
@@ -112,7 +116,7 @@ class HFSource(Source):
         name = f"{prefix}.{suffix}"
         if name not in self.ckpt:
             raise SourceFormatError(
-                f"layer {prefix} has {self.anchor} but no {suffix}{self.missing_note}",
+                f"layer {prefix} has {self.anchor} but no {suffix}{self.missing_note}{self.ckpt.lone_shard_hint}",
                 path=self.ckpt.folder,
                 tensor=name,
             )
@@ -138,14 +142,45 @@ class HFSource(Source):
         return act_order_perm(values, group_size, num_groups, path=self.ckpt.file_of(g_idx), tensor=g_idx)
 
     def check_scales(self, scales: TensorInfo) -> None:
-        """Range-check a scale tensor now, so that a scale fp16 cannot hold fails before
-        anything is written.
+        """Check a scale tensor now, so that a scale fp16 cannot hold exactly fails
+        before anything is written (:func:`~converter.formats.scales.scales_to_fp16`).
 
         Raises:
-            SourceFormatError: NaN/Inf, or a magnitude above the fp16 maximum.
+            SourceFormatError: NaN/Inf, a magnitude above the fp16 maximum, or a value
+                float16 would round (with the numbers).
         """
         raw = as_f32(self.ckpt.array(scales.name), scales.dtype)
         scales_to_fp16(raw, path=self.ckpt.file_of(scales.name), tensor=scales.name)
+
+    def layer_delta(
+        self, layer: LayerPlan, z: np.ndarray, scales: TensorInfo, *, transposed: bool = False
+    ) -> np.ndarray:
+        """The artifact's ``marlin_delta`` of a whole planned layer, checked against the
+        kernels' float16 range (:func:`~converter.formats.scales.kernel_range_error`).
+
+        Args:
+            layer: the planned layer (its ``bits`` give the code offset).
+            z: uint8 ``(G, N)`` true zero points.
+            scales: the scale tensor, ``(G, N)``, or ``(N, G)`` when ``transposed``.
+
+        Returns:
+            float32 ``(G, N)`` = ``(8 - code_offset - z) * s``, as
+            :meth:`QuantWeight.marlin_delta` computes it; ``symmetric`` is ``not any(delta)``
+            (a zero scale makes a group symmetric whatever its zero point).
+
+        Raises:
+            SourceFormatError: float16 cannot hold ``delta`` or a weight the codes form.
+        """
+        raw = as_f32(self.ckpt.array(scales.name), scales.dtype)
+        s = np.ascontiguousarray(raw.T) if transposed else raw
+        off = marlin_code_offset(layer.bits)
+        delta = (np.float32(MARLIN_ZERO - off) - z.astype(np.float32)) * s
+        why = kernel_range_error(s.astype(np.float16), delta, off, layer.bits)
+        if why:
+            raise SourceFormatError(
+                f"layer {layer.name}: {why}", path=self.ckpt.file_of(scales.name), tensor=scales.name
+            )
+        return delta
 
 
 def already_marlin(subject: str, detail: str, *, advice: str, packing: str = "Marlin-packed") -> str:
@@ -161,17 +196,29 @@ def already_marlin(subject: str, detail: str, *, advice: str, packing: str = "Ma
 
 
 def config_field(
-    cfg: dict[str, Any], key: str, types: type | tuple[type, ...], default: Any, *, path: Path, required: bool = False
+    cfg: dict[str, Any],
+    key: str,
+    types: type | tuple[type, ...],
+    default: Any,
+    *,
+    path: Path,
+    required: bool = False,
+    field: str | None = None,
 ) -> Any:
     """Read one quant-config field with a type check.
+
+    Args:
+        field: how messages name the field (default ``key``; ``dynamic['-:.*'].bits``
+            for a field inside a nested object).
 
     Raises:
         ConfigError: missing while required, or of the wrong type (naming the field,
             the expected type and the value found).
     """
+    field = field or key
     if key not in cfg or cfg[key] is None:
         if required:
-            raise ConfigError("required field is missing", path=path, tensor=key)
+            raise ConfigError("required field is missing", path=path, tensor=field)
         return default
     value = cfg[key]
     # bool is an int subclass: never accept True for an int field or 1 for a bool one.
@@ -180,7 +227,7 @@ def config_field(
     )
     if not ok:
         want = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
-        raise ConfigError(f"expected {want}, found {json.dumps(value)}", path=path, tensor=key)
+        raise ConfigError(f"expected {want}, found {json.dumps(value)[:200]}", path=path, tensor=field)
     return value
 
 

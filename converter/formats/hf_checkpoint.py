@@ -3,11 +3,21 @@
 What the HF readers (GPTQ, AWQ, compressed-tensors) read through.  Pickle checkpoints
 (``.bin``, ``.pt``, ``.pth``, ``.ckpt``) are refused by name and never opened, let
 alone unpickled.
+
+A checkpoint folder is untrusted input.  Every file found in it (weights, index,
+configs, tokenizer files) must be a regular file inside the folder
+(:func:`folder_member`): a symbolic link that leaves the folder is refused by name, not
+followed, so that no file from elsewhere (a private key) can end up in an output.  The
+one exception is the Hugging Face hub cache, whose ``snapshots/<revision>/`` folders
+hold links into the same repository's ``blobs/``.  A path the user names directly
+(``IN``) is taken as given.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -16,8 +26,8 @@ import numpy as np
 
 from ..constants import HF_INDEX_NAME
 from ..errors import ConfigError, SourceFormatError
-from ..hf_index import HFIndex, read_index
-from ..jsonio import read_object
+from ..hf_index import SHARD_NAME_RE, HFIndex, read_index
+from ..jsonio import not_regular, read_object, read_regular_file
 from ..quant_weight import Tensor, TensorInfo
 from ..safetensors_io import SafetensorsFile
 
@@ -30,6 +40,61 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
     "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "generation_config.json",
 )  # fmt: skip
+
+
+#: Bound on a tokenizer or generation-config file copied in folder mode (read whole).
+MAX_COPIED_FILE_BYTES = 512 * 1024 * 1024
+
+
+def folder_member(folder: Path, name: str) -> Path | None:
+    """``folder / name`` when it exists and may be read as part of the checkpoint.
+
+    Returns:
+        The path, or None when nothing of that name exists.
+
+    Raises:
+        SourceFormatError: it is a symbolic link that resolves outside ``folder`` (or
+            nowhere), or not a regular file (a folder, a FIFO, a device); the message
+            names it.
+    """
+    path = folder / name
+    try:
+        lst = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise SourceFormatError(f"cannot read: {exc.strerror}", path=path) from None
+    if stat.S_ISLNK(lst.st_mode):
+        real = Path(os.path.realpath(path))
+        if not real.exists():
+            raise SourceFormatError(f"is a symbolic link to {real}, which does not exist", path=path)
+        if not _inside(real, Path(os.path.realpath(folder))):
+            raise SourceFormatError(
+                f"is a symbolic link to {real}, outside the checkpoint folder; links that leave a checkpoint "
+                "are not followed (copy the file into the folder)",
+                path=path,
+            )
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise SourceFormatError(f"{not_regular(mode)}; a checkpoint's files must be regular files", path=path)
+    return path
+
+
+def _inside(real: Path, root: Path) -> bool:
+    if real.is_relative_to(root):
+        return True
+    # The hub cache: models--org--name/snapshots/<rev>/file -> ../../blobs/<hash>.
+    return root.parent.name == "snapshots" and real.is_relative_to(root.parent.parent / "blobs")
+
+
+def read_member_bytes(path: Path) -> bytes:
+    """The bytes of a file :func:`folder_member` returned (tokenizer files copied in folder mode).
+
+    Raises:
+        SourceFormatError: unreadable, no longer a regular file, or larger than
+            :data:`MAX_COPIED_FILE_BYTES`.
+    """
+    return read_regular_file(path, what="file to copy", error=SourceFormatError, max_bytes=MAX_COPIED_FILE_BYTES)
 
 
 def read_json_file(path: Path) -> dict[str, Any]:
@@ -48,6 +113,14 @@ def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
         while block := fh.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def _is_text(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # undecodable bytes, surrogate-escaped by os.fsdecode
+        return False
+    return True
 
 
 class HFCheckpoint:
@@ -88,13 +161,17 @@ class HFCheckpoint:
         else:
             self.folder = path.parent
             self.files = [path]
-        cfg_path = self.folder / "config.json"
-        self.config: dict[str, Any] = read_json_file(cfg_path) if cfg_path.is_file() else {}
+        #: For a single file that is one shard of a sharded checkpoint: what to pass instead
+        #: (appended to "missing tensor" errors, which is how a lone shard fails).
+        self.lone_shard_hint = self._lone_shard_hint(path) if self.files == [path] else ""
+        cfg_path = folder_member(self.folder, "config.json")
+        self.config: dict[str, Any] = read_json_file(cfg_path) if cfg_path else {}
         self.quant_config, self.quant_config_file = self._find_quant_config()
         self._shards: list[SafetensorsFile] = []
         self._where: dict[str, SafetensorsFile] = {}
         try:
             for f in self.files:
+                # Opened lazily (SafetensorsFile): headers now, maps on use, a bounded number at once.
                 shard = SafetensorsFile(f)
                 self._shards.append(shard)
                 for name in shard.infos:
@@ -105,17 +182,48 @@ class HFCheckpoint:
                             tensor=name,
                         )
                     self._where[name] = shard
+            if self.index is not None:
+                self._check_index_placement(self.index)
         except BaseException:
             self.close()
             raise
 
+    def _check_index_placement(self, index: HFIndex) -> None:
+        """Every tensor the index names is in the shard it names: a loader that looks
+        tensors up through the index would otherwise miss it, and a conversion would
+        silently drop it."""
+        for name, fname in index.weight_map.items():
+            shard = self._where.get(name)
+            if shard is None:
+                raise SourceFormatError(
+                    f"the index names this tensor in {fname}, but no shard holds it", path=index.path, tensor=name
+                )
+            if shard.path.name != fname:
+                raise SourceFormatError(
+                    f"the index places this tensor in {fname}, but it is stored in {shard.path.name}",
+                    path=index.path,
+                    tensor=name,
+                )
+
+    def _lone_shard_hint(self, path: Path) -> str:
+        index = self.folder / HF_INDEX_NAME
+        try:
+            if index.is_file() and path.name in read_index(index, error=SourceFormatError).shard_names:
+                return f"; {path.name} is one shard of {HF_INDEX_NAME}: pass the index or the folder"
+        except SourceFormatError:
+            pass
+        m = SHARD_NAME_RE.match(path.name)
+        if m and int(m.group("n")) > 1:
+            return f"; {path.name} is one shard of {int(m.group('n'))}: pass the index or the folder"
+        return ""
+
     def _find_weights(self, folder: Path) -> list[Path]:
-        index = folder / HF_INDEX_NAME
-        if index.is_file():
+        index = folder_member(folder, HF_INDEX_NAME)
+        if index is not None:
             return self._read_index(index)
-        files = sorted(folder.glob("*.safetensors"))
+        files = [folder_member(folder, p.name) for p in sorted(folder.glob("*.safetensors"))]
         if files:
-            return files
+            return [f for f in files if f is not None]
         pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:
             raise SourceFormatError(
@@ -129,18 +237,19 @@ class HFCheckpoint:
         index = read_index(path, error=SourceFormatError, json_error=ConfigError)
         files = []
         for name in index.shard_names:
-            if not index.shard_path(name).is_file():
+            shard = folder_member(path.parent, name)
+            if shard is None:
                 raise SourceFormatError(
                     f"shard {name} listed in the index does not exist", path=path, tensor="weight_map"
                 )
-            files.append(index.shard_path(name))
+            files.append(shard)
         self.index = index
         return files
 
     def _find_quant_config(self) -> tuple[dict[str, Any], str | None]:
         for name in QUANT_CONFIG_FILES:
-            p = self.folder / name
-            if p.is_file():
+            p = folder_member(self.folder, name)
+            if p is not None:
                 return read_json_file(p), name
         qc = self.config.get("quantization_config")
         if qc is not None:
@@ -176,15 +285,33 @@ class HFCheckpoint:
     def tensor(self, name: str) -> Tensor:
         return self._where[name].tensor(name)
 
-    def describe_files(self) -> list[dict[str, Any]]:
-        """``[{"name", "bytes", "sha256"}]`` for the weight files and configs read."""
+    def describe_files(self, *, digests: bool = True) -> list[dict[str, Any]]:
+        """``[{"name", "bytes", "sha256"}]`` for the weight files and configs read.
+
+        Args:
+            digests: hash the files; False gives placeholder digests of the same length
+                (to size the manifest before the input is read).
+
+        Raises:
+            SourceFormatError: a file name that is not valid UTF-8 (the manifest is UTF-8 JSON).
+        """
         paths = list(self.files)
         for extra in (HF_INDEX_NAME if self.index is not None else None, "config.json", self.quant_config_file):
-            if extra and (self.folder / extra).is_file() and self.folder / extra not in paths:
-                paths.append(self.folder / extra)
-        # Two threads: hashlib releases the GIL, so shards hash in parallel on 2 cores.
-        with ThreadPoolExecutor(max_workers=min(2, max(len(paths), 1))) as pool:
-            sums = list(pool.map(sha256_file, paths))
+            p = folder_member(self.folder, extra) if extra else None
+            if p is not None and p not in paths:
+                paths.append(p)
+        for p in paths:
+            if not _is_text(p.name):
+                raise SourceFormatError(
+                    f"file name {ascii(p.name)} is not valid UTF-8, so the manifest cannot record it; rename the file",
+                    path=self.folder,
+                )
+        if digests:
+            # Two threads: hashlib releases the GIL, so shards hash in parallel on 2 cores.
+            with ThreadPoolExecutor(max_workers=min(2, max(len(paths), 1))) as pool:
+                sums = list(pool.map(sha256_file, paths))
+        else:
+            sums = ["0" * 64] * len(paths)
         return [{"name": p.name, "bytes": p.stat().st_size, "sha256": h} for p, h in zip(paths, sums, strict=True)]
 
     def input_files(self) -> list[Path]:
@@ -192,8 +319,21 @@ class HFCheckpoint:
         copies those): every file of the checkpoint that the tool reads."""
         paths = list(self.files)
         names = [HF_INDEX_NAME, "config.json", *QUANT_CONFIG_FILES, *TOKENIZER_FILES]
-        paths += [self.folder / n for n in names if (self.folder / n).is_file()]
+        paths += [p for n in names if (p := folder_member(self.folder, n)) is not None]
         return paths
+
+    def config_disagreements(self, keys: tuple[str, ...]) -> list[tuple[str, Any, Any]]:
+        """``[(key, sidecar value, config.json value)]`` for the ``keys`` that a quant-config
+        file and ``config.json["quantization_config"]`` both set, to different values
+        (empty when the quant config came from ``config.json`` itself)."""
+        inner = self.config.get("quantization_config")
+        if self.quant_config_file in (None, "config.json") or not isinstance(inner, dict):
+            return []
+        return [
+            (k, self.quant_config[k], inner[k])
+            for k in keys
+            if k in self.quant_config and k in inner and self.quant_config[k] != inner[k]
+        ]
 
     def close(self) -> None:
         for s in self._shards:

@@ -1,4 +1,16 @@
-"""Scale dtype handling shared by the readers."""
+"""What the kernels' fp16 can hold: scales, ``delta`` and the weights formed from them.
+
+Marlin's scales are float16, and the kernels round ``delta`` to float16 and form the
+float16 weight ``(q - 8) * s (+ delta)`` in registers (README, "GPU").  So a layer
+converts only when
+
+* every source scale is a float16 value, exactly: an f32 scale (or a bf16 scale below
+  float16's normal range) that float16 would round changes every weight of its group
+  and column, and the artifact could then not be exact, whatever ``delta`` does
+  (:func:`scales_to_fp16` refuses it, with the numbers);
+* float16 holds ``delta`` and every weight the layer's codes can form
+  (:func:`kernel_range_error`): otherwise the kernels compute with infinities.
+"""
 
 from __future__ import annotations
 
@@ -6,23 +18,25 @@ from pathlib import Path
 
 import numpy as np
 
+from ..constants import MARLIN_ZERO
 from ..errors import SourceFormatError
 
 FP16_MAX = float(np.finfo(np.float16).max)
 
 
 def scales_to_fp16(s: np.ndarray, *, path: Path | str, tensor: str) -> np.ndarray:
-    """Cast float32 scales to Marlin's float16 with a range check.
+    """Cast float32 scales to Marlin's float16, refusing any that change.
 
     Args:
-        s: float32 ``(num_groups, size_n)`` as the source stored them (upcast).
+        s: float32 ``(num_groups, size_n)`` as the source stored them (upcast, exactly).
 
     Returns:
-        float16 of the same shape; exact for fp16 sources, nearest for bf16/f32.
+        float16 of the same shape, equal to ``s`` value for value.
 
     Raises:
-        SourceFormatError: a scale is NaN/Inf or its magnitude exceeds the fp16
-            maximum 65504 (names the tensor, the count and the largest value).
+        SourceFormatError: a scale is NaN/Inf, its magnitude exceeds the fp16 maximum
+            65504, or float16 would round it (names the tensor, how many change, the
+            largest relative change and where).
     """
     if not np.all(np.isfinite(s)):
         raise SourceFormatError(f"{int(np.count_nonzero(~np.isfinite(s)))} NaN or Inf scales", path=path, tensor=tensor)
@@ -33,4 +47,58 @@ def scales_to_fp16(s: np.ndarray, *, path: Path | str, tensor: str) -> np.ndarra
             path=path,
             tensor=tensor,
         )
-    return s.astype(np.float16)
+    s16 = s.astype(np.float16)
+    back = s16.astype(np.float32)
+    changed = back != s
+    if np.any(changed):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rel = np.where(changed, np.abs(back - s) / np.abs(s), 0.0)
+        at = tuple(int(i) for i in np.unravel_index(int(np.argmax(rel)), rel.shape))
+        raise SourceFormatError(
+            f"{int(changed.sum())} of {s.size} scales are not float16 values and would change in Marlin's "
+            f"float16 scales (largest relative change {float(rel[at]):.3g}: {float(s[at]):.9g} -> "
+            f"{float(back[at]):.9g} at {list(at)}); an artifact with rounded scales would not be exact",
+            path=path,
+            tensor=tensor,
+        )
+    return s16
+
+
+def kernel_range_error(s16: np.ndarray, delta: np.ndarray, code_offset: int, bits: int) -> str | None:
+    """Why float16 cannot hold a layer's ``delta`` or its kernel weights, or None.
+
+    Args:
+        s16: float16 scales ``(G, N)``, natural column order.
+        delta: float32 ``marlin_delta`` ``(G, N)``.
+        code_offset, bits: the layer's Marlin codes are ``code_offset .. code_offset +
+            2**bits - 1``; the bound covers every one of them.
+
+    Returns:
+        One line with the count, the largest magnitude and where, or None.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        d16 = delta.astype(np.float16)
+        bad = ~np.isfinite(d16)
+        if np.any(bad):
+            at = _argmax(np.abs(delta))
+            return (
+                f"{int(bad.sum())} delta values overflow float16, which the kernels use (largest |delta| = "
+                f"{float(np.abs(delta)[at]):.6g} at [group {at[0]}, column {at[1]}] > {FP16_MAX:g})"
+            )
+        s = s16.astype(np.float32)
+        d = d16.astype(np.float32)
+        lo, hi = code_offset - MARLIN_ZERO, code_offset + (1 << bits) - 1 - MARLIN_ZERO
+        # The kernel's fp16 (q - 8) * s, then + delta: both must stay finite in fp16.
+        worst = np.maximum.reduce([np.abs(lo * s), np.abs(hi * s), np.abs(lo * s + d), np.abs(hi * s + d)])
+        bad = ~np.isfinite(worst.astype(np.float16))
+    if np.any(bad):
+        at = _argmax(worst)
+        return (
+            f"{int(bad.sum())} group columns form weights (q - 8) * s + delta that overflow float16, which the "
+            f"kernels use (largest |w| = {float(worst[at]):.6g} at [group {at[0]}, column {at[1]}] > {FP16_MAX:g})"
+        )
+    return None
+
+
+def _argmax(a: np.ndarray) -> tuple[int, ...]:
+    return tuple(int(i) for i in np.unravel_index(int(np.argmax(a)), a.shape))

@@ -49,9 +49,10 @@ from ..constants import (
 )
 from ..errors import ConverterError, SourceFormatError, UnsupportedQuantError
 from ..jsonio import JsonRule, json_type
-from ..quant_weight import QuantWeight, Tensor
-from ..safetensors_io import drop_pages
+from ..quant_weight import QuantWeight, Tensor, marlin_code_offset
+from ..safetensors_io import drop_pages, register_map_owner
 from .base import LayerPlan, Source, SourcePlan, TensorInfo
+from .scales import kernel_range_error
 
 __all__ = ["CHANNEL_REASONS", "EXACT_INT4_REASON", "MAX_NDIM", "TinyloopSource", "sniff", "unpack_codes"]
 
@@ -80,10 +81,16 @@ def sniff(path: str | Path) -> bool:
         when the path cannot be read (the caller reports that with its own error).
     """
     try:
-        with open(path, "rb") as fh:
-            return fh.read(len(TINYLOOP_MAGIC)) == TINYLOOP_MAGIC
+        # O_NONBLOCK and regular files only: opening or reading a FIFO would wait forever.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError:
         return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and os.pread(fd, len(TINYLOOP_MAGIC), 0) == TINYLOOP_MAGIC
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def unpack_codes(packed: np.ndarray, bits: int, k_start: int, k_stop: int) -> np.ndarray:
@@ -185,6 +192,8 @@ class TinyloopSource(Source, format=SourceFormat.TINYLOOP, conventions=(ZeroConv
         UnsupportedQuantError: a linear uses a bit width other than 2 or 4.
     """
 
+    layer_anchor = "entry in its header's linears"
+
     @classmethod
     def claims(cls, path: Path) -> bool:
         """A ``.tinyloop`` name, or the magic (:func:`sniff`)."""
@@ -206,6 +215,7 @@ class TinyloopSource(Source, format=SourceFormat.TINYLOOP, conventions=(ZeroConv
             self._fail(f"cannot open for reading: {exc.strerror or exc}")
         except (ValueError, OverflowError) as exc:  # mmap of an odd file (pipe, device)
             self._fail(f"cannot memory-map: {exc}")
+        register_map_owner(self)
         try:
             header_len = self._read_preamble()
             self._header = self._read_header(header_len)
@@ -220,27 +230,35 @@ class TinyloopSource(Source, format=SourceFormat.TINYLOOP, conventions=(ZeroConv
 
     # ------------------------------------------------------------------ public API
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self, *, digests: bool = True) -> dict[str, Any]:
         """The manifest's ``source`` object.
 
         Returns:
             ``{"format": "tinyloop", "files": [{"name": basename, "bytes": int,
             "sha256": hex}], "quant_config": {"model": header["model"]}}``; the
-            sha256 is computed streaming, in 8 MiB reads.
+            sha256 is computed streaming, in 8 MiB reads (a placeholder of 64 zeros
+            without ``digests``).
 
         Raises:
-            SourceFormatError: the file can no longer be read.
+            SourceFormatError: the file can no longer be read, or its name is not UTF-8.
         """
         digest = hashlib.sha256()
         try:
-            with open(self.path, "rb") as fh:
-                while chunk := fh.read(_SHA_CHUNK):
-                    digest.update(chunk)
+            if digests:
+                with open(self.path, "rb") as fh:
+                    while chunk := fh.read(_SHA_CHUNK):
+                        digest.update(chunk)
         except OSError as exc:
             self._fail(f"cannot read for sha256: {exc.strerror or exc}")
+        try:
+            self.path.name.encode("utf-8")
+        except UnicodeEncodeError:
+            self._fail(f"file name {ascii(self.path.name)} is not valid UTF-8, so the manifest cannot record it")
         return {
             "format": SourceFormat.TINYLOOP.value,
-            "files": [{"name": self.path.name, "bytes": self._size, "sha256": digest.hexdigest()}],
+            "files": [
+                {"name": self.path.name, "bytes": self._size, "sha256": digest.hexdigest() if digests else "0" * 64}
+            ],
             "quant_config": {"model": self._model},
         }
 
@@ -273,6 +291,9 @@ class TinyloopSource(Source, format=SourceFormat.TINYLOOP, conventions=(ZeroConv
         for lin in self._linears.values():
             scale = self._checked_finite(lin.scale)
             zero = self._checked_finite(lin.zero)
+            # The artifact's delta: codes are stored centred on 8, so it is
+            # zero + 2^(bits-1) * scale (quant_weight.marlin_code_offset).
+            delta = zero.astype(np.float32) + np.float32(1 << (lin.bits - 1)) * scale.astype(np.float32)
             # As in every reader, source_tensors leaves the bias out: it is LayerPlan.bias.
             layer = LayerPlan(
                 name=lin.name,
@@ -281,11 +302,7 @@ class TinyloopSource(Source, format=SourceFormat.TINYLOOP, conventions=(ZeroConv
                 group_size=lin.group_size,
                 bits=lin.bits,
                 zero_convention=ZeroConvention.TINYLOOP_ADDITIVE,
-                # The artifact's delta: codes are stored centred on 8, so it is
-                # zero + 2^(bits-1) * scale (quant_weight.marlin_code_offset).
-                symmetric=not bool(
-                    np.any(zero.astype(np.float32) + np.float32(1 << (lin.bits - 1)) * scale.astype(np.float32))
-                ),
+                symmetric=not bool(np.any(delta)),
                 act_order=False,
                 source_tensors=(lin.qweight, lin.scale, lin.zero),
                 bias=self._info(lin.bias) if lin.bias else None,
@@ -294,6 +311,9 @@ class TinyloopSource(Source, format=SourceFormat.TINYLOOP, conventions=(ZeroConv
             if lin.exact_int4:
                 layer.convertible, layer.reason = False, EXACT_INT4_REASON
             if layer.convertible and layer.fit(pad):
+                why = kernel_range_error(np.asarray(scale), delta, marlin_code_offset(lin.bits), lin.bits)
+                if why:
+                    self._fail(f"layer {lin.name}: {why}", lin.scale)
                 for ch, tname in lin.channels.items():
                     reasons[tname] = CHANNEL_REASONS[ch]
                     channel_infos.append(self._info(tname))
@@ -390,6 +410,13 @@ class TinyloopSource(Source, format=SourceFormat.TINYLOOP, conventions=(ZeroConv
         """Drop the pages of the file this reader touched from RSS (see ``drop_pages``)."""
         drop_pages(self._mm)
 
+    def shrunk_path(self) -> Path | None:
+        """The file, if it is now shorter than when it was mapped (see :mod:`converter.faults`)."""
+        try:
+            return self.path if self._mm is not None and self._mm.size() < self._size else None
+        except (OSError, ValueError):
+            return None
+
     def close(self) -> None:
         """Drop the memory map.  Views handed out earlier keep it alive until freed."""
         mm, self._mm = self._mm, None
@@ -419,6 +446,14 @@ class TinyloopSource(Source, format=SourceFormat.TINYLOOP, conventions=(ZeroConv
             return arr
         if self._mm is None:
             raise ConverterError("source is closed", path=self.path, tensor=name)
+        # Before touching pages: a read past the end of a truncated mapped file is a SIGBUS.
+        size = self._mm.size()
+        if size < self._size:
+            self._fail(
+                f"shrank from {self._size} to {size} bytes while being read (truncated by another program?); "
+                "nothing was written",
+                name,
+            )
         count, start = e.nbytes // dtype.itemsize, self._data_start + e.offset
         flat = np.frombuffer(self._mm, dtype=dtype, count=count, offset=start)
         return flat.reshape(e.shape)

@@ -150,10 +150,12 @@ def test_duplicate_layer_entry(base: Path, tmp_path: Path) -> None:
 
 
 def test_reserved_tensor_name_is_refused(tmp_path: Path) -> None:
-    from converter.formats.tinyloop_writer import write_tinyloop
+    from converter.formats.tinyloop_writer import quantize_linear_tinyloop, write_tinyloop
 
     w = np.ones((64,), np.float16)
-    src = write_tinyloop(tmp_path / "m.tinyloop", {"d_model": 64}, {"__metadata__": w}, {})
+    rng = np.random.default_rng(0)
+    tensors, linear = quantize_linear_tinyloop("lin", rng.standard_normal((64, 64)).astype(np.float32), 4, 64, rng)
+    src = write_tinyloop(tmp_path / "m.tinyloop", {"d_model": 64}, {"__metadata__": w, **tensors}, {"lin": linear})
     with pytest.raises(SourceFormatError, match="__metadata__: a tensor may not be named '__metadata__'"):
         convert(src, tmp_path / "o.safetensors")
     assert not list(tmp_path.glob("*.safetensors")) and not list(tmp_path.glob(".*"))

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from converter.artifact.problems import ProblemCode
 from converter.artifact.reader import open_artifact
@@ -26,6 +27,7 @@ from converter.artifact.schema import (
 from converter.artifact.validate import validate_artifact
 from converter.constants import (
     ARTIFACT_SCHEMA_VERSION,
+    META_MANIFEST,
     META_SCHEMA_VERSION,
     SUPPORTED_SCHEMA_VERSIONS,
     SourceFormat,
@@ -48,6 +50,16 @@ def _schema_object(path: str, version: int = ARTIFACT_SCHEMA_VERSION) -> dict:
     return node
 
 
+def _objects_of(version: int) -> set[str]:
+    """SCHEMA_OBJECTS' paths schema ``version`` has: objects under a field a later version added are not."""
+    later = {
+        f"{path}.{n}" for v, objects in ADDED_IN.items() if v > version for path, ns in objects.items() for n in ns
+    }
+    return {
+        p for p in SCHEMA_OBJECTS if not any(p == f or p.startswith(f + "[") or p.startswith(f + ".") for f in later)
+    }
+
+
 def _fields_of(cls: type, path: str, version: int) -> list[dataclasses.Field]:
     """The dataclass fields schema ``version`` has: those a later version added are not."""
     later = {name for v, objects in ADDED_IN.items() if v > version for name in objects.get(path, ())}
@@ -60,6 +72,9 @@ def test_dataclass_fields_are_the_schema_properties(path: str, version: int) -> 
     """A field added to one side only fails here: each version's schema properties are
     the dataclass's fields (less those a later version added, :data:`ADDED_IN`), its
     required list the fields without a default."""
+    if path not in _objects_of(version):
+        assert version < ARTIFACT_SCHEMA_VERSION  # an object of a field a later version added
+        return
     node, cls = _schema_object(path, version), SCHEMA_OBJECTS[path]
     fields = _fields_of(cls, path, version)
     assert node["additionalProperties"] is False
@@ -69,7 +84,7 @@ def test_dataclass_fields_are_the_schema_properties(path: str, version: int) -> 
 
 
 def test_v2_adds_exactly_the_regrouping_and_padding_fields() -> None:
-    assert ADDED_IN == {2: {"layers[]": ("source_group_size", "padded_n")}}
+    assert ADDED_IN == {2: {"layers[]": ("source_group_size", "padded_n"), "checksums": ("files",)}}
     v1, v2 = (_schema_object("layers[]", v)["properties"] for v in (1, 2))
     assert sorted(set(v2) - set(v1)) == ["padded_n", "source_group_size"]
     # v2's size_n is the true N; a v1 layer's N was always a multiple of 64.
@@ -80,6 +95,9 @@ def test_v2_adds_exactly_the_regrouping_and_padding_fields() -> None:
         assert {k: v for k, v in v1[key].items() if k != "description"} == {
             k: v for k, v in v2[key].items() if k != "description"
         }, key
+    c1, c2 = (_schema_object("checksums", v)["properties"] for v in (1, 2))
+    assert sorted(set(c2) - set(c1)) == ["files"] and all(c1[k] == c2[k] for k in c1)
+    assert _schema_object("checksums.files[]", 2)["required"] == ["name", "bytes", "xxh3_128"]
 
 
 @pytest.mark.parametrize("version", SUPPORTED_SCHEMA_VERSIONS)
@@ -95,7 +113,7 @@ def test_every_schema_object_has_a_dataclass(version: int) -> None:
             walk(node["items"], path + "[]")
 
     walk(load_schema(version), "")
-    assert found == set(SCHEMA_OBJECTS)
+    assert found == _objects_of(version)
 
 
 @pytest.mark.parametrize("version", SUPPORTED_SCHEMA_VERSIONS)
@@ -214,6 +232,12 @@ def test_integral_floats_read_as_ints() -> None:
         ("3", r"artifact schema version '3' is not supported \(this tool reads 1, 2\); upgrade marlin-convert"),
         ("0", r"artifact schema version '0' is not supported \(this tool reads 1, 2\)$"),
         ("one", r"artifact schema version 'one' is not supported \(this tool reads 1, 2\)$"),
+        # str.isdigit() is true for these; int() refuses the first and reads the others as 2.
+        ("\u00b2", r"artifact schema version '\u00b2' is not supported \(this tool reads 1, 2\)$"),
+        ("\u0662", r"artifact schema version '\u0662' is not supported \(this tool reads 1, 2\)$"),
+        ("\uff12", r"artifact schema version '\uff12' is not supported \(this tool reads 1, 2\)$"),
+        ("02", r"artifact schema version '02' is not supported \(this tool reads 1, 2\)$"),
+        (" 2", r"artifact schema version ' 2' is not supported \(this tool reads 1, 2\)$"),
     ],
 )
 def test_version_is_read_first(artifact: Path, tmp_path: Path, version: str, match: str) -> None:
@@ -249,3 +273,48 @@ def test_duplicate_key_in_manifest_is_refused(artifact: Path, tmp_path: Path) ->
         ArtifactError, match=r"marlin.manifest: manifest is not valid JSON: duplicate key 'passthrough'"
     ):
         validate_artifact(p)
+
+
+# --------------------------------------------------------------------------- checksums.files (v2)
+
+
+@pytest.fixture(scope="module")
+def folder_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("schema-folder") / "model"
+    convert(SAMPLE, str(out) + "/", pad=False)  # no v2 layer field: only checksums.files is v2
+    return out
+
+
+def test_v2_folder_artifact_records_its_files(folder_artifact: Path) -> None:
+    meta, _ = read_st(folder_artifact / "model.safetensors")
+    assert meta[META_SCHEMA_VERSION] == "2"
+    data = json.loads(meta[META_MANIFEST])
+    assert data["schema_version"] == 2 and schema_errors(data, 2) == []
+    files = {f["name"]: f for f in data["checksums"]["files"]}
+    assert sorted(files) == ["config.json"]  # the sample's folder has no tokenizer files
+    cfg = (folder_artifact / "config.json").read_bytes()
+    assert files["config.json"] == {
+        "name": "config.json",
+        "bytes": len(cfg),
+        "xxh3_128": xxhash.xxh3_128_hexdigest(cfg),
+    }
+
+
+def test_a_single_file_artifact_writes_no_files_field(artifact: Path) -> None:
+    meta, _ = read_st(artifact)
+    assert "files" not in json.loads(meta[META_MANIFEST])["checksums"]
+    assert Manifest.parse(meta, path=artifact).checksums.files == ()
+
+
+def test_a_v1_manifest_with_checksummed_files_is_refused(folder_artifact: Path, tmp_path: Path) -> None:
+    """A v1 reader never saw checksums.files: a manifest that says v1 and has it does not fit v1."""
+    bad = rewrite_artifact(
+        folder_artifact / "model.safetensors", tmp_path / "bad.safetensors", lambda m, t: None, schema_version=1
+    )
+    meta, _ = read_st(bad)
+    with pytest.raises(
+        ArtifactError, match=r"checksums: unknown field 'files' \(schema v2 added it; this manifest is v1\)"
+    ):
+        Manifest.parse(meta, path=bad)
+    errors = schema_errors(json.loads(meta[META_MANIFEST]), 1)
+    assert errors == ["checksums: Additional properties are not allowed ('files' was unexpected)"]

@@ -393,8 +393,10 @@ def test_quantized_lm_head_converts_and_unquantized_one_passes_through(tmp_path:
     src2 = write_checkpoint(tmp_path / "q2", tensors, gptq_config(4, 64, fmt="gptq_v2", lm_head=False))
     (rec,) = convert_and_verify(src2, tmp_path / "b.safetensors")["converted"]
     assert rec["warnings"] == ["config says lm_head: false but lm_head is quantized; converted by the data"]
-    # lm_head: true but stored in fp16: carried over with that reason.
-    plain = {**plain_tensors(rng), "lm_head.weight": rng.standard_normal((128, 64)).astype(np.float16)}
+    # lm_head: true but stored in fp16: carried over with that reason (a body layer is
+    # quantized: a checkpoint without any quantized layer is refused).
+    body = gptq_tensors("model.layers.0.mlp.up_proj", make_layer(rng, 64, 128), v1=True)
+    plain = {**body, **plain_tensors(rng), "lm_head.weight": rng.standard_normal((128, 64)).astype(np.float16)}
     src3 = write_checkpoint(tmp_path / "q3", plain, gptq_config(4, 64, lm_head=True))
     out3 = convert_and_verify(src3, tmp_path / "c.safetensors")
     assert {p["name"]: p["reason"] for p in out3["passthrough"]}["lm_head.weight"].startswith(

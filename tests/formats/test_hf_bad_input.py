@@ -315,5 +315,8 @@ def test_directory_given_as_shard(gptq: Path) -> None:
     (gptq / "sub.safetensors").mkdir()
     data["weight_map"]["extra.weight"] = "sub.safetensors"
     index.write_text(json.dumps(data))
-    with pytest.raises(SourceFormatError, match=r"shard sub.safetensors listed in the index does not exist"):
+    with pytest.raises(
+        SourceFormatError,
+        match=r"ckpt/sub.safetensors: a directory, not a file; a checkpoint's files must be regular files$",
+    ):
         open_source(gptq)

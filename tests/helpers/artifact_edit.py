@@ -54,7 +54,7 @@ def rewrite_artifact(src: Path, dst: Path, edit, *, schema_version: int | None =
     if schema_version is not None:
         manifest["schema_version"] = schema_version
         meta = {**meta, META_SCHEMA_VERSION: str(schema_version)}
-    text = dump_manifest(manifest)
+    text = dump_manifest(manifest, allow_nan=True)  # a test may plant what we never write
     meta = {**meta, META_MANIFEST: text, META_MANIFEST_CHECKSUM: checksum(text.encode())}
     write_st(dst, tensors, meta)
     return dst
@@ -77,3 +77,19 @@ def rewrite_artifact_arrays(
             tensors[n] = (d, list(a.shape), a.tobytes())
 
     return rewrite_artifact(src, dst, on_arrays)
+
+
+def reseal_folder_files(folder: Path) -> None:
+    """After a test edits ``config.json`` (or a tokenizer file) of a one-file model
+    folder, record the files' new sizes and checksums in the artifact's manifest
+    (``checksums.files``), so that the folder check does not flag the edit and the
+    check under test sees it."""
+    import xxhash
+
+    def edit(manifest: dict, tensors: dict) -> None:
+        for entry in manifest["checksums"].get("files", []):
+            data = (folder / entry["name"]).read_bytes()
+            entry["bytes"], entry["xxh3_128"] = len(data), xxhash.xxh3_128_hexdigest(data)
+
+    art = folder / "model.safetensors"
+    rewrite_artifact(art, art, edit)

@@ -34,7 +34,7 @@ from converter.model.modules import DenseLinear, ExactMarlinLinear, KernelMarlin
 from converter.model.names import LayerSlot, LinearSlot, bind, candidates, untie  # noqa: E402
 from converter.model.verify import verify_model  # noqa: E402
 from converter.verify import artifact_weight, unpack_layer  # noqa: E402
-from tests.helpers.artifact_edit import rewrite_artifact_arrays  # noqa: E402
+from tests.helpers.artifact_edit import reseal_folder_files, rewrite_artifact_arrays  # noqa: E402
 from tests.helpers.model_fixture import (  # noqa: E402
     DEQUANT_LAYERS,
     FALLBACK_LAYERS,
@@ -376,6 +376,7 @@ def test_error_unknown_architecture(
     cfg = json.loads((bad / "config.json").read_text())
     cfg[key] = value
     (bad / "config.json").write_text(json.dumps(cfg))
+    reseal_folder_files(bad)
     assert message in one_line_error(invoke(bad, "--model", "--against", src))
 
 
