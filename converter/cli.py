@@ -108,12 +108,20 @@ def _json_safe(obj: Any) -> Any:
     return obj
 
 
-def _fail(message: str, as_json: bool, *, kind: str = "UsageError", code: int = 2, file: str | None = None) -> NoReturn:
+def _fail(
+    message: str,
+    as_json: bool,
+    *,
+    kind: str = "UsageError",
+    code: int = 2,
+    file: str | None = None,
+    tag: str = "[bold red]error:[/] ",
+) -> NoReturn:
     """One error line on stderr, or (``--json``) one error document on stdout; then exit."""
     if as_json:
         print(error_document(kind, json_text(message), json_text(file) if file else None))
     else:
-        err_console.print(f"[bold red]error:[/] {_show(message)}", soft_wrap=True)
+        err_console.print(f"{tag}{_show(message)}", soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -161,7 +169,7 @@ def _errors_to_exit(debug: bool, as_json: bool) -> Iterator[None]:
         msg = f"{where}{exc.strerror or exc}"
         _fail(msg, as_json, kind=type(exc).__name__, file=str(exc.filename) if exc.filename else None)
     except KeyboardInterrupt:
-        _fail(INTERRUPTED, as_json, kind="KeyboardInterrupt", code=INTERRUPTED_EXIT)
+        _fail(INTERRUPTED, as_json, kind="KeyboardInterrupt", code=INTERRUPTED_EXIT, tag="")
 
 
 @contextmanager

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 
-# --- .tinyloop v1 (shared/spec/tinyloop-v1.md) --------------------------------------
+# --- .tinyloop v1 (docs/spec/tinyloop-v1.md) --------------------------------------
 TINYLOOP_MAGIC = b"TINYLOOP"
 TINYLOOP_SUPPORTED_VERSIONS = (1,)
 #: magic (8s), version (u32), reserved (u32), header length H (u64); little-endian.
@@ -32,7 +32,7 @@ TINYLOOP_SUPPORTED_BITS = (2, 4)
 #: Extra per-linear channels that Marlin ignores; carried over unchanged.
 TINYLOOP_EXTRA_CHANNELS = ("frac4", "sign_bit")
 
-# --- safetensors (shared/spec/checkpoint-formats.md section 7) -------------------------
+# --- safetensors (docs/spec/checkpoint-formats.md section 7) -------------------------
 SAFETENSORS_MAX_HEADER_BYTES = 100_000_000
 #: safetensors dtype code -> numpy storage dtype (little-endian). BF16 and the
 #: float8 types are kept as raw bits.

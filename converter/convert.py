@@ -262,7 +262,7 @@ def convert(
         )
         sizes = ArtifactWriter.file_sizes(target, shards, manifest, extras)
         try:
-            target.preflight(sizes, artifact=artifact_path)
+            target.preflight(sizes, artifact=artifact_path, inputs=len(source.input_files()))
         except BaseException:
             target.discard_created()
             raise

@@ -4,7 +4,7 @@ Why our own code beside the ``safetensors`` package: its NumPy reader cannot han
 out BF16 tensors (we carry them over bit-exactly), it reports bad headers with
 generic messages that name neither tensor nor rule, and it has no streaming writer
 (it needs every tensor in memory at once).  The container rules follow the
-reference implementation (shared/spec/checkpoint-formats.md section 7); tests check
+reference implementation (docs/spec/checkpoint-formats.md section 7); tests check
 that ``safetensors.safe_open`` reads what we write.
 """
 
@@ -330,6 +330,12 @@ class _MapPool:
 
 
 _POOL = _MapPool(MAX_MAPPED_FILES)
+
+
+def set_map_limit(limit: int) -> None:
+    """Map at most ``limit`` files at once (default :data:`MAX_MAPPED_FILES`): for a
+    process whose open-files limit leaves less room (``ensure_open_files``)."""
+    _POOL.limit = max(1, min(limit, MAX_MAPPED_FILES))
 
 
 def shrunk_files() -> list[Path]:

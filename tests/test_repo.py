@@ -28,3 +28,14 @@ def test_readme_layout_names_every_module() -> None:
     missing = sorted(m for m in modules if m not in layout)
     assert missing == []
     assert (package / "py.typed").is_file()
+
+
+def test_every_file_the_readme_cites_is_in_the_repository() -> None:
+    """Paths into the repository that the README names exist (the format specs it cites
+    included: docs/spec/), and it cites no spec that lives outside the repository."""
+    readme = (REPO / "README.md").read_text()
+    top = r"(?:converter|docs|schemas|scripts|tests|kernels)"
+    cited = set(re.findall(rf"(?<![\w./-])({top}/[\w./-]*\w\.(?:py|md|json|sh|cu|cuh|tinyloop))", readme))
+    assert {"docs/spec/checkpoint-formats.md", "docs/spec/tinyloop-v1.md"} <= cited
+    assert sorted(c for c in cited if not (REPO / c).is_file()) == []
+    assert "shared/spec" not in readme

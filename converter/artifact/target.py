@@ -22,9 +22,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from ..atomic import free_bytes
-from ..errors import ConverterError, OutputExistsError
+from ..constants import META_SCHEMA_VERSION
+from ..errors import ArtifactError, ConverterError, OutputExistsError
 from ..hf_index import SHARD_NAME_RE, read_index
-from ..safetensors_io import MAX_MAPPED_FILES
+from ..safetensors_io import MAX_MAPPED_FILES, SafetensorsFile, set_map_limit
 
 #: The artifact's file name in folder mode (HF's single-file name).
 DIR_MODE_NAME = "model.safetensors"
@@ -180,6 +181,8 @@ class OutputTarget:
                 an output or a file the write would delete is (a link to) an input
                 file, or an output lies in the input's checkpoint folder.
             OutputExistsError: an output file exists and ``force`` is False.
+            ConverterError: a file the write would delete (a shard an old index beside
+                OUT names) is not a marlin-convert artifact's.
         """
         extra_names = list(extra_names)
         try:
@@ -206,6 +209,15 @@ class OutputTarget:
             guard.check_write(p)
         for p in stale:
             guard.check_delete(p)
+        for p in stale:
+            # An index beside OUT may be another model's, not an earlier artifact's:
+            # only shards that are ours are ever deleted (--force replaces OUT, nothing else).
+            if p != self.path and p.suffix == ".safetensors" and os.path.lexists(p) and not is_artifact_file(p):
+                raise ConverterError(
+                    f"replacing the output would delete this file, which {self.index.name} names but which is not "
+                    "a marlin-convert artifact's shard; move it away or choose another output",
+                    path=p,
+                )
         if not self.directory and self.path.suffix != ".safetensors":
             raise ConverterError(
                 "output must be a .safetensors file, or a folder (existing, or ending in '/')", path=self.path
@@ -227,21 +239,22 @@ class OutputTarget:
                 if os.path.lexists(p):
                     raise OutputExistsError("output exists; pass --force to overwrite it", path=p)
 
-    def preflight(self, sizes: Mapping[Path, int], *, artifact: Path) -> None:
-        """Check that the outputs can be written at all, before the input is read whole:
-        the folder is writable, its filesystem has room for every file, no file exceeds
-        the file-size limit (``ulimit -f``), and the open-files limit allows writing all
-        shards at once (raised up to the hard limit when it does not).
+    def preflight(self, sizes: Mapping[Path, int], *, artifact: Path, inputs: int = 1) -> None:
+        """Check that the outputs can be written at all, before the input is hashed and
+        before anything is written: the folder is writable, its filesystem has room for
+        every file, no file exceeds the file-size limit (``ulimit -f``), and the
+        open-files limit allows writing all shards at once (see :func:`ensure_open_files`).
 
         Args:
             sizes: ``{final path: bytes}`` of every file the write creates.
             artifact: the path errors name (the file, or the index when sharded).
+            inputs: how many input files are memory-mapped (at most ``MAX_MAPPED_FILES`` at once).
 
         Raises:
             ConverterError: one of the above, with the numbers.
         """
         folder = self.folder if self.folder.exists() else self.folder.parent
-        if not os.access(folder, os.W_OK | os.X_OK):
+        if not writable(folder):
             raise ConverterError(
                 "output folder is not writable (its permissions, or a read-only filesystem); nothing was written",
                 path=folder,
@@ -263,7 +276,7 @@ class OutputTarget:
                 path=biggest,
             )
         shards = sum(1 for p in sizes if p.name.endswith(".safetensors"))
-        ensure_open_files(shards + MAX_MAPPED_FILES + _SPARE_FILES, shards=shards, path=artifact)
+        ensure_open_files(shards, inputs, path=artifact)
 
     def discard_created(self) -> None:
         """Remove the folder :meth:`check` created, while it is still empty."""
@@ -275,17 +288,37 @@ class OutputTarget:
             self.created = False
 
 
+def is_artifact_file(path: Path) -> bool:
+    """Whether ``path`` is a safetensors file carrying a marlin-convert manifest."""
+    try:
+        return META_SCHEMA_VERSION in SafetensorsFile(path, error=ArtifactError).metadata
+    except ConverterError:
+        return False
+
+
+def writable(folder: Path) -> bool:
+    """Whether this process may create files in ``folder`` (``access(2)``: permissions,
+    and EROFS for a read-only filesystem)."""
+    return os.access(folder, os.W_OK | os.X_OK)
+
+
 #: Descriptors beyond the shards and the input maps: the interpreter, stdio, the index, extras.
 _SPARE_FILES = 32
+#: Fewest input maps worth running with (each remap costs a few system calls).
+_MIN_MAPS = 4
 
 
-def ensure_open_files(needed: int, *, shards: int, path: Path) -> None:
-    """Make sure this process may hold ``needed`` files open: every output shard is held
-    open (and locked) until the commit.  The soft limit is raised up to the hard one.
+def ensure_open_files(shards: int, inputs: int, *, path: Path) -> None:
+    """Make sure this process may hold every output shard open (and locked) until the
+    commit, beside the input maps: the soft open-files limit is raised up to the hard
+    one; where that is not enough, fewer input files are mapped at once.
 
     Raises:
-        ConverterError: the hard limit is lower, naming the counts and what to do.
+        ConverterError: even with only a few input maps the shards do not fit, naming
+            the counts and what to do.
     """
+    maps = min(MAX_MAPPED_FILES, max(inputs, 1))
+    needed = shards + maps + _SPARE_FILES
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or needed <= soft:
         return
@@ -295,9 +328,13 @@ def ensure_open_files(needed: int, *, shards: int, path: Path) -> None:
             return
         except (ValueError, OSError):
             pass
+    room = soft - shards - _SPARE_FILES
+    if room >= min(_MIN_MAPS, maps):
+        set_map_limit(room)
+        return
     raise ConverterError(
-        f"writing {shards} shards holds {shards} files open at once, and with the input that needs {needed}; "
-        f"the open-files limit is {soft} (hard limit {hard}, ulimit -n): raise it, or pass a larger "
-        "--max-shard-size",
+        f"writing {shards} shards holds {shards} files open at once, and with the input that needs "
+        f"{shards + min(_MIN_MAPS, maps) + _SPARE_FILES}; the open-files limit is {soft} (hard limit {hard}, "
+        "ulimit -n): raise it, or pass a larger --max-shard-size",
         path=path,
     )

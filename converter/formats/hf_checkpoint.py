@@ -319,7 +319,9 @@ class HFCheckpoint:
         copies those): every file of the checkpoint that the tool reads."""
         paths = list(self.files)
         names = [HF_INDEX_NAME, "config.json", *QUANT_CONFIG_FILES, *TOKENIZER_FILES]
-        paths += [p for n in names if (p := folder_member(self.folder, n)) is not None]
+        # Every one that exists, links included: what no output may replace (whether a
+        # link may be read is folder_member's question, asked where a file is read).
+        paths += [self.folder / n for n in names if os.path.lexists(self.folder / n)]
         return paths
 
     def config_disagreements(self, keys: tuple[str, ...]) -> list[tuple[str, Any, Any]]:

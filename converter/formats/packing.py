@@ -1,7 +1,7 @@
 """Bit unpacking of producer int32 words (GPTQ, AWQ, compressed-tensors), and the
 act-order permutation shared by the readers that carry a ``g_idx``.
 
-Conventions (shared/spec/checkpoint-formats.md 1.2-1.3):
+Conventions (docs/spec/checkpoint-formats.md 1.2-1.3):
 
 * ``b`` in {2, 4, 8}: word ``w`` holds ``32 // b`` codes LSB-first, code ``i`` in
   bits ``[b*i, b*i + b)``.

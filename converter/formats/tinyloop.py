@@ -1,4 +1,4 @@
-"""Reader for ``.tinyloop`` v1 containers (``shared/spec/tinyloop-v1.md``).
+"""Reader for ``.tinyloop`` v1 containers (``docs/spec/tinyloop-v1.md``).
 
 The whole container is validated when the file is opened, from the preamble and the
 JSON header alone: every offset, shape and size is checked against the file's real

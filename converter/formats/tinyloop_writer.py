@@ -1,7 +1,7 @@
 """Writer for ``.tinyloop`` v1 containers and a min-max quantizer that feeds it.
 
 Used by ``scripts/make_sample.py`` and the tests; the layout rules are those of
-``shared/spec/tinyloop-v1.md``, "Byte layout": little-endian preamble, UTF-8 JSON
+``docs/spec/tinyloop-v1.md``, "Byte layout": little-endian preamble, UTF-8 JSON
 header, zero padding to 64, tensors at 64-aligned offsets relative to ``data_start``,
 and the file padded with zeros to a multiple of 64.
 """

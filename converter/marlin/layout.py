@@ -1,6 +1,6 @@
 """Marlin's pre-permuted ``B`` and scale layouts, integer-only and vectorised.
 
-The closed form (shared/spec/checkpoint-formats.md section 4.3) for code ``q[k, n]``::
+The closed form (docs/spec/checkpoint-formats.md section 4.3) for code ``q[k, n]``::
 
     row    = k // 16
     r, c   = k % 16, n % 16

@@ -103,14 +103,21 @@ def render(report: ModelReport, out: Any, err: Any, *, quiet: bool = False) -> N
         out: rich console for the table, problems and status (stdout).
         err: rich console for notes (stderr).
     """
-    from rich.markup import escape
+    from rich.markup import escape as _escape
     from rich.table import Table
+
+    from ..errors import printable
+
+    def escape(text: str) -> str:  # names from files: no control character reaches the terminal
+        return _escape(printable(text))
 
     m = report.metrics
     if not quiet and m:
         table = Table(
-            title=f"{report.architecture} on {report.device}: {report.output} against the fp32 model dequantized "
-            f"from the source, {report.input.get('sequences')} x {report.input.get('tokens')} tokens",
+            title=escape(
+                f"{report.architecture} on {report.device}: {report.output} against the fp32 model dequantized "
+                f"from the source, {report.input.get('sequences')} x {report.input.get('tokens')} tokens"
+            ),
             title_justify="left",
         )
         extra = [k for k in ("cosine", "ppl", "ppl_rel_diff") if k in m.get("converted", {})]
@@ -153,7 +160,7 @@ def render(report: ModelReport, out: Any, err: Any, *, quiet: bool = False) -> N
     if conv:
         layers = ", ".join(f"{n} {k}" for k, n in sorted(paths.items()))
         out.print(
-            f"{status}: {report.architecture} on {report.device}, {sum(paths.values())} layers ({layers}); "
+            f"{status}: {escape(report.architecture)} on {report.device}, {sum(paths.values())} layers ({layers}); "
             f"{report.output} mean rel err {_fmt(conv.get('mean_rel_err'))} "
             f"(fp16 dequantized {_fmt(f16.get('mean_rel_err'))}, "
             f"limit {_fmt(bar.get('mean_rel_err_limit'))}), top-1 {_fmt(conv.get('top1'), '.4f')} "

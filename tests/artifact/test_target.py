@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from converter import atomic
 from converter.convert import convert
 from converter.errors import ConverterError, OutputExistsError
+from tests.helpers.clirun import snapshot
 from tests.helpers.paths import SAMPLE
 from tests.helpers.producers import (
     gptq_config,
@@ -232,18 +233,39 @@ def test_a_failed_rollback_names_the_files_it_left_new(tmp_path: Path, monkeypat
 # --------------------------------------------------------------------------- fuzz
 
 
+SECRET = b"-----BEGIN PRIVATE KEY----- for no output"
+
+
 def _layouts(root: Path) -> dict[str, Path]:
-    """Input shapes: an HF folder (1 or 2 shards) and a .tinyloop, plus links to them."""
+    """Input shapes: an HF folder (1 or 2 shards), a .tinyloop, and an HF folder whose
+    tokenizer.json is a link out of it (to a secret) and whose vocab.txt is a link
+    inside it; plus links of every kind to them, and an output folder that already holds
+    hard links to input shards under output names, with an old index naming them."""
     one = _checkpoint(root / "one")
     two = _checkpoint(root / "two", shards=2)
     tl = root / "tl" / "m.tinyloop"
     tl.parent.mkdir()
     shutil.copyfile(SAMPLE, tl)
+    leaky = _checkpoint(root / "leaky")
+    (root / "secret").write_bytes(SECRET)
+    (leaky / "tokenizer.json").unlink()
+    (leaky / "tokenizer.json").symlink_to(root / "secret")
+    (leaky / "words.txt").write_text("a\nb\n")
+    (leaky / "vocab.txt").symlink_to("words.txt")
     (root / "links").mkdir()
     (root / "links" / "one").symlink_to(one, target_is_directory=True)
     (root / "links" / "shard.safetensors").symlink_to(sorted(two.glob("model-*"))[0])
     os.link(tl, root / "links" / "hard.safetensors")
-    return {"one": one, "two": two, "tl": tl}
+    old = root / "old"
+    old.mkdir()
+    for i, shard in enumerate(sorted(two.glob("model-*")), 1):
+        os.link(shard, old / f"m-{i:05d}-of-00002.safetensors")
+    (old / "m.safetensors.index.json").write_text(
+        json.dumps(
+            {"metadata": {}, "weight_map": {"a": "m-00001-of-00002.safetensors", "b": "m-00002-of-00002.safetensors"}}
+        )
+    )
+    return {"one": one, "two": two, "tl": tl, "leaky": leaky}
 
 
 _OUT_CHOICES = [
@@ -256,11 +278,14 @@ _OUT_CHOICES = [
     "{tl}",
     "{tldir}/m.safetensors",
     "{tldir}/",
+    "{leaky}/x.safetensors",
     "{root}/links/one/x.safetensors",
     "{root}/links/one/",
     "{root}/links/shard.safetensors",
     "{root}/links/hard.safetensors",
     "{root}/links/",
+    "{root}/old/m.safetensors",
+    "{root}/old/",
     "{root}/fresh/",
     "{root}/out.safetensors",
 ]
@@ -273,10 +298,12 @@ _IN_CHOICES = {
     "{two}/model-00001-of-00002.safetensors": "two",
     "{tl}": "tl",
     "{root}/links/one": "one",
+    "{leaky}": "leaky",
+    "{leaky}/model.safetensors": "leaky",
 }
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     src=st.sampled_from(sorted(_IN_CHOICES)),
     out=st.sampled_from(_OUT_CHOICES),
@@ -286,18 +313,31 @@ _IN_CHOICES = {
 def test_fuzz_paths_never_touch_the_input(
     tmp_path_factory: pytest.TempPathFactory, src: str, out: str, force: bool, shards: str | None
 ) -> None:
+    """Random input and output paths (files, folders, shards, symbolic and hard links):
+    whatever is refused or written, no input file changes, appears or vanishes; files
+    hard-linked to another checkpoint's shards keep their bytes when an output replaces
+    or deletes the links; and the secret behind a link out of a checkpoint reaches no
+    output."""
     root = tmp_path_factory.mktemp("fuzz")
     paths = _layouts(root)
-    fmt = {"one": paths["one"], "two": paths["two"], "tl": paths["tl"], "tldir": paths["tl"].parent, "root": root}
+    fmt = {**paths, "tldir": paths["tl"].parent, "root": root}
     key = _IN_CHOICES[src]
     folder = paths[key] if paths[key].is_dir() else paths[key].parent
-    before = _tree(folder)
+    before = snapshot(folder)
+    shard_bytes = {p.name: p.read_bytes() for p in sorted(paths["two"].glob("model-*"))}
     try:
         convert(src.format(**fmt), out.format(**fmt), force=force, max_shard_size=shards)
     except ConverterError:
         pass  # refusals are fine; what matters is that the input is untouched
-    now = _tree(folder)
+    case = (src, out, force, shards)
+    now = snapshot(folder)
     if key == "tl":  # outputs may appear beside a .tinyloop: its folder is no checkpoint
-        assert now["m.tinyloop"] == before["m.tinyloop"], (src, out, force, shards)
+        assert now["m.tinyloop"] == before["m.tinyloop"], case
     else:  # nothing may change, appear in or vanish from an HF input's folder
-        assert now == before, (src, out, force, shards)
+        assert now == before, case
+    assert (root / "secret").read_bytes() == SECRET
+    for p in root.rglob("*"):
+        if p.is_file() and not p.is_symlink() and p != root / "secret":
+            assert SECRET not in p.read_bytes(), (case, p)
+    if "{two}" not in out:  # replacing or deleting a link in old/ never reaches the inode it shares
+        assert {p.name: p.read_bytes() for p in sorted(paths["two"].glob("model-*"))} == shard_bytes, case

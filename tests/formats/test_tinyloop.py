@@ -1,4 +1,4 @@
-"""`.tinyloop` v1 reader and writer (shared/spec/tinyloop-v1.md).
+"""`.tinyloop` v1 reader and writer (docs/spec/tinyloop-v1.md).
 
 Round trips writer -> reader, the bundled sample's plan, and one test per kind of
 malformed input (issue 5), each asserting the exception type and its message.  Bad

@@ -32,3 +32,50 @@ def assert_one_line_error(r: subprocess.CompletedProcess[str], *needles: str) ->
     assert "Traceback" not in r.stderr + r.stdout
     for n in needles:
         assert n in lines[0], (n, lines[0])
+
+
+def invoke(tool: str, *args: object):
+    """Run a command in this process (typer's CliRunner, stdout and stderr apart): faster
+    than :func:`run_cli` for the many bad-input cases; signals and imports need run_cli."""
+    from typer.testing import CliRunner
+
+    from converter.cli import convert_app, verify_app
+
+    app = {"marlin-convert": convert_app, "marlin-verify": verify_app}[tool]
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def assert_refused(res, *needles: str) -> str:
+    """An :func:`invoke` result: exit 2, nothing on stdout, exactly one ``error: ...``
+    line on stderr holding every needle, no traceback.  Returns the line."""
+    assert res.exit_code == 2, (res.exit_code, res.stdout, res.stderr, res.exception)
+    assert res.stdout == "", res.stdout
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    assert "Traceback" not in res.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every entry below ``root``, hidden ones included: a file's sha256, a link's
+    target, a folder's mark.  Equal snapshots mean nothing was written, changed or
+    deleted there (links are not followed, so a link's target is never read)."""
+    import hashlib
+    import os
+
+    out: dict[str, str] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in sorted(dirnames + filenames):
+            p = Path(dirpath) / name
+            key = str(p.relative_to(root))
+            if p.is_symlink():
+                out[key] = "-> " + os.readlink(p)
+            elif p.is_dir():
+                out[key] = "dir"
+            elif p.is_file():
+                out[key] = hashlib.sha256(p.read_bytes()).hexdigest()
+            else:
+                out[key] = "special"
+    return out

@@ -1,0 +1,399 @@
+"""The commands' output and environment (issue 14): ``--json`` keeps stdout one document
+and stderr empty whatever happens; names from files never reach the terminal raw; the
+dry run checks the output (writable, room, limits) and shows the files it would write;
+a full disk is named before the input is hashed, by the user's path; interrupts exit
+130 with one line; temporaries of killed runs are cleaned by the next run."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from converter import atomic
+from converter.artifact import target as target_mod
+from converter.convert import convert
+from converter.errors import ConverterError
+from converter.formats import hf_checkpoint
+from converter.verify import verify
+from tests.helpers.clirun import assert_refused, invoke, run_cli, snapshot
+from tests.helpers.paths import REPO, SAMPLE
+from tests.helpers.producers import gptq_config, gptq_tensors, make_layer, write_checkpoint
+
+ESC = "\x1b[2J\x1b]0;owned\x07"
+
+
+def _ckpt(folder: Path, *, plain_name: str = "model.norm.weight", layer: str = "model.layers.0.mlp.up_proj") -> Path:
+    rng = np.random.default_rng(0)
+    tensors = gptq_tensors(layer, make_layer(rng, 128, 64, group_size=64), v1=True)
+    tensors[plain_name] = rng.standard_normal(64).astype(np.float16)
+    return write_checkpoint(folder, tensors, gptq_config(4, 64))
+
+
+# --------------------------------------------------------------------------- --json
+
+
+@pytest.mark.parametrize(
+    ("tool", "args", "kind", "message"),
+    [
+        ("marlin-convert", [], "UsageError", "Missing argument 'source'."),
+        ("marlin-convert", ["{sample}", "{out}", "--bogus"], "UsageError", "No such option: --bogus"),
+        ("marlin-convert", ["{sample}"], "UsageError", "Missing argument 'output'."),
+        (
+            "marlin-convert",
+            ["{sample}", "{out}", "--max-shard-size", "5 parsecs"],
+            "ConverterError",
+            "--max-shard-size: '5 parsecs' is not a size",
+        ),
+        (
+            "marlin-convert",
+            ["{tmp}/nope.tinyloop", "{out}"],
+            "ConverterError",
+            "nope.tinyloop: no such file or directory",
+        ),
+        ("marlin-verify", ["{sample}", "--gpu", "--cpu"], "UsageError", "--gpu and --cpu contradict each other"),
+        ("marlin-verify", ["{sample}", "--model"], "UsageError", "--model needs --against SRC"),
+        ("marlin-verify", ["{sample}", "--text", "{sample}"], "UsageError", "--text needs --model"),
+        ("marlin-verify", ["{sample}"], "ArtifactError", "this is a .tinyloop source, not an artifact"),
+    ],
+)
+def test_json_errors_are_one_document_and_stderr_stays_empty(
+    tmp_path: Path, tool: str, args: list[str], kind: str, message: str
+) -> None:
+    fmt = {"sample": SAMPLE, "out": tmp_path / "o.safetensors", "tmp": tmp_path}
+    res = run_cli(tool, *[a.format(**fmt) for a in args], "--json")
+    assert (res.returncode, res.stderr) == (2, "")
+    doc = json.loads(res.stdout)
+    assert res.stdout.count("\n") == 1 and doc["ok"] is False
+    assert doc["error"]["type"] == kind and message in doc["error"]["message"], doc
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_json_success_is_one_document_and_stderr_stays_empty(tmp_path: Path) -> None:
+    res = run_cli("marlin-convert", SAMPLE, tmp_path / "o.safetensors", "--json", "--max-shard-size", "300KB")
+    assert res.returncode == 0 and res.stderr == ""
+    doc = json.loads(res.stdout)
+    assert doc["ok"] and [f["name"] for f in doc["files"]] == [
+        "o-00001-of-00003.safetensors",
+        "o-00002-of-00003.safetensors",
+        "o-00003-of-00003.safetensors",
+        "o.safetensors.index.json",
+    ]
+    assert [f["bytes"] for f in doc["files"]] == [(tmp_path / f["name"]).stat().st_size for f in doc["files"]]
+    res = run_cli("marlin-verify", tmp_path / "o.safetensors.index.json", "--json", "--cpu")
+    assert res.returncode == 0 and res.stderr == "" and json.loads(res.stdout)["ok"]
+
+
+# --------------------------------------------------------------------------- names from files
+
+
+def _no_raw_controls(text: str) -> None:
+    assert not any(c in text for c in ("\x1b", "\x07", "\u202e")), repr(text)
+
+
+def test_escape_sequences_in_names_never_reach_the_terminal(tmp_path: Path) -> None:
+    plain, layer = f"model.norm{ESC}.weight", "model.layers.0.\u202eup_proj"
+    src = _ckpt(tmp_path / "src", plain_name=plain, layer=layer)
+    out = tmp_path / "o.safetensors"
+    for args in ([src, out], [src, tmp_path / "d.safetensors", "--dry-run", "--verbose"]):
+        res = invoke("marlin-convert", *args)
+        assert res.exit_code == 0, res.stderr
+        _no_raw_controls(res.stdout + res.stderr)
+        assert "model.layers.0.\\u202eup_proj" in res.stderr
+        if "--verbose" in args:  # the long form lists every passed-through tensor by name
+            assert "model.norm\\x1b[2J\\x1b]0;owned\\x07.weight" in res.stderr
+    res = invoke("marlin-verify", out, "--against", src, "--cpu")
+    assert res.exit_code == 0
+    _no_raw_controls(res.stdout + res.stderr)
+    assert "model.layers.0.\\u202eup_proj" in res.stdout
+    # JSON keeps the names exactly (JSON escapes control characters itself).
+    res = run_cli("marlin-verify", out, "--json", "--shapes")
+    assert json.loads(res.stdout)["layers"][0]["name"] == layer and "\x1b" not in res.stdout
+
+
+def test_escape_sequences_in_names_in_error_lines_and_problems(tmp_path: Path) -> None:
+    layer = f"model.layers.0{ESC}.up_proj"
+    src = _ckpt(tmp_path / "src", layer=layer)
+    out = tmp_path / "o.safetensors"
+    convert(src, out)
+    # A problem naming the layer (its delta changed: against the source, not exact).
+    from tests.helpers.artifact_edit import rewrite_artifact_arrays
+
+    def edit(manifest: dict, t: dict) -> None:
+        dtype, d = t[f"{layer}.marlin_delta"]
+        t[f"{layer}.marlin_delta"] = (dtype, d + np.float32(1.0))
+
+    bad = rewrite_artifact_arrays(out, tmp_path / "bad.safetensors", edit)
+    res = invoke("marlin-verify", bad, "--against", src, "--shapes")
+    assert res.exit_code == 1
+    _no_raw_controls(res.stdout + res.stderr)
+    assert "layer model.layers.0\\x1b[2J\\x1b]0;owned\\x07.up_proj: delta not bit-identical" in res.stdout
+    # An error line naming it (the layer's scales are gone).
+    from tests.helpers.artifact_edit import read_st, write_st
+
+    meta, tensors = read_st(src / "model.safetensors")
+    del tensors[f"{layer}.scales"]
+    write_st(src / "model.safetensors", tensors, meta)
+    line = assert_refused(invoke("marlin-convert", src, tmp_path / "x.safetensors"))
+    _no_raw_controls(line)
+    assert "model.layers.0\\x1b[2J\\x1b]0;owned\\x07.up_proj has qweight but no scales" in line
+
+
+# --------------------------------------------------------------------------- the output, checked first
+
+
+def test_dry_run_shows_the_files_it_would_write(tmp_path: Path) -> None:
+    out = tmp_path / "o.safetensors"
+    res = invoke("marlin-convert", SAMPLE, out, "--dry-run", "--max-shard-size", "300KB")
+    assert res.exit_code == 0, res.stderr
+    line = next(ln for ln in res.stderr.splitlines() if ln.startswith("files: "))
+    assert line.startswith("files: would write 4: o-00001-of-00003.safetensors (0.31 MB), ")
+    assert line.endswith("o.safetensors.index.json (0.00 MB)")
+    assert list(tmp_path.iterdir()) == []
+    doc = json.loads(run_cli("marlin-convert", SAMPLE, out, "--dry-run", "--json").stdout)
+    assert doc["dry_run"] and doc["files"] == [{"name": "o.safetensors", "bytes": 844600}]
+    convert(SAMPLE, out)
+    assert out.stat().st_size == 844600  # the planned size is the size written
+
+
+def test_dry_run_refuses_an_unwritable_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """os.access is what answers for a read-only filesystem too (EROFS)."""
+    real = target_mod.writable
+    monkeypatch.setattr(target_mod, "writable", lambda p: False if Path(p) == tmp_path else real(p))
+    for dry in (True, False):
+        with pytest.raises(
+            ConverterError,
+            match=rf"^{tmp_path}: output folder is not writable \(its permissions, or a read-only filesystem\); "
+            r"nothing was written$",
+        ):
+            convert(SAMPLE, tmp_path / "o.safetensors", dry_run=dry)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_too_little_space_is_named_before_the_input_is_hashed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = _ckpt(tmp_path / "src")
+    monkeypatch.setattr(target_mod, "free_bytes", lambda folder: 1000)
+
+    def never(path: Path, chunk: int = 0) -> str:
+        raise AssertionError(f"hashed {path} before checking the space")
+
+    monkeypatch.setattr(hf_checkpoint, "sha256_file", never)
+    for dry in (True, False):
+        out = tmp_path / "o.safetensors"
+        with pytest.raises(
+            ConverterError,
+            match=rf"^{out}: not enough free space: the output needs \d+ bytes, its filesystem has 1000 free; "
+            r"nothing was written$",
+        ):
+            convert(src, out, dry_run=dry)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_a_full_disk_at_write_time_names_the_output_not_a_temporary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Space can go between the check and the write (another writer): the error still
+    names the user's path, with the needed and free bytes."""
+    from converter import safetensors_io
+
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors_io.os, "posix_fallocate", full)
+    monkeypatch.setattr(atomic, "free_bytes", lambda folder: 4096)
+    for out, name in ((tmp_path / "o.safetensors", "o.safetensors"), (tmp_path / "dir", "model.safetensors")):
+        arg = out if out.suffix else str(out) + "/"
+        line = assert_refused(invoke("marlin-convert", SAMPLE, arg))
+        assert (
+            line.startswith(f"error: {tmp_path}/")
+            and f"/{name}: cannot write the output: No space left on device (needs " in line
+        )
+        assert line.endswith(" bytes, 4096 free); nothing was written")
+        assert ".incomplete" not in line and ".staged" not in line
+    assert list(tmp_path.iterdir()) == []
+
+
+@contextlib.contextmanager
+def _tmpfs(path: Path, size: str, *, read_only: bool = False) -> Iterator[Path]:
+    path.mkdir()
+    opts = f"size={size}" + (",ro" if read_only else "")
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=False)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_real_read_only_and_a_real_small_filesystem(tmp_path: Path) -> None:
+    with _tmpfs(tmp_path / "ro", "1m", read_only=True) as ro:
+        for extra in (["--dry-run"], []):
+            assert_refused(
+                invoke("marlin-convert", SAMPLE, ro / "o.safetensors", *extra), "output folder is not writable"
+            )
+    with _tmpfs(tmp_path / "small", "256k") as small:
+        for extra in (["--dry-run"], []):
+            line = assert_refused(invoke("marlin-convert", SAMPLE, small / "o.safetensors", *extra))
+            assert line.startswith(
+                f"error: {small / 'o.safetensors'}: not enough free space: the output needs 844600 bytes"
+            )
+        assert os.listdir(small) == []
+
+
+def test_the_file_size_limit_is_checked_first(tmp_path: Path) -> None:
+    code = (
+        "import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (100000, 100000)); "
+        "sys.argv[0] = 'marlin-convert'; from converter.cli import main_convert; main_convert()"
+    )
+    for extra in (["--dry-run"], []):
+        res = subprocess.run(
+            [sys.executable, "-c", code, str(SAMPLE), str(tmp_path / "o.safetensors"), *extra],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+            timeout=120,
+        )
+        assert res.returncode == 2 and res.stderr == (
+            f"error: {tmp_path / 'o.safetensors'}: this file would be 844600 bytes, above the file-size limit of "
+            "100000 bytes (ulimit -f); raise the limit, or split the output with a smaller --max-shard-size\n"
+        )
+    assert list(tmp_path.iterdir()) == []
+    assert resource.getrlimit(resource.RLIMIT_FSIZE)  # this process is untouched
+
+
+# --------------------------------------------------------------------------- interrupts and leftovers
+
+
+EARLY_INTERRUPT = """
+import os, signal, sys
+sys.argv[0] = "marlin-convert"
+import converter.faults  # the package's first import: what the console script runs first
+os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the rest is still being imported
+import converter.cli
+print("not reached")
+"""
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_ctrl_c_during_the_imports_is_one_line_and_exit_130(as_json: bool) -> None:
+    res = subprocess.run(
+        [sys.executable, "-c", EARLY_INTERRUPT, *(["--json"] if as_json else [])],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+        timeout=60,
+    )
+    assert res.returncode == 130
+    if as_json:
+        assert res.stderr == "" and json.loads(res.stdout) == {
+            "ok": False,
+            "error": {
+                "type": "KeyboardInterrupt",
+                "message": "interrupted; no output was written",
+                "file": None,
+                "tensor": None,
+            },
+        }
+    else:
+        assert (res.stdout, res.stderr) == ("", "interrupted; no output was written\n")
+
+
+def test_exit_130_is_documented() -> None:
+    for tool in ("marlin-convert", "marlin-verify"):
+        res = run_cli(tool, "--help")
+        assert "130 interrupted" in res.stdout
+    readme = (REPO / "README.md").read_text()
+    assert "`130` interrupted" in readme
+
+
+def _leftovers(folder: Path, stem: str) -> list[Path]:
+    """What a SIGKILLed sharded run to ``<stem>.safetensors`` leaves (atomic.py's names)."""
+    made = []
+    for i in (1, 2, 3):
+        shard = f"{stem}-{i:05d}-of-00003.safetensors"
+        staged = folder / f".{shard}.{i:012x}{atomic.STAGED_SUFFIX}"
+        incomplete = folder / f".{staged.name}.{i + 7:012x}{atomic.TEMP_SUFFIX}"
+        for p in (staged, incomplete):
+            p.write_bytes(b"x" * 10)
+            made.append(p)
+        old = time.time() - 3600
+        os.utime(staged, (old, old))
+    index = folder / f".{stem}.safetensors.index.json.{9:012x}{atomic.STAGED_SUFFIX}"
+    index.write_bytes(b"{}")
+    os.utime(index, (time.time() - 3600,) * 2)
+    return [*made, index]
+
+
+@pytest.mark.parametrize("later", ["single", "sharded-2", "folder"])
+def test_a_killed_sharded_runs_temporaries_go_with_the_next_run(tmp_path: Path, later: str) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    stem = "model" if later == "folder" else "m"
+    left = _leftovers(out, stem)
+    keep = out / ".unrelated.safetensors.000000000001.incomplete"
+    keep.write_bytes(b"other")
+    arg = {"single": out / "m.safetensors", "sharded-2": out / "m.safetensors", "folder": str(out) + "/"}[later]
+    convert(SAMPLE, arg, max_shard_size="500KB" if later == "sharded-2" else None)
+    assert [p for p in left if p.exists()] == []
+    assert keep.exists()  # not this output's
+
+
+def test_a_live_writers_temporary_is_kept(tmp_path: Path) -> None:
+    """An .incomplete file whose lock is held belongs to a running conversion."""
+    live = tmp_path / f".m-00001-of-00002.safetensors.{1:012x}{atomic.TEMP_SUFFIX}"
+    fd = os.open(live, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        convert(SAMPLE, tmp_path / "m.safetensors")
+        assert live.exists()
+    finally:
+        os.close(fd)
+
+
+def test_sigterm_mid_write_leaves_nothing(tmp_path: Path) -> None:
+    """The existing signal tests run .tinyloop inputs; this one a sharded HF output."""
+    src = _ckpt(tmp_path / "src")
+    code = (
+        "import sys, time; sys.argv[0] = 'marlin-convert'\n"
+        "import converter.artifact.writer as w\n"
+        "real = w.ArtifactWriter.finish\n"
+        "def slow(self, m):\n    print('ready', flush=True); time.sleep(60); return real(self, m)\n"
+        "w.ArtifactWriter.finish = slow\n"
+        "from converter.cli import main_convert; main_convert()\n"
+    )
+    (tmp_path / "out").mkdir()
+    before = snapshot(tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(src), str(tmp_path / "out" / "m.safetensors"), "--max-shard-size", "1KB"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+    )
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err == "interrupted; no output was written\n"
+    assert snapshot(tmp_path) == before
+
+
+def test_verify_is_unchanged_for_good_artifacts(tmp_path: Path) -> None:
+    out = tmp_path / "o.safetensors"
+    convert(SAMPLE, out)
+    assert verify(out, against=SAMPLE, gpu=False).ok
