@@ -85,11 +85,12 @@ def kernel_range_error(s16: np.ndarray, delta: np.ndarray, code_offset: int, bit
                 f"{int(bad.sum())} delta values overflow float16, which the kernels use (largest |delta| = "
                 f"{float(np.abs(delta)[at]):.6g} at [group {at[0]}, column {at[1]}] > {FP16_MAX:g})"
             )
-        s = s16.astype(np.float32)
-        d = d16.astype(np.float32)
+        # The kernels' weight is fp16((q - 8) * s + fp16(delta)), one rounding
+        # (converter.gpu.reference.dequant); float64 holds the unrounded value exactly.
+        s = s16.astype(np.float64)
+        d = d16.astype(np.float64)
         lo, hi = code_offset - MARLIN_ZERO, code_offset + (1 << bits) - 1 - MARLIN_ZERO
-        # The kernel's fp16 (q - 8) * s, then + delta: both must stay finite in fp16.
-        worst = np.maximum.reduce([np.abs(lo * s), np.abs(hi * s), np.abs(lo * s + d), np.abs(hi * s + d)])
+        worst = np.maximum(np.abs(lo * s + d), np.abs(hi * s + d))
         bad = ~np.isfinite(worst.astype(np.float16))
     if np.any(bad):
         at = _argmax(worst)
