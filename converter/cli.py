@@ -170,6 +170,19 @@ def _errors_to_exit(debug: bool, as_json: bool) -> Iterator[None]:
         _fail(msg, as_json, kind=type(exc).__name__, file=str(exc.filename) if exc.filename else None)
     except KeyboardInterrupt:
         _fail(INTERRUPTED, as_json, kind="KeyboardInterrupt", code=INTERRUPTED_EXIT, tag="")
+    except (typer.Exit, typer.Abort):
+        raise
+    except Exception as exc:
+        # A bug, not bad input: the traceback is what to report, except where stdout
+        # must stay one JSON document (then it is one line, and --debug shows the rest).
+        if not as_json or debugging:
+            raise
+        _fail(
+            f"internal error {type(exc).__name__}: {exc}; this is a bug, rerun with --debug for the traceback",
+            as_json,
+            kind="InternalError",
+            code=1,
+        )
 
 
 @contextmanager

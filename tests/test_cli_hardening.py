@@ -397,3 +397,37 @@ def test_verify_is_unchanged_for_good_artifacts(tmp_path: Path) -> None:
     out = tmp_path / "o.safetensors"
     convert(SAMPLE, out)
     assert verify(out, against=SAMPLE, gpu=False).ok
+
+
+def test_an_internal_error_under_json_is_still_one_document() -> None:
+    """A bug (here: a reader that raises something we never raise on purpose) keeps
+    stdout one JSON document under --json; without --json the traceback is shown."""
+    code = (
+        "import sys; sys.argv[0] = 'marlin-convert'\n"
+        "import converter.formats.tinyloop as t\n"
+        "def boom(self, **kw): raise ZeroDivisionError('planted')\n"
+        "t.TinyloopSource.plan = boom\n"
+        "from converter.cli import main_convert; main_convert()\n"
+    )
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+    for extra in (["--json"], []):
+        res = subprocess.run(
+            [sys.executable, "-c", code, str(SAMPLE), "/nonexistent/o.safetensors", *extra],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env=env,
+            timeout=60,
+        )
+        assert res.returncode == 1
+        if extra:
+            assert res.stderr == ""
+            assert json.loads(res.stdout)["error"] == {
+                "type": "InternalError",
+                "message": "internal error ZeroDivisionError: planted; this is a bug, rerun with --debug for the "
+                "traceback",
+                "file": None,
+                "tensor": None,
+            }
+        else:
+            assert "Traceback" in res.stderr and "ZeroDivisionError: planted" in res.stderr
