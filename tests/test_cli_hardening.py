@@ -431,3 +431,34 @@ def test_an_internal_error_under_json_is_still_one_document() -> None:
             }
         else:
             assert "Traceback" in res.stderr and "ZeroDivisionError: planted" in res.stderr
+
+
+def test_a_real_sigkill_mid_sharded_write_then_a_single_file_run(tmp_path: Path) -> None:
+    """SIGKILL runs no handler: the sharded run's staged files stay; the next run to the
+    same output, as one file, removes them (their locks died with the process)."""
+    src = _ckpt(tmp_path / "src")
+    code = (
+        "import sys, time; sys.argv[0] = 'marlin-convert'\n"
+        "import converter.artifact.writer as w\n"
+        "def stuck(self, m):\n    print('ready', flush=True); time.sleep(60)\n"
+        "w.ArtifactWriter.finish = stuck\n"
+        "from converter.cli import main_convert; main_convert()\n"
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(src), str(out / "m.safetensors"), "--max-shard-size", "1KB"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+    )
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    proc.kill()
+    proc.wait(timeout=60)
+    left = sorted(os.listdir(out))
+    assert left and all(n.lstrip(".").startswith("m-0000") for n in left), left
+    # A later process (staged files older than it, and no live lock: dead leftovers).
+    res = run_cli("marlin-convert", src, out / "m.safetensors", "-q")
+    assert res.returncode == 0, res.stderr
+    assert sorted(os.listdir(out)) == ["m.safetensors"]
