@@ -263,12 +263,16 @@ class Tuning:
             that many resident blocks of a kind (fewer resident warps stream the
             weights faster at small M); kinds not listed get as many as fit.
         hopper: use the Hopper kernel where the device has it (sm_90).
-        hopper_min_m, hopper_min_n: it serves M >= hopper_min_m when N >= hopper_min_n
-            (below, the decode kernel at M <= 8 streams better, and narrow layers have
-            too few 256-column blocks to fill 132 multiprocessors without deep splits);
-        hopper_small_kn, hopper_small_max_m: on layers of at most hopper_small_kn
-            weights only up to hopper_small_max_m rows (the tile kernel was faster
-            above, measured on 4096 x 4096).
+        hopper_wide_n, hopper_wide_min_m: it serves M >= hopper_wide_min_m on layers
+            of N >= hopper_wide_n;
+        hopper_big_kn, hopper_big_min_m: M >= hopper_big_min_m on layers of at least
+            hopper_big_kn weights;
+        hopper_large_m: M >= hopper_large_m on layers of N >= 8192;
+        hopper_huge_m, hopper_small_kn: M >= hopper_huge_m on layers of more than
+            hopper_small_kn weights (N >= 4096 always). Everywhere else the decode and
+            tile kernels were as fast or faster on an H200 (scripts/perf_notes.md:
+            narrow N needs deep K splits, and the decode kernel streams better at
+            M <= 16).
     """
 
     group_max_m: int = 16
@@ -281,10 +285,13 @@ class Tuning:
     force_wk: int | None = None
     occupancy_cap: tuple[tuple[KernelKind, int], ...] = ()
     hopper: bool = True
-    hopper_min_m: int = 9
-    hopper_min_n: int = 4096
+    hopper_wide_n: int = 14336
+    hopper_wide_min_m: int = 17
+    hopper_big_kn: int = 2**27
+    hopper_big_min_m: int = 32
+    hopper_large_m: int = 96
+    hopper_huge_m: int = 129
     hopper_small_kn: int = 4096 * 4096
-    hopper_small_max_m: int = 64
 
     def cap(self, kind: KernelKind) -> int | None:
         """The occupancy cap of ``kind``, or None."""
@@ -375,14 +382,15 @@ def gemm_path(
         hopper: the device can run the Hopper kernel (sm_90); False gives the sm_80..89 rule.
         size_k: K (only the Hopper rule for small layers uses it).
     """
-    if (
-        hopper
-        and tuning.hopper
-        and m >= tuning.hopper_min_m
-        and size_n >= tuning.hopper_min_n
-        and (size_k * size_n > tuning.hopper_small_kn or m <= tuning.hopper_small_max_m)
-    ):
-        return KernelKind.HOPPER
+    if hopper and tuning.hopper and size_n >= 4096:
+        kn = size_k * size_n
+        if (
+            (size_n >= tuning.hopper_wide_n and m >= tuning.hopper_wide_min_m)
+            or (kn >= tuning.hopper_big_kn and m >= tuning.hopper_big_min_m)
+            or (size_n >= 8192 and m >= tuning.hopper_large_m)
+            or (kn > tuning.hopper_small_kn and m >= tuning.hopper_huge_m)
+        ):
+            return KernelKind.HOPPER
     if m <= 8 or (m <= tuning.group_max_m and size_n >= tuning.wide_n):
         return KernelKind.DECODE
     if m <= tuning.decode_max_m and size_n > tuning.wide_n:

@@ -56,10 +56,13 @@ def test_tuning_defaults_are_the_measured_values() -> None:
         force_wk=None,
         occupancy_cap=(),
         hopper=True,
-        hopper_min_m=9,
-        hopper_min_n=4096,
+        hopper_wide_n=14336,
+        hopper_wide_min_m=17,
+        hopper_big_kn=2**27,
+        hopper_big_min_m=32,
+        hopper_large_m=96,
+        hopper_huge_m=129,
         hopper_small_kn=4096 * 4096,
-        hopper_small_max_m=64,
     )
     with pytest.raises(dataclasses.FrozenInstanceError):
         DEFAULT_TUNING.waves = 2  # type: ignore[misc]
@@ -122,35 +125,38 @@ def test_kind_table() -> None:
 
 
 def test_hopper_routing() -> None:
-    """sm_90 only; M >= 9 on layers of N >= 4096; small layers only up to 64 rows."""
-    for m in (1, 8):
-        assert gemm_path(m, 8192, hopper=True, size_k=8192) is KernelKind.DECODE
-    assert gemm_path(9, 8192, hopper=True, size_k=8192) is KernelKind.HOPPER
-    assert gemm_path(256, 57344, hopper=True, size_k=8192) is KernelKind.HOPPER
-    assert gemm_path(16, 8192, size_k=8192) is KernelKind.DECODE  # not on sm_80..89
-    assert gemm_path(16, 2048, hopper=True, size_k=8192) is KernelKind.TILE  # narrow: the sm_80 rule
-    assert gemm_path(64, 4096, hopper=True, size_k=4096) is KernelKind.HOPPER
-    assert gemm_path(65, 4096, hopper=True, size_k=4096) is KernelKind.TILE
-    assert gemm_path(65, 4096, hopper=True, size_k=8192) is KernelKind.HOPPER
-    assert gemm_path(64, 8192, Tuning(hopper=False), hopper=True, size_k=8192) is KernelKind.TILE
+    """sm_90 only, where the H200 sweep had it ahead: wide N from 17 rows, big layers from
+    32, N >= 8192 from 96, anything but small layers beyond 128; never at M <= 16."""
+    for m in (1, 8, 16):
+        assert gemm_path(m, 57344, hopper=True, size_k=8192) is KernelKind.DECODE
+    assert gemm_path(17, 57344, hopper=True, size_k=8192) is KernelKind.HOPPER
+    assert gemm_path(17, 14336, hopper=True, size_k=4096) is KernelKind.HOPPER
+    assert gemm_path(24, 8192, hopper=True, size_k=28672) is KernelKind.TILE
+    assert gemm_path(32, 8192, hopper=True, size_k=28672) is KernelKind.HOPPER
+    assert gemm_path(64, 8192, hopper=True, size_k=8192) is KernelKind.TILE
+    assert gemm_path(96, 8192, hopper=True, size_k=8192) is KernelKind.HOPPER
+    assert gemm_path(128, 4096, hopper=True, size_k=14336) is KernelKind.TILE
+    assert gemm_path(129, 4096, hopper=True, size_k=14336) is KernelKind.HOPPER
+    assert gemm_path(256, 4096, hopper=True, size_k=4096) is KernelKind.TILE  # small layer
+    assert gemm_path(256, 2048, hopper=True, size_k=65536) is KernelKind.TILE  # narrow
+    assert gemm_path(64, 57344, size_k=8192) is KernelKind.TILE  # not on sm_80..89
+    assert gemm_path(64, 57344, Tuning(hopper=False), hopper=True, size_k=8192) is KernelKind.TILE
 
 
-@pytest.mark.parametrize(
-    "m,r,ns", [(9, 2, 4), (16, 2, 4), (17, 4, 4), (32, 4, 4), (33, 8, 6), (64, 8, 6), (65, 16, 6), (300, 16, 6)]
-)
+@pytest.mark.parametrize("m,r,ns", [(17, 4, 4), (32, 4, 4), (33, 8, 6), (64, 8, 6), (65, 16, 6), (300, 16, 6)])
 def test_hopper_pipe_holds_m(m: int, r: int, ns: int) -> None:
     pipe = default_pipe(m, 8192, 57344, 8, H200.smem_per_block_optin, hopper=True)
     assert pipe == ("hopper", r, 4, ns)
 
 
 def test_hopper_plan_occupancy_and_split() -> None:
-    """The split fills the device once (28672 x 8192 at 16 rows: 32 units of 256
-    columns, 4 blocks per SM, so 14 splits: 448 blocks); the wide 70B layer needs none
-    at 64 and 128 rows (224 units; the H200 sweep's best, scripts/perf_notes.md); a
-    two-warpgroup block holds one multiprocessor."""
-    p16 = _plan(16, 28672, 8192, 128, regs=127, hopper=True)
-    assert (p16.kind, p16.splits, p16.tiles_per_split, p16.threads) == (KernelKind.HOPPER, 14, 128, 128)
-    assert p16.blocks == 32 * 14 and p16.resident_warps == 4 * 4 * 132
+    """The split fills the device once (28672 x 8192 at 32 rows: 32 units of 256
+    columns, 3 blocks per SM); the wide 70B layer needs none at 64 and 128 rows (224
+    units; the H200 sweep's best, scripts/perf_notes.md); a two-warpgroup block holds
+    one multiprocessor."""
+    p32 = _plan(32, 28672, 8192, 128, regs=150, hopper=True)
+    assert (p32.kind, p32.r, p32.threads) == (KernelKind.HOPPER, 4, 128)
+    assert p32.blocks == 32 * p32.splits and p32.resident_warps == 4 * 3 * 132 and p32.blocks <= 3 * 132
     p64 = _plan(64, 8192, 57344, 128, regs=254, hopper=True)
     assert (p64.splits, p64.blocks, p64.m_chunks) == (1, 224, 1)
     p128 = _plan(128, 8192, 57344, 128, regs=254, hopper=True)
