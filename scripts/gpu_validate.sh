@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 if [[ $what == correctness ]]; then
   real=${2:?REALINPUT}
   echo "== GPU tests"
-  timeout 240 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests 2>&1 | tee "$out/gpu_tests.log" | tail -15
+  timeout 240 python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu 2>&1 | tee "$out/gpu_tests.log" | tail -15
   echo "== compute-sanitizer"
   timeout 150 bash scripts/gpu_sanitize.sh "$out" 2>&1 | tail -6
   echo "== error table"

@@ -150,6 +150,8 @@ class KindSpec:
             over the whole K range; 4: one column block, a quarter of the range per warp).
         reduce_weight: the split reduction's cost relative to the ring kernels' (the
             Hopper kernel reduces 256-column units; measured on an H200).
+        reduces_chunk: the reduction moves a whole chunk of rows whatever M is (the
+            Hopper kernel stores its accumulators in register order).
     """
 
     source: str
@@ -162,6 +164,7 @@ class KindSpec:
     threads: Callable[[Pipe], int] = lambda pipe: BLOCK_WARPS * 32
     block_shapes: tuple[int, ...] = (1, BLOCK_WARPS)
     reduce_weight: float = 1.0
+    reduces_chunk: bool = False
 
 
 KINDS: MappingProxyType[KernelKind, KindSpec] = MappingProxyType(
@@ -201,6 +204,7 @@ KINDS: MappingProxyType[KernelKind, KindSpec] = MappingProxyType(
             threads=lambda pipe: 128 * hopper_split(pipe.r)[1],
             block_shapes=(1,),
             reduce_weight=2.0,
+            reduces_chunk=True,
         ),
     }
 )
@@ -554,7 +558,8 @@ def plan_gemm(
             # partial writes, the counter, reads)
             a_share = BLOCK_WARPS if (spec.shares_a and wk == 1) else 1
             tile_cost = 1 + tuning.a_weight * rows / MARLIN_TILE / a_share
-            reduce = spec.reduce_weight * tuning.reduce_tiles * (splits - 1) * -(-rows // 8)
+            red_rows = chunk_rows if spec.reduces_chunk else rows
+            reduce = spec.reduce_weight * tuning.reduce_tiles * (splits - 1) * -(-red_rows // 8)
             cost = waves * (tps // wk * tile_cost + tuning.latency_tiles) + reduce
             if best is None or cost < best[0]:
                 best = (cost, wk, splits, tps, blocks_n * splits)
