@@ -153,6 +153,20 @@ class QuantWeight:
             return q * s + self.zeros.astype(np.float32)[g]
         return s * (q - self.zeros.astype(np.float32)[g])
 
+    def source_formula(self) -> tuple[np.ndarray, np.ndarray | float, np.ndarray | None]:
+        """:meth:`source_weight` as ``W = (q - c[g]) * a[g] + b[g]`` per row's group ``g``.
+
+        Returns:
+            ``(a, c, b)``, float32 ``(num_groups, size_n)`` (``c`` may be the constant 0,
+            ``b`` None for zero): ``(s, z, None)`` for integer zero points (``s * (q - z)``),
+            ``(s, 0, zero)`` for ``.tinyloop`` (``q * s + zero``); ``s`` as stored.  What
+            :mod:`converter.numerics` evaluates per weight for the CPU check's reference.
+        """
+        s = self.source_scales_f32()
+        if self.zero_convention is ZeroConvention.TINYLOOP_ADDITIVE:
+            return s, 0.0, self.zeros.astype(np.float32)
+        return s, self.zeros.astype(np.float32), None
+
     def marlin_weight(self) -> np.ndarray:
         """``(marlin_codes - 8) * s + marlin_delta`` in float32 ``(rows of q, size_n)``: what the artifact computes."""
         g = self._row_groups()

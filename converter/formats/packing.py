@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import SourceFormatError
+from ..native import lib as native_lib
 
 WORD_BITS = 32
 #: Bit widths with a known int32 packing.
@@ -110,10 +111,25 @@ def unpack_words(words: np.ndarray, bits: int, axis: int) -> np.ndarray:
 
     Returns:
         uint8 codes in ``[0, 2**bits)``; the packed axis grows by ``32 / bits``.
+        Down the rows with 2, 4 or 8 bits this runs the compiled loop of
+        :mod:`converter.native` when it is built (the bulk of a GPTQ read), else
+        :func:`unpack_words_numpy`, the reference it is tested against.
 
     Raises:
         ValueError: an unknown bit width, or 3-bit words that are not whole 3-word blocks.
     """
+    nat = native_lib()
+    if nat is not None and axis == 0 and bits in (2, 4, 8) and words.ndim == 2 and words.dtype.itemsize == 4:
+        u = np.ascontiguousarray(words).view(np.uint32)
+        rows, size_n = u.shape
+        out = np.empty((rows * (WORD_BITS // bits), size_n), dtype=np.uint8)
+        nat.unpack_rows(u, out, rows, size_n, bits)
+        return out
+    return unpack_words_numpy(words, bits, axis)
+
+
+def unpack_words_numpy(words: np.ndarray, bits: int, axis: int) -> np.ndarray:
+    """:func:`unpack_words` in NumPy (same arguments, result and errors)."""
     u = np.ascontiguousarray(words).view(np.uint32)
     if axis == 0:
         return np.ascontiguousarray(_unpack_last(np.ascontiguousarray(u.T), bits).T)
