@@ -10,6 +10,12 @@ A padded layer (``LayerPlan.padded_n``) gets its zero columns here, where the la
 written: code 8, scale 1, delta 0 (``PAD_CODE``, ``PAD_SCALE``, ``PAD_DELTA`` in
 :mod:`converter.constants`).  A regrouped layer arrives from its reader already at the
 artifact's group size (:meth:`~converter.formats.base.LayerPlan.source_group_rows`).
+
+Three threads share the work (docs/performance-cpu.md): the main one reads and packs
+(the compiled packer releases the GIL), a write-behind thread writes and hashes each
+chunk while the next is packed (the writer starts the disk's write-back as it goes),
+and a third computes the sha256 of the input files for the manifest from the start;
+the manifest is sized with placeholder digests and sealed with the real ones last.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import xxhash
 
 from .artifact.hf_config import copied_files, file_checksums, folder_extras
 from .artifact.manifest import layer_entry, new_manifest
-from .artifact.schema import LayerEntry, Passthrough, SourceInfo, from_json
+from .artifact.schema import LayerEntry, Manifest, Passthrough, SourceInfo, from_json
 from .artifact.shards import Layout, parse_size, plan_shards
 from .artifact.target import InputGuard, OutputTarget
 from .artifact.writer import ArtifactWriter
@@ -40,6 +46,7 @@ from .constants import (
     SAFETENSORS_METADATA_KEY,
     Suffix,
 )
+from .digests import FileDigests
 from .dtypes import nbytes
 from .errors import ConfigError, SourceFormatError, UnsupportedQuantError
 from .formats import open_source
@@ -173,13 +180,19 @@ def _passthrough_infos(source: Source, plan: SourcePlan, names: list[str]) -> li
     return out
 
 
+def chunk_rows(size_k: int, width: int, group_size: int, budget: int | None = None) -> int:
+    """Rows of a layer read and packed (or verified) at a time: about ``budget`` bytes of
+    codes (default :data:`CHUNK_CODE_BYTES`) over ``width`` columns, starting on
+    boundaries of ``group_size`` rows (the source's groups; any 16-row boundary when
+    per-channel) and on 32-row boundaries, so 2- and 3-bit words are never split."""
+    unit = math.lcm(MARLIN_TILE if group_size >= size_k else group_size, PACKED_ROW_BLOCK)
+    budget = CHUNK_CODE_BYTES if budget is None else budget
+    rows = max(unit, (budget // max(width, 1)) // unit * unit)
+    return min(rows, size_k)
+
+
 def _chunk_rows(layer: LayerPlan) -> int:
-    # Chunks start on the source's group boundaries (or any 16-row boundary when
-    # per-channel) and on 32-row boundaries so 2- and 3-bit words are never split.
-    gs = layer.source_group_size or layer.group_size
-    unit = math.lcm(MARLIN_TILE if gs >= layer.size_k else gs, PACKED_ROW_BLOCK)
-    rows = max(unit, (CHUNK_CODE_BYTES // max(layer.layout_n, 1)) // unit * unit)
-    return min(rows, layer.size_k)
+    return chunk_rows(layer.size_k, layer.layout_n, layer.source_group_size or layer.group_size)
 
 
 def _padded(a: np.ndarray, layer: LayerPlan, value: float) -> np.ndarray:
@@ -227,7 +240,9 @@ def convert(
         UnsupportedQuantError: the source has no quantized layer at all.
     """
     out_arg = out_path  # as given: Path() drops the trailing "/" that selects folder mode
-    src_path, out_path = Path(src_path), Path(out_path)
+    src_path = Path(src_path)
+    if progress:
+        progress(f"planning {src_path.name}", 1)
     with open_source(src_path) as source:
         plan = source.plan(pad=pad)
         if not plan.layers:
@@ -283,39 +298,62 @@ def convert(
             files=[{"name": p.name, "bytes": n} for p, n in sizes.items()],
             warnings=_plan_warnings(plan, layers),
         )
+        if progress:
+            progress("", 1)
         if dry_run:
             return report
-        manifest = dataclasses.replace(manifest, source=from_json(SourceInfo, source.describe(), "source"))
-        steps = sum(1 for lay in plan.layers if lay.convertible) + len(passthrough)
-        if progress:
-            progress(f"converting {src_path.name}", steps)
-        with ArtifactWriter(target, shards, manifest, guard=guard, extra_files=extras) as writer:
-            report.output = str(writer.artifact_path)
-            sums: dict[str, str] = {}
-            # One write-behind thread for all layers, so the pipeline never drains
-            # between layers; the digests are read once it has written everything.
-            behind = _WriteBehind(writer)
-            hashers: dict[str, Any] = {}
-            try:
-                for layer in plan.layers:
-                    if layer.convertible:
-                        hashers.update(_write_layer(source, layer, writer, behind))
-                        if progress:
-                            progress("", 1)
-            finally:
-                behind.close()
-            sums.update({n: h.hexdigest() for n, h in hashers.items()})
-            for entry in passthrough:
-                tensor = source.load_tensor(entry.name)
-                sums[tensor.name] = _copy_tensor(writer, tensor.name, tensor.data, source.release_pages)
-                if progress:
-                    progress("", 1)
-            manifest = dataclasses.replace(
-                manifest,
-                checksums=dataclasses.replace(manifest.checksums, tensors={n: sums[n] for n, _, _ in layout}),
-            )
-            writer.finish(manifest)
+        # The input's sha256 (for the manifest) is computed on its own thread while the
+        # layers are converted, and read last: only now that the output is known to fit.
+        with FileDigests(source.digest_files()) as digests:
+            _write(source, plan, layout, manifest, target, shards, guard, extras, digests, report, progress)
     return report
+
+
+def _write(
+    source: Source,
+    plan: SourcePlan,
+    layout: Layout,
+    manifest: Manifest,
+    target: OutputTarget,
+    shards: list[Layout],
+    guard: InputGuard,
+    extras: dict[str, bytes | Path],
+    digests: FileDigests,
+    report: ConvertReport,
+    progress: Progress | None,
+) -> None:
+    """Write the planned artifact: the layers, then the pass-through tensors, then the
+    manifest sealed with the tensors' checksums and the input's sha256."""
+    steps = len(report.converted) + len(report.passthrough)
+    if progress:
+        progress(f"converting {Path(report.source).name}", steps)
+    with ArtifactWriter(target, shards, manifest, guard=guard, extra_files=extras) as writer:
+        report.output = str(writer.artifact_path)
+        sums: dict[str, str] = {}
+        # One write-behind thread for all layers, so the pipeline never drains
+        # between layers; the digests are read once it has written everything.
+        behind = _WriteBehind(writer)
+        hashers: dict[str, Any] = {}
+        try:
+            for layer in plan.layers:
+                if layer.convertible:
+                    hashers.update(_write_layer(source, layer, writer, behind))
+                    if progress:
+                        progress("", 1)
+        finally:
+            behind.close()
+        sums.update({n: h.hexdigest() for n, h in hashers.items()})
+        for entry in report.passthrough:
+            tensor = source.load_tensor(entry.name)
+            sums[tensor.name] = _copy_tensor(writer, tensor.name, tensor.data, source.release_pages)
+            if progress:
+                progress("", 1)
+        manifest = dataclasses.replace(
+            manifest,
+            source=from_json(SourceInfo, source.describe(digests=digests.result()), "source"),
+            checksums=dataclasses.replace(manifest.checksums, tensors={n: sums[n] for n, _, _ in layout}),
+        )
+        writer.finish(manifest)
 
 
 def _refuse_non_finite(source: Source, desc: dict[str, Any]) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from .atomic import (
+    WriteBack,
     fsync_dir,
     open_temporary,
     output_write_error,
@@ -42,6 +43,8 @@ from .quant_weight import Tensor, TensorInfo
 #: Array limits (NumPy's): at most 64 dimensions, each below 2**63.
 MAX_NDIM = 64
 MAX_DIM = 2**63 - 1
+#: Bytes a :class:`StreamingWriter` lets the kernel hold unwritten (:class:`~converter.atomic.WriteBack`).
+WRITEBACK_WINDOW = 128 << 20
 
 
 class SafetensorsFile:
@@ -467,6 +470,7 @@ class StreamingWriter:
         track(self, self.abort)
         try:
             self._fd = fd = open_temporary(self.tmp_path, self.path)
+            self._writeback = WriteBack(fd, WRITEBACK_WINDOW, drop=size > _cache_budget())
             os.ftruncate(fd, size)
             if size:
                 # Reserve the blocks now: a full disk fails here, before any work, and
@@ -516,13 +520,14 @@ class StreamingWriter:
 
     def _pwrite(self, data: np.ndarray, start: int) -> None:
         view = memoryview(data.view(np.uint8).reshape(-1)) if data.nbytes else memoryview(b"")
-        pos = self.data_start + start
+        pos = first = self.data_start + start
         try:
             while view:
                 done = os.pwrite(self._fd, view, pos)
                 view, pos = view[done:], pos + done
         except OSError as exc:  # a filesystem without fallocate can still fill up here
             raise output_write_error(exc, self._error_path, self.file_size) from None
+        self._writeback.wrote(first, pos - first)
 
     def finish(self, metadata: Mapping[str, str]) -> Path:
         """Write the header, fsync, and atomically rename onto ``path``.
@@ -566,6 +571,23 @@ class StreamingWriter:
     def __exit__(self, exc_type: object, *exc: object) -> None:
         if not self._done:
             self.abort()
+
+
+def _cache_budget() -> int:
+    """Half the memory the kernel says is available (``MemAvailable``): an output larger
+    than that would not stay cached anyway, so :class:`WriteBack` drops it behind the
+    write front; a smaller one stays cached for the ``marlin-verify`` that usually follows."""
+    try:
+        with open("/proc/meminfo", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024 // 2
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (OSError, ValueError, AttributeError):
+        return 1 << 62
 
 
 def header_size_for(entries_layout: Iterable[tuple[str, str, tuple[int, ...]]], metadata: Mapping[str, str]) -> int:

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from converter.atomic import remove_stale_temporaries
@@ -214,3 +215,41 @@ def test_output_folder_missing(tmp_path: Path) -> None:
     src = small_gptq(tmp_path / "src")
     with pytest.raises(ConverterError, match=r"nodir: output folder does not exist"):
         convert(src, tmp_path / "nodir" / "out.safetensors")
+
+
+def test_write_back_starts_each_range_and_waits_beyond_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    import converter.atomic as atomic
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(atomic, "_SYNC_FILE_RANGE", lambda fd, off, n, flags: calls.append(("sync", off, n, flags)))
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append(("drop", off, n, advice)))
+    wait = atomic._SYNC_WAIT_BEFORE | atomic._SYNC_WRITE | atomic._SYNC_WAIT_AFTER
+    wb = atomic.WriteBack(7, window=100)
+    for off in (0, 60, 120):
+        wb.wrote(off, 60)
+    wb.wrote(500, 0)  # nothing written, nothing to do
+    # Each range is started at once; once more than 100 bytes are in flight the oldest
+    # are waited for (0 at 120 bytes, 60 at 120 again), and kept in the page cache.
+    write = atomic._SYNC_WRITE
+    assert calls == [
+        ("sync", 0, 60, write),
+        ("sync", 60, 60, write),
+        ("sync", 0, 60, wait),
+        ("sync", 120, 60, write),
+        ("sync", 60, 60, wait),
+    ]
+    calls.clear()
+    dropping = atomic.WriteBack(7, window=50, drop=True)
+    dropping.wrote(0, 60)
+    assert calls == [("sync", 0, 60, write), ("sync", 0, 60, wait), ("drop", 0, 60, os.POSIX_FADV_DONTNEED)]
+
+
+def test_streaming_writer_starts_write_back_of_what_it_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import converter.atomic as atomic
+
+    calls: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(atomic, "_SYNC_FILE_RANGE", lambda fd, off, n, flags: calls.append((off, n, flags)))
+    with StreamingWriter(tmp_path / "o.safetensors", [("t", "I32", (4, 8))], header_reserve=120) as w:
+        w.write("t", np.arange(16, dtype=np.int32).reshape(2, 8), 2)
+        assert calls == [(w.data_start + 64, 64, atomic._SYNC_WRITE)]
+        w.finish({})

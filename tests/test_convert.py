@@ -44,3 +44,16 @@ def test_int2_layer_is_centred(tmp_path: Path) -> None:
         assert float(np.abs(u["delta"]).max()) <= 1.01 * float(np.abs(w_art).max())
         four_bit = art.layers["pre.0.mlp_down"]
         assert four_bit.code_offset == 0
+
+
+def test_progress_names_the_stages_before_the_slow_work(tmp_path: Path) -> None:
+    """The first stage is announced before the input is planned (a multi-GB checkpoint
+    plans for a while); the conversion stage counts converted layers and pass-through
+    tensors."""
+    calls: list[tuple[str, int]] = []
+    report = convert(SAMPLE, tmp_path / "s.safetensors", progress=lambda d, n: calls.append((d, n)))
+    stages = [(d, n) for d, n in calls if d]
+    steps = len(report.converted) + len(report.passthrough)
+    assert stages == [("planning sample.tinyloop", 1), ("converting sample.tinyloop", steps)]
+    assert calls[0] == stages[0] and calls[1] == ("", 1)
+    assert calls[2:] == [stages[1]] + [("", 1)] * steps

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -157,12 +158,20 @@ class Source(abc.ABC):
         return False
 
     @abc.abstractmethod
-    def describe(self, *, digests: bool = True) -> dict[str, Any]:
+    def describe(self, *, digests: bool | Mapping[Path, str] = True) -> dict[str, Any]:
         """The manifest's ``source`` object: format, files (name, bytes, sha256), quant config.
 
-        ``digests=False`` gives placeholder sha256 values of the same length without
-        reading the files (the output's size is known before the input is hashed).
+        Args:
+            digests: True hashes the files here; False gives placeholder sha256 values of
+                the same length without reading them (the output's size is known before
+                the input is hashed); a mapping gives the sha256 of every file of
+                :meth:`digest_files`, computed elsewhere
+                (:class:`converter.digests.FileDigests`, on a thread of its own).
         """
+
+    def digest_files(self) -> list[Path]:
+        """The files whose sha256 :meth:`describe` records, in its order."""
+        return [self.path]
 
     @abc.abstractmethod
     def plan(self, *, pad: bool = True) -> SourcePlan:

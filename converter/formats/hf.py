@@ -11,6 +11,7 @@ the :class:`QuantWeight` of an integer-zero-point layer.  The checkpoint folder 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -78,13 +79,16 @@ class HFSource(Source):
         (legacy configs, configs that are missing altogether)."""
         return False
 
-    def describe(self, *, digests: bool = True) -> dict[str, Any]:
+    def describe(self, *, digests: bool | Mapping[Path, str] = True) -> dict[str, Any]:
         """The manifest's ``source``: format, files (weights, index, configs with sha256), quant config."""
         return {
             "format": self.format.value,
             "files": self.ckpt.describe_files(digests=digests),
             "quant_config": self.ckpt.quant_config,
         }
+
+    def digest_files(self) -> list[Path]:
+        return self.ckpt.digest_paths()
 
     def load_tensor(self, name: str) -> Tensor:
         return self.ckpt.tensor(name)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -285,12 +286,8 @@ class HFCheckpoint:
     def tensor(self, name: str) -> Tensor:
         return self._where[name].tensor(name)
 
-    def describe_files(self, *, digests: bool = True) -> list[dict[str, Any]]:
-        """``[{"name", "bytes", "sha256"}]`` for the weight files and configs read.
-
-        Args:
-            digests: hash the files; False gives placeholder digests of the same length
-                (to size the manifest before the input is read).
+    def digest_paths(self) -> list[Path]:
+        """The files :meth:`describe_files` lists: the weights, then the index and the configs read.
 
         Raises:
             SourceFormatError: a file name that is not valid UTF-8 (the manifest is UTF-8 JSON).
@@ -306,7 +303,23 @@ class HFCheckpoint:
                     f"file name {ascii(p.name)} is not valid UTF-8, so the manifest cannot record it; rename the file",
                     path=self.folder,
                 )
-        if digests:
+        return paths
+
+    def describe_files(self, *, digests: bool | Mapping[Path, str] = True) -> list[dict[str, Any]]:
+        """``[{"name", "bytes", "sha256"}]`` for the files of :meth:`digest_paths`.
+
+        Args:
+            digests: True hashes the files here; False gives placeholder digests of the
+                same length (to size the manifest before the input is read); a mapping
+                gives their sha256, computed elsewhere.
+
+        Raises:
+            SourceFormatError: a file name that is not valid UTF-8 (the manifest is UTF-8 JSON).
+        """
+        paths = self.digest_paths()
+        if isinstance(digests, Mapping):
+            sums = [digests[p] for p in paths]
+        elif digests:
             # Two threads: hashlib releases the GIL, so shards hash in parallel on 2 cores.
             with ThreadPoolExecutor(max_workers=min(2, max(len(paths), 1))) as pool:
                 sums = list(pool.map(sha256_file, paths))

@@ -27,6 +27,7 @@ import mmap
 import os
 import stat
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -230,35 +231,40 @@ class TinyloopSource(Source, format=SourceFormat.TINYLOOP, conventions=(ZeroConv
 
     # ------------------------------------------------------------------ public API
 
-    def describe(self, *, digests: bool = True) -> dict[str, Any]:
+    def describe(self, *, digests: bool | Mapping[Path, str] = True) -> dict[str, Any]:
         """The manifest's ``source`` object.
+
+        Args:
+            digests: True hashes the file here (streaming, in 8 MiB reads); False gives
+                a placeholder of 64 zeros; a mapping ``{path: sha256}`` computed elsewhere.
 
         Returns:
             ``{"format": "tinyloop", "files": [{"name": basename, "bytes": int,
-            "sha256": hex}], "quant_config": {"model": header["model"]}}``; the
-            sha256 is computed streaming, in 8 MiB reads (a placeholder of 64 zeros
-            without ``digests``).
+            "sha256": hex}], "quant_config": {"model": header["model"]}}``.
 
         Raises:
             SourceFormatError: the file can no longer be read, or its name is not UTF-8.
         """
-        digest = hashlib.sha256()
-        try:
-            if digests:
+        if isinstance(digests, Mapping):
+            sha = digests[self.path]
+        elif digests:
+            digest = hashlib.sha256()
+            try:
                 with open(self.path, "rb") as fh:
                     while chunk := fh.read(_SHA_CHUNK):
                         digest.update(chunk)
-        except OSError as exc:
-            self._fail(f"cannot read for sha256: {exc.strerror or exc}")
+            except OSError as exc:
+                self._fail(f"cannot read for sha256: {exc.strerror or exc}")
+            sha = digest.hexdigest()
+        else:
+            sha = "0" * 64
         try:
             self.path.name.encode("utf-8")
         except UnicodeEncodeError:
             self._fail(f"file name {ascii(self.path.name)} is not valid UTF-8, so the manifest cannot record it")
         return {
             "format": SourceFormat.TINYLOOP.value,
-            "files": [
-                {"name": self.path.name, "bytes": self._size, "sha256": digest.hexdigest() if digests else "0" * 64}
-            ],
+            "files": [{"name": self.path.name, "bytes": self._size, "sha256": sha}],
             "quant_config": {"model": self._model},
         }
 
