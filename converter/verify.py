@@ -1,39 +1,66 @@
 """``marlin-verify``'s checks beyond structure: exact comparison with the source
 (``--against``), CPU numerics, and (through ``converter.gpu``) GPU numerics.
 
+Verification streams like conversion: layer by layer, in chunks of rows
+(:func:`converter.convert.chunk_rows`), the artifact's and the source's tensors are read,
+compared bitwise and multiplied, and the mapped pages of both are dropped before the
+next chunk, so memory does not grow with the number of layers.  Stages, each named on
+the progress bar: ``checksums`` (every tensor's xxh3-128), then per layer ``against
+source`` and ``CPU numerics`` together (one read serves both), then GPU numerics.  The
+source's sha256 (``source_differs``) is computed on a thread of its own from the start;
+the CPU products of a chunk run on two more threads while the next chunk is read.
+
 A padded layer is compared on its ``size_n`` real columns, and its padding columns
 must be exactly code 8, scale 1.0 and delta +0.0; numerics use the real columns only.
+A regrouped layer is read in chunks of whole source groups.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from .artifact.problems import ProblemCode, Report
 from .artifact.reader import Artifact, open_artifact
 from .artifact.schema import LayerEntry
-from .artifact.validate import broken_layers, validate_artifact
-from .constants import GPU_MEAN_REL_TOL, KERNEL_K_MULTIPLE, MARLIN_ZERO, PAD_CODE, PAD_DELTA, PAD_SCALE, Suffix
+from .artifact.validate import broken_layers, check_artifact
+from .constants import (
+    GPU_MEAN_REL_TOL,
+    KERNEL_K_MULTIPLE,
+    MARLIN_TILE,
+    MARLIN_ZERO,
+    PAD_CODE,
+    PAD_DELTA,
+    PAD_SCALE,
+    Suffix,
+)
+from .digests import FileDigests
 from .errors import ArtifactError, ConverterError, GpuUnavailableError
 from .formats import open_source
-from .formats.base import Source
+from .formats.base import LayerPlan, Source, SourcePlan
 from .marlin.layout import unpack_b, unpermute_scales
+from .native import lib as native_lib
+from .numerics import ROWS, accumulate, relative_error
 from .quant_weight import QuantWeight
+from .safetensors_io import release_mapped_pages
 
 #: Both sides of the CPU check are fp32; they differ only by fp32 rounding.
 CPU_REL_TOL = 1e-5
 #: Rows of random activations in the CPU check.
-CPU_M = 8
+CPU_M = ROWS
+#: Bytes of pass-through tensors compared at a time.
+COMPARE_CHUNK_BYTES = 64 << 20
 P = ProblemCode
 
 
 def unpack_layer(art: Artifact, rec: LayerEntry) -> dict[str, np.ndarray | None]:
-    """Exact inverse of the conversion for one layer.
+    """Exact inverse of the conversion for one whole layer (the GPU check, tests).
 
     Returns:
         ``q`` uint8 ``(size_k, layout_n)`` in Marlin row order; ``scales`` float16
@@ -72,206 +99,53 @@ def _bits(a: np.ndarray) -> np.ndarray:
     return a.view(f"u{a.dtype.itemsize}") if a.dtype.kind == "f" else a
 
 
-def _first_diff(a: np.ndarray, b: np.ndarray) -> str:
-    bad = np.argwhere(_bits(a) != _bits(b))
-    idx = tuple(int(i) for i in bad[0])
-    return f"{len(bad)} of {a.size} differ; first at {list(idx)}: {a[idx].item()} vs source {b[idx].item()}"
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    nat = native_lib()
+    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+    if nat is not None and a.nbytes == b.nbytes:
+        return nat.first_diff(a.view(np.uint8).reshape(-1), b.view(np.uint8).reshape(-1)) < 0
+    return a.nbytes == b.nbytes and bool(np.array_equal(a.view(np.uint8), b.view(np.uint8)))
 
 
-def compare_against(
-    art: Artifact, source: Source, report: Report, layer_rows: dict[str, dict[str, Any]], skip: set[str] = frozenset()
-) -> dict[str, QuantWeight]:
-    """Compare the artifact with its source exactly; append problems to ``report``.
+@dataclasses.dataclass
+class _Diff:
+    """Bitwise differences of one of a layer's quantities, gathered over its chunks."""
 
-    Checks that the artifact holds exactly the tensors a conversion of this source
-    makes; per layer the manifest facts (sizes, group sizes, padding, bits, zero
-    convention, bias), codes (unpacked ``B``), scales (unpermuted, bitwise), ``delta``
-    (bitwise) and ``perm`` (a regrouped layer against its source's scales and zeros
-    repeated per slice, a padded layer on its real columns, its padding against code
-    8, scale 1 and delta 0); the bias and every pass-through tensor byte for byte.
-    Layers in ``skip`` (structurally broken, already reported) are not compared.
+    size: int
+    count: int = 0
+    first: str = ""
 
-    The conversion's ``--pad``/``--no-pad`` is read from the artifact: a source layer
-    that pads and is not among the artifact's layers means ``--no-pad``.
+    def compare(self, mine: np.ndarray, theirs: np.ndarray, offset: tuple[int, ...]) -> None:
+        if _same_bytes(_bits(mine), _bits(theirs)):
+            return
+        bad = np.argwhere(_bits(mine) != _bits(theirs))
+        if not self.first:
+            idx = tuple(int(i) for i in bad[0])
+            where = [i + o for i, o in zip(idx, offset, strict=True)]
+            self.first = f"{where}: {mine[idx].item()} vs source {theirs[idx].item()}"
+        self.count += len(bad)
 
-    Returns:
-        ``{layer name: QuantWeight}`` of the source layers (for numerics).
-    """
-    assert art.manifest is not None  # validate_artifact stops on a manifest that does not fit
-    recorded = {f.name: f.sha256 for f in art.manifest.source.files}
-    actual = {f["name"]: f["sha256"] for f in source.describe()["files"]}
-    changed = sorted(n for n in recorded.keys() & actual.keys() if recorded[n] != actual[n])
-    if changed or not recorded.keys() & actual.keys():
-        what = ", ".join(changed) if changed else "no file names in common"
-        report.add(
-            P.SOURCE_DIFFERS,
-            f"the source is not the one this artifact was converted from (sha256 differs: {what}); "
-            "the comparisons below will show where",
-            str(source.path),
-        )
-    plan = source.plan()
-    padded = {lay.name for lay in plan.layers if lay.padded_n is not None}
-    if padded and not padded & art.layers.keys():
-        plan = source.plan(pad=False)  # converted with --no-pad: those layers passed through
-    loaded: dict[str, QuantWeight] = {}
-    src_layers = {lay.name: lay for lay in plan.layers if lay.convertible}
-    for name in art.layers.keys() - src_layers.keys():
-        report.add(P.SOURCE_MISMATCH, f"layer {name} is in the artifact but not converted from the source", name)
-    for name in src_layers.keys() - art.layers.keys():
-        report.add(P.SOURCE_MISMATCH, f"layer {name} converts from the source but is missing from the artifact", name)
-    from .convert import build_layout  # the conversion's own plan of the artifact
-
-    expected = {n for n, _, _ in build_layout(plan, path=source.path)[0]}
-    expected |= {i.name for i in plan.tensors} | set(plan.passthrough_reasons)
-    for lay in plan.layers:
-        if not lay.convertible:
-            expected |= set(lay.source_tensors) | ({lay.bias.name} if lay.bias else set())
-    present = set(art.file.infos)
-    for name in sorted(expected - present):
-        report.add(
-            P.SOURCE_MISMATCH, f"{name}: a conversion of the source has this tensor; the artifact lacks it", name
-        )
-    for name in sorted(present - expected):
-        report.add(
-            P.SOURCE_MISMATCH, f"{name}: in the artifact, but a conversion of the source has no such tensor", name
-        )
-    for name, rec in art.layers.items():
-        if name not in src_layers or name in skip:
-            continue
-        lay = src_layers[name]
-        facts = {
-            "size_k": (rec.size_k, lay.size_k),
-            "size_n": (rec.size_n, lay.size_n),
-            "padded_n": (rec.padded_n, lay.padded_n),
-            "group_size": (rec.group_size, lay.group_size),
-            "source_group_size": (rec.source_group_size, lay.source_group_size),
-            "bits": (rec.bits, lay.bits),
-            "zero_convention": (rec.zero_convention.value, lay.zero_convention.value),
-            "has_bias": (rec.has_bias, lay.bias is not None),
-            "act_order": (rec.act_order, lay.act_order),
-        }
-        differ = [key for key, (mine, theirs) in facts.items() if mine != theirs]
-        for key in differ:
-            mine, theirs = facts[key]
-            report.add(
-                P.SOURCE_MISMATCH,
-                f"layer {name}: manifest says {key} = {mine}, the source gives {theirs}",
-                name,
-                theirs,
-                mine,
-            )
-        if differ:
-            continue  # values of differently shaped layers cannot be compared
-        qw = source.load_layer(lay)
-        loaded[name] = qw
-        u = unpack_layer(art, rec)
-        n = rec.size_n
-        checks = {
-            "codes": (u["q"][:, :n], qw.marlin_codes()),
-            "scales": (u["scales"][:, :n], np.ascontiguousarray(qw.scales, dtype=np.float16)),
-            "delta": (u["delta"][:, :n], np.ascontiguousarray(qw.marlin_delta(), dtype=np.float32)),
-        }
-        if rec.padded_n is not None:
-            layer_rows[name]["padding_exact"] = _check_padding(report, rec, u)
-        if (u["perm"] is None) != (qw.perm is None):
-            report.add(
-                P.SOURCE_MISMATCH,
-                f"layer {name}: act-order permutation present in only one of artifact and source",
-                name,
-            )
-        elif u["perm"] is not None:
-            checks["perm"] = (u["perm"], qw.perm)
-        row = layer_rows[name]
-        for what, (mine, theirs) in checks.items():
-            if mine.shape != theirs.shape:
-                report.add(
-                    P.SOURCE_MISMATCH,
-                    f"layer {name}: {what} shape {list(mine.shape)} vs source {list(theirs.shape)}",
-                    name,
-                )
-                row[f"{what}_exact"] = False
-            elif not np.array_equal(_bits(mine), _bits(theirs)):
-                report.add(
-                    P.SOURCE_MISMATCH,
-                    f"layer {name}: {what} not bit-identical to the source: {_first_diff(mine, theirs)}",
-                    name,
-                )
-                row[f"{what}_exact"] = False
-            else:
-                row[f"{what}_exact"] = True
-        if rec.has_bias:
-            bias_name = f"{name}.{Suffix.BIAS.value}"
-            if qw.bias is None or bytes(art.file.raw(bias_name)) != np.ascontiguousarray(qw.bias.data).tobytes():
-                report.add(P.SOURCE_MISMATCH, f"{bias_name}: bias differs from the source", bias_name)
-    for entry in art.manifest.passthrough:
-        name = entry.name
-        if name not in art.file:
-            continue
-        try:
-            t = source.load_tensor(name)
-        except (KeyError, ConverterError):
-            report.add(P.SOURCE_MISMATCH, f"{name}: pass-through tensor not found in the source", name)
-            continue
-        info = art.file.infos[name]
-        if (info.dtype, info.shape) != (t.dtype, tuple(t.shape)):
-            report.add(
-                P.SOURCE_MISMATCH, f"{name}: {info.dtype} {list(info.shape)} vs source {t.dtype} {list(t.shape)}", name
-            )
-        elif xxhash.xxh3_128_hexdigest(art.file.raw(name)) != xxhash.xxh3_128_hexdigest(
-            np.ascontiguousarray(t.data).tobytes()
-        ):
-            report.add(P.SOURCE_MISMATCH, f"{name}: bytes differ from the source", name)
-    return loaded
+    def message(self) -> str:
+        return f"{self.count} of {self.size} differ; first at {self.first}"
 
 
-def _check_padding(report: Report, rec: LayerEntry, u: dict[str, np.ndarray | None]) -> bool:
-    """Whether the padding columns of a padded layer are exactly the zero weight (code 8,
-    scale 1.0, delta +0.0, bitwise); each part that is not is a ``source_mismatch``."""
-    ok = True
-    for what, key, value in (("codes", "q", PAD_CODE), ("scales", "scales", PAD_SCALE), ("delta", "delta", PAD_DELTA)):
-        a = u[key]
-        assert a is not None
-        bad = np.argwhere(_bits(a[:, rec.size_n :]) != _bits(np.full_like(a[:, rec.size_n :], value)))
+@dataclasses.dataclass
+class _PaddingDiff:
+    """The padding columns ``[size_n, layout_n)`` of one quantity that are not ``value``
+    (bitwise), gathered over the chunks."""
+
+    value: float
+    count: int = 0
+    first: str = ""
+
+    def check(self, a: np.ndarray, rec: LayerEntry, row0: int) -> None:
+        pad = a[:, rec.size_n :]
+        bad = np.argwhere(_bits(pad) != _bits(np.full_like(pad, self.value)))
         if bad.size:
-            ok = False
-            r, c = (int(i) for i in bad[0])
-            report.add(
-                P.SOURCE_MISMATCH,
-                f"layer {rec.name}: padding columns {rec.size_n}..{rec.layout_n - 1} of {what} must all be "
-                f"{value:g}; {len(bad)} differ, first at [{r}, {rec.size_n + c}]: {a[r, rec.size_n + c].item()}",
-                rec.name,
-            )
-    return ok
-
-
-def _source_weight(qw: QuantWeight) -> np.ndarray:
-    return _to_source_order(qw.source_weight(), qw.perm)
-
-
-def cpu_numerics(art: Artifact, rec: LayerEntry, qw: QuantWeight | None, rng: np.random.Generator) -> float:
-    """Relative error of the artifact's decomposed product against a reference, fp32.
-
-    The artifact side computes what a Marlin kernel does: gather ``x[:, perm]``,
-    multiply by ``(q - 8) * s``, add ``xsum @ delta`` with per-group sums of the
-    gathered ``x``.  The reference is ``x @ W_source`` (source formula) when a
-    source is given, else ``x @ W`` from the artifact's own exact unpacking.  A padded
-    layer is computed over all ``layout_n`` columns, as the kernel does, and compared
-    on its ``size_n`` real ones.
-
-    Returns:
-        ``||y - y_ref|| / ||y_ref||`` over random ``x`` of shape ``(8, size_k)``.
-    """
-    u = unpack_layer(art, rec)
-    x = rng.standard_normal((CPU_M, rec.size_k), dtype=np.float32)
-    xp = x[:, u["perm"]] if u["perm"] is not None else x
-    g = np.arange(rec.size_k) // rec.group_size
-    w_sym = (u["q"].astype(np.float32) - MARLIN_ZERO) * u["scales"].astype(np.float32)[g]
-    xsum = xp.reshape(CPU_M, rec.shape.num_groups, rec.group_size).sum(axis=2)
-    y = (xp @ w_sym + xsum @ u["delta"])[:, : rec.size_n]
-    w_ref = _source_weight(qw) if qw is not None else artifact_weight(u, rec)
-    y_ref = x @ w_ref
-    denom = float(np.linalg.norm(y_ref)) or 1.0
-    return float(np.linalg.norm(y - y_ref)) / denom
+            if not self.first:
+                r, c = (int(i) for i in bad[0])
+                self.first = f"[{row0 + r}, {rec.size_n + c}]: {pad[r, c].item()}"
+            self.count += len(bad)
 
 
 def verify(
@@ -290,24 +164,31 @@ def verify(
         against: the source checkpoint, for exact comparison and a source reference.
         gpu: True forces GPU numerics (a problem if unavailable), False skips them,
             None runs them when CuPy and a GPU are present.
-        progress: as for :func:`converter.convert.convert`.
+        progress: as for :func:`converter.convert.convert`: ``progress(stage, steps)``
+            when a stage starts, ``progress("", 1)`` per step.
 
     Raises:
         ConverterError and subclasses: unreadable artifact or source (exit 2); an
             ``ArtifactError`` saying so when ``path`` is a source and ``against`` an
             artifact (the arguments swapped).
     """
-    try:
-        report, art = validate_artifact(path)
-    except ArtifactError:
-        if against is not None and _is_artifact(against):
-            raise ArtifactError(
-                f"not an artifact, but --against {against} is one: the arguments are swapped; "
-                f"run marlin-verify {against} --against {path}",
-                path=path,
-            ) from None
-        raise
-    with art:
+    with ExitStack() as stack:
+        try:
+            art = stack.enter_context(open_artifact(path))
+        except ArtifactError:
+            if against is not None and _is_artifact(against):
+                raise ArtifactError(
+                    f"not an artifact, but --against {against} is one: the arguments are swapped; "
+                    f"run marlin-verify {against} --against {path}",
+                    path=path,
+                ) from None
+            raise
+        source: Source | None = None
+        digests: FileDigests | None = None
+        if against is not None:
+            source = stack.enter_context(open_source(against))
+            digests = stack.enter_context(FileDigests(source.digest_files()))
+        report = check_artifact(art, progress=progress)
         rows = {
             rec.name: {
                 "name": rec.name,
@@ -330,34 +211,17 @@ def verify(
         broken = broken_layers(report, set(art.layers))
         for name in broken:
             rows[name]["skipped"] = "structural problems (see problems)"
-        source_layers: dict[str, QuantWeight] = {}
-        if against is not None:
-            with open_source(against) as source:
-                source_layers = compare_against(art, source, report, rows, skip=broken)
+        numerics = not shapes_only
+        compared: dict[str, LayerPlan] = {}
+        if source is not None or numerics:
+            compared = _layer_pass(art, source, digests, report, rows, broken, numerics, progress)
+        if source is not None:
             report.checked["against"] = str(against)
         if shapes_only:
             return report
-        rng = np.random.default_rng(0)
-        if progress:
-            progress("CPU numerics", len(art.layers))
-        for name, rec in art.layers.items():
-            if name in broken:
-                continue
-            err = cpu_numerics(art, rec, source_layers.get(name), rng)
-            rows[name]["cpu_rel_err"] = err
-            if not err <= CPU_REL_TOL:
-                report.add(
-                    P.NUMERICS,
-                    f"layer {name}: CPU relative error {err:.3g} exceeds {CPU_REL_TOL:g}",
-                    name,
-                    CPU_REL_TOL,
-                    err,
-                )
-            if progress:
-                progress("", 1)
         report.checked["cpu_numerics"] = True
         if gpu is not False:
-            _gpu_numerics(art, report, rows, source_layers, forced=bool(gpu), progress=progress, skip=broken)
+            _gpu_numerics(art, source, compared, report, rows, forced=bool(gpu), progress=progress, skip=broken)
     return report
 
 
@@ -370,14 +234,377 @@ def _is_artifact(path: str | Path) -> bool:
     return True
 
 
-def _gpu_numerics(
+def _layer_pass(
     art: Artifact,
+    source: Source | None,
+    digests: FileDigests | None,
     report: Report,
     rows: dict[str, dict[str, Any]],
-    source_layers: dict[str, QuantWeight],
+    broken: set[str],
+    numerics: bool,
+    progress: Callable[[str, int], None] | None,
+) -> dict[str, LayerPlan]:
+    """``--against`` (when ``source``) and the CPU numerics (when ``numerics``), one read.
+
+    Problems are reported in this order: the source's identity, what differs in the set
+    of layers and tensors, per layer its facts and values, pass-through bytes, then
+    numerics.  Returns ``{layer: source plan}`` of the layers compared with the source.
+    """
+    assert art.manifest is not None  # check_artifact stops on a manifest that does not fit
+    identity_at = len(report.problems)
+    plan_layers: dict[str, LayerPlan] = {}
+    if source is not None:
+        plan = source.plan()
+        padded = {lay.name for lay in plan.layers if lay.padded_n is not None}
+        if padded and not padded & art.layers.keys():
+            plan = source.plan(pad=False)  # converted with --no-pad: those layers passed through
+        plan_layers = {lay.name: lay for lay in plan.layers if lay.convertible}
+        _compare_tensor_sets(art, source, plan, report)
+    compared: dict[str, LayerPlan] = {}
+    numeric_problems = Report(report.artifact)
+    stage = " + ".join((["against source"] if source is not None else []) + (["CPU numerics"] if numerics else []))
+    passthrough = [e.name for e in art.manifest.passthrough if e.name in art.file] if source is not None else []
+    if progress:
+        progress(stage, len(art.layers) + len(passthrough))
+    rng = np.random.default_rng(0)
+    buffers = _CodeBuffers()
+    # Three workers: one chunk's two products, and the next chunk's unpacking.
+    with ThreadPoolExecutor(3, thread_name_prefix="marlin-verify") as pool:
+        for name, rec in art.layers.items():
+            # One x per checked layer, drawn in manifest order.
+            x = rng.standard_normal((CPU_M, rec.size_k), dtype=np.float32) if numerics and name not in broken else None
+            lay = plan_layers.get(name)
+            if name not in broken and lay is not None and _facts_agree(rec, lay, report):
+                compared[name] = lay
+            else:
+                lay = None
+            if name not in broken and (lay is not None or numerics):
+                src = source if lay is not None else None
+                _check_layer(art, rec, src, lay, x, report, numeric_problems, rows, pool, buffers)
+            if progress:
+                progress("", 1)
+    for name in passthrough:
+        assert source is not None
+        _compare_passthrough(art, source, name, report)
+        if progress:
+            progress("", 1)
+    if digests is not None:
+        assert source is not None
+        _check_identity(art, source, digests, report, identity_at)
+    report.problems.extend(numeric_problems.problems)
+    return compared
+
+
+def _check_identity(art: Artifact, source: Source, digests: FileDigests, report: Report, at: int) -> None:
+    """``source_differs`` (inserted where the source comparison starts) when the source
+    files' sha256 are not those recorded at conversion."""
+    assert art.manifest is not None
+    recorded = {f.name: f.sha256 for f in art.manifest.source.files}
+    actual = {f["name"]: f["sha256"] for f in source.describe(digests=digests.result())["files"]}
+    changed = sorted(n for n in recorded.keys() & actual.keys() if recorded[n] != actual[n])
+    if changed or not recorded.keys() & actual.keys():
+        what = ", ".join(changed) if changed else "no file names in common"
+        probe = Report(report.artifact)
+        probe.add(
+            P.SOURCE_DIFFERS,
+            f"the source is not the one this artifact was converted from (sha256 differs: {what}); "
+            "the comparisons below will show where",
+            str(source.path),
+        )
+        report.problems[at:at] = probe.problems
+
+
+def _compare_tensor_sets(art: Artifact, source: Source, plan: SourcePlan, report: Report) -> None:
+    """The artifact holds exactly the layers and tensors a conversion of the source makes."""
+    src_layers = {lay.name for lay in plan.layers if lay.convertible}
+    for name in art.layers.keys() - src_layers:
+        report.add(P.SOURCE_MISMATCH, f"layer {name} is in the artifact but not converted from the source", name)
+    for name in src_layers - art.layers.keys():
+        report.add(P.SOURCE_MISMATCH, f"layer {name} converts from the source but is missing from the artifact", name)
+    from .convert import build_layout  # the conversion's own plan of the artifact
+
+    expected = {n for n, _, _ in build_layout(plan, path=source.path)[0]}
+    expected |= {i.name for i in plan.tensors} | set(plan.passthrough_reasons)
+    for lay in plan.layers:
+        if not lay.convertible:
+            expected |= set(lay.source_tensors) | ({lay.bias.name} if lay.bias else set())
+    present = set(art.file.infos)
+    for name in sorted(expected - present):
+        report.add(
+            P.SOURCE_MISMATCH, f"{name}: a conversion of the source has this tensor; the artifact lacks it", name
+        )
+    for name in sorted(present - expected):
+        report.add(
+            P.SOURCE_MISMATCH, f"{name}: in the artifact, but a conversion of the source has no such tensor", name
+        )
+
+
+def _facts_agree(rec: LayerEntry, lay: LayerPlan, report: Report) -> bool:
+    """Report every manifest fact of a layer that the source contradicts; values of
+    differently shaped layers cannot be compared, so only agreeing layers go on."""
+    facts = {
+        "size_k": (rec.size_k, lay.size_k),
+        "size_n": (rec.size_n, lay.size_n),
+        "padded_n": (rec.padded_n, lay.padded_n),
+        "group_size": (rec.group_size, lay.group_size),
+        "source_group_size": (rec.source_group_size, lay.source_group_size),
+        "bits": (rec.bits, lay.bits),
+        "zero_convention": (rec.zero_convention.value, lay.zero_convention.value),
+        "has_bias": (rec.has_bias, lay.bias is not None),
+        "act_order": (rec.act_order, lay.act_order),
+    }
+    differ = [key for key, (mine, theirs) in facts.items() if mine != theirs]
+    for key in differ:
+        mine, theirs = facts[key]
+        report.add(
+            P.SOURCE_MISMATCH,
+            f"layer {rec.name}: manifest says {key} = {mine}, the source gives {theirs}",
+            rec.name,
+            theirs,
+            mine,
+        )
+    return not differ
+
+
+@dataclasses.dataclass
+class _Chunk:
+    """Rows ``[k0, k1)`` of a layer as the artifact stores them: ``b`` (its rows of
+    ``marlin_B``, a view of the file), scales in natural column order (float16) and
+    delta (float32) of groups from ``g0``, all ``layout_n`` columns wide."""
+
+    k0: int
+    k1: int
+    g0: int
+    b: np.ndarray
+    scales: np.ndarray
+    delta: np.ndarray
+
+
+def _artifact_chunks(art: Artifact, rec: LayerEntry) -> Iterator[_Chunk]:
+    from .convert import chunk_rows
+
+    p = rec.name + "."
+    b = art.tensor(p + Suffix.B.value)
+    s = art.tensor(p + Suffix.SCALES.value)
+    d = art.tensor(p + Suffix.DELTA.value)
+    single = rec.shape.num_groups == 1
+    step = chunk_rows(rec.size_k, rec.layout_n, rec.source_group_size or rec.group_size)
+    for k0 in range(0, rec.size_k, step):
+        k1 = min(k0 + step, rec.size_k)
+        g0, g1 = k0 // rec.group_size, -(-k1 // rec.group_size)
+        yield _Chunk(
+            k0,
+            k1,
+            g0,
+            b[k0 // MARLIN_TILE : k1 // MARLIN_TILE],
+            unpermute_scales(s[g0:g1], single=single),
+            np.array(d[g0:g1], dtype=np.float32),
+        )
+
+
+class _CodeBuffers:
+    """Two reused uint8 buffers for a layer's unpacked codes: chunk ``i`` unpacks into
+    buffer ``i % 2`` while the products of chunk ``i - 1`` still read the other one, and
+    a reused buffer costs no page faults (fresh multi-MB arrays do, on every chunk)."""
+
+    def __init__(self) -> None:
+        self._flat: list[np.ndarray] = [np.empty(0, np.uint8), np.empty(0, np.uint8)]
+        self._turn = 0
+
+    def next(self, shape: tuple[int, int]) -> np.ndarray:
+        i, self._turn = self._turn, 1 - self._turn
+        size = shape[0] * shape[1]
+        if self._flat[i].size < size:
+            self._flat[i] = np.empty(size, np.uint8)
+        return self._flat[i][:size].reshape(shape)
+
+
+def _check_layer(
+    art: Artifact,
+    rec: LayerEntry,
+    source: Source | None,
+    lay: LayerPlan | None,
+    x: np.ndarray | None,
+    report: Report,
+    numeric_problems: Report,
+    rows: dict[str, dict[str, Any]],
+    pool: ThreadPoolExecutor,
+    buffers: _CodeBuffers,
+) -> None:
+    """One layer, chunk by chunk: bitwise against ``source`` (when given) and the CPU
+    product (when ``x`` is given), the artifact side as the kernel computes it (gather
+    ``x[:, perm]``, ``(q - 8) * s`` summed per group, plus the group sums of ``x`` times
+    ``delta``, over all ``layout_n`` columns), the reference from the source formula
+    (or, without a source, from the artifact's own ``(q - 8) * s + delta`` per weight);
+    the two are compared on the ``size_n`` real columns.
+
+    Per chunk the artifact's codes are unpacked on ``pool`` while this thread reads the
+    source's, and the two products run on ``pool`` while the next chunk is read.  The
+    layer's problems are reported in one place, in the order: padding, permutation
+    presence, codes, scales, delta, permutation values, bias."""
+    name = rec.name
+    row = rows[name]
+    n, width = rec.size_n, rec.layout_n
+    perm = np.asarray(art.tensor(f"{name}.{Suffix.PERM.value}")) if rec.act_order else None
+    diffs = {
+        "codes": _Diff(rec.size_k * n),
+        "scales": _Diff(rec.shape.num_groups * n),
+        "delta": _Diff(rec.shape.num_groups * n),
+    }
+    padding = {"codes": _PaddingDiff(PAD_CODE), "scales": _PaddingDiff(PAD_SCALE), "delta": _PaddingDiff(PAD_DELTA)}
+    y = y_ref = xp = None
+    if x is not None:
+        y, y_ref = np.zeros((CPU_M, width), np.float32), np.zeros((CPU_M, width), np.float32)
+        xp = x[:, perm] if perm is not None else x
+    compared = source is not None and lay is not None
+    first: QuantWeight | None = None
+    pending: list[Future[None]] = []
+    groups_done = 0
+    for chunk in _artifact_chunks(art, rec):
+        # The previous chunk's products share y and y_ref, and read the buffer that the
+        # chunk after this one will reuse.
+        for fut in pending:
+            fut.result()
+        pending = []
+        codes = pool.submit(unpack_b, chunk.b, width, out=buffers.next((chunk.k1 - chunk.k0, width)))
+        qw = source.load_layer(lay, chunk.k0, chunk.k1) if compared else None
+        q = codes.result()
+        # A per-channel layer hands its one group to every chunk: compare it once.
+        skip = max(groups_done - chunk.g0, 0)
+        groups_done = max(groups_done, chunk.g0 + chunk.scales.shape[0])
+        if compared and rec.padded_n is not None:
+            padding["codes"].check(q, rec, chunk.k0)
+            padding["scales"].check(chunk.scales[skip:], rec, chunk.g0 + skip)
+            padding["delta"].check(chunk.delta[skip:], rec, chunk.g0 + skip)
+        if qw is not None:
+            first = first or qw
+            diffs["codes"].compare(q[:, :n], qw.marlin_codes(), (chunk.k0, 0))
+            if skip < qw.num_groups:
+                offset = (chunk.g0 + skip, 0)
+                scales = np.asarray(qw.scales, dtype=np.float16)[skip:]
+                diffs["scales"].compare(chunk.scales[skip:, :n], scales, offset)
+                delta_src = np.asarray(qw.marlin_delta(), dtype=np.float32)[skip:]
+                diffs["delta"].compare(chunk.delta[skip:, :n], delta_src, offset)
+        if x is not None:
+            assert xp is not None and y is not None and y_ref is not None
+            xs = np.ascontiguousarray(xp[:, chunk.k0 : chunk.k1])
+            s32 = chunk.scales.astype(np.float32)
+            pending.append(
+                pool.submit(accumulate, y, xs, q, rec.group_size, s32, MARLIN_ZERO, chunk.delta, factored=True)
+            )
+            if qw is not None:
+                xr = x[:, qw.perm[chunk.k0 : chunk.k1]] if qw.perm is not None else xs
+                qs, a, c, b = _widened(qw, width)
+                pending.append(pool.submit(accumulate, y_ref, xr, qs, rec.group_size, a, c, b, factored=False))
+            else:
+                pending.append(
+                    pool.submit(accumulate, y_ref, xs, q, rec.group_size, s32, MARLIN_ZERO, chunk.delta, factored=False)
+                )
+        del qw, chunk
+        # Drop the pages this chunk touched, the artifact's and the source's.
+        release_mapped_pages()
+        if source is not None:
+            source.release_pages()
+    for fut in pending:
+        fut.result()
+    if compared:
+        assert first is not None
+        if rec.padded_n is not None:
+            for what, pad in padding.items():
+                if pad.count:
+                    report.add(
+                        P.SOURCE_MISMATCH,
+                        f"layer {name}: padding columns {n}..{width - 1} of {what} must all be {pad.value:g}; "
+                        f"{pad.count} differ, first at {pad.first}",
+                        name,
+                    )
+            row["padding_exact"] = not any(pad.count for pad in padding.values())
+        if (perm is None) != (first.perm is None):
+            report.add(
+                P.SOURCE_MISMATCH,
+                f"layer {name}: act-order permutation present in only one of artifact and source",
+                name,
+            )
+        elif perm is not None and first.perm is not None:
+            diffs["perm"] = _Diff(perm.size)
+            diffs["perm"].compare(perm, np.asarray(first.perm), (0,))
+        for what, diff in diffs.items():
+            if diff.count:
+                report.add(
+                    P.SOURCE_MISMATCH, f"layer {name}: {what} not bit-identical to the source: {diff.message()}", name
+                )
+            row[f"{what}_exact"] = not diff.count
+        if rec.has_bias:
+            bias_name = f"{name}.{Suffix.BIAS.value}"
+            raw = bytes(art.file.raw(bias_name))
+            if first.bias is None or raw != np.ascontiguousarray(first.bias.data).tobytes():
+                report.add(P.SOURCE_MISMATCH, f"{bias_name}: bias differs from the source", bias_name)
+    if y is not None and y_ref is not None:
+        err = relative_error(y[:, :n], y_ref[:, :n])
+        row["cpu_rel_err"] = err
+        if not err <= CPU_REL_TOL:
+            numeric_problems.add(
+                P.NUMERICS,
+                f"layer {name}: CPU relative error {err:.3g} exceeds {CPU_REL_TOL:g}",
+                name,
+                CPU_REL_TOL,
+                err,
+            )
+
+
+def _widened(qw: QuantWeight, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | float, np.ndarray | None]:
+    """The source chunk's codes and formula (:meth:`QuantWeight.source_formula`) with
+    zero columns up to ``width`` (a padded layer's): scale 0 makes their weight 0."""
+    a, c, b = qw.source_formula()
+    extra = width - qw.size_n
+    if not extra:
+        return qw.q, a, c, b
+
+    def wide(m: np.ndarray) -> np.ndarray:
+        return np.pad(m, ((0, 0), (0, extra)))
+
+    return wide(qw.q), wide(a), wide(c) if isinstance(c, np.ndarray) else c, None if b is None else wide(b)
+
+
+def _compare_passthrough(art: Artifact, source: Source, name: str, report: Report) -> None:
+    """A pass-through tensor's dtype, shape and bytes against the source's, in chunks."""
+    try:
+        t = source.load_tensor(name)
+    except (KeyError, ConverterError):
+        report.add(P.SOURCE_MISMATCH, f"{name}: pass-through tensor not found in the source", name)
+        return
+    info = art.file.infos[name]
+    if (info.dtype, info.shape) != (t.dtype, tuple(t.shape)):
+        report.add(
+            P.SOURCE_MISMATCH, f"{name}: {info.dtype} {list(info.shape)} vs source {t.dtype} {list(t.shape)}", name
+        )
+        return
+    mine = np.frombuffer(art.file.raw(name), dtype=np.uint8)
+    theirs = np.ascontiguousarray(t.data).reshape(-1).view(np.uint8) if t.data.size else np.zeros(0, np.uint8)
+    same = mine.size == theirs.size
+    for i in range(0, mine.size if same else 0, COMPARE_CHUNK_BYTES):
+        same = _same_bytes(mine[i : i + COMPARE_CHUNK_BYTES], theirs[i : i + COMPARE_CHUNK_BYTES])
+        release_mapped_pages()
+        source.release_pages()
+        if not same:
+            break
+    if not same:
+        report.add(P.SOURCE_MISMATCH, f"{name}: bytes differ from the source", name)
+
+
+def _source_weight(qw: QuantWeight) -> np.ndarray:
+    return _to_source_order(qw.source_weight(), qw.perm)
+
+
+def _gpu_numerics(
+    art: Artifact,
+    source: Source | None,
+    compared: dict[str, LayerPlan],
+    report: Report,
+    rows: dict[str, dict[str, Any]],
     *,
     forced: bool,
-    progress,
+    progress: Callable[[str, int], None] | None,
     skip: set[str],
 ) -> None:
     try:
@@ -401,8 +628,12 @@ def _gpu_numerics(
             rows[name]["gpu"] = f"skipped: layer is outside our kernel's limits (K % {KERNEL_K_MULTIPLE} == 0)"
             report.add(P.GPU_SKIPPED, f"layer {name}: {rows[name]['gpu']}", name, severity="warning")
             continue
+        # One layer at a time, its source read again: nothing is held across layers.
         u = unpack_layer(art, rec)
-        w_ref = _source_weight(source_layers[name]) if name in source_layers else artifact_weight(u, rec)
+        if source is not None and name in compared:
+            w_ref = _source_weight(source.load_layer(compared[name]))
+        else:
+            w_ref = artifact_weight(u, rec)
         p = name + "."
         res = verify_layer_gpu(
             np.asarray(art.tensor(p + Suffix.B.value)),
@@ -415,6 +646,10 @@ def _gpu_numerics(
             w_ref,
             n_out=rec.size_n,
         )
+        del u, w_ref
+        release_mapped_pages()
+        if source is not None:
+            source.release_pages()
         per_m = {str(m): v for m, v in res.items() if m != "ok"}
         rows[name]["gpu"] = {
             "mean_rel_err": max(max(v["mean_rel_err"], v.get("two_kernel_mean_rel_err", 0.0)) for v in per_m.values()),

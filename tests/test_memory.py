@@ -1,77 +1,51 @@
-"""Streaming and memory (issue 5, item 5).
+"""Streaming and memory (issues 5 and 11).
 
-Conversion goes tensor by tensor from memory-mapped input; the input pages each chunk
-touched are dropped (``MADV_DONTNEED``) so they do not pile up in RSS.  Peak RSS of
-the ``marlin-convert`` process must stay at or below 3 x the largest single tensor +
-300 MiB.  The default run uses a ~420 MB checkpoint whose bound (~350 MB) is below
-the input size, so a converter that held the model (or its touched pages) would fail.
-The ~2 GB measurement is ``@pytest.mark.slow`` and needs ``MARLIN_BIG=1``; the
-benchmark script reports the same number (docs/performance-cpu.md).
+Conversion goes tensor by tensor from memory-mapped input, and verification layer by
+layer in chunks; the pages each chunk touched are dropped (``MADV_DONTNEED``) so they
+do not pile up in RSS.  Peak RSS of ``marlin-convert``, ``marlin-verify`` and
+``marlin-verify --against`` must stay at or below 3 x the largest single tensor + 300
+MiB.  The default run uses a ~420 MB checkpoint whose bound (~350 MB) is below the
+input size, so a tool that held the model (or its touched pages) would fail.  The ~2 GB
+measurement is ``@pytest.mark.slow`` and needs ``MARLIN_BIG=1``; the benchmark script
+reports the same numbers (docs/performance-cpu.md); tests/test_scale.py converts and
+verifies a 70B-class layer.
 
 Speed is not asserted here (no timed assertions in tests): scripts/bench_convert.py.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from converter.artifact.validate import validate_artifact
-from converter.safetensors_io import SafetensorsFile
-from tests.helpers.paths import REPO
-from tests.helpers.synthetic_gptq import small_gptq
+from tests.helpers.clirun import run_cli_rss
+from tests.helpers.synthetic_gptq import largest_tensor_bytes, small_gptq
 
 MIB = 2**20
 
-# Runs the real CLI in a child and prints that child's peak RSS (bytes) as JSON.
-_MEASURE = r"""
-import json, resource, subprocess, sys
-r = subprocess.run([sys.executable, "-c",
-    "import sys; sys.argv[0] = 'marlin-convert'; from converter.cli import main_convert; main_convert()",
-    *sys.argv[1:]], capture_output=True, text=True)
-print(json.dumps({"rc": r.returncode, "stderr": r.stderr[-2000:],
-                  "maxrss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}))
-"""
 
-
-def peak_rss_of_convert(src: Path, out: Path) -> int:
-    """Peak RSS in bytes of one ``marlin-convert SRC OUT`` process (its own ru_maxrss)."""
-    r = subprocess.run(
-        [sys.executable, "-c", _MEASURE, str(src), str(out), "--quiet"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        timeout=1800,
-    )
-    res = json.loads(r.stdout)
-    assert res["rc"] == 0, res["stderr"]
-    return int(res["maxrss"])
-
-
-def largest_tensor_bytes(src: Path) -> int:
-    best = 0
-    for f in src.glob("*.safetensors"):
-        with SafetensorsFile(f) as sf:
-            for name in sf.infos:
-                b, e = sf.byte_range(name)
-                best = max(best, e - b)
-    return best
+def peak_rss_of(tool: str, *args: object) -> int:
+    """Peak RSS in bytes of one ``marlin-convert`` or ``marlin-verify`` process, which must exit 0."""
+    done, rss = run_cli_rss(tool, *args)
+    assert done.returncode == 0, done.stderr + done.stdout
+    return rss
 
 
 def _check_memory(src: Path, out: Path) -> tuple[int, int, int]:
     in_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     bound = 3 * largest_tensor_bytes(src) + 300 * MIB
-    rss = peak_rss_of_convert(src, out)
+    rss = peak_rss_of("marlin-convert", src, out, "--quiet")
     assert rss <= bound, f"peak RSS {rss / MIB:.0f} MiB exceeds 3 x largest tensor + 300 MiB = {bound / MIB:.0f} MiB"
     report, art = validate_artifact(out)
     art.close()
     assert report.ok, [p.message for p in report.problems]
+    for args in ((out, "--cpu", "--quiet"), (out, "--against", src, "--cpu", "--quiet")):
+        got = peak_rss_of("marlin-verify", *args)
+        what = " ".join(map(str, args[1:]))
+        assert got <= bound, f"marlin-verify {what}: peak RSS {got / MIB:.0f} MiB > {bound / MIB:.0f} MiB"
     return in_bytes, bound, rss
 
 

@@ -9,6 +9,7 @@ then nothing further can be checked.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +45,7 @@ from .problems import Problem, ProblemCode, Report
 from .reader import Artifact, open_artifact
 from .schema import LayerEntry, Manifest, schema_errors
 
-__all__ = ["CONVENTIONS", "Problem", "ProblemCode", "Report", "broken_layers", "validate_artifact"]
+__all__ = ["CONVENTIONS", "Problem", "ProblemCode", "Report", "broken_layers", "check_artifact", "validate_artifact"]
 
 P = ProblemCode
 
@@ -58,7 +59,9 @@ def expected_layer_tensors(art: Artifact, rec: LayerEntry) -> dict[Suffix, tuple
     return marlin_shapes(rec.shape, act_order=rec.act_order, bias_dtype=bias_dtype)
 
 
-def validate_artifact(path: str | Path, *, checksums: bool = True) -> tuple[Report, Artifact]:
+def validate_artifact(
+    path: str | Path, *, checksums: bool = True, progress: Callable[[str, int], None] | None = None
+) -> tuple[Report, Artifact]:
     """Check an artifact's structure without a GPU (what ``--shapes`` runs).
 
     Checks: the manifest validates against its version's JSON Schema and its own
@@ -72,6 +75,8 @@ def validate_artifact(path: str | Path, *, checksums: bool = True) -> tuple[Repo
     Args:
         path: the artifact file.
         checksums: hash every tensor's bytes (reads the whole file once).
+        progress: called as ``progress("checksums", tensors)``, then ``progress("", 1)``
+            per tensor hashed.
 
     Returns:
         ``(report, artifact)``; the caller closes the artifact.
@@ -82,7 +87,14 @@ def validate_artifact(path: str | Path, *, checksums: bool = True) -> tuple[Repo
         SchemaVersionError: unsupported schema version.
     """
     art = open_artifact(path)
-    report = Report(str(path), schema_version=art.document.data.get("schema_version"))
+    return check_artifact(art, checksums=checksums, progress=progress), art
+
+
+def check_artifact(
+    art: Artifact, *, checksums: bool = True, progress: Callable[[str, int], None] | None = None
+) -> Report:
+    """:func:`validate_artifact` on an artifact already open (same checks and arguments)."""
+    report = Report(str(art.path), schema_version=art.document.data.get("schema_version"))
     for note in art.notes:
         report.add(P.MANIFEST_CHECKSUM, note, META_MANIFEST)
     # Sharded artifacts: inconsistencies between the index and the shards.
@@ -109,7 +121,7 @@ def validate_artifact(path: str | Path, *, checksums: bool = True) -> tuple[Repo
     infos = art.file.infos
     if errors or art.manifest is None:  # field access below assumes a well-formed manifest
         report.checked = {"layers": 0, "tensors": len(infos), "checksums": False}
-        return report, art
+        return report
     manifest = art.manifest
     accounted: set[str] = set()
     for rec in art.layers.values():
@@ -157,7 +169,11 @@ def validate_artifact(path: str | Path, *, checksums: bool = True) -> tuple[Repo
         if name not in infos:
             report.add(P.CHECKSUM_ORPHAN, f"{name}: has a checksum but no tensor", name)
     if checksums:
+        if progress:
+            progress("checksums", len(infos))
         for name in infos:
+            if progress:
+                progress("", 1)
             want = sums.get(name)
             if want is None:
                 report.add(P.CHECKSUM_MISSING, f"{name}: no checksum in the manifest", name)
@@ -177,7 +193,7 @@ def validate_artifact(path: str | Path, *, checksums: bool = True) -> tuple[Repo
     _check_layer_facts(art, manifest, report)
     _check_folder_files(art, manifest, report)
     report.checked = {"layers": len(art.layers), "tensors": len(infos), "checksums": checksums}
-    return report, art
+    return report
 
 
 def _check_layer_facts(art: Artifact, manifest: Manifest, report: Report) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,18 +11,44 @@ from pathlib import Path
 from .paths import REPO
 
 
-def run_cli(tool: str, *args: object, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """Run ``marlin-convert`` or ``marlin-verify`` with ``args``; returns the finished process."""
+def _command(tool: str, args: tuple[object, ...]) -> list[str]:
     entry = {"marlin-convert": "main_convert", "marlin-verify": "main_verify"}[tool]
     code = f"import sys; sys.argv[0] = {tool!r}; from converter.cli import {entry}; {entry}()"
-    return subprocess.run(
-        [sys.executable, "-c", code, *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "COLUMNS": "200", "HOME": str(Path.home())},
+    return [sys.executable, "-c", code, *map(str, args)]
+
+
+def _env() -> dict[str, str]:
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "COLUMNS": "200", "HOME": str(Path.home())}
+    if "MARLIN_NATIVE" in os.environ:  # a run that switched the compiled loops off keeps them off
+        env["MARLIN_NATIVE"] = os.environ["MARLIN_NATIVE"]
+    return env
+
+
+def run_cli(tool: str, *args: object, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run ``marlin-convert`` or ``marlin-verify`` with ``args``; returns the finished process."""
+    return subprocess.run(_command(tool, args), capture_output=True, text=True, timeout=timeout, cwd=REPO, env=_env())
+
+
+#: A small process that runs the tool as its child and reports the child's peak RSS.  The
+#: tool must not be started from the test process itself: Linux carries a parent's RSS
+#: high-water mark into a child forked (or vforked) from it, so a 900 MB pytest would set
+#: a 900 MB floor under every measurement.
+_MEASURE = r"""
+import json, resource, subprocess, sys
+r = subprocess.run(sys.argv[1:], capture_output=True, text=True)
+print(json.dumps({"rc": r.returncode, "stdout": r.stdout, "stderr": r.stderr,
+                  "maxrss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}))
+"""
+
+
+def run_cli_rss(tool: str, *args: object) -> tuple[subprocess.CompletedProcess[str], int]:
+    """:func:`run_cli`, plus the tool's peak RSS in bytes: its own ``ru_maxrss``, which
+    counts the file-backed pages it has mapped too (Linux reports KiB)."""
+    r = subprocess.run(
+        [sys.executable, "-c", _MEASURE, *_command(tool, args)], capture_output=True, text=True, cwd=REPO, env=_env()
     )
+    res = json.loads(r.stdout)
+    return subprocess.CompletedProcess(_command(tool, args), res["rc"], res["stdout"], res["stderr"]), res["maxrss"]
 
 
 def assert_one_line_error(r: subprocess.CompletedProcess[str], *needles: str) -> None:

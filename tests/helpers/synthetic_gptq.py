@@ -265,3 +265,34 @@ def small_gptq(folder: Path, *, shards: int = 1, **kw: object) -> Path:
     args.update(kw)
     write_gptq(folder, **args)  # type: ignore[arg-type]
     return folder
+
+
+def largest_tensor_bytes(folder: Path) -> int:
+    """Bytes of the largest tensor in a folder's ``*.safetensors`` files (the memory bound's unit)."""
+    from converter.safetensors_io import SafetensorsFile
+
+    best = 0
+    for f in folder.glob("*.safetensors"):
+        with SafetensorsFile(f) as sf:
+            for name in sf.infos:
+                b, e = sf.byte_range(name)
+                best = max(best, e - b)
+    return best
+
+
+def write_gptq_layers(
+    folder: str | Path, layers: list[tuple[str, int, int]], *, group_size: int = 128, seed: int = 0
+) -> Path:
+    """A one-file 4-bit GPTQ checkpoint holding just ``layers`` (``[(prefix, K, N)]``) and
+    one fp16 norm, with its configs: for scale tests of single large layers."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    specs: list[TensorSpec] = []
+    for prefix, size_k, size_n in layers:
+        specs += gptq_layer(prefix, size_k, size_n, group_size=group_size, seed=seed)
+    width = max(k for _, k, _ in layers)
+    specs.append(("model.norm.weight", "F16", (width,), _f16("model.norm.weight", (width,), seed, 0.9, 1.1)))
+    write_safetensors(folder / "model.safetensors", specs)
+    (folder / "quantize_config.json").write_text(json.dumps(quant_config(group_size), indent=1))
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    return folder

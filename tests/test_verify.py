@@ -1,0 +1,158 @@
+"""Streaming verification: chunk by chunk, differences are still found and located in the
+whole layer, problems keep their order, and every stage is named on the progress bar."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from converter.artifact.reader import open_artifact
+from converter.convert import convert
+from converter.marlin.layout import pack_b, permute_scales, unpack_b, unpermute_scales
+from converter.verify import verify
+from tests.helpers.artifact_edit import rewrite_artifact_arrays
+from tests.helpers.paths import SAMPLE
+from tests.helpers.producers import gptq_config, gptq_tensors, make_layer, plain_tensors, write_checkpoint
+
+L = "model.layers.0.mlp.down_proj"
+K, N, G = 512, 256, 64
+
+
+@pytest.fixture()
+def chunked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """128-row chunks, so a 512-row layer is checked in four."""
+    # converter.convert (the module) is shadowed by the function the package exports.
+    monkeypatch.setattr(sys.modules["converter.convert"], "CHUNK_CODE_BYTES", 128 * N)
+
+
+def _checkpoint(folder: Path, *, act_order: bool = False) -> Path:
+    rng = np.random.default_rng(11)
+    tensors = plain_tensors(rng) | gptq_tensors(L, make_layer(rng, K, N, group_size=G, act_order=act_order), v1=True)
+    return write_checkpoint(folder, tensors, gptq_config(4, G), where="quantize_config.json")
+
+
+def _edit_layer(art: Path, out: Path, change) -> Path:
+    """Rewrite layer L's unpacked codes / natural-order scales / delta / perm with
+    ``change(parts)`` and re-seal the checksums."""
+
+    def edit(manifest: dict, t: dict) -> None:
+        p = L + "."
+        parts = {
+            "q": unpack_b(t[p + "marlin_B"][1], N).copy(),
+            "scales": unpermute_scales(t[p + "marlin_scales"][1]).copy(),
+            "delta": t[p + "marlin_delta"][1].copy(),
+        }
+        if p + "marlin_perm" in t:
+            parts["perm"] = t[p + "marlin_perm"][1].copy()
+        change(parts)
+        t[p + "marlin_B"] = ("I32", pack_b(parts["q"]))
+        t[p + "marlin_scales"] = ("F16", permute_scales(parts["scales"]))
+        t[p + "marlin_delta"] = ("F32", parts["delta"])
+        if "perm" in parts:
+            t[p + "marlin_perm"] = ("I32", parts["perm"])
+
+    return rewrite_artifact_arrays(art, out, edit)
+
+
+def test_differences_are_located_in_the_whole_layer(tmp_path: Path, chunked: None) -> None:
+    src = _checkpoint(tmp_path / "src")
+    art = Path(convert(src, tmp_path / "a.safetensors").output)
+    assert verify(art, against=src, gpu=False).ok
+    seen = {}
+
+    def change(parts: dict) -> None:
+        # One code in the third chunk, one scale and one delta of a group in the fourth.
+        seen["q"] = int(parts["q"][300, 5])
+        parts["q"][300, 5] = (seen["q"] + 3) % 16
+        seen["s"] = float(parts["scales"][6, 7])
+        parts["scales"][6, 7] = np.float16(seen["s"] * 2)
+        seen["d"] = float(parts["delta"][7, 9])
+        parts["delta"][7, 9] = np.float32(seen["d"] + 1)
+
+    bad = _edit_layer(art, tmp_path / "bad.safetensors", change)
+    assert verify(bad, shapes_only=True).ok  # re-sealed: only the source can tell
+    rep = verify(bad, against=src, gpu=False)
+    messages = [(p.code.value, p.message) for p in rep.problems]
+    new_q = (seen["q"] + 3) % 16
+    assert messages[:3] == [
+        (
+            "source_mismatch",
+            f"layer {L}: codes not bit-identical to the source: 1 of {K * N} differ; "
+            f"first at [300, 5]: {new_q} vs source {seen['q']}",
+        ),
+        (
+            "source_mismatch",
+            f"layer {L}: scales not bit-identical to the source: 1 of {K // G * N} differ; "
+            f"first at [6, 7]: {float(np.float16(seen['s'] * 2))} vs source {seen['s']}",
+        ),
+        (
+            "source_mismatch",
+            f"layer {L}: delta not bit-identical to the source: 1 of {K // G * N} differ; "
+            f"first at [7, 9]: {float(np.float32(seen['d'] + 1))} vs source {seen['d']}",
+        ),
+    ]
+    # Numerics come after every comparison with the source.
+    assert [c for c, _ in messages[3:]] == ["numerics"]
+    row = next(r for r in rep.layers if r["name"] == L)
+    assert (row["codes_exact"], row["scales_exact"], row["delta_exact"]) == (False, False, False)
+    assert row["cpu_rel_err"] > 1e-3
+
+
+def test_act_order_permutation_is_compared(tmp_path: Path, chunked: None) -> None:
+    src = _checkpoint(tmp_path / "src", act_order=True)
+    art = Path(convert(src, tmp_path / "a.safetensors").output)
+    good = verify(art, against=src, gpu=False)
+    assert good.ok and next(r for r in good.layers if r["name"] == L)["perm_exact"] is True
+
+    def swap(parts: dict) -> None:
+        parts["perm"][[10, 400]] = parts["perm"][[400, 10]]
+
+    bad = _edit_layer(art, tmp_path / "bad.safetensors", swap)
+    rep = verify(bad, against=src, gpu=False)
+    msgs = [p.message for p in rep.problems if p.code.value == "source_mismatch"]
+    assert len(msgs) == 1 and msgs[0].startswith(f"layer {L}: perm not bit-identical to the source: 2 of {K} differ")
+    assert [p.code.value for p in rep.problems][-1] == "numerics"
+
+
+def test_a_changed_source_file_is_reported_first(tmp_path: Path) -> None:
+    src = _checkpoint(tmp_path / "src")
+    art = Path(convert(src, tmp_path / "a.safetensors").output)
+    with open(src / "quantize_config.json", "a") as fh:
+        fh.write("\n")  # same config, other bytes
+    rep = verify(art, against=src, gpu=False)
+    assert [(p.code.value, p.message) for p in rep.problems] == [
+        (
+            "source_differs",
+            "the source is not the one this artifact was converted from (sha256 differs: quantize_config.json); "
+            "the comparisons below will show where",
+        )
+    ]
+
+
+@pytest.mark.parametrize(
+    "kw,stages",
+    [
+        ({"shapes_only": True}, ["checksums"]),
+        ({"shapes_only": True, "against": True}, ["checksums", "against source"]),
+        ({}, ["checksums", "CPU numerics"]),
+        ({"against": True}, ["checksums", "against source + CPU numerics"]),
+    ],
+)
+def test_progress_names_each_stage(tmp_path: Path, kw: dict, stages: list[str]) -> None:
+    art = Path(convert(SAMPLE, tmp_path / "s.safetensors").output)
+    calls: list[tuple[str, int]] = []
+    if kw.pop("against", False):
+        kw["against"] = SAMPLE
+    rep = verify(art, gpu=False, progress=lambda d, n: calls.append((d, n)), **kw)
+    assert rep.ok
+    assert [d for d, _ in calls if d] == stages
+    totals = dict(calls)
+    assert totals["checksums"] == rep.checked["tensors"]
+    with open_artifact(art) as a:
+        passthrough = len(a.manifest.passthrough) if "against" in kw else 0
+    if len(stages) > 1:  # a step per layer, and per pass-through tensor compared with the source
+        assert totals[stages[1]] == len(rep.layers) + passthrough
+    assert len(calls) == len(stages) + sum(n for d, n in calls if d)
