@@ -56,6 +56,8 @@ CPU_REL_TOL = 1e-5
 CPU_M = ROWS
 #: Bytes of pass-through tensors compared at a time.
 COMPARE_CHUNK_BYTES = 64 << 20
+#: How much smaller the chunks are when the NumPy code runs (no compiled loops).
+NUMPY_CHUNK_DIVISOR = 4
 P = ProblemCode
 
 
@@ -381,14 +383,17 @@ class _Chunk:
 
 
 def _artifact_chunks(art: Artifact, rec: LayerEntry) -> Iterator[_Chunk]:
-    from .convert import chunk_rows
+    from .convert import CHUNK_CODE_BYTES, chunk_rows
 
     p = rec.name + "."
     b = art.tensor(p + Suffix.B.value)
     s = art.tensor(p + Suffix.SCALES.value)
     d = art.tensor(p + Suffix.DELTA.value)
     single = rec.shape.num_groups == 1
-    step = chunk_rows(rec.size_k, rec.layout_n, rec.source_group_size or rec.group_size)
+    # The NumPy unpackers widen every code to 32 bits on the way (4 bytes of temporaries
+    # per code, on three threads at once): a quarter of the chunk keeps them in the bound.
+    budget = CHUNK_CODE_BYTES if native_lib() is not None else CHUNK_CODE_BYTES // NUMPY_CHUNK_DIVISOR
+    step = chunk_rows(rec.size_k, rec.layout_n, rec.source_group_size or rec.group_size, budget)
     for k0 in range(0, rec.size_k, step):
         k1 = min(k0 + step, rec.size_k)
         g0, g1 = k0 // rec.group_size, -(-k1 // rec.group_size)
