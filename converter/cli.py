@@ -12,6 +12,7 @@ names) are printed with control characters escaped (:func:`converter.errors.prin
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -587,11 +588,37 @@ def _usage_errors() -> tuple[type[BaseException], ...]:
 _USAGE_ERRORS = _usage_errors()
 
 
+#: glibc ``mallopt`` parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def _reuse_freed_chunks() -> None:
+    """Let this process's heap keep the freed buffers of streaming for the next chunk.
+
+    Both tools allocate arrays of a chunk's size (~24 MB) over and over.  glibc serves
+    blocks that large with a fresh ``mmap`` and returns them on free (its dynamic
+    threshold stops at 32 MiB, and it trims more than twice that from the heap top), so
+    every chunk paid page faults and the kernel's zeroing of new pages: ``marlin-verify
+    --against`` of a 2 GB model spent 1.4 s of system time, 0.8 s with blocks up to 64
+    MiB taken from the heap and up to 256 MiB of free heap kept (measured on 2 cores).
+    Only the command-line processes do this; elsewhere (musl, macOS) it is skipped.
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(_M_MMAP_THRESHOLD, 64 << 20)
+    mallopt(_M_TRIM_THRESHOLD, 256 << 20)
+
+
 def main_convert() -> None:
+    _reuse_freed_chunks()
     _main(convert_app, "marlin-convert")
 
 
 def main_verify() -> None:
+    _reuse_freed_chunks()
     _main(verify_app, "marlin-verify")
 
 

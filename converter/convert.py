@@ -57,7 +57,7 @@ from .marlin.shapes import LayerShape, marlin_shapes
 from .safetensors_io import StreamingWriter, release_mapped_pages
 
 #: Bytes of uint8 codes unpacked at a time; bounds peak memory per layer.
-CHUNK_CODE_BYTES = 32 << 20
+CHUNK_CODE_BYTES = 24 << 20
 #: Bytes copied at a time for pass-through tensors.
 COPY_CHUNK_BYTES = 64 << 20
 PLAIN_REASON = "not a quantized linear layer"

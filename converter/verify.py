@@ -270,8 +270,8 @@ def _layer_pass(
         progress(stage, len(art.layers) + len(passthrough))
     rng = np.random.default_rng(0)
     buffers = _CodeBuffers()
-    # Three workers: one chunk's two products, and the next chunk's unpacking.
-    with ThreadPoolExecutor(3, thread_name_prefix="marlin-verify") as pool:
+    # Four workers: one chunk's two products and its comparison, and the next chunk's unpacking.
+    with ThreadPoolExecutor(4, thread_name_prefix="marlin-verify") as pool:
         for name, rec in art.layers.items():
             # One x per checked layer, drawn in manifest order.
             x = rng.standard_normal((CPU_M, rec.size_k), dtype=np.float32) if numerics and name not in broken else None
@@ -466,8 +466,8 @@ def _check_layer(
     pending: list[Future[None]] = []
     groups_done = 0
     for chunk in _artifact_chunks(art, rec):
-        # The previous chunk's products share y and y_ref, and read the buffer that the
-        # chunk after this one will reuse.
+        # The previous chunk's products and comparison share y, y_ref and the diffs, and
+        # read the buffer that the chunk after this one will reuse.
         for fut in pending:
             fut.result()
         pending = []
@@ -483,7 +483,8 @@ def _check_layer(
             padding["delta"].check(chunk.delta[skip:], rec, chunk.g0 + skip)
         if qw is not None:
             first = first or qw
-            diffs["codes"].compare(q[:, :n], qw.marlin_codes(), (chunk.k0, 0))
+            # The largest comparison runs beside the products; it only reads q.
+            pending.append(pool.submit(diffs["codes"].compare, q[:, :n], qw.marlin_codes(), (chunk.k0, 0)))
             if skip < qw.num_groups:
                 offset = (chunk.g0 + skip, 0)
                 scales = np.asarray(qw.scales, dtype=np.float16)[skip:]
