@@ -156,3 +156,20 @@ def test_progress_names_each_stage(tmp_path: Path, kw: dict, stages: list[str]) 
     if len(stages) > 1:  # a step per layer, and per pass-through tensor compared with the source
         assert totals[stages[1]] == len(rep.layers) + passthrough
     assert len(calls) == len(stages) + sum(n for d, n in calls if d)
+
+
+def test_checksums_in_blocks_catch_a_late_flip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import converter.artifact.validate as validate
+
+    monkeypatch.setattr(validate, "HASH_CHUNK_BYTES", 1000)  # every sample tensor above 1000 bytes in blocks
+    art = Path(convert(SAMPLE, tmp_path / "s.safetensors").output)
+    assert verify(art, shapes_only=True).ok
+    with open_artifact(art) as a:
+        name = max(a.file.infos, key=lambda n: a.file.byte_range(n)[1] - a.file.byte_range(n)[0])
+        begin, end = a.file.byte_range(name)
+    assert end - begin > 3000
+    data = bytearray(art.read_bytes())
+    data[end - 1] ^= 0x01  # in the last block
+    art.write_bytes(bytes(data))
+    rep = verify(art, shapes_only=True)
+    assert [(p.code.value, p.tensor) for p in rep.problems if p.severity == "error"] == [("checksum_mismatch", name)]
