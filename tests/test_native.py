@@ -266,10 +266,11 @@ def test_wheel_without_a_compiler_installs_and_converts(tmp_path: Path) -> None:
         "import sys; from converter import native; from converter.convert import convert; "
         "print(native.status()); convert(sys.argv[1], sys.argv[2])"
     )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MARLIN_NATIVE")}
     run = subprocess.run(
         [sys.executable, "-c", script, str(SAMPLE), str(out)],
         cwd=tmp_path,
-        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(site)},
+        env=env | {"PYTHONPATH": str(site)},
         capture_output=True,
         text=True,
         check=True,
