@@ -25,6 +25,7 @@ import os
 import secrets
 import sys
 import tempfile
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -168,19 +169,24 @@ class WriteBack:
         self.drop = drop
         self._ranges: deque[tuple[int, int]] = deque()
         self._inflight = 0
+        self._lock = threading.Lock()  # several writer threads report their ranges
 
     def wrote(self, offset: int, length: int) -> None:
-        """Record that ``[offset, offset + length)`` was just written."""
+        """Record that ``[offset, offset + length)`` was just written (thread-safe)."""
         if _SYNC_FILE_RANGE is None or length <= 0:
             return
         # Errors (EINVAL on file systems without write-back, such as some FUSE ones)
         # only lose the overlap; the final fsync reports real I/O errors.
         _SYNC_FILE_RANGE(self.fd, offset, length, _SYNC_WRITE)
-        self._ranges.append((offset, length))
-        self._inflight += length
-        while self._inflight > self.window and self._ranges:
-            old, n = self._ranges.popleft()
-            self._inflight -= n
+        with self._lock:
+            self._ranges.append((offset, length))
+            self._inflight += length
+            due = []
+            while self._inflight > self.window and self._ranges:
+                old, n = self._ranges.popleft()
+                self._inflight -= n
+                due.append((old, n))
+        for old, n in due:
             _SYNC_FILE_RANGE(self.fd, old, n, _SYNC_WAIT_BEFORE | _SYNC_WRITE | _SYNC_WAIT_AFTER)
             if self.drop:
                 try:
