@@ -11,11 +11,12 @@ written: code 8, scale 1, delta 0 (``PAD_CODE``, ``PAD_SCALE``, ``PAD_DELTA`` in
 :mod:`converter.constants`).  A regrouped layer arrives from its reader already at the
 artifact's group size (:meth:`~converter.formats.base.LayerPlan.source_group_rows`).
 
-Three threads share the work (docs/performance-cpu.md): the main one reads and packs
-(the compiled packer releases the GIL), a write-behind thread writes and hashes each
-chunk while the next is packed (the writer starts the disk's write-back as it goes),
-and a third computes the sha256 of the input files for the manifest from the start;
-the manifest is sized with placeholder digests and sealed with the real ones last.
+Four threads share the work (docs/performance-cpu.md): the main one reads, packs (the
+compiled packer releases the GIL) and hashes each chunk, two write-behind threads write
+the chunks while the next is packed (the writer starts the disk's write-back as it
+goes), and one computes the sha256 of the input files for the manifest once the output
+is known to fit; the manifest is sized with placeholder digests and sealed with the
+real ones last.
 """
 
 from __future__ import annotations

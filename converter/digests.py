@@ -1,10 +1,11 @@
-"""sha256 of the input files, on a thread of its own from the start.
+"""sha256 of the input files, on a thread of its own.
 
 The manifest records every source file's sha256 (``source.files``), and ``marlin-verify
 --against`` compares them.  Hashing a multi-GB checkpoint takes about a second per 1.5 GB
-on one core, so :func:`converter.convert.convert` and :func:`converter.verify.verify`
-start a :class:`FileDigests` before anything else, work with placeholder digests of the
-final length (the artifact header is sized with them), and read the real ones last.
+on one core, so :func:`converter.convert.convert` (once the output is known to fit) and
+:func:`converter.verify.verify` (as soon as the source is open) start a
+:class:`FileDigests`, work meanwhile (the artifact header is sized with placeholder
+digests of the final length), and read the real ones last.
 """
 
 from __future__ import annotations
