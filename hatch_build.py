@@ -12,8 +12,9 @@ with no second build system.
   then gets the platform tag of this interpreter.
 
 Without a working compiler (or with ``MARLIN_NO_NATIVE=1``) the hook prints one warning
-and builds a pure-Python package: ``converter.native`` then reports why the module is
-missing and every caller uses the NumPy code (same results, slower).
+(pip shows a build's output with ``-v``) and builds a pure-Python package:
+``converter.native`` then reports why the module is missing and every caller uses the
+NumPy code (same results, slower).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import os
 import shlex
 import shutil
 import subprocess
-import sys
 import sysconfig
 import tempfile
 from pathlib import Path
@@ -88,7 +88,6 @@ class NativeBuildHook(BuildHookInterface):
                 "the NumPy code is used instead (same results, slower)"
             )
             self.app.display_warning(message)
-            print(message, file=sys.stderr)
 
     def finalize(self, version: str, build_data: dict[str, Any], artifact_path: str) -> None:
         tmp = getattr(self, "_tmp", None)

@@ -10,6 +10,7 @@ several cores.
 
 from __future__ import annotations
 
+import importlib
 import os
 from types import ModuleType
 
@@ -21,9 +22,11 @@ def _load() -> tuple[ModuleType | None, str]:
     if os.environ.get("MARLIN_NATIVE") == "0":
         return None, "disabled by MARLIN_NATIVE=0"
     try:
-        from . import _native
-    except ImportError as exc:
-        return None, f"not built ({exc}); reinstall with a C compiler present: pip install -e ."
+        _native = importlib.import_module(f"{__package__}._native")
+    except ModuleNotFoundError:
+        return None, "not built (no compiled converter._native); reinstall with a C compiler present: pip install -e ."
+    except ImportError as exc:  # built, but for another interpreter or platform
+        return None, f"cannot be loaded ({exc}); reinstall: pip install -e ."
     if getattr(_native, "ABI_VERSION", None) != ABI_VERSION:
         return None, "stale build (ABI version differs); reinstall: pip install -e ."
     return _native, f"compiled, {_native.ISA} loops"
