@@ -229,6 +229,15 @@ def main() -> int:
         "8-row tiles, w = the same with per-weight scaling, t = tile kernel with MT "
         "16-row tiles, h = Hopper kernel with R 8-token tiles; x U x NS; w = waves target)",
     )
+    ap.add_argument(
+        "--sweep-splits",
+        type=int,
+        default=0,
+        metavar="MAX",
+        help="on rows the planner sends to the Hopper kernel, also time the fused path at every "
+        "feasible K split count up to MAX (row['fused_by_splits']: us and plan per count), for "
+        "refitting the planner's split cost (converter.gpu.plan.Tuning.force_splits)",
+    )
     args = ap.parse_args()
 
     import cupy as cp
@@ -352,6 +361,38 @@ def main() -> int:
                         for i in range(calls)
                     ],
                     args.reps,
+                )
+            if args.sweep_splits and row["plan"]["kind"] == KernelKind.HOPPER.value:
+                row["fused_by_splits"] = {}
+                for sp in range(1, args.sweep_splits + 1):
+                    forced = dataclasses.replace(base, force_splits=sp)
+                    plan = kernels.gemm_plan(m, k, n, GROUP, tuning=forced)
+                    if plan.splits != sp:  # not a feasible count for this K
+                        continue
+                    fkw = {**kw, "tuning": forced}
+                    us = safe(
+                        row,
+                        timed_graph,
+                        cp,
+                        [
+                            partial(
+                                kernels.marlin_gemm,
+                                a,
+                                Bs[i % copies],
+                                Ss[i % copies],
+                                delta=Ds16[i % copies],
+                                out=out,
+                                **fkw,
+                            )
+                            for i in range(calls)
+                        ],
+                        args.reps,
+                    )
+                    row["fused_by_splits"][sp] = {"us": us, "plan": dataclasses.asdict(plan)}
+                print(
+                    f"   splits sweep {k}x{n} M={m} (planner {row['plan']['splits']}): "
+                    + " ".join(f"{sp}:{v['us']:.1f}" for sp, v in row["fused_by_splits"].items() if v["us"]),
+                    flush=True,
                 )
             at = torch.randn(m, k, device="cuda", dtype=torch.float16)
             fc = max(args.calls, f16_copies)

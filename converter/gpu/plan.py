@@ -149,9 +149,13 @@ class KindSpec:
         block_shapes: the ``wk`` values it runs (1: a block takes 4 column blocks
             over the whole K range; 4: one column block, a quarter of the range per warp).
         reduce_weight: the split reduction's cost relative to the ring kernels' (the
-            Hopper kernel reduces 256-column units; measured on an H200).
+            Hopper kernel's, per wave: 0.32, fitted on an H200).
         reduces_chunk: the reduction moves a whole chunk of rows whatever M is (the
             Hopper kernel stores its accumulators in register order).
+        reduces_per_wave: the reduction is paid once per wave of blocks, not once per
+            call (the Hopper kernel's blocks each write and fix up their partial sums at
+            the end of their K range, one wave after another; fitted to a sweep of every
+            split count on an H200, scripts/perf_notes.md).
     """
 
     source: str
@@ -165,6 +169,7 @@ class KindSpec:
     block_shapes: tuple[int, ...] = (1, BLOCK_WARPS)
     reduce_weight: float = 1.0
     reduces_chunk: bool = False
+    reduces_per_wave: bool = False
 
 
 KINDS: MappingProxyType[KernelKind, KindSpec] = MappingProxyType(
@@ -203,8 +208,9 @@ KINDS: MappingProxyType[KernelKind, KindSpec] = MappingProxyType(
             smem=hopper_smem,
             threads=lambda pipe: 128 * hopper_split(pipe.r)[1],
             block_shapes=(1,),
-            reduce_weight=2.0,
+            reduce_weight=0.32,
             reduces_chunk=True,
+            reduces_per_wave=True,
         ),
     }
 )
@@ -263,6 +269,9 @@ class Tuning:
         a_weight: cost of staging one A row of a k-tile, in B-tile units per 16 rows
             (A comes from L2, B from DRAM).
         force_wk: 1 or 4 forces the block shape; None lets the cost model choose.
+        force_splits: forces the K split count where the block shape allows it (the
+            split sweep of ``scripts/bench_gemm.py --sweep-splits``); None lets the cost
+            model choose.
         occupancy_cap: ``((kind, blocks per SM), ...)``: the split counts on at most
             that many resident blocks of a kind (fewer resident warps stream the
             weights faster at small M); kinds not listed get as many as fit.
@@ -287,6 +296,7 @@ class Tuning:
     reduce_tiles: float = 2.5
     a_weight: float = 0.5
     force_wk: int | None = None
+    force_splits: int | None = None
     occupancy_cap: tuple[tuple[KernelKind, int], ...] = ()
     hopper: bool = True
     hopper_wide_n: int = 14336
@@ -547,10 +557,15 @@ def plan_gemm(
     for wk in shapes:
         blocks_n = m_chunks * -(-nblk // (BLOCK_WARPS // wk))
         quantum = wk * pipe.u  # each warp's share of a K split is whole steps
-        for splits in range(1, -(-kt // quantum) + 1):
-            tps = _ceil_div(_ceil_div(kt, splits), quantum) * quantum
-            if _ceil_div(kt, tps) != splits:
-                continue
+        feasible = [
+            (splits, tps)
+            for splits in range(1, -(-kt // quantum) + 1)
+            for tps in [_ceil_div(_ceil_div(kt, splits), quantum) * quantum]
+            if _ceil_div(kt, tps) == splits
+        ]
+        if tuning.force_splits in {sp for sp, _ in feasible}:
+            feasible = [(sp, tps) for sp, tps in feasible if sp == tuning.force_splits]
+        for splits, tps in feasible:
             waves = -(-blocks_n * splits // (resident * tuning.waves))
             # slowest wave: per-warp tiles (each also moving its A rows, rows / 16 of a
             # B tile's bytes, once per block in the decode kernel's wk = 1 form) plus
@@ -560,6 +575,8 @@ def plan_gemm(
             tile_cost = 1 + tuning.a_weight * rows / MARLIN_TILE / a_share
             red_rows = chunk_rows if spec.reduces_chunk else rows
             reduce = spec.reduce_weight * tuning.reduce_tiles * (splits - 1) * -(-red_rows // 8)
+            if spec.reduces_per_wave:
+                reduce *= waves
             cost = waves * (tps // wk * tile_cost + tuning.latency_tiles) + reduce
             if best is None or cost < best[0]:
                 best = (cost, wk, splits, tps, blocks_n * splits)

@@ -54,6 +54,7 @@ def test_tuning_defaults_are_the_measured_values() -> None:
         reduce_tiles=2.5,
         a_weight=0.5,
         force_wk=None,
+        force_splits=None,
         occupancy_cap=(),
         hopper=True,
         hopper_wide_n=14336,
@@ -85,6 +86,16 @@ def test_plan_is_deterministic_and_consistent() -> None:
 @pytest.mark.parametrize("wk", [1, 4])
 def test_force_wk_is_a_tuning_field(wk: int) -> None:
     assert _plan(17, 512, 192, 32, tuning=Tuning(force_wk=wk)).wk == wk
+
+
+def test_force_splits_takes_a_feasible_count_and_ignores_others() -> None:
+    # 8192 x 57344 at M = 24 on the Hopper kernel: K = 512 k-tiles in steps of 4.
+    free = _plan(24, 8192, 57344, 128, hopper=True, regs=168)
+    assert (free.kind, free.splits, free.tiles_per_split) == (KernelKind.HOPPER, 5, 104)
+    three = _plan(24, 8192, 57344, 128, hopper=True, regs=168, tuning=Tuning(force_splits=3))
+    assert (three.splits, three.tiles_per_split) == (3, 172)
+    # 129 splits would leave a split without k-tiles: not feasible, so the cost model chooses
+    assert _plan(24, 8192, 57344, 128, hopper=True, regs=168, tuning=Tuning(force_splits=129)) == free
 
 
 def test_occupancy_cap_shrinks_the_resident_set() -> None:
@@ -147,6 +158,24 @@ def test_hopper_routing() -> None:
 def test_hopper_pipe_holds_m(m: int, r: int, ns: int) -> None:
     pipe = default_pipe(m, 8192, 57344, 8, H200.smem_per_block_optin, hopper=True)
     assert pipe == ("hopper", r, 4, ns)
+
+
+@pytest.mark.parametrize(
+    ("k", "n", "m", "regs", "best"),
+    [
+        # the fastest split count of the H200 sweep (bench_gemm.py --sweep-splits 8, fused,
+        # 2026-12-01, us); "was": the plan of the once-per-call reduction charge
+        (8192, 57344, 24, 143, 5),  # 135.6; was 3 (143.9)
+        (8192, 57344, 96, 254, 1),  # 353.1; 377.6 at 4
+        (4096, 14336, 24, 143, 7),  # 28.4; was 4 (30.7)
+        (4096, 14336, 48, 254, 4),  # 35.6; was 3 (41.4)
+        (8192, 8192, 96, 254, 4),  # 60.8; was 3 (72.7)
+        (28672, 8192, 96, 254, 4),  # 168.5; 215.3 at 3, 263.8 at 5
+        (8192, 57344, 256, 254, 2),  # 674.8; 707.1 at 1
+    ],
+)
+def test_hopper_split_follows_the_h200_sweep(k: int, n: int, m: int, regs: int, best: int) -> None:
+    assert _plan(m, k, n, 128, regs=regs, hopper=True).splits == best
 
 
 def test_hopper_plan_occupancy_and_split() -> None:
