@@ -33,8 +33,11 @@ cases = [
 if hopper:  # every Hopper variant: full/ragged chunks, several chunks, ragged N, splits, GPI 1/2/4, padding
     cases += [(8, 2048, 320, 128, True, None, ("hopper", 1, 4, 4), None),
               (13, 768, 512, 32, False, None, ("hopper", 2, 4, 4), 509),
+              (20, 1024, 512, 64, True, None, ("hopper", 3, 4, 4), 500),
               (70, 768, 256, 48, True, None, ("hopper", 4, 4, 4), None),
+              (45, 2048, 768, 128, False, None, ("hopper", 6, 4, 6), None),
               (64, 4096, 512, -1, False, None, ("hopper", 8, 4, 6), None),
+              (90, 1024, 1024, 64, True, None, ("hopper", 12, 4, 6), 1000),
               (129, 512, 4096, 16, True, None, ("hopper", 16, 4, 6), 4000),
               (300, 256, 8192, 128, False, None, None, None)]
 for (m, k, n, gs, act, wk, pipe, n_out) in cases:

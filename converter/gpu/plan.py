@@ -108,10 +108,17 @@ class Pipe(NamedTuple):
 HOPPER_MAX_T = 64
 
 
+#: The Hopper kernel's block sizes below 128 tokens, in 8-token tiles: its time grows with
+#: the tokens a block holds, not with M, so 24, 48 and 96 (wgmma n24 and n48) serve
+#: M = 17-24, 33-48 and 65-96 (scripts/perf_notes.md).
+HOPPER_RS = (1, 2, 3, 4, 6, 8, 12)
+
+
 def hopper_split(r: int) -> tuple[int, int]:
-    """``(T, WGS)`` of a Hopper block of ``8 r`` tokens: T tokens per warpgroup, WGS warpgroups."""
+    """``(T, WGS)`` of a Hopper block of ``8 r`` tokens: T tokens per warpgroup, WGS
+    warpgroups (one up to :data:`HOPPER_MAX_T` tokens, else two that halve them)."""
     tokens = 8 * r
-    return min(tokens, HOPPER_MAX_T), max(1, tokens // HOPPER_MAX_T)
+    return (tokens, 1) if tokens <= HOPPER_MAX_T else (tokens // 2, 2)
 
 
 def hopper_smem(pipe: Pipe, gpi: int) -> int:
@@ -235,8 +242,11 @@ GEMM_PIPES: tuple[Pipe, ...] = tuple(
         ("decode_w", 4, 4, 3),
         ("hopper", 1, 4, 4),
         ("hopper", 2, 4, 4),
+        ("hopper", 3, 4, 4),
         ("hopper", 4, 4, 4),
+        ("hopper", 6, 4, 6),
         ("hopper", 8, 4, 6),
+        ("hopper", 12, 4, 6),
         ("hopper", 16, 4, 6),
     )
 )
@@ -302,8 +312,8 @@ class Tuning:
     hopper_wide_n: int = 14336
     hopper_wide_min_m: int = 17
     hopper_big_kn: int = 2**27
-    hopper_big_min_m: int = 32
-    hopper_large_m: int = 96
+    hopper_big_min_m: int = 17
+    hopper_large_m: int = 64
     hopper_huge_m: int = 129
     hopper_small_kn: int = 4096 * 4096
 
@@ -440,12 +450,12 @@ def default_pipe(
 
     Returns:
         One of GEMM_PIPES. The Hopper kernel's block holds the fewest 8-token tiles
-        (1, 2, 4, 8 or 16) that hold M; beyond 128 rows, 128-token chunks.
+        (:data:`HOPPER_RS`, or 16) that hold M; beyond 128 rows, 128-token chunks.
     """
     kind = gemm_path(m, size_n, tuning, hopper=hopper, size_k=size_k)
     if kind is KernelKind.HOPPER:
-        r = next((r for r in (1, 2, 4, 8) if 8 * r >= m), 16)
-        return Pipe(kind, r, 4, 6 if r >= 8 else 4)
+        r = next((r for r in HOPPER_RS if 8 * r >= m), 16)
+        return Pipe(kind, r, 4, 6 if r >= 6 else 4)
     if kind is KernelKind.TILE:
         return Pipe(kind, 2, 4, 3) if m <= 32 else Pipe(kind, 4, 2, 3)
     if kind is KernelKind.DECODE_W:

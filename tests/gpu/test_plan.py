@@ -60,8 +60,8 @@ def test_tuning_defaults_are_the_measured_values() -> None:
         hopper_wide_n=14336,
         hopper_wide_min_m=17,
         hopper_big_kn=2**27,
-        hopper_big_min_m=32,
-        hopper_large_m=96,
+        hopper_big_min_m=17,
+        hopper_large_m=64,
         hopper_huge_m=129,
         hopper_small_kn=4096 * 4096,
     )
@@ -136,16 +136,18 @@ def test_kind_table() -> None:
 
 
 def test_hopper_routing() -> None:
-    """sm_90 only, where the H200 sweep had it ahead: wide N from 17 rows, big layers from
-    32, N >= 8192 from 96, anything but small layers beyond 128; never at M <= 16."""
+    """sm_90 only, where the H200 sweep had it ahead: wide N and big layers from 17 rows,
+    N >= 8192 from 64, anything but small layers beyond 128; never at M <= 16."""
     for m in (1, 8, 16):
         assert gemm_path(m, 57344, hopper=True, size_k=8192) is KernelKind.DECODE
     assert gemm_path(17, 57344, hopper=True, size_k=8192) is KernelKind.HOPPER
     assert gemm_path(17, 14336, hopper=True, size_k=4096) is KernelKind.HOPPER
-    assert gemm_path(24, 8192, hopper=True, size_k=28672) is KernelKind.TILE
+    assert gemm_path(16, 8192, hopper=True, size_k=28672) is KernelKind.DECODE
+    assert gemm_path(17, 8192, hopper=True, size_k=28672) is KernelKind.HOPPER
+    assert gemm_path(24, 8192, hopper=True, size_k=14336) is KernelKind.TILE  # 2^26.8 weights
     assert gemm_path(32, 8192, hopper=True, size_k=28672) is KernelKind.HOPPER
-    assert gemm_path(64, 8192, hopper=True, size_k=8192) is KernelKind.TILE
-    assert gemm_path(96, 8192, hopper=True, size_k=8192) is KernelKind.HOPPER
+    assert gemm_path(63, 8192, hopper=True, size_k=8192) is KernelKind.TILE
+    assert gemm_path(64, 8192, hopper=True, size_k=8192) is KernelKind.HOPPER
     assert gemm_path(128, 4096, hopper=True, size_k=14336) is KernelKind.TILE
     assert gemm_path(129, 4096, hopper=True, size_k=14336) is KernelKind.HOPPER
     assert gemm_path(256, 4096, hopper=True, size_k=4096) is KernelKind.TILE  # small layer
@@ -154,7 +156,23 @@ def test_hopper_routing() -> None:
     assert gemm_path(64, 57344, Tuning(hopper=False), hopper=True, size_k=8192) is KernelKind.TILE
 
 
-@pytest.mark.parametrize("m,r,ns", [(17, 4, 4), (32, 4, 4), (33, 8, 6), (64, 8, 6), (65, 16, 6), (300, 16, 6)])
+@pytest.mark.parametrize(
+    "m,r,ns",
+    [
+        (17, 3, 4),
+        (24, 3, 4),
+        (25, 4, 4),
+        (32, 4, 4),
+        (33, 6, 6),
+        (48, 6, 6),
+        (49, 8, 6),
+        (64, 8, 6),
+        (65, 12, 6),
+        (96, 12, 6),
+        (97, 16, 6),
+        (300, 16, 6),
+    ],
+)
 def test_hopper_pipe_holds_m(m: int, r: int, ns: int) -> None:
     pipe = default_pipe(m, 8192, 57344, 8, H200.smem_per_block_optin, hopper=True)
     assert pipe == ("hopper", r, 4, ns)
@@ -175,7 +193,10 @@ def test_hopper_pipe_holds_m(m: int, r: int, ns: int) -> None:
     ],
 )
 def test_hopper_split_follows_the_h200_sweep(k: int, n: int, m: int, regs: int, best: int) -> None:
-    assert _plan(m, k, n, 128, regs=regs, hopper=True).splits == best
+    # the sweep ran the 32-, 64- and 128-token blocks (before the 24- and 48-token ones)
+    r = 4 if m <= 32 else 8 if m <= 64 else 16
+    pipe = Pipe.of(("hopper", r, 4, 4 if r < 8 else 6))
+    assert _plan(m, k, n, 128, regs=regs, hopper=True, pipe=pipe).splits == best
 
 
 def test_hopper_plan_occupancy_and_split() -> None:
