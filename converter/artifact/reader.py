@@ -80,7 +80,11 @@ def open_artifact(path: str | Path) -> Artifact:
     """
     path = Path(path)
     if not path.is_file() and not (path.is_dir() or path.name.endswith(".index.json")):
-        raise ConverterError("no such file" if not path.exists() else "not a file", path=path)
+        if not path.exists():
+            from .sharded_reader import missing_artifact
+
+            raise missing_artifact(path)
+        raise ConverterError("not a file", path=path)
     from ..formats.tinyloop import sniff
 
     if sniff(path):

@@ -32,32 +32,51 @@ def resolve_artifact(path: Path) -> tuple[HFIndex | None, list[Path]]:
     """``(index or None, shard files)`` of an artifact path: a file, an index, or a folder.
 
     A folder is read through its ``model.safetensors.index.json`` if present, else
-    its ``model.safetensors``, else its only ``*.safetensors`` file.
+    its ``model.safetensors``, else its only ``*.safetensors.index.json`` (a sharded
+    ``--max-shard-size`` artifact written into it), else its only ``*.safetensors`` file.
 
     Raises:
-        ArtifactError: a folder with no artifact, or a malformed index.
-        ConverterError: the path does not exist.
+        ArtifactError: a folder with no artifact or with several, or a malformed index.
+        ConverterError: the path does not exist (the message names the index when the
+            path is a sharded conversion's ``OUT``, which then holds no file).
     """
     if not path.exists():
-        raise ConverterError("no such file or directory", path=path)
+        raise missing_artifact(path)
     if path.is_dir():
         if (path / HF_INDEX_NAME).is_file():
             path = path / HF_INDEX_NAME
         elif (path / DIR_MODE_NAME).is_file():
             return None, [path / DIR_MODE_NAME]
         else:
-            files = sorted(path.glob("*.safetensors"))
-            if len(files) != 1:
-                raise ArtifactError(
-                    f"folder holds {len(files)} .safetensors files and no {HF_INDEX_NAME} or {DIR_MODE_NAME}; "
-                    "give the artifact file or its index",
-                    path=path,
-                )
-            return None, files
+            indexes = sorted(p for p in path.glob("*.safetensors.index.json") if p.is_file())
+            if len(indexes) == 1:
+                path = indexes[0]
+            else:
+                files = sorted(path.glob("*.safetensors"))
+                if len(files) != 1 or indexes:
+                    found = ", ".join(p.name for p in indexes) or f"{len(files)} .safetensors files"
+                    raise ArtifactError(
+                        f"folder holds no single artifact ({found}; no {HF_INDEX_NAME} or {DIR_MODE_NAME}); "
+                        "give the artifact file or its index",
+                        path=path,
+                    )
+                return None, files
     if not path.name.endswith(".index.json"):
         return None, [path]
     index = read_index(path, error=ArtifactError, allow_empty=True)
     return index, [index.shard_path(f) for f in sorted(index.shard_names)]
+
+
+def missing_artifact(path: Path) -> ConverterError:
+    """The error for an artifact path that does not exist; when it is a sharded
+    conversion's ``OUT`` (``marlin-convert IN OUT --max-shard-size``, which writes the
+    shards and ``OUT.index.json`` instead), the message names the index."""
+    index = index_name_for(path) if path.suffix == ".safetensors" else None
+    if index is not None and index.is_file():
+        return ConverterError(
+            f"no such file; it was written as shards: verify their index, {index.name}, or the folder", path=path
+        )
+    return ConverterError("no such file or directory", path=path)
 
 
 class ShardedFile:

@@ -72,7 +72,7 @@ def _import_cupy() -> ModuleType:
     except Exception as exc:  # ImportError, or a broken CUDA install raising anything
         raise GpuUnavailableError(
             "CuPy is not available (" + _one_line(exc) + "); install the GPU extra: "
-            "pip install 'marlin-convert[cuda12]' or '[cuda13]'"
+            "pip install -e '.[cuda12]' (or '.[cuda13]') from the checkout"
         ) from None
     return cupy
 

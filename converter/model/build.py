@@ -41,7 +41,8 @@ def import_stack() -> tuple[Any, Any]:
     except ImportError as exc:
         raise ModelError(
             f"whole-model use needs torch and transformers ({exc}); "
-            "install the extra: pip install 'marlin-convert[model]'"
+            "install the extra from the checkout: pip install -e '.[model]' torch==2.13.0 (torch's CPU build; "
+            "a GPU machine keeps its own CUDA torch)"
         ) from None
     return torch, transformers
 

@@ -284,6 +284,34 @@ def test_verifying_one_shard_alone_points_to_the_index(tmp_path: Path, src: tupl
         verify(shard, shapes_only=True)
 
 
+def test_a_sharded_single_file_artifact_verifies_by_its_folder_and_names_its_index(
+    tmp_path: Path, src: tuple[Path, dict]
+) -> None:
+    """`--max-shard-size` turns OUT into shards plus OUT.index.json: the folder that holds
+    them is the artifact, and OUT itself (which does not exist) points to the index."""
+    folder, _ = src
+    out = tmp_path / "art" / "m.safetensors"
+    out.parent.mkdir()
+    convert(folder, out, max_shard_size="40KB")
+    rep = verify(out.parent, shapes_only=True)
+    assert rep.ok and rep.checked["layers"] == len(NAMES) and rep.checked["checksums"] is True
+    with pytest.raises(
+        ConverterError,
+        match=r"m.safetensors: no such file; it was written as shards: verify their index, "
+        r"m.safetensors.index.json, or the folder",
+    ):
+        verify(out, shapes_only=True)
+    convert(folder, out.with_name("n.safetensors"), max_shard_size="40KB")
+    from converter.errors import ArtifactError
+
+    with pytest.raises(
+        ArtifactError,
+        match=r"art: folder holds no single artifact \(m.safetensors.index.json, n.safetensors.index.json; "
+        r"no model.safetensors.index.json or model.safetensors\); give the artifact file or its index",
+    ):
+        verify(out.parent, shapes_only=True)
+
+
 @pytest.mark.parametrize(
     ("index_text", "match"),
     [
