@@ -288,7 +288,7 @@ def stage_placeholder(folder: Path, name: str, created: list[Path]) -> Path:
     return tmp
 
 
-def remove_stale_temporaries(path: str | Path) -> list[Path]:
+def remove_stale_temporaries(path: str | Path, keep: Callable[[Path], bool] | None = None) -> list[Path]:
     """Delete temporaries that killed writers left next to the output ``path``.
 
     Two kinds exist: a writer's ``.<name>.*.incomplete`` (:func:`open_temporary`)
@@ -297,6 +297,8 @@ def remove_stale_temporaries(path: str | Path) -> list[Path]:
     be taken belongs to no live writer and is removed; a locked one (a concurrent
     conversion to the same name) is kept.  A ``.staged`` file is removed when no
     locked ``.incomplete`` file belongs to it and it is older than this process.
+    A file for which ``keep`` is true (an input file that merely has such a name) is
+    never removed.
 
     Returns:
         The files removed.
@@ -306,6 +308,8 @@ def remove_stale_temporaries(path: str | Path) -> list[Path]:
     removed: list[Path] = []
     try:
         entries = [e for e in os.scandir(path.parent) if e.name.startswith((prefix, "." + prefix))]
+        if keep is not None:
+            entries = [e for e in entries if not keep(Path(e.path))]
     except OSError:
         return removed
     live: set[str] = set()

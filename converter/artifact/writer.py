@@ -87,7 +87,7 @@ class ArtifactWriter:
         self._done = False
         # Left by a killed earlier run to this output, sharded or not, with any shard count.
         for name in {*self.names, target.path.name, target.index.name, *_earlier_shard_names(target)}:
-            remove_stale_temporaries(target.folder / name)
+            remove_stale_temporaries(target.folder / name, keep=guard.is_input)
         track(self, self.abort)
         try:
             for i, (shard, name) in enumerate(zip(self.shards, self.names, strict=True)):
@@ -159,7 +159,7 @@ class ArtifactWriter:
             for i, writer in enumerate(self._writers):
                 writer.finish(metadata_for(self._shard_manifest(manifest, i)))
             for name, content in self.extra_files.items():
-                remove_stale_temporaries(self.target.folder / name)
+                remove_stale_temporaries(self.target.folder / name, keep=self.guard.is_input)
                 self._commit.append((self._stage_bytes(name, content), self.target.folder / name))
             if len(self.shards) > 1:
                 wmap = {n: self.names[i] for i, shard in enumerate(self.shards) for n, _, _ in shard}

@@ -164,6 +164,20 @@ def test_tinyloop_output_beside_its_input_is_allowed(tmp_path: Path) -> None:
     assert _tree(tmp_path)["m.tinyloop"] == before["m.tinyloop"]
 
 
+@pytest.mark.parametrize("name", [".m.safetensors.abc.incomplete", ".m.safetensors.abc.staged"])
+def test_stale_temporary_cleanup_never_deletes_an_input_with_a_temporary_name(tmp_path: Path, name: str) -> None:
+    """A .tinyloop input (found by its magic) named like a dead writer's leftover beside
+    the output is the input, not a leftover: the cleanup keeps it."""
+    src = tmp_path / name
+    shutil.copyfile(SAMPLE, src)
+    os.utime(src, (0, 0))  # older than this process, as a dead run's .staged file would be
+    before = src.read_bytes()
+    convert(src, tmp_path / "m.safetensors")
+    assert src.read_bytes() == before
+    convert(src, tmp_path / "m.safetensors", force=True)
+    assert src.read_bytes() == before
+
+
 def test_dry_run_refuses_exactly_like_the_real_run(sharded: Path) -> None:
     with pytest.raises(ConverterError, match=READ_BACK):
         convert(sharded, sharded / "x.safetensors", dry_run=True)
