@@ -78,8 +78,12 @@ class InputGuard:
         return ident is not None and ident in self._ids
 
     def inside_input_folder(self, path: Path) -> bool:
-        """True when ``path`` would sit directly in the HF checkpoint folder."""
-        return self._folder_id is not None and _identity(path.parent) == self._folder_id
+        """True when ``path`` would sit in the HF checkpoint folder, directly or in a
+        folder below it (links resolved): no output is written into a checkpoint."""
+        if self._folder_id is None:
+            return False
+        parent = Path(os.path.realpath(path.parent))
+        return any(_identity(p) == self._folder_id for p in (parent, *parent.parents))
 
     def check_write(self, path: Path) -> None:
         """Refuse to write (or replace) ``path``.
@@ -91,6 +95,12 @@ class InputGuard:
         if self.is_input(path):
             raise ConverterError("output would overwrite the input; choose another path", path=path)
         if self.inside_input_folder(path):
+            if _identity(path.parent) != self._folder_id:
+                raise ConverterError(
+                    f"output is in a folder inside the input checkpoint folder {self.folder}; nothing is ever "
+                    "written into the input's folder: choose a path outside it",
+                    path=path,
+                )
             raise ConverterError(
                 f"output is inside the input checkpoint folder {self.folder}, where reading the checkpoint "
                 "again would pick it up as input; choose a path outside that folder",

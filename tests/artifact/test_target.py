@@ -104,6 +104,21 @@ def test_single_file_output_inside_an_hf_input_folder(tmp_path: Path) -> None:
     assert _tree(src) == before
 
 
+@pytest.mark.parametrize("out", ["sub/x.safetensors", "sub/", "sub/deeper/", "link/x.safetensors"])
+def test_output_in_a_folder_inside_an_hf_input_folder(tmp_path: Path, out: str) -> None:
+    """Below the checkpoint folder (a subfolder, a new one, or a link out and back in)
+    is still inside it: refused before anything is created, --force too."""
+    src = _checkpoint(tmp_path / "src")
+    (src / "sub").mkdir()
+    (tmp_path / "link").symlink_to(src / "sub", target_is_directory=True)
+    before = _tree(src)
+    listing = sorted(p.relative_to(src) for p in src.rglob("*"))
+    with pytest.raises(ConverterError, match="output is in a folder inside the input checkpoint folder"):
+        convert(src, f"{tmp_path}/{out}" if out.startswith("link") else f"{src}/{out}", force=True)
+    assert _tree(src) == before
+    assert sorted(p.relative_to(src) for p in src.rglob("*")) == listing
+
+
 def test_output_folder_that_is_a_link_to_the_input_folder(tmp_path: Path) -> None:
     src = _checkpoint(tmp_path / "src")
     link = tmp_path / "link"
