@@ -10,9 +10,10 @@
   returns into the faulting code: it deletes every live temporary
   (:func:`converter.atomic.abort_all`), reports one line naming the file that shrank,
   and exits with status 2.
-* **SIGINT** while the commands are still importing (a second or so on a cold start),
-  before any handler of theirs is in place: :func:`quiet_interrupt_until_ready` makes
-  it exit 130 with one line instead of a traceback.  No output exists yet then.
+* **SIGINT**, **SIGTERM** or **SIGHUP** while the commands are still importing (a second
+  or so on a cold start), before any handler of theirs is in place:
+  :func:`quiet_interrupt_until_ready` makes it exit 130 with one line (or JSON document)
+  instead of a traceback or a silent death.  No output exists yet then.
 """
 
 from __future__ import annotations
@@ -62,7 +63,10 @@ def quiet_interrupt_until_ready(as_json: bool) -> None:
             _write(2, f"{INTERRUPTED}\n")
         os._exit(INTERRUPTED_EXIT)
 
-    signal.signal(signal.SIGINT, handler)
+    # SIGTERM and SIGHUP too: the CLI maps them to the same exit once it runs; before
+    # that their default action would kill the process silently (no JSON document).
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, handler)
 
 
 def restore_interrupt() -> None:

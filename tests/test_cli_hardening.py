@@ -282,16 +282,17 @@ EARLY_INTERRUPT = """
 import os, signal, sys
 sys.argv[0] = "marlin-convert"
 import converter.faults  # the package's first import: what the console script runs first
-os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the rest is still being imported
+os.kill(os.getpid(), getattr(signal, sys.argv[1]))  # Ctrl-C (or a kill) while the rest is still being imported
 import converter.cli
 print("not reached")
 """
 
 
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
 @pytest.mark.parametrize("as_json", [False, True])
-def test_ctrl_c_during_the_imports_is_one_line_and_exit_130(as_json: bool) -> None:
+def test_ctrl_c_during_the_imports_is_one_line_and_exit_130(as_json: bool, sig: str) -> None:
     res = subprocess.run(
-        [sys.executable, "-c", EARLY_INTERRUPT, *(["--json"] if as_json else [])],
+        [sys.executable, "-c", EARLY_INTERRUPT, sig, *(["--json"] if as_json else [])],
         capture_output=True,
         text=True,
         cwd=REPO,
