@@ -56,11 +56,11 @@ def quiet_interrupt_until_ready(as_json: bool) -> None:
     command installs its own handling (:func:`restore_interrupt`).  Only called when the
     process is one of the two commands (``converter/__init__.py``)."""
 
+    # Built now: the signal may land while ``json`` is half imported.
+    fd, line = (1, error_document("KeyboardInterrupt", INTERRUPTED)) if as_json else (2, INTERRUPTED)
+
     def handler(signum: int, frame: object) -> None:
-        if as_json:
-            _write(1, error_document("KeyboardInterrupt", INTERRUPTED) + "\n")
-        else:
-            _write(2, f"{INTERRUPTED}\n")
+        _write(fd, line + "\n")
         os._exit(INTERRUPTED_EXIT)
 
     # SIGTERM and SIGHUP too: the CLI maps them to the same exit once it runs; before

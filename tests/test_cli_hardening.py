@@ -314,6 +314,36 @@ def test_ctrl_c_during_the_imports_is_one_line_and_exit_130(as_json: bool, sig: 
         assert (res.stdout, res.stderr) == ("", "interrupted; no output was written\n")
 
 
+HALF_IMPORTED_JSON = """
+import os, signal, sys, types
+sys.argv[0] = "marlin-convert"
+import converter.faults
+sys.modules["json"] = types.ModuleType("json")  # as while json is still being imported
+os.kill(os.getpid(), signal.SIGTERM)
+print("not reached")
+"""
+
+
+def test_interrupt_while_json_is_half_imported_is_still_one_json_document() -> None:
+    """Found by killing runs at random: the early handler called json.dumps, which
+    raised AttributeError (a traceback, exit 1) when the signal landed inside json's import."""
+    res = subprocess.run(
+        [sys.executable, "-c", HALF_IMPORTED_JSON, "--json"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+        timeout=60,
+    )
+    assert (res.returncode, res.stderr) == (130, "")
+    assert json.loads(res.stdout)["error"] == {
+        "type": "KeyboardInterrupt",
+        "message": "interrupted; no output was written",
+        "file": None,
+        "tensor": None,
+    }
+
+
 def test_exit_130_is_documented() -> None:
     for tool in ("marlin-convert", "marlin-verify"):
         res = run_cli(tool, "--help")
