@@ -45,6 +45,8 @@ BACKUP_SUFFIX = ".backup"
 _PROCESS_START = time.time()
 #: Writers whose temporaries exist now, by id: their abort functions (see abort_all).
 _LIVE: dict[int, Callable[[], None]] = {}
+#: Every output this process committed (see note_committed).
+_COMMITTED: list[Path] = []
 #: errno values that mean the output does not fit (disk or quota full, file-size limit).
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -67,6 +69,17 @@ def abort_all() -> None:
         except BaseException:  # best effort on the way out
             pass
     _LIVE.clear()
+
+
+def note_committed(path: Path) -> None:
+    """Record that the output ``path`` is complete: an interrupt after the commit (while
+    cleaning up) must not claim that nothing was written."""
+    _COMMITTED.append(path)
+
+
+def committed_outputs() -> list[Path]:
+    """The outputs :func:`note_committed` recorded in this process, in order."""
+    return list(_COMMITTED)
 
 
 def free_bytes(folder: Path) -> int | None:

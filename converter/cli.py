@@ -34,7 +34,7 @@ from rich.table import Table
 from . import __version__
 from .artifact.problems import Report
 from .errors import ConverterError, json_text, printable
-from .faults import INTERRUPTED, INTERRUPTED_EXIT, error_document, restore_interrupt, sigbus_as_error
+from .faults import INTERRUPTED_EXIT, error_document, interrupted_message, restore_interrupt, sigbus_as_error
 
 # Piped output (logs, CI) gets wide tables instead of 80-column wrapping.
 err_console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
@@ -170,7 +170,7 @@ def _errors_to_exit(debug: bool, as_json: bool) -> Iterator[None]:
         msg = f"{where}{exc.strerror or exc}"
         _fail(msg, as_json, kind=type(exc).__name__, file=str(exc.filename) if exc.filename else None)
     except KeyboardInterrupt:
-        _fail(INTERRUPTED, as_json, kind="KeyboardInterrupt", code=INTERRUPTED_EXIT, tag="")
+        _fail(interrupted_message(), as_json, kind="KeyboardInterrupt", code=INTERRUPTED_EXIT, tag="")
     except (typer.Exit, typer.Abort):
         raise
     except Exception as exc:
@@ -561,7 +561,7 @@ def _main(app: typer.Typer, prog: str) -> None:
     try:
         code = app(prog_name=prog, standalone_mode=False)
     except typer.Abort:
-        print(error_document("KeyboardInterrupt", INTERRUPTED))
+        print(error_document("KeyboardInterrupt", json_text(interrupted_message())))
         sys.exit(INTERRUPTED_EXIT)
     except _USAGE_ERRORS as exc:
         message = exc.format_message() if hasattr(exc, "format_message") else str(exc)

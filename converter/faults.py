@@ -30,6 +30,18 @@ INTERRUPTED_EXIT = 130
 #: The line an interrupted command prints (the CLI's, and the early handler's).
 INTERRUPTED = "interrupted; no output was written"
 
+
+def interrupted_message() -> str:
+    """The interrupt line: :data:`INTERRUPTED`, or, once an output was committed (the
+    interrupt landed after the rename, while cleaning up), which output is complete."""
+    from .atomic import committed_outputs
+
+    done = committed_outputs()
+    if not done:
+        return INTERRUPTED
+    return f"interrupted after the output was written: {done[-1]} is complete"
+
+
 _keep: list[Any] = []  # the installed C callback: it must outlive its installation
 
 

@@ -344,6 +344,47 @@ def test_interrupt_while_json_is_half_imported_is_still_one_json_document() -> N
     }
 
 
+AFTER_COMMIT = """
+import sys
+from converter.artifact import writer
+finish = writer.ArtifactWriter.finish
+def finish_then_ctrl_c(self, manifest):
+    finish(self, manifest)
+    raise KeyboardInterrupt  # Ctrl-C just after the rename, while cleaning up
+writer.ArtifactWriter.finish = finish_then_ctrl_c
+sys.argv[0] = "marlin-convert"
+from converter.cli import main_convert
+main_convert()
+"""
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_interrupt_after_the_commit_does_not_claim_nothing_was_written(tmp_path: Path, as_json: bool) -> None:
+    out = tmp_path / "o.safetensors"
+    out.write_bytes(b"old")
+    res = subprocess.run(
+        [sys.executable, "-c", AFTER_COMMIT, str(SAMPLE), str(out), "--force", *(["--json"] if as_json else [])],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+        timeout=120,
+    )
+    message = f"interrupted after the output was written: {out} is complete"
+    assert res.returncode == 130
+    if as_json:
+        assert res.stderr == ""
+        assert json.loads(res.stdout)["error"] == {
+            "type": "KeyboardInterrupt",
+            "message": message,
+            "file": None,
+            "tensor": None,
+        }
+    else:
+        assert (res.stdout, res.stderr) == ("", message + "\n")
+    assert out.read_bytes() != b"old"  # what the line says: the new artifact is in place
+
+
 def test_exit_130_is_documented() -> None:
     for tool in ("marlin-convert", "marlin-verify"):
         res = run_cli(tool, "--help")

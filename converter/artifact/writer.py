@@ -28,6 +28,7 @@ import numpy as np
 from ..atomic import (
     TEMP_SUFFIX,
     commit_all,
+    note_committed,
     output_write_error,
     remove_stale_temporaries,
     stage_placeholder,
@@ -181,6 +182,7 @@ class ArtifactWriter:
             self.abort()
             raise
         self._done = True
+        note_committed(self.artifact_path)
         untrack(self)
         self._temps.clear()
         for old in stale:
