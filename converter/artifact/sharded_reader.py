@@ -105,6 +105,7 @@ class ShardedFile:
         self.shard_problems: list[Problem] = []
         self._where: dict[str, SafetensorsFile] = {}
         wmap, total = index_file.weight_map, index_file.total_size
+        unreadable: list[ArtifactError] = []
         try:
             for f in files:
                 if not f.is_file():
@@ -112,7 +113,18 @@ class ShardedFile:
                         ProblemCode.MISSING_SHARD, f"{f.name}: shard listed in {index.name} is missing", f.name
                     )
                     continue
-                shard = SafetensorsFile(f, error=ArtifactError)
+                try:
+                    shard = SafetensorsFile(f, error=ArtifactError)
+                except ArtifactError as exc:
+                    # Like a missing shard: reported, and the other shards still checked.
+                    unreadable.append(exc)
+                    where = f"{exc.tensor}: " if exc.tensor else ""
+                    self._problem(
+                        ProblemCode.MISSING_SHARD,
+                        f"{f.name}: shard listed in {index.name} cannot be read: {where}{exc.rule}",
+                        f.name,
+                    )
+                    continue
                 self.shards.append(shard)
                 for name in shard.infos:
                     if name in self._where:
@@ -124,18 +136,22 @@ class ShardedFile:
                         continue
                     self._where[name] = shard
                     if wmap.get(name) != f.name:
+                        says = f"says {wmap[name]}" if name in wmap else "does not list it"
                         self._problem(
-                            ProblemCode.INDEX_MISMATCH,
-                            f"{name}: stored in {f.name} but the index says {wmap.get(name)}",
-                            name,
+                            ProblemCode.INDEX_MISMATCH, f"{name}: stored in {f.name} but the index {says}", name
                         )
         except BaseException:
             self.close()
             raise
         if not self.shards:
+            if unreadable:
+                raise unreadable[0]
+            if not files:
+                raise ArtifactError("the index names no shards (its weight_map is empty)", path=index)
             raise ArtifactError("none of the shards named by the index exists", path=index)
+        unread = {Path(exc.path).name for exc in unreadable if exc.path}
         for name, fname in wmap.items():
-            if name not in self._where and (index.parent / fname).is_file():
+            if name not in self._where and fname not in unread and (index.parent / fname).is_file():
                 self._problem(
                     ProblemCode.INDEX_MISMATCH, f"{name}: the index places it in {fname}, which does not hold it", name
                 )

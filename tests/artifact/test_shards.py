@@ -162,6 +162,42 @@ def test_verify_reports_missing_shard_and_bad_index(tmp_path: Path, src: tuple[P
     assert any(p.code == "missing_tensor" for p in rep.problems)
 
 
+def test_verify_reports_an_unreadable_shard_and_still_checks_the_others(tmp_path: Path, src: tuple[Path, dict]) -> None:
+    """A truncated shard was fatal (exit 2, nothing else reported): it is a problem like
+    a missing shard, and corruption in another shard is still found."""
+    folder, _ = src
+    out = tmp_path / "m.safetensors"
+    convert(folder, out, max_shard_size="40KB")
+    index = tmp_path / "m.safetensors.index.json"
+    shards = sorted(tmp_path.glob("m-*.safetensors"))
+    with open(shards[0], "r+b") as fh:
+        fh.truncate(os.path.getsize(shards[0]) - 100)
+    data = bytearray(shards[-1].read_bytes())
+    data[-50] ^= 1
+    shards[-1].write_bytes(bytes(data))
+    rep = verify(index, shapes_only=True)
+    assert not rep.ok
+    first = next(p for p in rep.problems if p.code == "missing_shard")
+    assert first.message.startswith(f"{shards[0].name}: shard listed in m.safetensors.index.json cannot be read: ")
+    assert "past the end of the data buffer" in first.message
+    assert any(p.code == "missing_tensor" for p in rep.problems)
+    assert any(p.code == "checksum_mismatch" for p in rep.problems)
+    assert not any(p.code == "index_mismatch" for p in rep.problems)
+    shards[-1].write_bytes(b"garbage")  # every other shard still readable: a problem, not fatal
+    assert any(p.code == "missing_shard" and shards[-1].name in p.message for p in verify(index).problems)
+
+
+def test_verify_an_index_that_names_no_shards(tmp_path: Path, src: tuple[Path, dict]) -> None:
+    folder, _ = src
+    convert(folder, tmp_path / "m.safetensors", max_shard_size="40KB")
+    index = tmp_path / "m.safetensors.index.json"
+    index.write_text('{"metadata": {}, "weight_map": {}}')
+    from converter.errors import ArtifactError
+
+    with pytest.raises(ArtifactError, match=r"the index names no shards \(its weight_map is empty\)"):
+        verify(index, shapes_only=True)
+
+
 def test_folder_mode_writes_a_complete_model_folder(tmp_path: Path, src: tuple[Path, dict]) -> None:
     folder, layers = src
     out = tmp_path / "model"
