@@ -224,10 +224,34 @@ def test_a_full_disk_at_write_time_names_the_output_not_a_temporary(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_no_room_for_a_shard_placeholder_names_the_shard_not_a_temporary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found on a tmpfs out of inodes: creating the second shard's hidden placeholder
+    failed and the error named '.o-00002-of-0000n.safetensors.<random>.staged'."""
+    from converter.artifact import writer
+
+    calls = []
+    stage = writer.stage_placeholder
+
+    def no_inodes(folder: Path, name: str, created: list[Path]) -> Path:
+        calls.append(name)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device", str(folder / f".{name}.0123456789ab.staged"))
+        return stage(folder, name, created)
+
+    monkeypatch.setattr(writer, "stage_placeholder", no_inodes)
+    line = assert_refused(invoke("marlin-convert", SAMPLE, tmp_path / "o.safetensors", "--max-shard-size", "300KB"))
+    assert line.startswith(f"error: {tmp_path}/o-00002-of-0000")
+    assert ".safetensors: cannot write the output: No space left on device (" in line
+    assert line.endswith("; nothing was written") and ".staged" not in line
+    assert list(tmp_path.iterdir()) == []
+
+
 @contextlib.contextmanager
-def _tmpfs(path: Path, size: str, *, read_only: bool = False) -> Iterator[Path]:
+def _tmpfs(path: Path, size: str, *, read_only: bool = False, inodes: int | None = None) -> Iterator[Path]:
     path.mkdir()
-    opts = f"size={size}" + (",ro" if read_only else "")
+    opts = f"size={size}" + (",ro" if read_only else "") + (f",nr_inodes={inodes}" if inodes else "")
     res = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True)
     if res.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {res.stderr.decode().strip()}")
@@ -251,6 +275,18 @@ def test_a_real_read_only_and_a_real_small_filesystem(tmp_path: Path) -> None:
                 f"error: {small / 'o.safetensors'}: not enough free space: the output needs 844600 bytes"
             )
         assert os.listdir(small) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_real_filesystem_out_of_inodes(tmp_path: Path) -> None:
+    """Room for the bytes but not for the shards' files: the shard is named, and why."""
+    with _tmpfs(tmp_path / "few", "20m", inodes=4) as few:
+        line = assert_refused(invoke("marlin-convert", SAMPLE, few / "o.safetensors", "--max-shard-size", "300KB"))
+        assert line.startswith(f"error: {few}/o-0000")
+        assert "cannot write the output: No space left on device (" in line
+        assert "no free inodes: the filesystem cannot create another file); nothing was written" in line
+        assert ".staged" not in line and ".incomplete" not in line
+        assert os.listdir(few) == []
 
 
 def test_the_file_size_limit_is_checked_first(tmp_path: Path) -> None:

@@ -132,7 +132,10 @@ class ArtifactWriter:
         return self.target.path if len(self.shards) == 1 else self.target.index
 
     def _stage_path(self, name: str) -> Path:
-        return stage_placeholder(self.target.folder, name, self._temps)
+        try:
+            return stage_placeholder(self.target.folder, name, self._temps)
+        except OSError as exc:  # named by the output, never by the hidden placeholder
+            raise output_write_error(exc, self.target.folder / name) from None
 
     def _shard_manifest(self, manifest: Manifest, i: int) -> Manifest:
         return _shard_manifest(manifest, i, len(self.shards))
