@@ -239,7 +239,10 @@ def open_temporary(tmp: Path, path: Path) -> int:
     try:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
     except OSError as exc:
-        raise ConverterError(f"cannot write to the output folder: {exc.strerror}", path=path.parent) from None
+        why = exc.strerror
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT) and _no_free_inodes(path.parent):
+            why = f"{why} (no free inodes: the filesystem cannot create another file)"
+        raise ConverterError(f"cannot write to the output folder: {why}", path=path.parent) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.fchmod(fd, target_mode(path))
