@@ -234,6 +234,12 @@ class CompressedTensorsSource(
         packed = self.need(prefix, "weight_packed", ("I32",))
         shape_info = self.need(prefix, "weight_shape", ("I64", "I32"), (2,))
         size_n, size_k = (int(v) for v in np.asarray(self.ckpt.array(shape_info.name)))
+        if size_n < 0 or size_k < 0:
+            raise SourceFormatError(
+                f"weight_shape [N, K] must hold two non-negative sizes, found [{size_n}, {size_k}]",
+                path=self.ckpt.file_of(shape_info.name),
+                tensor=shape_info.name,
+            )
         owned = [packed.name, shape_info.name]
         warnings: list[str] = []
         args = self.args_for(prefix)

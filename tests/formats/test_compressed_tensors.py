@@ -160,6 +160,22 @@ def test_weight_shape_disagreeing_with_packed_is_a_format_error(tmp_path: Path) 
         convert(src, tmp_path / "a.safetensors")
 
 
+@pytest.mark.parametrize("bits", [4, 3])  # 3-bit passes through: the negative size reached the plan unchecked
+def test_negative_weight_shape_is_named(tmp_path: Path, bits: int) -> None:
+    """Was 'weight_packed: ... disagrees with weight_shape [N, K] = [-64, -128] ... (expected [-64, -16])'."""
+    rng = np.random.default_rng(6)
+    t = ct_tensors(P, make_layer(rng, 128, 64), sym=False)
+    t[f"{P}.weight_shape"] = np.array([-64, -128], dtype=np.int64)
+    src = write_checkpoint(tmp_path / "src", t, ct_config(bits=bits))
+    with pytest.raises(
+        SourceFormatError,
+        match=rf"model.safetensors: {P}.weight_shape: weight_shape \[N, K\] must hold two non-negative sizes, "
+        r"found \[-64, -128\]$",
+    ):
+        convert(src, tmp_path / "a.safetensors")
+    assert not (tmp_path / "a.safetensors").exists()
+
+
 def test_asymmetric_group_without_zero_point_is_a_format_error(tmp_path: Path) -> None:
     rng = np.random.default_rng(7)
     lay = make_layer(rng, 128, 64)
