@@ -190,6 +190,7 @@ def check_artifact(
             art.file.release_pages()  # keep RSS bounded on multi-GB artifacts
     non_finite = _check_finite(art, report)
     _check_fp16_range(art, report, skip=non_finite)
+    _check_code_range(art, report)
     _check_layer_facts(art, manifest, report)
     _check_folder_files(art, manifest, report)
     report.checked = {"layers": len(art.layers), "tensors": len(infos), "checksums": checksums}
@@ -402,6 +403,44 @@ def _check_fp16_range(art: Artifact, report: Report, *, skip: set[str]) -> None:
         if why:
             report.add(P.FP16_OVERFLOW, f"layer {rec.name}: {why}", rec.name)
         art.file.release_pages()
+
+
+#: Bytes of ``marlin_B`` scanned at a time by :func:`_check_code_range`.
+CODE_SCAN_BYTES = 16 << 20
+
+
+def _check_code_range(art: Artifact, report: Report) -> None:
+    """Report a 2- or 3-bit layer whose ``marlin_B`` holds a code outside the range its
+    ``bits`` and ``code_offset`` allow: a re-sealed manifest that lowers ``bits`` would
+    otherwise pass, and the fp16 range check would only try the codes it claims.  Every
+    nibble of ``B`` is one code (the layout permutes, it never mixes), so the nibbles'
+    minimum and maximum decide."""
+    for rec in art.layers.values():
+        offset = marlin_code_offset(rec.bits)
+        if rec.bits >= 4 or rec.code_offset != offset:
+            continue  # 4-bit: every nibble is a code; a wrong code_offset is reported already
+        name = f"{rec.name}.{Suffix.B.value}"
+        info = art.file.infos.get(name)
+        if info is None or (info.dtype, info.shape) != (
+            "I32",
+            expected_layer_tensors(art, rec)[Suffix.B][1],
+        ):
+            continue  # reported as missing / dtype_mismatch / shape_mismatch already
+        flat = np.asarray(art.file.array(name)).reshape(-1).view(np.uint8)
+        lo, hi = 15, 0
+        for i in range(0, flat.size, CODE_SCAN_BYTES):
+            part = flat[i : i + CODE_SCAN_BYTES]
+            low, high = part & 0xF, part >> 4
+            lo, hi = min(lo, int(low.min()), int(high.min())), max(hi, int(low.max()), int(high.max()))
+            art.file.release_pages()
+        top = offset + (1 << rec.bits) - 1
+        if flat.size and (lo < offset or hi > top):
+            report.add(
+                P.MANIFEST_INCONSISTENT,
+                f"layer {rec.name}: {name} holds codes {lo}..{hi}, but {rec.bits}-bit codes stored with offset "
+                f"{offset} lie in {offset}..{top} (bits lies, or B is not this layer's)",
+                rec.name,
+            )
 
 
 def artifact_folder(art: Artifact) -> Path:

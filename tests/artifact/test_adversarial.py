@@ -144,6 +144,23 @@ def test_other_manifest_lies(base: Path, tmp_path: Path, key: str, value: object
     assert any(match in p.message for p in rep.problems), [p.message for p in rep.problems]
 
 
+@pytest.mark.parametrize("bits,offset", [(2, 6), (3, 4)])
+def test_lying_lower_bits_is_caught_by_the_codes(base: Path, tmp_path: Path, bits: int, offset: int) -> None:
+    """bits lowered with the matching code_offset, re-sealed: --shapes and the CPU check
+    said OK, though B holds 4-bit codes (and the fp16 range check tried fewer codes)."""
+    art = rewrite_artifact_arrays(
+        base, tmp_path / "a.safetensors", lambda m, t: layer(m).update(bits=bits, code_offset=offset)
+    )
+    top = offset + (1 << bits) - 1
+    for kwargs in ({"shapes_only": True}, {"gpu": False}):
+        rep = verify(art, **kwargs)
+        assert not rep.ok
+        assert [p.message for p in rep.problems if p.code == "manifest_inconsistent"] == [
+            f"layer {L}: {L}.marlin_B holds codes 0..15, but {bits}-bit codes stored with offset {offset} lie in "
+            f"{offset}..{top} (bits lies, or B is not this layer's)"
+        ]
+
+
 def test_duplicate_layer_entry(base: Path, tmp_path: Path) -> None:
     art = rewrite_artifact_arrays(base, tmp_path / "a.safetensors", lambda m, t: m["layers"].append(dict(layer(m))))
     assert f"layer {L} is listed 2 times" in [p.message for p in verify(art, shapes_only=True).problems]
