@@ -259,6 +259,7 @@ def convert(
         # the input is hashed (which reads all of it).
         desc = source.describe(digests=False)
         _refuse_non_finite(source, desc)
+        _refuse_non_finite_bias(source, plan)
         bytes_out = sum(nbytes(d, s) for _, d, s in layout)
         max_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
         shards = plan_shards(layout, [lay.name for lay in layers], max_bytes)
@@ -368,6 +369,25 @@ def _refuse_non_finite(source: Source, desc: dict[str, Any]) -> None:
             "records the quant config and must be standard JSON: fix the value",
             path=getattr(source, "cfg_path", source.path),
         )
+
+
+def _refuse_non_finite_bias(source: Source, plan: SourcePlan) -> None:
+    """A converted layer's bias goes into the kernels' epilogue, added to every output
+    row: a NaN or infinity there is refused by name before anything is written (scales
+    and zeros are checked by the readers' plans)."""
+    for lay in plan.layers:
+        if not (lay.convertible and lay.bias is not None):
+            continue
+        bad = source.load_tensor(lay.bias.name).non_finite()
+        if bad:
+            ckpt = getattr(source, "ckpt", None)
+            raise SourceFormatError(
+                f"{bad} NaN or Inf value(s); a converted layer's bias must be finite (the kernels add it to "
+                "every output row)",
+                path=ckpt.file_of(lay.bias.name) if ckpt is not None else source.path,
+                tensor=lay.bias.name,
+            )
+    source.release_pages()
 
 
 def _plan_warnings(plan: SourcePlan, layers: list[LayerEntry]) -> list[str]:

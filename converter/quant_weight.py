@@ -41,6 +41,15 @@ class Tensor:
     shape: tuple[int, ...]
     data: np.ndarray
 
+    def non_finite(self) -> int:
+        """How many values are NaN or infinite (0 for integer dtypes); BF16's raw
+        ``uint16`` counts where its 8 exponent bits are all ones."""
+        if self.dtype == "BF16":
+            return int(np.count_nonzero((np.asarray(self.data) & 0x7F80) == 0x7F80))
+        if np.asarray(self.data).dtype.kind != "f":
+            return 0
+        return int(self.data.size - np.count_nonzero(np.isfinite(self.data)))
+
 
 def marlin_code_offset(bits: int) -> int:
     """What is added to a ``bits``-bit source code to make its Marlin 4-bit code.

@@ -68,7 +68,7 @@ def validate_artifact(
     checksum; every layer's tensors are present with the dtypes and shapes derived from
     ``size_k``, ``size_n`` (``padded_n`` when padded) and ``group_size``; every
     pass-through tensor is present; no tensor is unaccounted for; every tensor's
-    xxh3-128 matches the manifest; scales and ``delta`` are finite, and float16 holds
+    xxh3-128 matches the manifest; scales, ``delta`` and bias are finite, and float16 holds
     ``delta`` and the weights the codes form; folder mode's files beside the artifact
     match ``checksums.files``; and the derived facts hold (below).
 
@@ -357,8 +357,8 @@ def broken_layers(report: Report, layer_names: set[str]) -> set[str]:
     return out
 
 
-#: Layer tensors whose values must be finite (a NaN scale or delta poisons every output).
-FINITE_SUFFIXES = (Suffix.SCALES, Suffix.DELTA)
+#: Layer tensors whose values must be finite (a NaN scale, delta or bias poisons every output).
+FINITE_SUFFIXES = (Suffix.SCALES, Suffix.DELTA, Suffix.BIAS)
 
 
 def _check_finite(art: Artifact, report: Report) -> set[str]:
@@ -369,10 +369,9 @@ def _check_finite(art: Artifact, report: Report) -> set[str]:
         for suffix in FINITE_SUFFIXES:
             name = f"{rec.name}.{suffix.value}"
             info = art.file.infos.get(name)
-            if info is None or info.dtype not in ("F16", "F32"):
-                continue  # reported as missing / dtype_mismatch already
-            values = art.file.array(name)
-            bad = int(values.size - np.count_nonzero(np.isfinite(values)))
+            if info is None or info.dtype not in ("F16", "F32", "BF16"):
+                continue  # reported as missing / dtype_mismatch already (or a layer without bias)
+            bad = art.file.tensor(name).non_finite()
             if bad:
                 what = suffix.value.removeprefix("marlin_")
                 report.add(P.NON_FINITE, f"{name}: {bad} NaN or Inf value(s); {what} must be finite", name, 0, bad)

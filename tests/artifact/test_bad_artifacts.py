@@ -123,3 +123,27 @@ def test_artifact_manifest_schema_violation(artifact: Path, tmp_path: Path) -> N
     art.close()
     assert not report.ok
     assert any(x.code == "schema_violation" and "size_k" in x.message for x in report.problems)
+
+
+def test_artifact_non_finite_bias_reported(tmp_path: Path) -> None:
+    """A bias NaN in an artifact (re-sealed checksums) is reported like a NaN scale."""
+    from converter.convert import convert
+    from converter.verify import verify
+    from tests.helpers.producers import gptq_config, gptq_tensors, make_layer, write_checkpoint
+
+    name = "model.layers.0.mlp.up_proj"
+    tensors = gptq_tensors(name, make_layer(np.random.default_rng(6), 256, 128, bias=True), v1=False)
+    art = tmp_path / "a.safetensors"
+    convert(write_checkpoint(tmp_path / "src", tensors, gptq_config(4, 128)), art)
+
+    def edit(m, t):
+        d, s, raw = t[f"{name}.bias"]
+        a = np.frombuffer(raw, dtype=np.float16).copy()
+        a[0] = np.nan
+        t[f"{name}.bias"] = (d, s, a.tobytes())
+
+    p = rewrite_artifact(art, tmp_path / "b.safetensors", edit)
+    rep = verify(p, shapes_only=True)
+    assert [(x.code, x.tensor, x.message) for x in rep.problems] == [
+        ("non_finite", f"{name}.bias", f"{name}.bias: 1 NaN or Inf value(s); bias must be finite")
+    ]

@@ -320,3 +320,28 @@ def test_directory_given_as_shard(gptq: Path) -> None:
         match=r"ckpt/sub.safetensors: a directory, not a file; a checkpoint's files must be regular files$",
     ):
         open_source(gptq)
+
+
+@pytest.mark.parametrize(("dtype", "bad", "count"), [("F16", np.nan, 1), ("F16", -np.inf, 1), ("BF16", np.inf, 2)])
+def test_a_non_finite_bias_is_refused_by_name(tmp_path: Path, dtype: str, bad: float, count: int) -> None:
+    """The kernels add a converted layer's bias to every output row: NaN or Inf there is
+    refused before anything is written, naming the shard and the tensor."""
+    from converter.convert import convert
+    from tests.helpers.producers import gptq_config, gptq_tensors, make_layer, write_checkpoint
+
+    rng = np.random.default_rng(5)
+    name = "model.layers.0.mlp.up_proj"
+    tensors = gptq_tensors(name, make_layer(rng, 256, 128, bias=True), v1=False)
+    b = tensors[f"{name}.bias"].astype(np.float32)
+    b[7 : 7 + count] = bad
+    tensors[f"{name}.bias"] = b if dtype == "BF16" else b.astype(np.float16)
+    bf16 = {f"{name}.bias"} if dtype == "BF16" else set()
+    folder = write_checkpoint(tmp_path / "src", tensors, gptq_config(4, 128), bf16=bf16)
+    out = tmp_path / "o.safetensors"
+    with pytest.raises(
+        SourceFormatError,
+        match=rf"model.safetensors: {name}.bias: {count} NaN or Inf value\(s\); a converted layer's bias must be "
+        r"finite \(the kernels add it to every output row\)",
+    ):
+        convert(folder, out)
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
