@@ -500,6 +500,10 @@ def _jsonable(obj: Any) -> Any:
     raise TypeError(type(obj).__name__)
 
 
+#: Problems printed by marlin-verify before the rest are counted (all of them with --json).
+PROBLEM_LINES = 30
+
+
 def _render_verify(report: Report, quiet: bool) -> None:
     errors = [p for p in report.problems if p.severity == "error"]
     bad_layers = {p.tensor.rsplit(".", 1)[0] for p in errors} | {p.tensor for p in errors}
@@ -531,9 +535,15 @@ def _render_verify(report: Report, quiet: bool) -> None:
                 )
             table.add_row(*cells)
         out_console.print(table)
-    for p in report.problems:
+    # The first lines say what is wrong; a wrong --against source, say, makes one per
+    # tensor. --json keeps every problem.
+    for p in report.problems[:PROBLEM_LINES]:
         tag = "[red]problem[/]" if p.severity == "error" else "[yellow]warning[/]"
         out_console.print(f"{tag} {escape(f'[{p.code}]')} {_show(p.message)}", soft_wrap=True)
+    if len(report.problems) > PROBLEM_LINES:
+        rest = report.problems[PROBLEM_LINES:]
+        codes = sorted({p.code for p in rest})
+        out_console.print(f"... and {len(rest)} more ({', '.join(codes)}); --json lists every problem", soft_wrap=True)
     gpu_note = report.checked.get("gpu_numerics")
     if isinstance(gpu_note, str) and not quiet:
         err_console.print(f"[dim]GPU numerics {_show(gpu_note)}[/]", soft_wrap=True)

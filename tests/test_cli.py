@@ -392,3 +392,28 @@ def test_json_keeps_every_tensor_and_no_pad_passes_through(two_hundred: Path, tm
         "the artifact holds the source's tensors unchanged"
     )
     assert len(lines) == 12 and lines[0] == f"wrote {tmp_path / 'c.safetensors'}", res.stderr
+
+
+def test_verify_prints_the_first_problems_and_counts_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wrong --against source gives one problem per tensor: the terminal gets the first
+    PROBLEM_LINES and a count by code; --json keeps them all."""
+    from rich.console import Console
+
+    from converter import cli
+    from converter.artifact.problems import Report
+
+    rep = Report("a.safetensors")
+    rep.add("source_differs", "the source is not the one this artifact was converted from")
+    for i in range(40):
+        rep.add("source_mismatch", f"t{i}: a conversion of the source has this tensor; the artifact lacks it", f"t{i}")
+    rep.add("non_finite", "t.marlin_delta: 1 NaN or Inf value(s); delta must be finite", "t.marlin_delta")
+    console = Console(record=True, width=200, highlight=False)
+    monkeypatch.setattr(cli, "out_console", console)
+    cli._render_verify(rep, quiet=True)
+    lines = console.export_text().splitlines()
+    assert len(lines) == cli.PROBLEM_LINES + 2 and lines[0].startswith("problem [source_differs]")
+    assert lines[cli.PROBLEM_LINES - 1] == (
+        "problem [source_mismatch] t28: a conversion of the source has this tensor; the artifact lacks it"
+    )
+    assert lines[-2] == "... and 12 more (non_finite, source_mismatch); --json lists every problem"
+    assert lines[-1] == "FAILED: 42 problem(s): 0 layers, 0 tensors; checked shapes, checksums"
