@@ -102,6 +102,28 @@ def safe(row, fn, *a):
         return float("nan")
 
 
+def time_ours(cp, row, weights, kw, fn, deltas, **extra):
+    """Median us per call of our ``fn`` (``kernels.marlin_gemm`` or the two-kernel path)
+    over the rotated weight copies; ``deltas`` per copy (None: symmetric); ``extra``
+    overrides ``kw`` (a pipe, a tuning). A failure is NaN with the error in ``row``."""
+    a, Bs, Ss, out, calls, reps = weights
+    ckw = {**kw, **extra}
+    # partial, not lambda: each call binds its own copy of the weights now.
+    thunks = [
+        partial(
+            fn,
+            a,
+            Bs[i % len(Bs)],
+            Ss[i % len(Bs)],
+            out=out,
+            **ckw,
+            **({} if deltas is None else {"delta": deltas[i % len(Bs)]}),
+        )
+        for i in range(calls)
+    ]
+    return safe(row, timed_graph, cp, thunks, reps)
+
+
 def ceilings(cp, torch):
     """Measured copy bandwidth (bytes/s, read + write) and fp16 matmul rate (FLOP/s)."""
     w = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
@@ -240,8 +262,12 @@ def main() -> int:
     )
     args = ap.parse_args()
 
-    import cupy as cp
-    import torch
+    try:
+        import cupy as cp
+        import torch
+    except ImportError as exc:
+        print(f"bench_gemm.py needs a GPU machine with CuPy and torch: {exc}", file=sys.stderr)
+        return 2
 
     from converter.gpu import kernels, runtime
     from converter.gpu.plan import KernelKind, Tuning
@@ -287,44 +313,11 @@ def main() -> int:
             kw = dict(size_k=k, size_n=n, group_size=GROUP, tuning=base)
             calls = max(args.calls, copies)
             row = {"K": k, "N": n, "M": m, "plan": dataclasses.asdict(kernels.gemm_plan(m, k, n, GROUP, tuning=base))}
-            # partial, not lambda: each call binds its own copy of the weights now.
-            row["ours_sym"] = safe(
-                row,
-                timed_graph,
-                cp,
-                [partial(kernels.marlin_gemm, a, Bs[i % copies], Ss[i % copies], out=out, **kw) for i in range(calls)],
-                args.reps,
-            )
-            row["ours_fused"] = safe(
-                row,
-                timed_graph,
-                cp,
-                [
-                    partial(
-                        kernels.marlin_gemm, a, Bs[i % copies], Ss[i % copies], delta=Ds16[i % copies], out=out, **kw
-                    )
-                    for i in range(calls)
-                ],
-                args.reps,
-            )
-            row["ours_2k"] = safe(
-                row,
-                timed_graph,
-                cp,
-                [
-                    partial(
-                        kernels.marlin_gemm_two_kernel,
-                        a,
-                        Bs[i % copies],
-                        Ss[i % copies],
-                        delta=Ds[i % copies],
-                        out=out,
-                        **kw,
-                    )
-                    for i in range(calls)
-                ],
-                args.reps,
-            )
+            weights = (a, Bs, Ss, out, calls, args.reps)
+            ours = partial(time_ours, cp, row, weights, kw)
+            row["ours_sym"] = ours(kernels.marlin_gemm, None)
+            row["ours_fused"] = ours(kernels.marlin_gemm, Ds16)
+            row["ours_2k"] = ours(kernels.marlin_gemm_two_kernel, Ds)
             for spec in args.sweep.split(",") if args.sweep else []:
                 # d|w|t R x U x NS w waves [o blocks per SM], e.g. d1x4x3w1, t1x4x3w1, d1x4x3w1o3
                 pipe_s, w = spec.rsplit("w", 1)
@@ -332,36 +325,9 @@ def main() -> int:
                 kind = KernelKind({"d": "decode", "w": "decode_w", "t": "tile", "h": "hopper"}[pipe_s[0]])
                 pipe = (kind,) + tuple(int(v) for v in pipe_s[1:].split("x"))
                 cap = ((kind, int(occ)),) if occ else base.occupancy_cap
-                skw = {**kw, "tuning": dataclasses.replace(base, waves=int(w), occupancy_cap=cap)}
-                row[f"sym_{spec}"] = safe(
-                    row,
-                    timed_graph,
-                    cp,
-                    [
-                        partial(kernels.marlin_gemm, a, Bs[i % copies], Ss[i % copies], out=out, pipe=pipe, **skw)
-                        for i in range(calls)
-                    ],
-                    args.reps,
-                )
-                row[f"fused_{spec}"] = safe(
-                    row,
-                    timed_graph,
-                    cp,
-                    [
-                        partial(
-                            kernels.marlin_gemm,
-                            a,
-                            Bs[i % copies],
-                            Ss[i % copies],
-                            delta=Ds16[i % copies],
-                            out=out,
-                            pipe=pipe,
-                            **skw,
-                        )
-                        for i in range(calls)
-                    ],
-                    args.reps,
-                )
+                swept = dataclasses.replace(base, waves=int(w), occupancy_cap=cap)
+                row[f"sym_{spec}"] = ours(kernels.marlin_gemm, None, pipe=pipe, tuning=swept)
+                row[f"fused_{spec}"] = ours(kernels.marlin_gemm, Ds16, pipe=pipe, tuning=swept)
             if args.sweep_splits and row["plan"]["kind"] == KernelKind.HOPPER.value:
                 row["fused_by_splits"] = {}
                 for sp in range(1, args.sweep_splits + 1):
@@ -369,25 +335,7 @@ def main() -> int:
                     plan = kernels.gemm_plan(m, k, n, GROUP, tuning=forced)
                     if plan.splits != sp:  # not a feasible count for this K
                         continue
-                    fkw = {**kw, "tuning": forced}
-                    us = safe(
-                        row,
-                        timed_graph,
-                        cp,
-                        [
-                            partial(
-                                kernels.marlin_gemm,
-                                a,
-                                Bs[i % copies],
-                                Ss[i % copies],
-                                delta=Ds16[i % copies],
-                                out=out,
-                                **fkw,
-                            )
-                            for i in range(calls)
-                        ],
-                        args.reps,
-                    )
+                    us = ours(kernels.marlin_gemm, Ds16, tuning=forced)
                     row["fused_by_splits"][sp] = {"us": us, "plan": dataclasses.asdict(plan)}
                 print(
                     f"   splits sweep {k}x{n} M={m} (planner {row['plan']['splits']}): "
