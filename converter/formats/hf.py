@@ -179,7 +179,7 @@ class HFSource(Source):
         s = np.ascontiguousarray(raw.T) if transposed else raw
         off = marlin_code_offset(layer.bits)
         delta = (np.float32(MARLIN_ZERO - off) - z.astype(np.float32)) * s
-        why = kernel_range_error(s.astype(np.float16), delta, off, layer.bits)
+        why = kernel_range_error(s, delta, off, layer.bits)
         if why:
             raise SourceFormatError(
                 f"layer {layer.name}: {why}", path=self.ckpt.file_of(scales.name), tensor=scales.name

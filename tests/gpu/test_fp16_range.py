@@ -80,3 +80,35 @@ def test_the_rule_is_the_kernels_fp16(cp, case: str) -> None:
     np.testing.assert_array_equal(got.view(np.uint16), twin.view(np.uint16))
     if codes == "extremes":
         assert _accepted(layer) is finite
+
+
+def _exact_rule(s16: np.ndarray, delta: np.ndarray, reach_lo: int, reach_hi: int) -> bool:
+    """The rule elementwise in float64, no shortcut: fp16(delta) finite and every
+    fp16((q - 8) * s + fp16(delta)) finite."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        d16 = delta.astype(np.float16)
+        s = s16.astype(np.float16).astype(np.float64)
+        d = d16.astype(np.float64)
+        worst = np.maximum(np.abs(reach_lo * s + d), np.abs(reach_hi * s + d))
+        return bool(np.all(np.isfinite(d16)) and np.all(np.isfinite(worst.astype(np.float16))))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_bound_shortcut_agrees_with_the_exact_rule_near_the_limit(seed: int) -> None:
+    """kernel_range_error skips the float64 pass when max|s| and max|delta| prove the
+    layer safe; near the limit it must still agree with the elementwise rule, for
+    float16 scales and for float32 ones it rounds."""
+    rng = np.random.default_rng(seed)
+    top = 65504.0 / 8 * rng.uniform(0.97, 1.01)
+    s16 = (rng.uniform(-1, 1, (4, 64)) * top).astype(np.float16)
+    delta = (rng.uniform(-1, 1, (4, 64)) * rng.choice([0.0, 30.0, 600.0])).astype(np.float32)
+    expect = _exact_rule(s16, delta, -8, 7)
+    assert (kernel_range_error(s16, delta, 0, 4) is None) == expect
+    assert (kernel_range_error(s16.astype(np.float32), delta, 0, 4) is None) == expect
+
+
+def test_ordinary_layers_pass_by_the_bound() -> None:
+    rng = np.random.default_rng(0)
+    s16 = (rng.uniform(0.001, 0.05, (64, 4096))).astype(np.float16)
+    delta = rng.standard_normal((64, 4096)).astype(np.float32)
+    assert kernel_range_error(s16, delta, 0, 4) is None and kernel_range_error(s16, delta, 6, 2) is None
