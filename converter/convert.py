@@ -14,13 +14,15 @@ artifact's group size (:meth:`~converter.formats.base.LayerPlan.source_group_row
 Four threads share the work (docs/performance-cpu.md): the main one reads, packs (the
 compiled packer releases the GIL) and hashes each chunk, two write-behind threads write
 the chunks while the next is packed (the writer starts the disk's write-back as it
-goes), and one computes the sha256 of the input files for the manifest once the output
-is known to fit; the manifest is sized with placeholder digests and sealed with the
-real ones last.
+goes), and one computes the sha256 of the input files for the manifest from the start
+(overlapping planning, when the second core is otherwise idle); the manifest is sized
+with placeholder digests and sealed with the real ones last, so nothing waits for the
+hash before the output checks have passed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections import deque
@@ -238,14 +240,20 @@ def convert(
         ConverterError and subclasses: bad input (nothing is written), an existing
             output without ``force``, an output that would overwrite the input, or an
             output that cannot be written (a read-only folder, too little free space,
-            the file-size or open-files limit), found before the input is hashed.
+            the file-size or open-files limit), found without waiting for the input's
+            sha256 (which runs in the background from the start, and is stopped).
         UnsupportedQuantError: the source has no quantized layer at all.
     """
     out_arg = out_path  # as given: Path() drops the trailing "/" that selects folder mode
     src_path = Path(src_path)
     if progress:
         progress(f"planning {src_path.name}", 1)
-    with open_source(src_path) as source:
+    with open_source(src_path) as source, contextlib.ExitStack() as stack:
+        # The input's sha256 (for the manifest) starts now, on its own thread, so that it
+        # overlaps planning and conversion; it is read only when the manifest is sealed,
+        # so an error in planning or in the output checks comes as early as without it
+        # (and stops the thread). A dry run hashes nothing.
+        digests = None if dry_run else stack.enter_context(FileDigests(source.digest_files()))
         plan = source.plan(pad=pad)
         if not plan.layers:
             raise UnsupportedQuantError(
@@ -255,8 +263,7 @@ def convert(
             )
         layout, layers, passthrough = build_layout(plan, path=src_path)
         layout += _passthrough_infos(source, plan, [p.name for p in passthrough])
-        # Placeholder digests of the right length: the output is checked to fit before
-        # the input is hashed (which reads all of it).
+        # Placeholder digests of the right length size the manifest now.
         desc = source.describe(digests=False)
         _refuse_non_finite(source, desc)
         _refuse_non_finite_bias(source, plan)
@@ -303,12 +310,9 @@ def convert(
         )
         if progress:
             progress("", 1)
-        if dry_run:
+        if digests is None:
             return report
-        # The input's sha256 (for the manifest) is computed on its own thread while the
-        # layers are converted, and read last: only now that the output is known to fit.
-        with FileDigests(source.digest_files()) as digests:
-            _write(source, plan, layout, manifest, target, shards, guard, extras, digests, report, progress)
+        _write(source, plan, layout, manifest, target, shards, guard, extras, digests, report, progress)
     return report
 
 

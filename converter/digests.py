@@ -2,8 +2,8 @@
 
 The manifest records every source file's sha256 (``source.files``), and ``marlin-verify
 --against`` compares them.  Hashing a multi-GB checkpoint takes about a second per 1.5 GB
-on one core, so :func:`converter.convert.convert` (once the output is known to fit) and
-:func:`converter.verify.verify` (as soon as the source is open) start a
+on one core, so :func:`converter.convert.convert` and :func:`converter.verify.verify`
+(both as soon as the source is open; a failing check stops it) start a
 :class:`FileDigests`, work meanwhile (the artifact header is sized with placeholder
 digests of the final length), and read the real ones last.
 """

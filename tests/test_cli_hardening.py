@@ -182,13 +182,26 @@ def test_dry_run_refuses_an_unwritable_folder(tmp_path: Path, monkeypatch: pytes
 
 
 def test_too_little_space_is_named_before_the_input_is_hashed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The input's sha256 runs in the background from the start; the space check never
+    waits for it (and a dry run never starts it)."""
+    from converter import digests as digests_mod
+
     src = _ckpt(tmp_path / "src")
     monkeypatch.setattr(target_mod, "free_bytes", lambda folder: 1000)
 
     def never(path: Path, chunk: int = 0) -> str:
         raise AssertionError(f"hashed {path} before checking the space")
 
+    def no_wait(self: object) -> dict:
+        raise AssertionError("waited for the input's sha256 before checking the space")
+
     monkeypatch.setattr(hf_checkpoint, "sha256_file", never)
+    monkeypatch.setattr(digests_mod.FileDigests, "result", no_wait)
+    started: list[object] = []
+    real_init = digests_mod.FileDigests.__init__
+    monkeypatch.setattr(
+        digests_mod.FileDigests, "__init__", lambda self, paths: started.append(self) or real_init(self, paths)
+    )
     for dry in (True, False):
         out = tmp_path / "o.safetensors"
         with pytest.raises(
@@ -197,6 +210,8 @@ def test_too_little_space_is_named_before_the_input_is_hashed(tmp_path: Path, mo
             r"nothing was written$",
         ):
             convert(src, out, dry_run=dry)
+        assert len(started) == (0 if dry else 1)
+    assert not started[0]._thread.is_alive()  # stopped with the error
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
