@@ -37,6 +37,34 @@ def test_unreadable_file_is_a_converter_error(tmp_path: Path) -> None:
         d.result()
 
 
+def test_a_file_that_changes_size_while_hashed_is_a_converter_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A short read (another program truncated the file) is reported by name, not hashed."""
+    import os
+
+    from converter import digests as digests_mod
+
+    f = tmp_path / "w.safetensors"
+    f.write_bytes(b"y" * (3 << 20))
+    real = os.fstat
+
+    def bigger(fd: int) -> os.stat_result:
+        st = real(fd)
+        return os.stat_result((*st[:6], st.st_size + 5, *st[7:]))
+
+    monkeypatch.setattr(digests_mod.os, "fstat", bigger)
+    with (
+        FileDigests([f]) as d,
+        pytest.raises(
+            ConverterError,
+            match=rf"w\.safetensors: cannot read for sha256: its size changed while it was read "
+            rf"\({(3 << 20) + 5} bytes, then {3 << 20}\)",
+        ),
+    ):
+        d.result()
+
+
 @pytest.mark.parametrize("kind", ["gptq", "tinyloop"])
 def test_describe_with_digests_equals_describe(tmp_path: Path, kind: str) -> None:
     path = small_gptq(tmp_path / "src", shards=2) if kind == "gptq" else SAMPLE
