@@ -466,14 +466,16 @@ def _check_layer(
     pending: list[Future[None]] = []
     groups_done = 0
     for chunk in _artifact_chunks(art, rec):
-        # The previous chunk's products and comparison share y, y_ref and the diffs, and
-        # read the buffer that the chunk after this one will reuse.
-        for fut in pending:
-            fut.result()
-        pending = []
+        # This chunk is unpacked (into the buffer the chunk before last used, whose
+        # products are done) and read from the source while the previous chunk's
+        # products and comparison still run; those share y, y_ref and the diffs with this
+        # chunk's, so they finish before this chunk's are queued.
         codes = pool.submit(unpack_b, chunk.b, width, out=buffers.next((chunk.k1 - chunk.k0, width)))
         qw = source.load_layer(lay, chunk.k0, chunk.k1) if compared else None
         q = codes.result()
+        for fut in pending:
+            fut.result()
+        pending = []
         # A per-channel layer hands its one group to every chunk: compare it once.
         skip = max(groups_done - chunk.g0, 0)
         groups_done = max(groups_done, chunk.g0 + chunk.scales.shape[0])
