@@ -70,7 +70,11 @@ DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks for err
 
 def _version(value: bool) -> None:
     if value:
-        out_console.print(f"{Path(sys.argv[0]).name or 'marlin-convert'} (marlin-convert {__version__})")
+        prog = Path(sys.argv[0]).name or "marlin-convert"
+        if "--json" in sys.argv[1:]:  # eager: --json may not be parsed yet, and stdout stays one document
+            sys.stdout.write(json.dumps({"ok": True, "program": prog, "version": __version__}) + "\n")
+        else:
+            out_console.print(f"{prog} (marlin-convert {__version__})")
         raise typer.Exit(0)
 
 

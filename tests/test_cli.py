@@ -417,3 +417,15 @@ def test_verify_prints_the_first_problems_and_counts_the_rest(monkeypatch: pytes
     )
     assert lines[-2] == "... and 12 more (non_finite, source_mismatch); --json lists every problem"
     assert lines[-1] == "FAILED: 42 problem(s): 0 layers, 0 tensors; checked shapes, checksums"
+
+
+@pytest.mark.parametrize("tool", ["marlin-convert", "marlin-verify"])
+def test_version_is_one_line_or_one_json_document(tool: str) -> None:
+    from converter import __version__
+
+    plain = run_cli(tool, "--version")
+    assert (plain.returncode, plain.stdout, plain.stderr) == (0, f"{tool} (marlin-convert {__version__})\n", "")
+    for args in (("--json", "--version"), ("--version", "--json")):
+        res = run_cli(tool, *args)
+        assert res.returncode == 0 and res.stderr == ""
+        assert json.loads(res.stdout) == {"ok": True, "program": tool, "version": __version__}
