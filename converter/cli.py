@@ -305,7 +305,9 @@ def _layer_cells(lay: Any) -> tuple[str, ...]:
     return (
         str(lay.size_k),
         str(lay.size_n) + (f" (pad {lay.padded_n})" if lay.padded_n is not None else ""),
-        group + (f" (from {lay.source_group_size})" if lay.source_group_size is not None else ""),
+        group
+        + (f" (from {lay.source_group_size})" if lay.source_group_size is not None else "")
+        + (" act-order" if lay.act_order else ""),
         str(lay.bits),
         "yes" if lay.symmetric else "no",
         lay.zero_convention.value,

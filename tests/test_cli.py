@@ -429,3 +429,22 @@ def test_version_is_one_line_or_one_json_document(tool: str) -> None:
         res = run_cli(tool, *args)
         assert res.returncode == 0 and res.stderr == ""
         assert json.loads(res.stdout) == {"ok": True, "program": tool, "version": __version__}
+
+
+def test_the_summary_marks_act_order_layers(tmp_path: Path) -> None:
+    """Act-order shows in the summary's group column, not only in --json."""
+    from tests.helpers.producers import gptq_config, gptq_tensors, make_layer, write_checkpoint
+
+    rng = np.random.default_rng(3)
+    tensors = {}
+    for name, act in (("model.layers.0.mlp.up_proj", True), ("model.layers.0.mlp.gate_proj", False)):
+        tensors.update(gptq_tensors(name, make_layer(rng, 256, 128, act_order=act), v1=False))
+    src = write_checkpoint(tmp_path / "src", tensors, gptq_config(4, 128, fmt="gptq_v2", desc_act=True))
+    res = run_cli("marlin-convert", src, tmp_path / "o.safetensors", "--dry-run")
+    assert res.returncode == 0, res.stderr
+    rows = {
+        line.split("│")[1].strip(): line.split("│")[5].strip()
+        for line in res.stderr.splitlines()
+        if line.startswith("│")
+    }
+    assert rows == {"model.layers.0.mlp.up_proj": "128 act-order", "model.layers.0.mlp.gate_proj": "128"}
