@@ -109,3 +109,14 @@ class FileDigests:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def sha256_files(paths: Iterable[Path]) -> dict[Path, str]:
+    """``{path: sha256 hex}`` of ``paths``, computed now (the reads of :class:`FileDigests`,
+    waited for): what a reader's ``describe()`` records when no digests are given.
+
+    Raises:
+        ConverterError: a file could not be read, or changed size while it was.
+    """
+    with FileDigests(paths) as digests:
+        return digests.result()

@@ -25,7 +25,6 @@ from converter import atomic
 from converter.artifact import target as target_mod
 from converter.convert import convert
 from converter.errors import ConverterError
-from converter.formats import hf_checkpoint
 from converter.verify import verify
 from tests.helpers.clirun import assert_refused, invoke, run_cli, snapshot
 from tests.helpers.paths import REPO, SAMPLE
@@ -189,13 +188,9 @@ def test_too_little_space_is_named_before_the_input_is_hashed(tmp_path: Path, mo
     src = _ckpt(tmp_path / "src")
     monkeypatch.setattr(target_mod, "free_bytes", lambda folder: 1000)
 
-    def never(path: Path, chunk: int = 0) -> str:
-        raise AssertionError(f"hashed {path} before checking the space")
-
     def no_wait(self: object) -> dict:
         raise AssertionError("waited for the input's sha256 before checking the space")
 
-    monkeypatch.setattr(hf_checkpoint, "sha256_file", never)
     monkeypatch.setattr(digests_mod.FileDigests, "result", no_wait)
     started: list[object] = []
     real_init = digests_mod.FileDigests.__init__

@@ -15,17 +15,16 @@ hold links into the same repository's ``blobs/``.  A path the user names directl
 
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..constants import HF_INDEX_NAME
+from ..digests import sha256_files
 from ..errors import ConfigError, SourceFormatError
 from ..hf_index import SHARD_NAME_RE, HFIndex, read_index
 from ..jsonio import not_regular, read_object, read_regular_file
@@ -105,15 +104,6 @@ def read_json_file(path: Path) -> dict[str, Any]:
         ConfigError: unreadable, too large, not JSON, or not an object.
     """
     return read_object(path, what="JSON file", error=ConfigError)
-
-
-def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
-    """Hex sha256 of a file, streamed in ``chunk``-byte reads."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _is_text(name: str) -> bool:
@@ -320,9 +310,8 @@ class HFCheckpoint:
         if isinstance(digests, Mapping):
             sums = [digests[p] for p in paths]
         elif digests:
-            # Two threads: hashlib releases the GIL, so shards hash in parallel on 2 cores.
-            with ThreadPoolExecutor(max_workers=min(2, max(len(paths), 1))) as pool:
-                sums = list(pool.map(sha256_file, paths))
+            found = sha256_files(paths)
+            sums = [found[p] for p in paths]
         else:
             sums = ["0" * 64] * len(paths)
         return [{"name": p.name, "bytes": p.stat().st_size, "sha256": h} for p, h in zip(paths, sums, strict=True)]
@@ -336,19 +325,6 @@ class HFCheckpoint:
         # link may be read is folder_member's question, asked where a file is read).
         paths += [self.folder / n for n in names if os.path.lexists(self.folder / n)]
         return paths
-
-    def config_disagreements(self, keys: tuple[str, ...]) -> list[tuple[str, Any, Any]]:
-        """``[(key, sidecar value, config.json value)]`` for the ``keys`` that a quant-config
-        file and ``config.json["quantization_config"]`` both set, to different values
-        (empty when the quant config came from ``config.json`` itself)."""
-        inner = self.config.get("quantization_config")
-        if self.quant_config_file in (None, "config.json") or not isinstance(inner, dict):
-            return []
-        return [
-            (k, self.quant_config[k], inner[k])
-            for k in keys
-            if k in self.quant_config and k in inner and self.quant_config[k] != inner[k]
-        ]
 
     def close(self) -> None:
         for s in self._shards:

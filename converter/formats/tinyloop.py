@@ -21,7 +21,6 @@ One limit of the implementation, not of the spec: tensors have at most
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import mmap
 import os
@@ -48,6 +47,7 @@ from ..constants import (
     SourceFormat,
     ZeroConvention,
 )
+from ..digests import sha256_files
 from ..errors import ConverterError, SourceFormatError, UnsupportedQuantError
 from ..jsonio import JsonRule, json_type
 from ..quant_weight import QuantWeight, Tensor, marlin_code_offset
@@ -65,7 +65,6 @@ EXACT_INT4_REASON = "exact_int4: stays on TinyLoop's exact integer path"
 CHANNEL_REASONS = {
     ch: f"{ch}: TinyLoop stochastic-rounding channel; Marlin ignores it" for ch in TINYLOOP_EXTRA_CHANNELS
 }
-_SHA_CHUNK = 8 * 1024 * 1024
 _MiB = 1024 * 1024
 _LINEAR_INT_FIELDS = ("bits", "in_features", "out_features", "group_size")
 _LINEAR_REQUIRED_TENSORS = ("qweight", "scale", "zero")
@@ -235,7 +234,7 @@ class TinyloopSource(Source, format=SourceFormat.TINYLOOP, conventions=(ZeroConv
         """The manifest's ``source`` object.
 
         Args:
-            digests: True hashes the file here (streaming, in 8 MiB reads); False gives
+            digests: True hashes the file here (:func:`~converter.digests.sha256_files`); False gives
                 a placeholder of 64 zeros; a mapping ``{path: sha256}`` computed elsewhere.
 
         Returns:
@@ -243,19 +242,13 @@ class TinyloopSource(Source, format=SourceFormat.TINYLOOP, conventions=(ZeroConv
             "sha256": hex}], "quant_config": {"model": header["model"]}}``.
 
         Raises:
-            SourceFormatError: the file can no longer be read, or its name is not UTF-8.
+            SourceFormatError: its name is not UTF-8.
+            ConverterError: the file can no longer be read for its sha256.
         """
         if isinstance(digests, Mapping):
             sha = digests[self.path]
         elif digests:
-            digest = hashlib.sha256()
-            try:
-                with open(self.path, "rb") as fh:
-                    while chunk := fh.read(_SHA_CHUNK):
-                        digest.update(chunk)
-            except OSError as exc:
-                self._fail(f"cannot read for sha256: {exc.strerror or exc}")
-            sha = digest.hexdigest()
+            sha = sha256_files([self.path])[self.path]
         else:
             sha = "0" * 64
         try:
