@@ -34,7 +34,14 @@ from rich.table import Table
 from . import __version__
 from .artifact.problems import Report
 from .errors import ConverterError, json_text, printable
-from .faults import INTERRUPTED_EXIT, error_document, interrupted_message, restore_interrupt, sigbus_as_error
+from .faults import (
+    INTERRUPTED_EXIT,
+    error_document,
+    interrupted_message,
+    restore_interrupt,
+    sigbus_as_error,
+    write_fd,
+)
 
 # Piped output (logs, CI) gets wide tables instead of 80-column wrapping.
 err_console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
@@ -83,11 +90,6 @@ VersionOpt = Annotated[
 ]
 
 
-def _one_line(text: str) -> str:
-    """Escape control characters (a tensor name may hold a newline) so the error stays one line."""
-    return printable(text)
-
-
 def _show(text: str) -> str:
     """A name or message from a file, safe for a rich console: escaped markup and control characters."""
     return escape(printable(str(text)))
@@ -119,12 +121,13 @@ def _fail(
     *,
     kind: str = "UsageError",
     code: int = 2,
-    file: str | None = None,
+    file: object = None,
+    tensor: str | None = None,
     tag: str = "[bold red]error:[/] ",
 ) -> NoReturn:
     """One error line on stderr, or (``--json``) one error document on stdout; then exit."""
     if as_json:
-        print(error_document(kind, json_text(message), json_text(file) if file else None))
+        print(error_document(kind, message, file, tensor))
     else:
         err_console.print(f"{tag}{_show(message)}", soft_wrap=True)
     raise typer.Exit(code)
@@ -139,8 +142,8 @@ def _errors_to_exit(debug: bool, as_json: bool) -> Iterator[None]:
     restore_interrupt()  # from here on Ctrl-C unwinds, so the writers delete their temporaries
 
     def on_sigbus(message: str) -> None:
-        out = error_document("SigbusError", json_text(message)) if as_json else f"error: {printable(message)}"
-        os.write(1 if as_json else 2, (out + "\n").encode("utf-8", "backslashreplace"))
+        out = error_document("SigbusError", message) if as_json else f"error: {printable(message)}"
+        write_fd(1 if as_json else 2, out + "\n")
 
     debugging = debug or bool(os.environ.get("MARLIN_DEBUG"))
     try:
@@ -152,18 +155,7 @@ def _errors_to_exit(debug: bool, as_json: bool) -> Iterator[None]:
         if debugging:
             traceback.print_exc()
             raise typer.Exit(exc.exit_code) from None
-        if as_json:
-            print(
-                error_document(
-                    type(exc).__name__,
-                    json_text(str(exc)),
-                    json_text(exc.path) if exc.path else None,
-                    json_text(exc.tensor) if exc.tensor else None,
-                )
-            )
-        else:
-            err_console.print(f"[bold red]error:[/] {_show(str(exc))}", soft_wrap=True)
-        raise typer.Exit(exc.exit_code) from None
+        _fail(str(exc), as_json, kind=type(exc).__name__, code=exc.exit_code, file=exc.path, tensor=exc.tensor)
     except OSError as exc:
         # The environment, not the input's content (disk full, folder vanished): one
         # line and exit 2 as well; the temporary output was already removed.
@@ -172,7 +164,7 @@ def _errors_to_exit(debug: bool, as_json: bool) -> Iterator[None]:
             raise typer.Exit(2) from None
         where = f"{exc.filename}: " if exc.filename else ""
         msg = f"{where}{exc.strerror or exc}"
-        _fail(msg, as_json, kind=type(exc).__name__, file=str(exc.filename) if exc.filename else None)
+        _fail(msg, as_json, kind=type(exc).__name__, file=exc.filename)
     except KeyboardInterrupt:
         _fail(interrupted_message(), as_json, kind="KeyboardInterrupt", code=INTERRUPTED_EXIT, tag="")
     except (typer.Exit, typer.Abort):
@@ -577,11 +569,11 @@ def _main(app: typer.Typer, prog: str) -> None:
     try:
         code = app(prog_name=prog, standalone_mode=False)
     except typer.Abort:
-        print(error_document("KeyboardInterrupt", json_text(interrupted_message())))
+        print(error_document("KeyboardInterrupt", interrupted_message()))
         sys.exit(INTERRUPTED_EXIT)
     except _USAGE_ERRORS as exc:
         message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
-        print(error_document("UsageError", json_text(message)))
+        print(error_document("UsageError", message))
         sys.exit(2)
     sys.exit(code if isinstance(code, int) else 0)
 

@@ -45,7 +45,9 @@ def interrupted_message() -> str:
 _keep: list[Any] = []  # the installed C callback: it must outlive its installation
 
 
-def _write(fd: int, text: str) -> None:
+def write_fd(fd: int, text: str) -> None:
+    """Write ``text`` to ``fd`` whole, without Python's buffered streams (safe in a signal
+    handler); undecodable characters are escaped, and a closed descriptor is ignored."""
     data = text.encode("utf-8", "backslashreplace")
     while data:
         try:
@@ -55,11 +57,18 @@ def _write(fd: int, text: str) -> None:
         data = data[n:]
 
 
-def error_document(kind: str, message: str, file: str | None = None, tensor: str | None = None) -> str:
-    """The commands' ``--json`` document for a failure: ``{"ok": false, "error": {...}}``."""
+def error_document(kind: str, message: str, file: object = None, tensor: str | None = None) -> str:
+    """The commands' ``--json`` document for a failure: ``{"ok": false, "error": {...}}``;
+    every string valid Unicode (:func:`converter.errors.json_text`), an empty ``file`` or
+    ``tensor`` null."""
     import json
 
-    error = {"type": kind, "message": message, "file": file, "tensor": tensor}
+    from .errors import json_text
+
+    def text(value: object) -> str | None:
+        return json_text(str(value)) if value else None
+
+    error = {"type": kind, "message": json_text(message), "file": text(file), "tensor": text(tensor)}
     return json.dumps({"ok": False, "error": error})
 
 
@@ -72,7 +81,7 @@ def quiet_interrupt_until_ready(as_json: bool) -> None:
     fd, line = (1, error_document("KeyboardInterrupt", INTERRUPTED)) if as_json else (2, INTERRUPTED)
 
     def handler(signum: int, frame: object) -> None:
-        _write(fd, line + "\n")
+        write_fd(fd, line + "\n")
         os._exit(INTERRUPTED_EXIT)
 
     # SIGTERM and SIGHUP too: the CLI maps them to the same exit once it runs; before
