@@ -8,14 +8,14 @@
  *   pack_gptq4   converter.marlin.layout.pack_b_from_gptq4_numpy  GPTQ 4-bit words -> B
  *   unpack_b     converter.marlin.layout.unpack_b_numpy           B -> uint8 codes
  *   unpack_rows  converter.formats.packing.unpack_words (axis 0)   2/4/8-bit words -> codes
- *   gemv8        converter.cpu_numerics (NumPy path)               x @ W from codes, no fp32 W
+ *   gemv8        converter.numerics (its NumPy path)                x @ W from codes, no fp32 W
  *   first_diff   numpy.array_equal on bytes                       first differing byte
  *
  * Every function takes contiguous buffers and sizes the Python wrappers have checked, checks
  * the buffer lengths again (a wrong call raises ValueError instead of reading out of
  * bounds), and releases the GIL for the loop, so two threads run two calls on two cores.
- * The loops are compiled twice on x86-64, for AVX2+FMA and for the baseline, and the CPU
- * picks one when the module loads.
+ * The loops are compiled three times on x86-64, for the baseline, AVX2+FMA and AVX-512
+ * (whose build only gemv8 uses), and the CPU picks when the module loads.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

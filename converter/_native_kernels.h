@@ -3,9 +3,10 @@
  * Before each inclusion _native.c defines SUFFIX (appended to every function name),
  * KERNEL_ATTR (a function attribute such as __attribute__((target("avx2,fma"))), or
  * nothing), KERNEL_AVX2 and KERNEL_AVX512 (1 where those intrinsics of <immintrin.h> may
- * be used) and VW (the lanes of gemv8's vectors: 8, or 16 for AVX-512).  The code uses GCC/Clang vector extensions: 8 lanes of 32 bits, which the
- * compiler maps onto AVX2 registers in the AVX2 build and onto pairs of SSE2 registers
- * (or NEON) otherwise.  Nothing here touches Python objects: the callers in _native.c
+ * be used) and VW (the lanes of gemv8's vectors: 8, or 16 for AVX-512).  The code uses
+ * GCC/Clang vector extensions of VW lanes of 32 bits, which the compiler maps onto AVX2
+ * or AVX-512 registers in those builds and onto pairs of SSE2 registers (or NEON)
+ * otherwise.  Nothing here touches Python objects: the callers in _native.c
  * check the shapes and release the GIL around these calls.
  *
  * Marlin's B (shared/spec/checkpoint-formats.md section 4.3, and the docstring of

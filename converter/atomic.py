@@ -47,8 +47,6 @@ _PROCESS_START = time.time()
 _LIVE: dict[int, Callable[[], None]] = {}
 #: Every output this process committed (see note_committed).
 _COMMITTED: list[Path] = []
-#: errno values that mean the output does not fit (disk or quota full, file-size limit).
-NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def track(owner: object, abort: Callable[[], None]) -> None:

@@ -87,10 +87,6 @@ class FileDigests:
             raise ValueError(f"its size changed while it was read ({size} bytes, then {done})")
         return h.hexdigest()
 
-    def placeholders(self) -> dict[Path, str]:
-        """``{path: PLACEHOLDER}``: digests of the right length, for sizing."""
-        return dict.fromkeys(self.paths, PLACEHOLDER)
-
     def result(self) -> dict[Path, str]:
         """``{path: sha256 hex}``, waiting for the thread as needed.
 

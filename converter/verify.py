@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .artifact.problems import ProblemCode, Report
+from .artifact.problems import Problem, ProblemCode, Report
 from .artifact.reader import Artifact, open_artifact
 from .artifact.schema import LayerEntry
 from .artifact.validate import broken_layers, check_artifact
@@ -256,10 +256,9 @@ def _layer_pass(
     identity_at = len(report.problems)
     plan_layers: dict[str, LayerPlan] = {}
     if source is not None:
-        plan = source.plan()
-        padded = {lay.name for lay in plan.layers if lay.padded_n is not None}
-        if padded and not padded & art.layers.keys():
-            plan = source.plan(pad=False)  # converted with --no-pad: those layers passed through
+        # An artifact without a padded layer was made with --no-pad, or needed no padding:
+        # planned without it, the source gives the same layers either way (one plan).
+        plan = source.plan(pad=any(rec.padded_n is not None for rec in art.layers.values()))
         plan_layers = {lay.name: lay for lay in plan.layers if lay.convertible}
         _compare_tensor_sets(art, source, plan, report)
     compared: dict[str, LayerPlan] = {}
@@ -306,14 +305,11 @@ def _check_identity(art: Artifact, source: Source, digests: FileDigests, report:
     changed = sorted(n for n in recorded.keys() & actual.keys() if recorded[n] != actual[n])
     if changed or not recorded.keys() & actual.keys():
         what = ", ".join(changed) if changed else "no file names in common"
-        probe = Report(report.artifact)
-        probe.add(
-            P.SOURCE_DIFFERS,
+        message = (
             f"the source is not the one this artifact was converted from (sha256 differs: {what}); "
-            "the comparisons below will show where",
-            str(source.path),
+            "the comparisons below will show where"
         )
-        report.problems[at:at] = probe.problems
+        report.problems.insert(at, Problem(P.SOURCE_DIFFERS, message, str(source.path)))
 
 
 def _compare_tensor_sets(art: Artifact, source: Source, plan: SourcePlan, report: Report) -> None:

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import hashlib
+import filecmp
 import json
 import os
 import pty
@@ -68,7 +68,7 @@ from converter.marlin.layout import (  # noqa: E402
     pack_b_from_gptq4_numpy,
     pack_b_numpy,
 )
-from converter.safetensors_io import SafetensorsFile  # noqa: E402
+from tests.helpers.synthetic_gptq import largest_tensor  # noqa: E402
 
 MB = 1e6
 MIB = 2**20
@@ -138,17 +138,6 @@ def weight_files(src: Path) -> list[Path]:
     return sorted(src.glob("*.safetensors")) if src.is_dir() else [src]
 
 
-def largest_tensor(files: list[Path]) -> tuple[str, int]:
-    best = ("", 0)
-    for f in files:
-        with SafetensorsFile(f) as sf:
-            for name in sf.infos:
-                b, e = sf.byte_range(name)
-                if e - b > best[1]:
-                    best = (name, e - b)
-    return best
-
-
 def time_cp(files: list[Path], dest: Path) -> float:
     dest.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
@@ -157,14 +146,6 @@ def time_cp(files: list[Path], dest: Path) -> float:
     dt = time.perf_counter() - t
     shutil.rmtree(dest)
     return dt
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(8 << 20):
-            h.update(block)
-    return h.hexdigest()
 
 
 # -- the paired runs ------------------------------------------------------------------
@@ -201,7 +182,7 @@ def bench(src: Path, out_dir: Path, runs: int, base_hashes: Path | None) -> dict
     ref = out_dir / "numpy.marlin.safetensors"
     env = {**os.environ, "MARLIN_NATIVE": "0"}
     numpy_run = checked(run_on_tty([tool("marlin-convert"), str(src), str(ref), "--force"], env), "NumPy convert")
-    same = sha256(art) == sha256(ref)
+    same = filecmp.cmp(art, ref, shallow=False)
     print(f"NumPy-packer conversion: {numpy_run['wall_s']:.2f} s; artifacts byte-identical: {same}")
     art.unlink()
     ref.unlink()
@@ -286,7 +267,7 @@ def bench(src: Path, out_dir: Path, runs: int, base_hashes: Path | None) -> dict
 
 
 # -- packer race ----------------------------------------------------------------------
-def _upstream_perms() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _upstream_perm() -> np.ndarray:
     """IST-DASLab marlin ``_get_perms`` (spec 4.3/4.4), in NumPy."""
     perm = []
     for i in range(32):
@@ -297,10 +278,7 @@ def _upstream_perms() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
                 perm1.append(16 * row + col + 8 * block)
         for j in range(4):
             perm.extend(p + 256 * j for p in perm1)
-    perm_a = np.array(perm).reshape(-1, 8)[:, [0, 2, 4, 6, 1, 3, 5, 7]].ravel()
-    scale_perm = np.array([i + 8 * j for i in range(8) for j in range(8)])
-    scale_single = np.array([2 * i + j for i in range(4) for j in (0, 1, 8, 9, 16, 17, 24, 25)])
-    return perm_a, scale_perm, scale_single
+    return np.array(perm).reshape(-1, 8)[:, [0, 2, 4, 6, 1, 3, 5, 7]].ravel()
 
 
 def reference_pack(q: np.ndarray, scales: np.ndarray, zeros: np.ndarray, group_size: int) -> np.ndarray:
@@ -312,7 +290,7 @@ def reference_pack(q: np.ndarray, scales: np.ndarray, zeros: np.ndarray, group_s
     w = (q.astype(np.float32) - zeros.astype(np.float32)[g]) * s  # the source weight
     delta = (8.0 - zeros.astype(np.float32)[g]) * s
     codes = np.clip(np.round((w - delta) / s) + 8, 0, 15).astype(np.int64)
-    perm, _, _ = _upstream_perms()
+    perm = _upstream_perm()
     t = codes.reshape(k // 16, 16, n // 16, 16).transpose(0, 2, 1, 3).reshape(k // 16, n * 16)
     t = t.reshape(-1, perm.size)[:, perm].reshape(t.shape).astype(np.uint32)
     out = np.zeros((t.shape[0], t.shape[1] // 8), dtype=np.uint32)

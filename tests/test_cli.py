@@ -239,10 +239,18 @@ def test_cli_convert_config_wrong_type(gptq: Path, tmp_path: Path) -> None:
     set_quant_config(gptq, bits="four")
     out = tmp_path / "out.safetensors"
     r = run_cli("marlin-convert", gptq, out, "--json")
-    assert r.returncode == 2
-    doc = json.loads(r.stdout)
-    assert doc["ok"] is False and doc["error"]["type"] == "ConfigError" and doc["error"]["tensor"] == "bits"
-    assert "Traceback" not in r.stderr and not out.exists()
+    qc = gptq / "quantize_config.json"
+    assert (r.returncode, r.stderr) == (2, "")
+    assert json.loads(r.stdout) == {
+        "ok": False,
+        "error": {
+            "type": "ConfigError",
+            "message": f'{qc}: bits: expected int, found "four"',
+            "file": str(qc),
+            "tensor": "bits",
+        },
+    }
+    assert not out.exists()
 
 
 def test_cli_convert_empty_file(tmp_path: Path) -> None:
@@ -272,7 +280,7 @@ def test_cli_debug_shows_traceback(tmp_path: Path) -> None:
     p = tmp_path / "model.safetensors"
     p.write_bytes(b"")
     r = run_cli("marlin-convert", p, tmp_path / "out.safetensors", "--debug")
-    assert r.returncode != 0 and "Traceback" in r.stderr and "SourceFormatError" in r.stderr
+    assert r.returncode == 2 and "Traceback" in r.stderr and "SourceFormatError" in r.stderr
 
 
 def test_messages_are_single_line_for_hostile_names(tmp_path: Path) -> None:
@@ -280,7 +288,7 @@ def test_messages_are_single_line_for_hostile_names(tmp_path: Path) -> None:
     p = tmp_path / "x.safetensors"
     p.write_bytes(st_bytes({"evil\nname": {**T, "dtype": "F7"}}, b"\x00" * 16))
     r = run_cli("marlin-convert", p, tmp_path / "out.safetensors")
-    assert_one_line_error(r, "unknown dtype")
+    assert_one_line_error(r, f"{p}: evil\\nname: unknown dtype 'F7'")
 
 
 def test_cli_environment_oserror_is_one_line_exit_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

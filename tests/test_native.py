@@ -42,12 +42,6 @@ needs_native = pytest.mark.skipif(native.lib() is None, reason=f"converter._nati
 REAL = sorted(p for p in REALINPUT.glob("*/*") if p.is_dir()) if REALINPUT.is_dir() else []
 
 
-@pytest.fixture()
-def numpy_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Switch the compiled loops off, as on a machine without a C compiler."""
-    monkeypatch.setattr(native, "_LIB", None)
-
-
 # --------------------------------------------------------------------------- packers
 
 
@@ -166,7 +160,10 @@ def _numerics_case(seed: int, rows: int, n: int, group: int):
 
 
 @pytest.mark.parametrize("factored", [False, True])
-@pytest.mark.parametrize("rows,n,group", [(128, 64, 128), (256, 192, 64), (96, 128, 32), (200, 64, 1024)])
+# (200, 128, 64): a short last group inside the chunk; (96, 64, 48): a group not a multiple of 32
+@pytest.mark.parametrize(
+    "rows,n,group", [(128, 64, 128), (256, 192, 64), (96, 128, 32), (200, 64, 1024), (200, 128, 64), (96, 64, 48)]
+)
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
 def test_accumulate_is_x_at_w(
     monkeypatch: pytest.MonkeyPatch, factored: bool, rows: int, n: int, group: int, compiled: bool

@@ -8,6 +8,7 @@ The writing side is :mod:`converter.artifact.writer`; the naming rules, :mod:`co
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -205,7 +206,7 @@ class ShardedFile:
                     shard.path.name,
                 )
 
-    @property
+    @functools.cached_property  # the shard set is fixed once opened
     def infos(self) -> dict[str, TensorInfo]:
         return {n: s.infos[n] for n, s in self._where.items()}
 

@@ -149,7 +149,7 @@ class AwqSource(HFSource, format=SourceFormat.AWQ, methods=("awq",), conventions
             )
         qzeros = self.need(prefix, "qzeros", ("I32",), (num_groups, size_n // AWQ_PACK))
         bias = self.need(prefix, "bias", FLOAT_DTYPES, (size_n,)) if f"{prefix}.bias" in self.ckpt else None
-        self.check_scales(scales)
+        s32 = self.check_scales(scales)
         warnings = []
         entry = not_convert_match(prefix, self.not_convert)
         if entry:
@@ -175,7 +175,7 @@ class AwqSource(HFSource, format=SourceFormat.AWQ, methods=("awq",), conventions
             return layer
         z = unpack_awq(np.asarray(self.ckpt.array(qzeros.name)))
         # The artifact's delta is zero: z == 8, or s == 0.
-        layer.symmetric = not bool(np.any(self.layer_delta(layer, z, scales)))
+        layer.symmetric = not bool(np.any(self.layer_delta(layer, z, scales, s32)))
         return layer
 
     # -- loading ---------------------------------------------------------------------

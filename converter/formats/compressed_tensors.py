@@ -316,7 +316,7 @@ class CompressedTensorsSource(
             gi = self.need(prefix, "weight_g_idx", ("I32", "I64"), (size_k,))
             owned.append(gi.name)
             perm = self.act_order(gi.name, g, num_groups)
-        self.check_scales(scale)
+        s32 = self.check_scales(scale)
         layer = LayerPlan(
             name=prefix,
             size_k=size_k,
@@ -335,7 +335,7 @@ class CompressedTensorsSource(
             return layer
         z = self._zeros(layer)
         # Artifact delta == 0: b-bit codes are stored centred on 8 (marlin_code_offset), or s == 0.
-        layer.symmetric = not bool(np.any(self.layer_delta(layer, z, scale, transposed=True)))
+        layer.symmetric = not bool(np.any(self.layer_delta(layer, z, scale, s32, transposed=True)))
         if args.symmetric and has_zp and not bool(np.all(z == symmetric_zero(b))):
             layer.warnings.append(
                 f"config group {args.group} says symmetric but weight_zero_point varies; "

@@ -395,7 +395,7 @@ class GptqSource(
             gi = self.need(prefix, "g_idx", ("I32",), (size_k,))
             owned.append(gi.name)
             perm = self.act_order(gi.name, g, num_groups)
-        self.check_scales(scales)
+        s32 = self.check_scales(scales)
         convention, zwarn = self._layer_convention(prefix, b)
         warnings += zwarn
         if self.format_conflict is not None:
@@ -422,7 +422,7 @@ class GptqSource(
         z = self._decode_zeros(prefix, b, convention)
         # "symmetric" in the manifest means the artifact's delta == 0: z == 2^(b-1) (b-bit
         # codes are stored centred on Marlin's 8, quant_weight.marlin_code_offset) or s == 0.
-        layer.symmetric = not bool(np.any(self.layer_delta(layer, z, scales)))
+        layer.symmetric = not bool(np.any(self.layer_delta(layer, z, scales, s32)))
         if cfg.sym and not bool(np.all(z == symmetric_zero(b))):
             n_bad = int(np.count_nonzero(z != symmetric_zero(b)))
             layer.warnings.append(

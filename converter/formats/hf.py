@@ -145,9 +145,12 @@ class HFSource(Source):
         values = np.asarray(self.ckpt.array(g_idx))
         return act_order_perm(values, group_size, num_groups, path=self.ckpt.file_of(g_idx), tensor=g_idx)
 
-    def check_scales(self, scales: TensorInfo) -> None:
+    def check_scales(self, scales: TensorInfo) -> np.ndarray:
         """Check a scale tensor now, so that a scale fp16 cannot hold exactly fails
         before anything is written (:func:`~converter.formats.scales.scales_to_fp16`).
+
+        Returns:
+            The scales as stored, in float32 (for :meth:`layer_delta`).
 
         Raises:
             SourceFormatError: NaN/Inf, a magnitude above the fp16 maximum, or a value
@@ -155,9 +158,10 @@ class HFSource(Source):
         """
         raw = as_f32(self.ckpt.array(scales.name), scales.dtype)
         scales_to_fp16(raw, path=self.ckpt.file_of(scales.name), tensor=scales.name)
+        return raw
 
     def layer_delta(
-        self, layer: LayerPlan, z: np.ndarray, scales: TensorInfo, *, transposed: bool = False
+        self, layer: LayerPlan, z: np.ndarray, scales: TensorInfo, raw: np.ndarray, *, transposed: bool = False
     ) -> np.ndarray:
         """The artifact's ``marlin_delta`` of a whole planned layer, checked against the
         kernels' float16 range (:func:`~converter.formats.scales.kernel_range_error`).
@@ -166,6 +170,7 @@ class HFSource(Source):
             layer: the planned layer (its ``bits`` give the code offset).
             z: uint8 ``(G, N)`` true zero points.
             scales: the scale tensor, ``(G, N)``, or ``(N, G)`` when ``transposed``.
+            raw: its values in float32, as :meth:`check_scales` returned them.
 
         Returns:
             float32 ``(G, N)`` = ``(8 - code_offset - z) * s``, as
@@ -175,7 +180,6 @@ class HFSource(Source):
         Raises:
             SourceFormatError: float16 cannot hold ``delta`` or a weight the codes form.
         """
-        raw = as_f32(self.ckpt.array(scales.name), scales.dtype)
         s = np.ascontiguousarray(raw.T) if transposed else raw
         off = marlin_code_offset(layer.bits)
         delta = (np.float32(MARLIN_ZERO - off) - z.astype(np.float32)) * s

@@ -15,6 +15,7 @@ hold links into the same repository's ``blobs/``.  A path the user names directl
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 from collections.abc import Mapping
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..constants import HF_INDEX_NAME
-from ..digests import sha256_files
+from ..digests import PLACEHOLDER, sha256_files
 from ..errors import ConfigError, SourceFormatError
 from ..hf_index import SHARD_NAME_RE, HFIndex, read_index
 from ..jsonio import not_regular, read_object, read_regular_file
@@ -250,7 +251,7 @@ class HFCheckpoint:
         return {}, None
 
     # -- tensors ---------------------------------------------------------------------
-    @property
+    @functools.cached_property  # the shard set is fixed once opened
     def infos(self) -> dict[str, TensorInfo]:
         """Every tensor in every shard: ``{name: TensorInfo}``."""
         return {n: s.infos[n] for n, s in self._where.items()}
@@ -313,7 +314,7 @@ class HFCheckpoint:
             found = sha256_files(paths)
             sums = [found[p] for p in paths]
         else:
-            sums = ["0" * 64] * len(paths)
+            sums = [PLACEHOLDER] * len(paths)
         return [{"name": p.name, "bytes": p.stat().st_size, "sha256": h} for p, h in zip(paths, sums, strict=True)]
 
     def input_files(self) -> list[Path]:

@@ -53,7 +53,7 @@ def scales_to_fp16(s: np.ndarray, *, path: Path | str, tensor: str) -> np.ndarra
     if np.any(changed):
         with np.errstate(divide="ignore", invalid="ignore"):
             rel = np.where(changed, np.abs(back - s) / np.abs(s), 0.0)
-        at = tuple(int(i) for i in np.unravel_index(int(np.argmax(rel)), rel.shape))
+        at = _argmax(rel)
         raise SourceFormatError(
             f"{int(changed.sum())} of {s.size} scales are not float16 values and would change in Marlin's "
             f"float16 scales (largest relative change {float(rel[at]):.3g}: {float(s[at]):.9g} -> "

@@ -47,7 +47,7 @@ from ..constants import (
     SourceFormat,
     ZeroConvention,
 )
-from ..digests import sha256_files
+from ..digests import PLACEHOLDER, sha256_files
 from ..errors import ConverterError, SourceFormatError, UnsupportedQuantError
 from ..jsonio import JsonRule, json_type
 from ..quant_weight import QuantWeight, Tensor, marlin_code_offset
@@ -250,7 +250,7 @@ class TinyloopSource(Source, format=SourceFormat.TINYLOOP, conventions=(ZeroConv
         elif digests:
             sha = sha256_files([self.path])[self.path]
         else:
-            sha = "0" * 64
+            sha = PLACEHOLDER
         try:
             self.path.name.encode("utf-8")
         except UnicodeEncodeError:

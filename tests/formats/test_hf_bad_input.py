@@ -18,7 +18,7 @@ from converter.errors import ConfigError, ConverterError, SourceFormatError
 from converter.formats import open_source
 from tests.helpers.checkpoints import LAYER, arr, edit_tensor, only_shard, set_quant_config, small_gptq
 from tests.helpers.clirun import run_cli
-from tests.helpers.synthetic_gptq import quant_config
+from tests.helpers.producers import gptq_config
 
 
 @pytest.fixture()
@@ -232,7 +232,7 @@ def test_pickle_folder_refused_never_unpickled(tmp_path: Path, name: str) -> Non
     folder.mkdir()
     canary = tmp_path / "pwned"
     _malicious_pickle(folder / name, canary)
-    (folder / "quantize_config.json").write_text(json.dumps(quant_config()))
+    (folder / "quantize_config.json").write_text(json.dumps(gptq_config()))
     with pytest.raises(
         SourceFormatError, match=rf"only pickle weights found \({name}\); they are refused and never unpickled"
     ):

@@ -14,10 +14,12 @@ import json
 import math
 import struct
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
+
+from tests.helpers.producers import gptq_config
 
 DTYPES = {"I32": np.dtype("<i4"), "F16": np.dtype("<f2"), "F32": np.dtype("<f4"), "U8": np.dtype("u1")}
 CHUNK_BYTES = 32 << 20
@@ -173,17 +175,6 @@ def write_safetensors(path: Path, specs: list[TensorSpec], metadata: dict[str, s
     return 8 + len(raw) + off
 
 
-def quant_config(group_size: int = 128, *, sym: bool = False, checkpoint_format: str = "gptq") -> dict[str, object]:
-    return {
-        "bits": 4,
-        "group_size": group_size,
-        "sym": sym,
-        "desc_act": False,
-        "checkpoint_format": checkpoint_format,
-        "quant_method": "gptq",
-    }
-
-
 def write_gptq(
     folder: str | Path,
     *,
@@ -233,7 +224,7 @@ def write_gptq(
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
     )
-    (folder / "quantize_config.json").write_text(json.dumps(quant_config(group_size), indent=1))
+    (folder / "quantize_config.json").write_text(json.dumps(gptq_config(4, group_size), indent=1))
     (folder / "config.json").write_text(
         json.dumps(
             {
@@ -243,7 +234,7 @@ def write_gptq(
                 "intermediate_size": intermediate,
                 "num_hidden_layers": blocks,
                 "vocab_size": vocab,
-                "quantization_config": quant_config(group_size),
+                "quantization_config": gptq_config(4, group_size),
             },
             indent=1,
         )
@@ -267,17 +258,23 @@ def small_gptq(folder: Path, *, shards: int = 1, **kw: object) -> Path:
     return folder
 
 
-def largest_tensor_bytes(folder: Path) -> int:
-    """Bytes of the largest tensor in a folder's ``*.safetensors`` files (the memory bound's unit)."""
+def largest_tensor(files: Iterable[Path]) -> tuple[str, int]:
+    """``(name, bytes)`` of the largest tensor in ``files`` (the memory bound's unit)."""
     from converter.safetensors_io import SafetensorsFile
 
-    best = 0
-    for f in folder.glob("*.safetensors"):
+    best = ("", 0)
+    for f in files:
         with SafetensorsFile(f) as sf:
             for name in sf.infos:
                 b, e = sf.byte_range(name)
-                best = max(best, e - b)
+                if e - b > best[1]:
+                    best = (name, e - b)
     return best
+
+
+def largest_tensor_bytes(folder: Path) -> int:
+    """Bytes of the largest tensor in a folder's ``*.safetensors`` files."""
+    return largest_tensor(sorted(folder.glob("*.safetensors")))[1]
 
 
 def write_gptq_layers(
@@ -293,6 +290,6 @@ def write_gptq_layers(
     width = max(k for _, k, _ in layers)
     specs.append(("model.norm.weight", "F16", (width,), _f16("model.norm.weight", (width,), seed, 0.9, 1.1)))
     write_safetensors(folder / "model.safetensors", specs)
-    (folder / "quantize_config.json").write_text(json.dumps(quant_config(group_size), indent=1))
+    (folder / "quantize_config.json").write_text(json.dumps(gptq_config(4, group_size), indent=1))
     (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
     return folder
