@@ -427,13 +427,14 @@ def verify_cmd(
 ) -> None:
     if gpu and cpu:
         _fail("--gpu and --cpu contradict each other", as_json)
+    use_gpu = True if gpu else (False if cpu else None)  # None: when CuPy and a GPU are there
     if model or text is not None:
         _verify_model_cmd(
             artifact,
             against,
             text,
             model=model,
-            gpu=True if gpu else (False if cpu else None),
+            gpu=use_gpu,
             shapes=shapes,
             as_json=as_json,
             quiet=quiet,
@@ -442,9 +443,7 @@ def verify_cmd(
     with _errors_to_exit(debug, as_json), _progress(_show_progress(quiet, as_json)) as prog:
         from .verify import verify
 
-        report = verify(
-            artifact, shapes_only=shapes, against=against, gpu=True if gpu else (False if cpu else None), progress=prog
-        )
+        report = verify(artifact, shapes_only=shapes, against=against, gpu=use_gpu, progress=prog)
     if as_json:
         _print_json(report.to_json())
     else:

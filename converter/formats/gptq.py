@@ -190,7 +190,7 @@ class GptqSource(
             bits = self.layer_config(prefix).bits
             if bits not in (*CONVERTIBLE_BITS, *PASSTHROUGH_BITS) or f"{prefix}.qzeros" not in self.ckpt:
                 continue
-            data = self._zeros_show(prefix, bits)
+            data = _zeros_show(self._stored_zeros(prefix, bits), bits)
             if data is not None:
                 shown.setdefault(data, prefix)
         if len(shown) == 1:
@@ -209,13 +209,9 @@ class GptqSource(
             f"{said}, {why}; correct the config that is wrong", path=self.cfg_path, tensor="checkpoint_format"
         )
 
-    def _zeros_show(self, prefix: str, bits: int) -> ZeroConvention | None:
-        """The convention a layer's stored zeros show by being all one symmetric value, or None."""
-        stored = unpack_words(np.asarray(self.ckpt.array(f"{prefix}.qzeros")), bits, axis=1)
-        if not stored.size or not np.all(stored == stored.flat[0]):
-            return None
-        sym = symmetric_zero(bits)
-        return {sym - 1: ZeroConvention.GPTQ_V1, sym: ZeroConvention.GPTQ_V2}.get(int(stored.flat[0]))
+    def _stored_zeros(self, prefix: str, bits: int) -> np.ndarray:
+        """A layer's ``qzeros`` fields as stored (uint8 ``(G, N)``, no convention applied)."""
+        return unpack_words(np.asarray(self.ckpt.array(f"{prefix}.qzeros")), bits, axis=1)
 
     def _parse_dynamic(self, dyn: Any) -> list[tuple[str, ConfigPattern, dict[str, Any]]]:
         if dyn is None:
@@ -454,7 +450,8 @@ class GptqSource(
         """The zero convention of one layer: the config's, unless the stored zeros are
         all the symmetric value of the other convention (spec 1.6 table and trap)."""
         warnings: list[str] = []
-        data = self._zeros_show(prefix, bits)
+        stored = self._stored_zeros(prefix, bits)
+        data = _zeros_show(stored, bits)
         if data is not None and data is not self.convention:
             label = {
                 ZeroConvention.GPTQ_V1: "gptq (v1: stored = z - 1)",
@@ -467,7 +464,6 @@ class GptqSource(
             )
             return data, warnings
         convention = self.convention
-        stored = unpack_words(np.asarray(self.ckpt.array(f"{prefix}.qzeros")), bits, axis=1)
         if convention is ZeroConvention.GPTQ_V1:
             wrapped = int(np.count_nonzero(stored == (1 << bits) - 1))
             if wrapped:
@@ -551,3 +547,11 @@ _ALREADY_MARLIN = already_marlin(
     "AutoGPTQ checkpoint_format 'marlin': tensors B and s, symmetric only, spec 5.1",
     advice="use the file as it is, or convert from the original GPTQ checkpoint",
 )
+
+
+def _zeros_show(stored: np.ndarray, bits: int) -> ZeroConvention | None:
+    """The convention a layer's stored zeros show by being all one symmetric value, or None."""
+    if not stored.size or not np.all(stored == stored.flat[0]):
+        return None
+    sym = symmetric_zero(bits)
+    return {sym - 1: ZeroConvention.GPTQ_V1, sym: ZeroConvention.GPTQ_V2}.get(int(stored.flat[0]))
