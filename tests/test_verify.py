@@ -4,6 +4,7 @@ whole layer, problems keep their order, and every stage is named on the progress
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,10 +23,23 @@ K, N, G = 512, 256, 64
 
 
 @pytest.fixture()
-def chunked(monkeypatch: pytest.MonkeyPatch) -> None:
-    """128-row chunks, so a 512-row layer is checked in four."""
-    # converter.convert (the module) is shadowed by the function the package exports.
+def chunked(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Small chunks, so a 512-row layer is checked in several (4 compiled, 8 with the
+    NumPy unpackers' quarter-size chunks); the teardown checks that it was."""
+    # converter.convert and .verify (the modules) are shadowed by the functions the package exports.
     monkeypatch.setattr(sys.modules["converter.convert"], "CHUNK_CODE_BYTES", 128 * N)
+    verify_mod = sys.modules["converter.verify"]
+    seen: dict[str, int] = {}
+    real = verify_mod._artifact_chunks
+
+    def counted(art, rec):
+        for chunk in real(art, rec):
+            seen[rec.name] = seen.get(rec.name, 0) + 1
+            yield chunk
+
+    monkeypatch.setattr(verify_mod, "_artifact_chunks", counted)
+    yield
+    assert seen.get(L, 0) >= 4, seen
 
 
 def _checkpoint(folder: Path, *, act_order: bool = False) -> Path:
