@@ -22,8 +22,9 @@
 // X comes from one more mma per k-tile with an all-ones A operand.
 //
 // Launch geometry: as marlin_gemm.cu, with m-chunks of 8 NT rows: block = 4 warps,
-// grid.x = m_chunks * ceil(N / 64 / (4 / wk)) * splits; dynamic shared memory =
-// 4 * max(NS * Ring<8 NT, U, GPI>::STAGE, NT * 2048). K splits > 1: every warp writes
+// grid.x = m_chunks * ceil(N / 64 / (4 / wk)) * splits; dynamic shared memory, with
+// R = SplitRing<8 NT, U, GPI>: wk = 1, NS * (R::A_STAGE + 4 R::W_STAGE); wk > 1,
+// 4 * max(NS * (R::A_STAGE + R::W_STAGE), NT * 2048). K splits > 1: every warp writes
 // its fp32 partials to `ws` [splits, M, N]; the last to arrive per (m-chunk, column
 // block) sums them in split order (deterministic) and writes C.
 // Template: NT = 1, 2, 4 activation n8 tiles (M <= 8, 16, 32 per chunk); U k-tiles per
@@ -77,8 +78,9 @@ __device__ __forceinline__ void close_group(float (&acc)[4][NT][4], float (&gp)[
 
 // Block-shared A (wk = 1: the 4 warps of a block take 4 column blocks over the same K
 // range and need the same A tiles). The block copies each step's U x AR x 16 A values
-// once, as P 16-byte pieces spread over its 128 threads, into warp 0's ring; every
-// warp reads them from there. Piece p: tile p / (2 AR), row (p / 2) % AR, half p % 2.
+// once, as P 16-byte pieces spread over its 128 threads, into the block's one A ring
+// (SplitRing); every warp reads them from there.
+// Piece p: tile p / (2 AR), row (p / 2) % AR, half p % 2.
 template <int AR, int U, int A_OFF, int A_TILE>
 struct ABlock {
     static constexpr int P = U * AR * 2;
@@ -126,7 +128,7 @@ __device__ __forceinline__ void decode_stage(u32 st, u32 sa, int kt, int lane, G
                                              int per_channel, bool& open, float (&sf)[8], float (&df)[8],
                                              u32 (&s2)[8], u32 (&d2)[8],
                                              float (&acc)[4][NT][4], float (&gp)[4][NT][4], float (&gx)[NT][4]) {
-    using R = Ring<8 * NT, U, GPI>;
+    using R = SplitRing<8 * NT, U, GPI>;
     constexpr int SUB = U / GPI;
     const int g4 = lane >> 2;
     // ldmatrix row address: matrix q = lane / 8 is rows 8 (q / 2) .. of a 16-row chunk at
@@ -201,9 +203,12 @@ marlin_decode(const u16* __restrict__ A, const int4* __restrict__ B, const u16* 
               int group_tiles, int per_channel, int splits, int tiles_per_split, int wk) {
     extern __shared__ __align__(16) unsigned char smem[];
     constexpr int AR = 8 * NT;
-    using R = Ring<AR, U, GPI>;
+    using R = SplitRing<AR, U, GPI>;
     constexpr int NACC = 16 * NT;  // accumulators per lane
-    constexpr int WARP_SMEM = NS * R::STAGE > NACC * 128 ? NS * R::STAGE : NACC * 128;
+    // wk > 1: warp w owns [w WARP_SMEM, (w + 1) WARP_SMEM): its A ring, its weight ring,
+    // and afterwards its parked sums. wk = 1: one A ring, then the 4 weight rings.
+    constexpr int OWN = NS * (R::A_STAGE + R::W_STAGE);
+    constexpr int WARP_SMEM = OWN > NACC * 128 ? OWN : NACC * 128;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nblk = N >> 6;
     const int m_chunks = (M + AR - 1) / AR;
@@ -271,28 +276,29 @@ marlin_decode(const u16* __restrict__ A, const int4* __restrict__ B, const u16* 
     issue_walk.init(kt0, group_tiles);
     compute_walk.init(kt0, group_tiles);
 
-    const u32 ring0 = smem_addr(smem);
-    const u32 ring = ring0 + warp * WARP_SMEM;
-    const u32 ring_end = ring + NS * R::STAGE;
-    const u32 a_shift = ring - ring0;  // slot (in this warp's ring) - a_shift = the block's A slot
+    const u32 smem0 = smem_addr(smem);
+    const u32 a_ring = share_a ? smem0 : smem0 + warp * WARP_SMEM;
+    const u32 w_ring = share_a ? smem0 + NS * R::A_STAGE + warp * NS * R::W_STAGE : a_ring + NS * R::A_STAGE;
     if (share_a)
-        ablock.zero_missing(ring0, R::STAGE, NS);
+        ablock.zero_missing(a_ring, R::A_STAGE, NS);
     else
-        arows.zero_missing(ring, R::STAGE, R::A_OFF, NS, U, lane);
-    u32 issue_slot = ring;
-#define ISSUE(kt)                                                                                            \
-    do {                                                                                                     \
-        issue_stage<AR, U, GPI, HAS_DELTA>(issue_slot, kt, lane, !share_a, arows, bptr, brow, issue_walk, S, D, \
-                                           N, nb_src, group_tiles, per_channel);                             \
-        if (share_a) ablock.issue(issue_slot - a_shift);                                                     \
-        issue_slot = issue_slot + R::STAGE == ring_end ? ring : issue_slot + R::STAGE;                       \
+        arows.zero_missing(a_ring, R::A_STAGE, R::A_OFF, NS, U, lane);
+    int issue_s = 0;  // ring stage of the next copy; both rings step together
+#define ISSUE(kt)                                                                                             \
+    do {                                                                                                      \
+        const u32 sa = a_ring + issue_s * R::A_STAGE;                                                         \
+        issue_stage<AR, U, GPI, HAS_DELTA, R>(w_ring + issue_s * R::W_STAGE, sa, kt, lane, !share_a, arows,   \
+                                              bptr, brow, issue_walk, S, D, N, nb_src, group_tiles,           \
+                                              per_channel);                                                   \
+        if (share_a) ablock.issue(sa);                                                                        \
+        issue_s = issue_s + 1 == NS ? 0 : issue_s + 1;                                                        \
     } while (0)
 #pragma unroll
     for (int s = 0; s < NS - 1; ++s) {
         if (kt0 + s * U < kt1) ISSUE(kt0 + s * U);
         cp_async_commit();
     }
-    u32 slot = ring;
+    int slot = 0;
     for (int kt = kt0; kt < kt1; kt += U) {
         cp_async_wait<NS - 2>();  // this thread's copies of step `kt` have landed ...
         if (share_a)              // ... and every thread's; also: all are done with slot - 1
@@ -301,9 +307,10 @@ marlin_decode(const u16* __restrict__ A, const int4* __restrict__ B, const u16* 
             __syncwarp();
         if (kt + (NS - 1) * U < kt1) ISSUE(kt + (NS - 1) * U);
         cp_async_commit();
-        decode_stage<NT, U, GPI, HAS_DELTA, GS>(slot, share_a ? slot - a_shift : slot, kt, lane, compute_walk,
-                                                group_tiles, per_channel, open, sf, df, s2, d2, acc, gp, gx);
-        slot = slot + R::STAGE == ring_end ? ring : slot + R::STAGE;
+        decode_stage<NT, U, GPI, HAS_DELTA, GS>(w_ring + slot * R::W_STAGE, a_ring + slot * R::A_STAGE, kt, lane,
+                                                compute_walk, group_tiles, per_channel, open, sf, df, s2, d2, acc,
+                                                gp, gx);
+        slot = slot + 1 == NS ? 0 : slot + 1;
     }
 #undef ISSUE
     if (GS && open) close_group<NT, HAS_DELTA>(acc, gp, gx, sf, df);

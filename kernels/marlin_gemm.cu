@@ -168,7 +168,7 @@ marlin_gemm(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __
     u32 issue_slot = ring;
 #define ISSUE(kt)                                                                                          \
     do {                                                                                                   \
-        issue_stage<16 * MT, U, GPI, HAS_DELTA>(issue_slot, kt, lane, true, arows, bptr, brow, issue_walk, S, D, \
+        issue_stage<16 * MT, U, GPI, HAS_DELTA>(issue_slot, issue_slot, kt, lane, true, arows, bptr, brow, issue_walk, S, D, \
                                                 N, nb, group_tiles, per_channel);                          \
         issue_slot = issue_slot + R::STAGE == ring_end ? ring : issue_slot + R::STAGE;                     \
     } while (0)

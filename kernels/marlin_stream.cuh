@@ -46,6 +46,23 @@ struct Ring {
     static constexpr int A_CHUNKS = (AR + 15) / 16;
 };
 
+// The decode kernel's stage, in two parts held in two rings: the A part (U tiles of the
+// AR rows) and the weight part (B tiles, scales, deltas). With wk = 1 the block's 4 warps
+// read the same A, so one A ring serves them all and only the weight part is per warp:
+// at AR = 16, U = 8 that is 64 KB a block instead of 99 KB, 3 blocks per multiprocessor
+// instead of 2. Offsets: A_OFF from an A slot, the others from a weight slot.
+// converter/gpu/plan.py (ring_smem) repeats these sizes.
+template <int AR, int U, int GPI>
+struct SplitRing {
+    static constexpr int A_OFF = 0;
+    static constexpr int A_TILE = AR * 32;
+    static constexpr int A_STAGE = U * A_TILE;
+    static constexpr int B_OFF = 0;
+    static constexpr int S_OFF = U * 512;
+    static constexpr int D_OFF = S_OFF + GPI * 128;
+    static constexpr int W_STAGE = D_OFF + GPI * 128;
+};
+
 // Walks the group boundaries of one warp's K range without dividing: slots start at
 // increasing tiles, SUB (which divides the group's tile count) apart, so a slot starts
 // a new group exactly when it reaches `next`, and then crosses one boundary only.
@@ -94,15 +111,16 @@ struct ARows {
     }
 };
 
-// Copies one step (U k-tiles starting at kt) into ring slot `st` and advances the
+// Copies one step (U k-tiles starting at kt) into the slots of layout L (Ring: `st`
+// holds all of it and sa == st; SplitRing: weights to `st`, A to `sa`) and advances the
 // running source pointers.
 // copy_a = false: the caller stages A itself (the decode kernel's block-shared A).
-template <int AR, int U, int GPI, bool HAS_DELTA>
-__device__ __forceinline__ void issue_stage(u32 st, int kt, int lane, bool copy_a, ARows<AR>& arows,
+template <int AR, int U, int GPI, bool HAS_DELTA, class L = Ring<AR, U, GPI>>
+__device__ __forceinline__ void issue_stage(u32 st, u32 sa, int kt, int lane, bool copy_a, ARows<AR>& arows,
                                             const int4*& bptr, size_t brow, GroupWalk& walk,
                                             const u16* __restrict__ S, const u16* __restrict__ D, int N, int nb,
                                             int group_tiles, int per_channel) {
-    using R = Ring<AR, U, GPI>;
+    using R = L;
     constexpr int SUB = U / GPI;
 #pragma unroll
     for (int u = 0; u < U; ++u) cp_async16(st + R::B_OFF + u * 512 + 16 * lane, bptr + u * brow);
@@ -113,7 +131,7 @@ __device__ __forceinline__ void issue_stage(u32 st, int kt, int lane, bool copy_
 #pragma unroll
             for (int c = 0; c < ARows<AR>::CH; ++c)
                 if (arows.ok[c])
-                    cp_async16(st + R::A_OFF + u * R::A_TILE + c * 512 + 16 * lane, arows.ptr[c] + u * 16);
+                    cp_async16(sa + R::A_OFF + u * R::A_TILE + c * 512 + 16 * lane, arows.ptr[c] + u * 16);
 #pragma unroll
         for (int c = 0; c < ARows<AR>::CH; ++c) arows.ptr[c] += U * 16;
     }

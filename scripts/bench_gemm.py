@@ -256,9 +256,14 @@ def main() -> int:
         type=int,
         default=0,
         metavar="MAX",
-        help="on rows the planner sends to the Hopper kernel, also time the fused path at every "
-        "feasible K split count up to MAX (row['fused_by_splits']: us and plan per count), for "
-        "refitting the planner's split cost (converter.gpu.plan.Tuning.force_splits)",
+        help="on rows the planner sends to a kernel of --sweep-kinds, also time the fused path at "
+        "every feasible K split count up to MAX (row['fused_by_splits']: us and plan per count), "
+        "for refitting the planner's split cost (converter.gpu.plan.Tuning.force_splits)",
+    )
+    ap.add_argument(
+        "--sweep-kinds",
+        default="hopper",
+        help="the kernel kinds --sweep-splits sweeps, e.g. hopper,decode (default hopper)",
     )
     args = ap.parse_args()
 
@@ -274,6 +279,7 @@ def main() -> int:
 
     info = runtime.require_gpu()
     base = Tuning(force_wk=args.force_wk)
+    sweep_kinds = {KernelKind(v).value for v in args.sweep_kinds.split(",")}
     shapes = SHAPES if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ms = MS if not args.ms else [int(v) for v in args.ms.split(",")]
     bw, rate = ceilings(cp, torch)
@@ -328,7 +334,7 @@ def main() -> int:
                 swept = dataclasses.replace(base, waves=int(w), occupancy_cap=cap)
                 row[f"sym_{spec}"] = ours(kernels.marlin_gemm, None, pipe=pipe, tuning=swept)
                 row[f"fused_{spec}"] = ours(kernels.marlin_gemm, Ds16, pipe=pipe, tuning=swept)
-            if args.sweep_splits and row["plan"]["kind"] == KernelKind.HOPPER.value:
+            if args.sweep_splits and row["plan"]["kind"] in sweep_kinds:
                 row["fused_by_splits"] = {}
                 for sp in range(1, args.sweep_splits + 1):
                     forced = dataclasses.replace(base, force_splits=sp)

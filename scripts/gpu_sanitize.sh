@@ -29,6 +29,7 @@ cases = [
         (27, 512, 320, 64, True, 1, ("decode", 4, 4, 3), 290),
         (27, 512, 320, 512, False, 1, ("decode_w", 4, 4, 3), None),
         (9, 512, 192, 32, False, 4, ("decode", 2, 4, 3), None),
+        (11, 2048, 320, 128, True, 4, ("decode", 2, 8, 3), 300), (3, 1024, 512, 128, False, 1, ("decode", 1, 8, 3), None),
         (40, 512, 320, 64, True, 4, ("tile", 4, 2, 3), 317)]
 if hopper:  # every Hopper variant: full/ragged chunks, several chunks, ragged N, splits, GPI 1/2/4, padding
     cases += [(8, 2048, 320, 128, True, None, ("hopper", 1, 4, 4), None),

@@ -93,9 +93,12 @@ class Pipe(NamedTuple):
             r=self.r, u=self.u, gpi=gpi, ns=self.ns, delta=str(delta).lower(), t=t, wgs=wgs
         )
 
-    def smem(self, gpi: int) -> int:
-        """Dynamic shared memory of one block, bytes."""
-        return self.spec.smem(self, gpi)
+    def smem(self, gpi: int, wk: int | None = None) -> int:
+        """Dynamic shared memory of one block run with ``wk`` warps per output unit
+        (None: the most any of the kind's block shapes needs), bytes."""
+        if wk is None:
+            return max(self.spec.smem(self, gpi, w) for w in self.spec.block_shapes)
+        return self.spec.smem(self, gpi, wk)
 
     @property
     def threads(self) -> int:
@@ -121,7 +124,7 @@ def hopper_split(r: int) -> tuple[int, int]:
     return (tokens, 1) if tokens <= HOPPER_MAX_T else (tokens // 2, 2)
 
 
-def hopper_smem(pipe: Pipe, gpi: int) -> int:
+def hopper_smem(pipe: Pipe, gpi: int, wk: int = 1) -> int:
     """Dynamic shared memory of a Hopper block (``kernels/marlin_wgmma.cu``, WgLayout):
     NS stages of U 2 KB weight rows, U x tokens x 32 bytes of activations and GPI
     512-byte scale and delta rows (the delta rows counted always)."""
@@ -129,15 +132,21 @@ def hopper_smem(pipe: Pipe, gpi: int) -> int:
     return pipe.ns * (pipe.u * 2048 + pipe.u * tokens * 32 + 2 * gpi * 512)
 
 
-def ring_smem(pipe: Pipe, gpi: int) -> int:
-    """Shared memory of one 4-warp block of the ring kernels: 4 rings
-    (``kernels/marlin_stream.cuh``, struct Ring: per stage U 512-byte B tiles, U tiles
-    of the warp's A rows, and GPI 128-byte scale and delta rows), each padded to hold
-    the warp's fp32 sums."""
+def ring_smem(pipe: Pipe, gpi: int, wk: int = BLOCK_WARPS) -> int:
+    """Shared memory of one 4-warp block of the ring kernels, run with ``wk`` warps per
+    output unit (``kernels/marlin_stream.cuh``: per stage U 512-byte B tiles, U tiles of
+    the A rows, and GPI 128-byte scale and delta rows).
+
+    Each warp has its own ring, padded to hold its fp32 sums for the in-block reduction;
+    except that a kind which ``shares_a`` run with ``wk = 1`` (struct SplitRing) has one
+    A ring for the block and per warp only the weight part, and parks no sums."""
     spec = pipe.spec
     rows, sums = spec.tile_rows * pipe.r, spec.sums_floats * pipe.r
-    stage = pipe.u * 512 + pipe.u * rows * 32 + gpi * 128 + gpi * 128
-    return BLOCK_WARPS * max(pipe.ns * stage, sums)
+    a_stage = pipe.u * rows * 32
+    w_stage = pipe.u * 512 + gpi * 128 + gpi * 128
+    if spec.shares_a and wk == 1:
+        return pipe.ns * (a_stage + BLOCK_WARPS * w_stage)
+    return BLOCK_WARPS * max(pipe.ns * (a_stage + w_stage), sums)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +160,7 @@ class KindSpec:
         tile_rows: A rows per unit of R.
         sums_floats: fp32 sums a warp parks in shared memory, per unit of R.
         shares_a: with one output unit per block (``wk == 1``) its 4 warps stage A once.
-        smem: shared memory of a block, ``smem(pipe, gpi)`` bytes.
+        smem: shared memory of a block, ``smem(pipe, gpi, wk)`` bytes.
         threads: threads per block, ``threads(pipe)``.
         block_shapes: the ``wk`` values it runs (1: a block takes 4 column blocks
             over the whole K range; 4: one column block, a quarter of the range per warp).
@@ -171,7 +180,7 @@ class KindSpec:
     tile_rows: int
     sums_floats: int
     shares_a: bool
-    smem: Callable[[Pipe, int], int] = ring_smem
+    smem: Callable[[Pipe, int, int], int] = ring_smem
     threads: Callable[[Pipe], int] = lambda pipe: BLOCK_WARPS * 32
     block_shapes: tuple[int, ...] = (1, BLOCK_WARPS)
     reduce_weight: float = 1.0
@@ -279,6 +288,15 @@ class Tuning:
         a_weight: cost of staging one A row of a k-tile, in B-tile units per 16 rows
             (A comes from L2, B from DRAM).
         force_wk: 1 or 4 forces the block shape; None lets the cost model choose.
+        saturation: ``((kind, rows, blocks), ...)``: once a chunk holds at least
+            ``rows`` rows of A, a multiprocessor's throughput on that kind saturates at
+            ``blocks`` resident blocks, so the split model charges each multiprocessor
+            its share of the blocks, ``ceil(blocks / SMs)``, run ``min(resident,
+            blocks)`` at a time, instead of whole waves of resident blocks. On an H200
+            the decode kernel's 16-row chunks (9-16 rows, 3 blocks resident) run no
+            faster with a third block than with two; with 8 rows and fewer the waves
+            model picked as well (a sweep of every split count at M = 1, 8, 12 and 16:
+            scripts/bench_gemm_h200_decode_splits.json).
         force_splits: forces the K split count where the block shape allows it (the
             split sweep of ``scripts/bench_gemm.py --sweep-splits``); None lets the cost
             model choose.
@@ -308,6 +326,7 @@ class Tuning:
     force_wk: int | None = None
     force_splits: int | None = None
     occupancy_cap: tuple[tuple[KernelKind, int], ...] = ()
+    saturation: tuple[tuple[KernelKind, int, int], ...] = ((KernelKind.DECODE, 9, 2),)
     hopper: bool = True
     hopper_wide_n: int = 14336
     hopper_wide_min_m: int = 17
@@ -320,6 +339,11 @@ class Tuning:
     def cap(self, kind: KernelKind) -> int | None:
         """The occupancy cap of ``kind``, or None."""
         return dict(self.occupancy_cap).get(kind)
+
+    def saturates_at(self, kind: KernelKind, rows: int) -> int | None:
+        """The blocks per multiprocessor at which ``kind`` saturates with chunks of
+        ``rows`` rows of A, or None (see ``saturation``)."""
+        return next((b for k, least, b in self.saturation if k == kind and rows >= least), None)
 
 
 DEFAULT_TUNING = Tuning()
@@ -336,7 +360,8 @@ class DeviceLimits(Protocol):
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """A compiled variant chosen for one layer's sizes: the pipe, its group slots per
-    step (``gpi``), its shared memory, and the layer's group facts."""
+    step (``gpi``), its shared memory (the most any of its block shapes needs), and the
+    layer's group facts."""
 
     pipe: Pipe
     gpi: int
@@ -354,7 +379,7 @@ class GemmPlan:
 
     Attributes:
         kind, r, u, gpi, ns: the variant (``Pipe(kind, r, u, ns)`` with ``gpi`` slots).
-        smem: dynamic shared memory per block, bytes.
+        smem: dynamic shared memory per block (of the plan's ``wk``), bytes.
         regs: registers per thread of the variant.
         rows: A rows per chunk (``tile_rows * r``).
         m_chunks: chunks of A rows.
@@ -541,7 +566,8 @@ def plan_gemm(
     (``wk = 4``). With ``R`` blocks resident on the device (from the variant's
     registers and shared memory), the plan minimises
     ``ceil(blocks / R) * (tiles per warp + latency_tiles)`` (the slowest wave plus its
-    pipeline fill) plus a small charge per split for the partial-sum reduction.
+    pipeline fill) plus a small charge per split for the partial-sum reduction; a pipe
+    with a ``tuning.saturation`` entry is charged per multiprocessor instead (see there).
 
     Args:
         m, size_k, size_n: the problem (the variant already checked the sizes).
@@ -553,18 +579,20 @@ def plan_gemm(
     pipe, spec = variant.pipe, variant.pipe.spec
     kt = size_k // MARLIN_TILE
     warps_per_block = pipe.threads // 32
-    blocks_per_sm = resident_blocks(regs, variant.smem, device.smem_per_sm, warps_per_block)
     cap = tuning.cap(pipe.kind)
-    if cap:
-        blocks_per_sm = min(blocks_per_sm, cap)
-    resident = device.sm_count * blocks_per_sm
     chunk_rows = spec.tile_rows * pipe.r
     m_chunks = -(-m // chunk_rows)
     nblk = size_n // KERNEL_N_MULTIPLE
     rows = min(m, chunk_rows)
+    sat = tuning.saturates_at(pipe.kind, rows)
     best = None
     shapes = (tuning.force_wk,) if tuning.force_wk and tuning.force_wk in spec.block_shapes else spec.block_shapes
     for wk in shapes:
+        smem = pipe.smem(variant.gpi, wk)
+        blocks_per_sm = resident_blocks(regs, smem, device.smem_per_sm, warps_per_block)
+        if cap:
+            blocks_per_sm = min(blocks_per_sm, cap)
+        resident = device.sm_count * blocks_per_sm
         blocks_n = m_chunks * -(-nblk // (BLOCK_WARPS // wk))
         quantum = wk * pipe.u  # each warp's share of a K split is whole steps
         feasible = [
@@ -587,18 +615,24 @@ def plan_gemm(
             reduce = spec.reduce_weight * tuning.reduce_tiles * (splits - 1) * -(-red_rows // 8)
             if spec.reduces_per_wave:
                 reduce *= waves
-            cost = waves * (tps // wk * tile_cost + tuning.latency_tiles) + reduce
+            if sat:
+                per_sm = -(-blocks_n * splits // device.sm_count)
+                at_once = min(blocks_per_sm, sat, per_sm)
+                rounds = -(-per_sm // blocks_per_sm)
+                cost = per_sm / at_once * (tps // wk) * tile_cost + rounds * tuning.latency_tiles + reduce
+            else:
+                cost = waves * (tps // wk * tile_cost + tuning.latency_tiles) + reduce
             if best is None or cost < best[0]:
-                best = (cost, wk, splits, tps, blocks_n * splits)
+                best = (cost, wk, splits, tps, blocks_n * splits, smem, resident)
     assert best is not None
-    _, wk, splits, tps, blocks = best
+    _, wk, splits, tps, blocks, smem, resident = best
     return GemmPlan(
         kind=pipe.kind,
         r=pipe.r,
         u=pipe.u,
         gpi=variant.gpi,
         ns=pipe.ns,
-        smem=variant.smem,
+        smem=smem,
         regs=regs,
         rows=chunk_rows,
         m_chunks=m_chunks,

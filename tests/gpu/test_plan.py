@@ -56,6 +56,7 @@ def test_tuning_defaults_are_the_measured_values() -> None:
         force_wk=None,
         force_splits=None,
         occupancy_cap=(),
+        saturation=((KernelKind.DECODE, 9, 2),),
         hopper=True,
         hopper_wide_n=14336,
         hopper_wide_min_m=17,
@@ -102,6 +103,38 @@ def test_occupancy_cap_shrinks_the_resident_set() -> None:
     free = _plan(1, 4096, 4096, 128, regs=64)
     capped = _plan(1, 4096, 4096, 128, regs=64, tuning=Tuning(occupancy_cap=((KernelKind.DECODE, 1),)))
     assert capped.resident_warps == 4 * 132 < free.resident_warps
+
+
+@pytest.mark.parametrize(
+    ("k", "n", "m", "best", "blocks"),
+    [
+        # the fastest split count of the H200 sweep (bench_gemm.py --sweep-splits 16
+        # --sweep-kinds decode, fused, 2026-12-01, us): 3 blocks per SM of 64.5 KB fit,
+        # but the third adds no speed, so whole waves of 3 are the wrong unit
+        (4096, 14336, 16, 4, 224),  # 21.4; 25.1 at 7 (392 blocks, one wave of 3 per SM)
+        (4096, 14336, 12, 4, 224),  # 19.9; 22.7 at 7
+        (8192, 57344, 16, 4, 896),  # 94.9; 99.3 at 5
+        (8192, 57344, 12, 4, 896),  # 91.3; 95.2 at 5
+        (28672, 8192, 16, 8, 256),  # 54.0; 56.6 at 12
+        (28672, 8192, 12, 8, 256),  # 51.5; 52.5 at 12
+    ],
+)
+def test_decode_split_follows_the_h200_sweep(k: int, n: int, m: int, best: int, blocks: int) -> None:
+    plan = _plan(m, k, n, 128, regs=168)
+    assert (plan.kind, plan.r, plan.u, plan.wk) == (KernelKind.DECODE, 2, 8, 1)
+    assert (plan.splits, plan.blocks, plan.smem, plan.resident_warps) == (best, blocks, 64512, 4 * 3 * 132)
+    # without the saturation entry, the waves of 3 blocks choose the slower counts
+    waves = _plan(m, k, n, 128, regs=168, tuning=Tuning(saturation=()))
+    assert waves.splits != best
+
+
+@pytest.mark.parametrize(("k", "n"), [(4096, 14336), (14336, 4096), (28672, 8192), (8192, 57344)])
+@pytest.mark.parametrize("m", [1, 8])
+def test_decode_8_rows_keep_the_waves_model(k: int, n: int, m: int) -> None:
+    # at 8 rows the saturation model moved 4096 x 14336 from 18.2 to 17.7 us and
+    # 28672 x 8192 from 44.2 to 46.9 (H200, fused): not better, so not taken
+    assert DEFAULT_TUNING.saturates_at(KernelKind.DECODE, m) is None
+    assert _plan(m, k, n, 128, regs=117) == _plan(m, k, n, 128, regs=117, tuning=Tuning(saturation=()))
 
 
 def test_variant_checks_name_the_rule() -> None:

@@ -171,6 +171,12 @@ def test_gemm_path_rule_and_pipes():
             assert rows >= min(m, 32)
     # shared memory: 4 rings of NS stages (B, A, scales, deltas), or the parked sums
     assert plan.Pipe.of(("decode", 1, 4, 3)).smem(1) == 4 * 3 * (4 * 512 + 4 * 256 + 256)
+    # ... except that the decode kernel's wk = 1 blocks share one A ring (SplitRing)
+    dec = plan.Pipe.of(("decode", 2, 8, 3))
+    assert dec.smem(1, wk=1) == 3 * (8 * 16 * 32) + 4 * 3 * (8 * 512 + 256) == 64512
+    assert dec.smem(1, wk=4) == dec.smem(1) == 4 * 3 * (8 * 512 + 8 * 16 * 32 + 256) == 101376
+    assert plan.resident_blocks(168, dec.smem(1, wk=1), 228 * 1024) == 3
+    assert plan.resident_blocks(168, dec.smem(1, wk=4), 228 * 1024) == 2
     assert plan.Pipe.of(("tile", 4, 2, 3)).smem(1) == 4 * max(3 * (2 * 512 + 2 * 2048 + 256), 16384)
 
 
