@@ -2,6 +2,8 @@
 # Nsight Compute profile of one GEMM launch per case (clocks left alone).
 # Run on the GPU machine from the repo root: bash scripts/gpu_profile.sh [OUTDIR] [CASES]
 # CASES: m:k:n:delta,... (default 1:28672:8192:1,16:28672:8192:1,16:28672:8192:0,1:4096:4096:1)
+# PROF_OPCODES=1 also writes OUTDIR/ncu_opcodes.log: the executed SASS instruction mix of
+# each launch (sass__inst_executed_per_opcode, one line per opcode).
 set -u
 out=${1:-${OUT:-/tmp}}
 export PYTHONPATH=$PWD
@@ -34,4 +36,11 @@ if [ $rc -ne 0 ]; then
   rc=$?
 fi
 echo "ncu rc=$rc"
+if [ "${PROF_OPCODES:-0}" = 1 ]; then
+  # both launches of each case again, one pass: the counts are per launch
+  ncu --clock-control none -k regex:marlin_ --launch-count $((2 * ncases)) \
+      --metrics sass__inst_executed_per_opcode,smsp__inst_executed.sum,gpu__time_duration.sum \
+      --print-metric-instances details python3 /tmp/prof_cases.py > "$out/ncu_opcodes.log" 2>&1
+  echo "ncu opcodes rc=$?"
+fi
 grep -E "marlin_|Duration|DRAM Throughput|Issued Warp|No Eligible|Executed Instructions  |Achieved Active|Registers Per|Stall|L2 Cache Throughput|L1/TEX Cache Throughput" "$out/ncu.log" | head -150
