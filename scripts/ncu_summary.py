@@ -32,7 +32,7 @@ METRICS = (
 def _launches(text: str) -> list[tuple[str, list[str]]]:
     lines = text.splitlines()
     starts = [i for i, ln in enumerate(lines) if HEADER.match(ln)]
-    return [(lines[a], lines[a:b]) for a, b in zip(starts, [*starts[1:], len(lines)])]
+    return [(lines[a], lines[a:b]) for a, b in zip(starts, [*starts[1:], len(lines)], strict=True)]
 
 
 def _value(block: list[str], name: str) -> str:
