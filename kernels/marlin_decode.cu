@@ -195,6 +195,19 @@ __device__ __forceinline__ void decode_stage(u32 st, u32 sa, int kt, int lane, G
     }
 }
 
+// A block's shared memory. wk > 1: warp w owns [w WARP, (w + 1) WARP): its A ring, its
+// weight ring, and afterwards its parked sums. wk = 1: one A ring, then the 4 weight
+// rings. converter/gpu/plan.py (ring_smem) repeats bytes(wk); tests/gpu compares them.
+template <int NT, int U, int GPI, int NS>
+struct DecodeSmem {
+    using R = SplitRing<8 * NT, U, GPI>;
+    static constexpr int OWN = NS * (R::A_STAGE + R::W_STAGE);
+    static constexpr int SUMS = 16 * NT * 128;  // a warp's parked fp32 accumulators
+    static constexpr int WARP = OWN > SUMS ? OWN : SUMS;
+    static constexpr int SHARED_A = NS * R::A_STAGE + 4 * NS * R::W_STAGE;
+    static constexpr int bytes(int wk) { return wk == 1 ? SHARED_A : 4 * WARP; }
+};
+
 template <int NT, int U, int GPI, int NS, bool HAS_DELTA, bool GS>
 __global__ void __launch_bounds__(128, NT == 1 ? 4 : (NT == 2 ? (U == 8 ? 3 : 4) : (GS ? 2 : 3)))
 marlin_decode(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __restrict__ S,
@@ -204,11 +217,7 @@ marlin_decode(const u16* __restrict__ A, const int4* __restrict__ B, const u16* 
     extern __shared__ __align__(16) unsigned char smem[];
     constexpr int AR = 8 * NT;
     using R = SplitRing<AR, U, GPI>;
-    constexpr int NACC = 16 * NT;  // accumulators per lane
-    // wk > 1: warp w owns [w WARP_SMEM, (w + 1) WARP_SMEM): its A ring, its weight ring,
-    // and afterwards its parked sums. wk = 1: one A ring, then the 4 weight rings.
-    constexpr int OWN = NS * (R::A_STAGE + R::W_STAGE);
-    constexpr int WARP_SMEM = OWN > NACC * 128 ? OWN : NACC * 128;
+    constexpr int WARP_SMEM = DecodeSmem<NT, U, GPI, NS>::WARP;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nblk = N >> 6;
     const int m_chunks = (M + AR - 1) / AR;

@@ -105,6 +105,16 @@ __device__ __forceinline__ void compute_stage(u32 st, int kt, int lane, GroupWal
     }
 }
 
+// A block's shared memory: each warp's ring, padded to hold the warp's sums for the
+// in-block reduction. converter/gpu/plan.py (ring_smem) repeats BYTES; tests/gpu
+// compares them.
+template <int MT, int U, int GPI, int NS>
+struct GemmSmem {
+    static constexpr int RING = NS * Ring<16 * MT, U, GPI>::STAGE;
+    static constexpr int WARP = RING > MT * 4096 ? RING : MT * 4096;
+    static constexpr int BYTES = 4 * WARP;
+};
+
 template <int MT, int U, int GPI, int NS, bool HAS_DELTA>
 __global__ void __launch_bounds__(128, MT == 1 ? 4 : (MT == 2 ? 3 : 2))
 marlin_gemm(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __restrict__ S,
@@ -113,8 +123,7 @@ marlin_gemm(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __
             int group_tiles, int per_channel, int splits, int tiles_per_split, int wk) {
     extern __shared__ __align__(16) unsigned char smem[];
     using R = Ring<16 * MT, U, GPI>;
-    // Each warp's ring, padded to hold the warp's sums for the in-block reduction.
-    constexpr int WARP_SMEM = NS * R::STAGE > MT * 4096 ? NS * R::STAGE : MT * 4096;
+    constexpr int WARP_SMEM = GemmSmem<MT, U, GPI, NS>::WARP;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nblk = N >> 6;
     const int m_chunks = (M + 16 * MT - 1) / (16 * MT);

@@ -16,7 +16,7 @@ import pytest
 from converter.errors import KernelError
 from converter.gpu import kernels
 from converter.gpu import reference as ref
-from converter.gpu.plan import ARITH, GEMM_PIPES, Pipe, Tuning
+from converter.gpu.plan import ARITH, GEMM_GPIS, GEMM_PIPES, Pipe, Tuning, hopper_split
 from converter.marlin.layout import pack_b, permute_scales
 
 pytestmark = pytest.mark.gpu
@@ -477,3 +477,66 @@ def test_padded_layer_stores_exactly_n_out_columns(cp, pipe, n_out, m):
     assert c2.shape == (m, n_out) and np.isfinite(cp.asnumpy(c2)).all()
     with pytest.raises(KernelError, match=r"n_out=385 must be in 1..size_n=384"):
         kernels.marlin_gemm(cp.asarray(a), cp.asarray(L["B"]), cp.asarray(L["S"]), n_out=385, **kw)
+
+
+# One probe kernel per layout struct, so that the test reads the sizes the kernels use.
+_SMEM_PROBES = r"""
+template <int NT, int U, int GPI, int NS> __global__ void decode_smem_probe(int* out) {
+    out[0] = DecodeSmem<NT, U, GPI, NS>::bytes(1);
+    out[1] = DecodeSmem<NT, U, GPI, NS>::bytes(4);
+}
+template <int MT, int U, int GPI, int NS> __global__ void gemm_smem_probe(int* out) {
+    out[0] = out[1] = GemmSmem<MT, U, GPI, NS>::BYTES;
+}
+"""
+
+
+def test_shared_memory_of_every_variant_is_what_the_planner_reserves(cp):
+    """The launcher reserves ``plan.Pipe.smem(gpi, wk)`` bytes; the kernels lay their
+    rings out by the structs of kernels/marlin_gemm.cu and marlin_decode.cu. A planner
+    size below the kernel's would let a ring overrun the allocation."""
+    from converter.gpu import build, runtime
+
+    rings = [(p, gpi) for p in GEMM_PIPES if p.kind.value != "hopper" for gpi in GEMM_GPIS[p.u]]
+    probe = {"decode": "decode_smem_probe", "decode_w": "decode_smem_probe", "tile": "gemm_smem_probe"}
+    names = [f"{probe[p.kind.value]}<{p.r}, {p.u}, {gpi}, {p.ns}>" for p, gpi in rings]
+    folder = build.kernel_dir()
+    code = '#include "marlin_gemm.cu"\n#include "marlin_decode.cu"\n' + _SMEM_PROBES
+    arch = runtime.device_info().arch
+    mod = cp.RawModule(
+        code=code, options=("-std=c++17", f"--gpu-architecture={arch}", f"-I{folder}"), name_expressions=names
+    )
+    out = cp.zeros(2, dtype=cp.int32)
+    for (pipe, gpi), name in zip(rings, names, strict=True):
+        mod.get_function(name)((1,), (1,), (out,))
+        one, four = (int(v) for v in out.get())
+        assert (pipe.smem(gpi, wk=1), pipe.smem(gpi, wk=4)) == (one, four), (pipe, gpi)
+
+
+def test_shared_memory_of_every_hopper_variant_is_what_the_planner_reserves(cp):
+    """As above for kernels/marlin_wgmma.cu (WgLayout::RING; the planner counts the delta
+    rows always, so the symmetric variant needs no more than it reserves)."""
+    from converter.gpu import build, runtime
+
+    if not kernels.hopper_device():
+        pytest.skip("the Hopper kernel needs sm_90")
+    pipes = [(p, gpi) for p in GEMM_PIPES if p.kind.value == "hopper" for gpi in GEMM_GPIS[p.u]]
+    names = []
+    for p, gpi in pipes:
+        t, wgs = hopper_split(p.r)
+        names += [f"wg_smem_probe<{t}, {wgs}, {p.u}, {gpi}, {p.ns}, {d}>" for d in ("true", "false")]
+    code = (
+        '#include "marlin_wgmma.cu"\n'
+        "template <int T, int WGS, int U, int GPI, int NS, bool D> __global__ void wg_smem_probe(int* out) {\n"
+        "    out[0] = WgLayout<T, WGS, U, GPI, NS, D>::RING;\n}\n"
+    )
+    arch = runtime.device_info().arch + "a"
+    opts = ("-std=c++17", f"--gpu-architecture={arch}", f"-I{build.kernel_dir()}")
+    mod = cp.RawModule(code=code, options=opts, name_expressions=names)
+    out = cp.zeros(1, dtype=cp.int32)
+    for i, (pipe, gpi) in enumerate(pipes):
+        sizes = []
+        for name in names[2 * i : 2 * i + 2]:
+            mod.get_function(name)((1,), (1,), (out,))
+            sizes.append(int(out.get()[0]))
+        assert sizes[0] == pipe.smem(gpi) >= sizes[1], (pipe, gpi, sizes)
