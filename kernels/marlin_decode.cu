@@ -201,10 +201,12 @@ __device__ __forceinline__ void decode_stage(u32 st, u32 sa, int kt, int lane, G
 template <int NT, int U, int GPI, int NS>
 struct DecodeSmem {
     using R = SplitRing<8 * NT, U, GPI>;
-    static constexpr int OWN = NS * (R::A_STAGE + R::W_STAGE);
+    static constexpr int A_RING = NS * R::A_STAGE;
+    static constexpr int W_RING = NS * R::W_STAGE;
+    static constexpr int OWN = A_RING + W_RING;
     static constexpr int SUMS = 16 * NT * 128;  // a warp's parked fp32 accumulators
     static constexpr int WARP = OWN > SUMS ? OWN : SUMS;
-    static constexpr int SHARED_A = NS * R::A_STAGE + 4 * NS * R::W_STAGE;
+    static constexpr int SHARED_A = A_RING + 4 * W_RING;
     static constexpr int bytes(int wk) { return wk == 1 ? SHARED_A : 4 * WARP; }
 };
 
@@ -217,7 +219,7 @@ marlin_decode(const u16* __restrict__ A, const int4* __restrict__ B, const u16* 
     extern __shared__ __align__(16) unsigned char smem[];
     constexpr int AR = 8 * NT;
     using R = SplitRing<AR, U, GPI>;
-    constexpr int WARP_SMEM = DecodeSmem<NT, U, GPI, NS>::WARP;
+    using DS = DecodeSmem<NT, U, GPI, NS>;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nblk = N >> 6;
     const int m_chunks = (M + AR - 1) / AR;
@@ -286,8 +288,8 @@ marlin_decode(const u16* __restrict__ A, const int4* __restrict__ B, const u16* 
     compute_walk.init(kt0, group_tiles);
 
     const u32 smem0 = smem_addr(smem);
-    const u32 a_ring = share_a ? smem0 : smem0 + warp * WARP_SMEM;
-    const u32 w_ring = share_a ? smem0 + NS * R::A_STAGE + warp * NS * R::W_STAGE : a_ring + NS * R::A_STAGE;
+    const u32 a_ring = share_a ? smem0 : smem0 + warp * DS::WARP;
+    const u32 w_ring = share_a ? smem0 + DS::A_RING + warp * DS::W_RING : a_ring + DS::A_RING;
     if (share_a)
         ablock.zero_missing(a_ring, R::A_STAGE, NS);
     else
@@ -330,7 +332,7 @@ marlin_decode(const u16* __restrict__ A, const int4* __restrict__ B, const u16* 
     // their own (now idle) ring, its warp 0 adds them in warp order ----
     if (wk > 1) {
         if (kq != 0) {
-            float* park = reinterpret_cast<float*>(smem + warp * WARP_SMEM);
+            float* park = reinterpret_cast<float*>(smem + warp * DS::WARP);
 #pragma unroll
             for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -342,7 +344,7 @@ marlin_decode(const u16* __restrict__ A, const int4* __restrict__ B, const u16* 
         if (kq != 0) return;
 #pragma unroll 1
         for (int w = warp + 1; w < warp + wk; ++w) {
-            const float* park = reinterpret_cast<const float*>(smem + w * WARP_SMEM);
+            const float* park = reinterpret_cast<const float*>(smem + w * DS::WARP);
 #pragma unroll
             for (int j = 0; j < 4; ++j)
 #pragma unroll

@@ -1,7 +1,8 @@
 // marlin_stream.cuh: the weight-streaming pipeline shared by the two GEMM kernels,
 // marlin_gemm.cu (tile kernel, large M) and marlin_decode.cu (decode kernel, small M).
-// Both stream one warp's K range through its own cp.async ring in shared memory and
-// differ only in how a staged step is turned into mma instructions.
+// Both stream each warp's K range of weights through cp.async rings in shared memory
+// and differ in how a staged step is turned into mma instructions (and in where A
+// lives: the decode kernel's 4 warps share one A ring when they share the rows).
 //
 // Operand forms (the launchers in converter/gpu/kernels.py prepare them):
 //   B      int32 [K/16, 2N], Marlin tile order (checkpoint-formats.md 4.3): the 16x64
@@ -25,7 +26,7 @@ __device__ __forceinline__ void mma_16816(float c[4], const u32 a[4], u32 b0, u3
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Shared-memory ring, per warp: NS stages, each holding one step of U k-tiles:
+// The tile kernel's shared-memory ring, per warp: NS stages, each one step of U k-tiles:
 //   B  U x 512 bytes        lane l's 16-byte B piece of tile u at u * 512 + 16 l
 //   A  U x AR x 32 bytes    AR rows x 16 fp16 of A per tile, row-major (32 bytes a row),
 //                           in 16-row chunks of 512 bytes (AR = 8: one half chunk)
@@ -33,8 +34,8 @@ __device__ __forceinline__ void mma_16816(float c[4], const u32 a[4], u32 b0, u3
 //   D  GPI x 128 bytes      the 64 permuted fp16 deltas of each group slot (HAS_DELTA)
 // Every byte is copied with 16-byte cp.async (the ring keeps NS - 1 steps in flight
 // without holding registers); lanes read pieces other lanes copied, so each step is
-// fenced by wait_group + __syncwarp, which also orders the reuse of a slot.
-// converter/gpu/kernels.py (_ring_stage) repeats this size.
+// fenced by wait_group + __syncwarp (+ __syncthreads where the block shares A), which
+// also orders the reuse of a slot. converter/gpu/plan.py (ring_smem) repeats this size.
 template <int AR, int U, int GPI>
 struct Ring {
     static constexpr int B_OFF = 0;
@@ -49,8 +50,9 @@ struct Ring {
 // The decode kernel's stage, in two parts held in two rings: the A part (U tiles of the
 // AR rows) and the weight part (B tiles, scales, deltas). With wk = 1 the block's 4 warps
 // read the same A, so one A ring serves them all and only the weight part is per warp:
-// at AR = 16, U = 8 that is 64 KB a block instead of 99 KB, 3 blocks per multiprocessor
-// instead of 2. Offsets: A_OFF from an A slot, the others from a weight slot.
+// at AR = 16, U = 8 that is 64512 bytes a block instead of 101376, 3 blocks per
+// multiprocessor instead of 2. Offsets: A_OFF from an A slot, the others from a weight
+// slot.
 // converter/gpu/plan.py (ring_smem) repeats these sizes.
 template <int AR, int U, int GPI>
 struct SplitRing {

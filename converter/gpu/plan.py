@@ -26,7 +26,7 @@ from ..constants import KERNEL_N_MULTIPLE, MARLIN_TILE
 from ..errors import KernelError
 from ..marlin.shapes import kernel_layer_sizes
 
-#: Warps per GEMM block (``kernels/marlin_stream.cuh``: one ring per warp).
+#: Warps per GEMM block (``kernels/marlin_stream.cuh``: each streams its own weights).
 BLOCK_WARPS = 4
 
 
@@ -141,7 +141,7 @@ def ring_smem(pipe: Pipe, gpi: int, wk: int = BLOCK_WARPS) -> int:
     except that a kind which ``shares_a`` run with ``wk = 1`` (struct SplitRing) has one
     A ring for the block and per warp only the weight part, and parks no sums."""
     spec = pipe.spec
-    rows, sums = spec.tile_rows * pipe.r, spec.sums_floats * pipe.r
+    rows, sums = spec.tile_rows * pipe.r, spec.sums_bytes * pipe.r
     a_stage = pipe.u * rows * 32
     w_stage = pipe.u * 512 + gpi * 128 + gpi * 128
     if spec.shares_a and wk == 1:
@@ -158,7 +158,7 @@ class KindSpec:
         template: its instantiation name, with ``{r} {u} {gpi} {ns} {delta}`` fields.
         arith: what it multiplies (:class:`Arith`).
         tile_rows: A rows per unit of R.
-        sums_floats: fp32 sums a warp parks in shared memory, per unit of R.
+        sums_bytes: bytes of fp32 sums a warp parks in shared memory, per unit of R.
         shares_a: with one output unit per block (``wk == 1``) its 4 warps stage A once.
         smem: shared memory of a block, ``smem(pipe, gpi, wk)`` bytes.
         threads: threads per block, ``threads(pipe)``.
@@ -178,7 +178,7 @@ class KindSpec:
     template: str
     arith: Arith
     tile_rows: int
-    sums_floats: int
+    sums_bytes: int
     shares_a: bool
     smem: Callable[[Pipe, int, int], int] = ring_smem
     threads: Callable[[Pipe], int] = lambda pipe: BLOCK_WARPS * 32
@@ -195,7 +195,7 @@ KINDS: MappingProxyType[KernelKind, KindSpec] = MappingProxyType(
             "marlin_gemm<{r}, {u}, {gpi}, {ns}, {delta}>",
             Arith.WEIGHT,
             tile_rows=16,
-            sums_floats=4096,
+            sums_bytes=4096,
             shares_a=False,
         ),
         KernelKind.DECODE: KindSpec(
@@ -203,7 +203,7 @@ KINDS: MappingProxyType[KernelKind, KindSpec] = MappingProxyType(
             "marlin_decode<{r}, {u}, {gpi}, {ns}, {delta}, true>",
             Arith.GROUP,
             tile_rows=8,
-            sums_floats=2048,
+            sums_bytes=2048,
             shares_a=True,
         ),
         KernelKind.DECODE_W: KindSpec(
@@ -211,7 +211,7 @@ KINDS: MappingProxyType[KernelKind, KindSpec] = MappingProxyType(
             "marlin_decode<{r}, {u}, {gpi}, {ns}, {delta}, false>",
             Arith.WEIGHT,
             tile_rows=8,
-            sums_floats=2048,
+            sums_bytes=2048,
             shares_a=True,
         ),
         KernelKind.HOPPER: KindSpec(
@@ -219,7 +219,7 @@ KINDS: MappingProxyType[KernelKind, KindSpec] = MappingProxyType(
             "marlin_wgmma<{t}, {wgs}, {u}, {gpi}, {ns}, {delta}>",
             Arith.WEIGHT,
             tile_rows=8,
-            sums_floats=0,
+            sums_bytes=0,
             shares_a=True,
             smem=hopper_smem,
             threads=lambda pipe: 128 * hopper_split(pipe.r)[1],
@@ -296,7 +296,7 @@ class Tuning:
             the decode kernel's 16-row chunks (9-16 rows, 3 blocks resident) run no
             faster with a third block than with two; with 8 rows and fewer the waves
             model picked as well (a sweep of every split count at M = 1, 8, 12 and 16:
-            scripts/bench_gemm_h200_decode_splits.json).
+            scripts/bench_gemm_h200_decode_splits.json). ``waves`` does not apply there.
         force_splits: forces the K split count where the block shape allows it (the
             split sweep of ``scripts/bench_gemm.py --sweep-splits``); None lets the cost
             model choose.
@@ -534,6 +534,18 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _feasible_splits(kt: int, quantum: int) -> list[tuple[int, int]]:
+    """``(splits, tiles_per_split)`` for every split count of ``kt`` k-tiles whose
+    ranges are whole multiples of ``quantum`` (a warp's share is whole steps) and all
+    non-empty."""
+    return [
+        (splits, tps)
+        for splits in range(1, -(-kt // quantum) + 1)
+        for tps in [_ceil_div(_ceil_div(kt, splits), quantum) * quantum]
+        if _ceil_div(kt, tps) == splits
+    ]
+
+
 def resident_blocks(regs: int, smem: int, smem_per_sm: int, warps: int = BLOCK_WARPS) -> int:
     """Blocks of ``warps`` warps (a multiple of 4) one multiprocessor holds (sm_80..sm_90
     allocation rules).
@@ -564,7 +576,7 @@ def plan_gemm(
     split into ``splits`` contiguous K ranges; a 4-warp block takes either 4 units with
     the whole range (``wk = 1``) or one unit with a quarter of the range per warp
     (``wk = 4``). With ``R`` blocks resident on the device (from the variant's
-    registers and shared memory), the plan minimises
+    registers and the block shape's shared memory), the plan minimises
     ``ceil(blocks / R) * (tiles per warp + latency_tiles)`` (the slowest wave plus its
     pipeline fill) plus a small charge per split for the partial-sum reduction; a pipe
     with a ``tuning.saturation`` entry is charged per multiprocessor instead (see there).
@@ -587,6 +599,12 @@ def plan_gemm(
     sat = tuning.saturates_at(pipe.kind, rows)
     best = None
     shapes = (tuning.force_wk,) if tuning.force_wk and tuning.force_wk in spec.block_shapes else spec.block_shapes
+    feasible_by_wk = {wk: _feasible_splits(kt, wk * pipe.u) for wk in shapes}
+    if any(tuning.force_splits in {sp for sp, _ in f} for f in feasible_by_wk.values()):
+        # a forced count some block shape can run: only those shapes, at that count
+        feasible_by_wk = {
+            wk: [(sp, tps) for sp, tps in f if sp == tuning.force_splits] for wk, f in feasible_by_wk.items()
+        }
     for wk in shapes:
         smem = pipe.smem(variant.gpi, wk)
         blocks_per_sm = resident_blocks(regs, smem, device.smem_per_sm, warps_per_block)
@@ -594,16 +612,7 @@ def plan_gemm(
             blocks_per_sm = min(blocks_per_sm, cap)
         resident = device.sm_count * blocks_per_sm
         blocks_n = m_chunks * -(-nblk // (BLOCK_WARPS // wk))
-        quantum = wk * pipe.u  # each warp's share of a K split is whole steps
-        feasible = [
-            (splits, tps)
-            for splits in range(1, -(-kt // quantum) + 1)
-            for tps in [_ceil_div(_ceil_div(kt, splits), quantum) * quantum]
-            if _ceil_div(kt, tps) == splits
-        ]
-        if tuning.force_splits in {sp for sp, _ in feasible}:
-            feasible = [(sp, tps) for sp, tps in feasible if sp == tuning.force_splits]
-        for splits, tps in feasible:
+        for splits, tps in feasible_by_wk[wk]:
             waves = -(-blocks_n * splits // (resident * tuning.waves))
             # slowest wave: per-warp tiles (each also moving its A rows, rows / 16 of a
             # B tile's bytes, once per block in the decode kernel's wk = 1 form) plus

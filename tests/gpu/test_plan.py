@@ -128,13 +128,33 @@ def test_decode_split_follows_the_h200_sweep(k: int, n: int, m: int, best: int, 
     assert waves.splits != best
 
 
-@pytest.mark.parametrize(("k", "n"), [(4096, 14336), (14336, 4096), (28672, 8192), (8192, 57344)])
-@pytest.mark.parametrize("m", [1, 8])
-def test_decode_8_rows_keep_the_waves_model(k: int, n: int, m: int) -> None:
-    # at 8 rows the saturation model moved 4096 x 14336 from 18.2 to 17.7 us and
-    # 28672 x 8192 from 44.2 to 46.9 (H200, fused): not better, so not taken
-    assert DEFAULT_TUNING.saturates_at(KernelKind.DECODE, m) is None
-    assert _plan(m, k, n, 128, regs=117) == _plan(m, k, n, 128, regs=117, tuning=Tuning(saturation=()))
+@pytest.mark.parametrize(
+    ("k", "n", "m", "wk", "splits", "if_saturated"),
+    [
+        # the benchmark's plans at 1 and 8 rows (H200, 2026-12-01); charged per SM as
+        # from 9 rows, the 8-row plans moved 4096 x 14336 from 18.2 to 17.7 us,
+        # 14336 x 4096 from 18.4 to 16.9, but 28672 x 8192 from 44.2 to 46.9: not taken
+        (4096, 14336, 8, 4, 2, (1, 4)),
+        (14336, 4096, 8, 4, 8, (4, 4)),
+        (28672, 8192, 8, 4, 4, (1, 8)),
+        (8192, 57344, 8, 1, 7, (1, 4)),
+        (28672, 8192, 1, 4, 4, (4, 2)),  # 37.2 us at 4 splits, 43.8 at 2
+        (14336, 4096, 1, 4, 8, (4, 4)),  # 14.7 at 8, 15.0 at 4
+    ],
+)
+def test_decode_8_rows_keep_the_waves_model(k: int, n: int, m: int, wk: int, splits: int, if_saturated) -> None:
+    plan = _plan(m, k, n, 128, regs=117)
+    assert (plan.kind, plan.r, plan.wk, plan.splits) == (KernelKind.DECODE, 1, wk, splits)
+    saturated = _plan(m, k, n, 128, regs=117, tuning=Tuning(saturation=((KernelKind.DECODE, 1, 2),)))
+    assert (saturated.wk, saturated.splits) == if_saturated
+
+
+def test_forced_split_count_skips_block_shapes_that_cannot_run_it() -> None:
+    # 4096 x 14336 at M = 16: 5, 6 and 7 splits exist only for wk = 1 (K = 256 k-tiles,
+    # wk = 4 needs multiples of 32); before, the wk = 4 shape fell back to its own choice
+    for sp in (5, 6, 7):
+        plan = _plan(16, 4096, 14336, 128, regs=168, tuning=Tuning(force_splits=sp))
+        assert (plan.splits, plan.wk) == (sp, 1)
 
 
 def test_variant_checks_name_the_rule() -> None:
