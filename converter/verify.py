@@ -44,6 +44,7 @@ from .digests import FileDigests
 from .errors import ArtifactError, ConverterError, GpuUnavailableError
 from .formats import open_source
 from .formats.base import LayerPlan, Source, SourcePlan
+from .formats.packing import first_code_diff, unpack_words
 from .marlin.layout import unpack_b, unpermute_scales
 from .native import lib as native_lib
 from .numerics import ROWS, accumulate, relative_error
@@ -467,11 +468,21 @@ def _check_layer(
         # products and comparison still run; those share y, y_ref and the diffs with this
         # chunk's, so they finish before this chunk's are queued.
         codes = pool.submit(unpack_b, chunk.b, width, out=buffers.next((chunk.k1 - chunk.k0, width)))
-        qw = source.load_layer(lay, chunk.k0, chunk.k1) if compared else None
+        # Where the source has its codes as packed words (4-bit GPTQ), they are compared
+        # with the artifact's codes without being unpacked (_codes_and_reference).
+        words: np.ndarray | None = None
+        qw: QuantWeight | None = None
+        if compared:
+            assert source is not None and lay is not None
+            fast = source.load_words(lay, chunk.k0, chunk.k1)
+            words, qw = fast if fast is not None else (None, source.load_layer(lay, chunk.k0, chunk.k1))
         q = codes.result()
         for fut in pending:
             fut.result()
         pending = []
+        # Drop the pages read so far, the artifact's and the source's: not earlier, as
+        # the jobs just waited for read the source's words from its map.
+        _release(source)
         # A per-channel layer hands its one group to every chunk: compare it once.
         skip = max(groups_done - chunk.g0, 0)
         groups_done = max(groups_done, chunk.g0 + chunk.scales.shape[0])
@@ -481,8 +492,10 @@ def _check_layer(
             padding["delta"].check(chunk.delta[skip:], rec, chunk.g0 + skip)
         if qw is not None:
             first = first or qw
-            # The largest comparison runs beside the products; it only reads q.
-            pending.append(pool.submit(diffs["codes"].compare, q[:, :n], qw.marlin_codes(), (chunk.k0, 0)))
+            # The largest comparison runs beside the products; it only reads q.  From
+            # words it is queued below, with the reference product that needs its result.
+            if words is None:
+                pending.append(pool.submit(diffs["codes"].compare, q[:, :n], qw.marlin_codes(), (chunk.k0, 0)))
             if skip < qw.num_groups:
                 offset = (chunk.g0 + skip, 0)
                 scales = np.asarray(qw.scales, dtype=np.float16)[skip:]
@@ -496,7 +509,9 @@ def _check_layer(
             pending.append(
                 pool.submit(accumulate, y, xs, q, rec.group_size, s32, MARLIN_ZERO, chunk.delta, factored=True)
             )
-            if qw is not None:
+            if qw is not None and words is not None:
+                pending.append(pool.submit(_codes_and_reference, diffs["codes"], words, q, qw, chunk.k0, y_ref, xs))
+            elif qw is not None:
                 xr = x[:, qw.perm[chunk.k0 : chunk.k1]] if qw.perm is not None else xs
                 qs, a, c, b = _widened(qw, width)
                 pending.append(pool.submit(accumulate, y_ref, xr, qs, rec.group_size, a, c, b, factored=False))
@@ -504,13 +519,12 @@ def _check_layer(
                 pending.append(
                     pool.submit(accumulate, y_ref, xs, q, rec.group_size, s32, MARLIN_ZERO, chunk.delta, factored=False)
                 )
-        del qw, chunk
-        # Drop the pages this chunk touched, the artifact's and the source's.
-        release_mapped_pages()
-        if source is not None:
-            source.release_pages()
+        elif qw is not None and words is not None:
+            pending.append(pool.submit(_codes_and_reference, diffs["codes"], words, q, qw, chunk.k0, None, None))
+        del qw, words, chunk
     for fut in pending:
         fut.result()
+    _release(source)
     if compared:
         assert first is not None
         if rec.padded_n is not None:
@@ -554,6 +568,40 @@ def _check_layer(
                 CPU_REL_TOL,
                 err,
             )
+
+
+def _release(source: Source | None) -> None:
+    """Drop the mapped pages of the artifact and the source (they stay in the page cache)."""
+    release_mapped_pages()
+    if source is not None:
+        source.release_pages()
+
+
+def _codes_and_reference(
+    diff: _Diff,
+    words: np.ndarray,
+    q: np.ndarray,
+    qw: QuantWeight,
+    k0: int,
+    y_ref: np.ndarray | None,
+    x: np.ndarray | None,
+) -> None:
+    """A chunk's codes against the source's 4-bit words (:meth:`Source.load_words`), then
+    its reference product ``y_ref += x @ W_source`` when ``y_ref`` is given.
+
+    ``q`` are the artifact's codes ``(rows, size_n)`` (an unpadded layer, natural row
+    order), ``qw`` the chunk's scales and zeros (empty ``q``).  Where every code agrees
+    the source's codes ARE ``q``, so the source formula is evaluated on ``q`` (the same
+    numbers, bit for bit); otherwise the words are unpacked, the differences counted as
+    :meth:`_Diff.compare` does, and the product uses the source's own codes."""
+    src_q = q
+    if first_code_diff(words, q, qw.bits) >= 0:
+        src_q = unpack_words(words, qw.bits, axis=0)
+        diff.compare(q, src_q, (k0, 0))
+    if y_ref is not None:
+        assert x is not None
+        a, c, b = qw.source_formula()
+        accumulate(y_ref, x, src_q, qw.group_size, a, c, b, factored=False)
 
 
 def _widened(qw: QuantWeight, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | float, np.ndarray | None]:

@@ -115,6 +115,44 @@ def test_differences_are_located_in_the_whole_layer(tmp_path: Path, chunked: Non
     assert row["cpu_rel_err"] > 1e-3
 
 
+def test_words_fast_path_gives_the_reports_of_unpacked_codes(
+    tmp_path: Path, chunked: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """verify --against compares a 4-bit GPTQ source's words with the artifact's codes
+    (Source.load_words); with the reader's fast path switched off (its codes unpacked and
+    compared, the reference product on them) the report is the same, every number bit
+    for bit: agreeing, and with two codes changed in one chunk."""
+    from converter.formats.gptq import GptqSource
+
+    src = _checkpoint(tmp_path / "src")
+    art = Path(convert(src, tmp_path / "a.safetensors").output)
+
+    def change(parts: dict) -> None:
+        parts["q"][300, 5] = (parts["q"][300, 5] + 3) % 16
+        parts["q"][301, 200] = (parts["q"][301, 200] + 1) % 16
+
+    bad = _edit_layer(art, tmp_path / "bad.safetensors", change)
+    calls: list[int] = []
+    real = GptqSource.load_words
+
+    def counted(self, *args):
+        got = real(self, *args)
+        calls.append(got is not None)
+        return got
+
+    monkeypatch.setattr(GptqSource, "load_words", counted)
+    fast = [verify(a, against=src, gpu=False) for a in (art, bad)]
+    assert calls and all(calls)
+    monkeypatch.setattr(GptqSource, "load_words", lambda self, *args: None)
+    slow = [verify(a, against=src, gpu=False) for a in (art, bad)]
+    for f, s in zip(fast, slow, strict=True):
+        assert [(p.code, p.message) for p in f.problems] == [(p.code, p.message) for p in s.problems]
+        assert f.layers == s.layers
+    assert fast[0].ok
+    assert any(f"2 of {K * N} differ; first at [300, 5]" in p.message for p in fast[1].problems)
+    assert next(r for r in fast[1].layers if r["name"] == L)["cpu_rel_err"] > 1e-3
+
+
 def test_act_order_permutation_is_compared(tmp_path: Path, chunked: None) -> None:
     src = _checkpoint(tmp_path / "src", act_order=True)
     art = Path(convert(src, tmp_path / "a.safetensors").output)

@@ -206,6 +206,22 @@ class Source(abc.ABC):
         """
         return None
 
+    def load_words(
+        self, layer: LayerPlan, k_start: int = 0, k_stop: int | None = None
+    ) -> tuple[np.ndarray, QuantWeight] | None:
+        """Optional verification fast path: the source's packed 4-bit code words for
+        rows ``[k_start, k_stop)`` (int32 ``(rows // 8, N)``, each word holding 8
+        consecutive rows of one column, lowest nibble first, as
+        :func:`~converter.formats.packing.unpack_words` reads them with ``axis=0``), and
+        the chunk's :class:`QuantWeight` with an empty ``q``.
+
+        Returns None where the reader has none (the default) or it does not apply to the
+        layer (not 4-bit, act-order, padded); ``marlin-verify`` then compares
+        ``load_layer(...).marlin_codes()``.  Where it applies, the words' codes are
+        exactly ``load_layer(...).marlin_codes()``.
+        """
+        return None
+
     @abc.abstractmethod
     def load_tensor(self, name: str) -> Tensor:
         """Read one source tensor as stored."""

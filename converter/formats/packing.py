@@ -136,6 +136,47 @@ def unpack_words_numpy(words: np.ndarray, bits: int, axis: int) -> np.ndarray:
     return _unpack_last(u, bits)
 
 
+def first_code_diff(words: np.ndarray, codes: np.ndarray, bits: int) -> int:
+    """Where ``codes`` first differs from ``unpack_words(words, bits, axis=0)``.
+
+    ``marlin-verify --against`` compares a GPTQ ``qweight`` chunk with the artifact's
+    unpacked codes this way: the compiled loop packs the codes back per word and compares
+    (nothing written), instead of unpacking the source into a second code array and
+    comparing the two.
+
+    Args:
+        words: int32 or uint32 ``(R, N)``, packed down the rows.
+        codes: uint8 ``(R * 32 / bits, N)``, C-contiguous.
+        bits: 2, 4 or 8.
+
+    Returns:
+        The flat (row-major) index into ``codes`` of the first code that differs, or -1
+        when all agree.  A code above ``2**bits - 1`` differs.  Runs the compiled loop when
+        built, else :func:`first_code_diff_numpy`, the reference it is tested against.
+
+    Raises:
+        ValueError: an unknown bit width, or shapes that do not match.
+    """
+    if bits not in (2, 4, 8):
+        raise ValueError(f"bits must be 2, 4 or 8, got {bits}")
+    if words.ndim != 2 or codes.shape != (words.shape[0] * (WORD_BITS // bits), words.shape[1]):
+        raise ValueError(f"codes {codes.shape} do not unpack from words {words.shape} at {bits} bits")
+    nat = native_lib()
+    if nat is not None and words.dtype.itemsize == 4 and codes.dtype == np.uint8 and codes.flags.c_contiguous:
+        u = np.ascontiguousarray(words).view(np.uint32)
+        return int(nat.diff_rows(u, codes, u.shape[0], u.shape[1], bits))
+    return first_code_diff_numpy(words, codes, bits)
+
+
+def first_code_diff_numpy(words: np.ndarray, codes: np.ndarray, bits: int) -> int:
+    """:func:`first_code_diff` in NumPy (same arguments and result)."""
+    ref = unpack_words_numpy(words, bits, axis=0)
+    if ref.shape != codes.shape:
+        raise ValueError(f"codes {codes.shape} do not unpack from words {words.shape} at {bits} bits")
+    bad = np.flatnonzero(ref.reshape(-1) != np.asarray(codes).reshape(-1))
+    return int(bad[0]) if bad.size else -1
+
+
 def pack_words(codes: np.ndarray, bits: int, axis: int) -> np.ndarray:
     """Inverse of :func:`unpack_words`: uint8 codes -> int32 words (writers, fixtures).
 
