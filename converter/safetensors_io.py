@@ -105,18 +105,33 @@ class SafetensorsFile:
             raise self._error(f"{not_regular(mode)}, cannot be read as safetensors", path=self.path)
         return fd
 
+    def open_data(self) -> int:
+        """A new read-only descriptor of the file (the caller closes it), after checking
+        that it is still the file whose header was read.
+
+        Raises:
+            error: it changed since (device, inode, size or modification time).
+            ConverterError: it cannot be opened.
+        """
+        fd = self._open()
+        try:
+            now = _identity(os.fstat(fd))
+            if now != self._identity:
+                self._fail(
+                    f"changed since its header was read ({_change(self._identity, now)}); "
+                    "was it rewritten while being converted?"
+                )
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
     def _map(self) -> mmap.mmap | None:
         """The file's map (made on first use), after checking the file did not shrink."""
         mm = self._mm
         if mm is None and self.file_size:
-            fd = self._open()
+            fd = self.open_data()
             try:
-                now = _identity(os.fstat(fd))
-                if now != self._identity:
-                    self._fail(
-                        f"changed since its header was read ({_change(self._identity, now)}); "
-                        "was it rewritten while being converted?"
-                    )
                 # mmap keeps a duplicate of the descriptor; ours is closed right away.
                 mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
             finally:
@@ -124,13 +139,21 @@ class SafetensorsFile:
             self._mm = mm
         if mm is not None:
             _POOL.use(self)
-            size = mm.size()  # fstat of the map's own descriptor: the file's size now
-            if size < self.file_size:
-                self._fail(
-                    f"shrank from {self.file_size} to {size} bytes while being read (truncated by another "
-                    "program?); nothing was written"
-                )
+            self.check_size(mm.size())  # fstat of the map's own descriptor: the file's size now
         return mm
+
+    def check_size(self, size: int) -> None:
+        """Raise the error for a file found ``size`` bytes long, when that is shorter than
+        when it was opened (another program truncated it).
+
+        Raises:
+            error: naming the file and both sizes.
+        """
+        if size < self.file_size:
+            self._fail(
+                f"shrank from {self.file_size} to {size} bytes while being read (truncated by another "
+                "program?); nothing was written"
+            )
 
     def shrunk(self) -> bool:
         """Whether a mapped file is now shorter than when it was opened (a read past
@@ -517,6 +540,43 @@ class StreamingWriter:
         if data.dtype.itemsize != dt.itemsize or start + data.nbytes > offset + nbytes:
             raise ValueError(f"{name}: flat write of {data.nbytes} bytes at element {elem_start} does not fit")
         self._pwrite(data, start)
+
+    def copy_flat(self, name: str, fd: int, src_offset: int, byte_start: int, nbytes: int) -> int | None:
+        """Copy ``nbytes`` bytes of the file ``fd`` from ``src_offset`` into tensor
+        ``name`` at byte ``byte_start`` of its data, inside the kernel
+        (``os.copy_file_range``: no copy through this process, as ``cp`` does).
+
+        Returns:
+            The bytes copied: ``nbytes``; less when ``fd``'s file ends early (another
+            program truncated it; the caller reports it); None when the kernel or the
+            file systems cannot copy this way (no ``os.copy_file_range``, or ``EXDEV``,
+            ``EINVAL``, ``ENOSYS``, ``EOPNOTSUPP`` before a byte was copied), and the
+            caller writes the bytes itself.
+
+        Raises:
+            ValueError: the bytes fall outside the tensor.
+            ConverterError: the output's disk is full, or another write error.
+        """
+        offset, size, _ = self._spans[name]
+        if byte_start < 0 or byte_start + nbytes > size:
+            raise ValueError(f"{name}: copy of {nbytes} bytes at byte {byte_start} does not fit")
+        copy = getattr(os, "copy_file_range", None)
+        if copy is None:
+            return None
+        pos = first = self.data_start + offset + byte_start
+        src, end = src_offset, src_offset + nbytes
+        try:
+            while src < end:
+                done = copy(fd, self._fd, end - src, src, pos)
+                if not done:
+                    break  # the source ends here
+                src, pos = src + done, pos + done
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP) or pos != first:
+                raise output_write_error(exc, self._error_path, self.file_size) from None
+            return None
+        self._writeback.wrote(first, pos - first)
+        return pos - first
 
     def _pwrite(self, data: np.ndarray, start: int) -> None:
         view = memoryview(data.view(np.uint8).reshape(-1)) if data.nbytes else memoryview(b"")

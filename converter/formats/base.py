@@ -12,13 +12,16 @@ import abc
 import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from ..constants import SourceFormat, ZeroConvention
 from ..marlin.shapes import LayerFit, fit_layer, regroup_rows
 from ..quant_weight import QuantWeight, Tensor, TensorInfo
+
+if TYPE_CHECKING:
+    from ..safetensors_io import SafetensorsFile
 
 
 @dataclasses.dataclass
@@ -220,6 +223,13 @@ class Source(abc.ABC):
         ``load_layer(...).marlin_codes()``.  Where it applies, the words' codes are
         exactly ``load_layer(...).marlin_codes()``.
         """
+        return None
+
+    def stored_bytes(self, name: str) -> tuple[SafetensorsFile, int, int] | None:
+        """Optional conversion fast path for a pass-through tensor: the safetensors file
+        that stores its bytes exactly as :meth:`load_tensor` returns them, and their
+        ``[begin, end)`` file offsets, so that the converter can copy them file to file
+        (``copy_file_range``).  None (the default) where the reader has no such file."""
         return None
 
     @abc.abstractmethod

@@ -21,6 +21,7 @@ from ..constants import MARLIN_ZERO
 from ..dtypes import as_f32
 from ..errors import ConfigError, SourceFormatError
 from ..quant_weight import QuantWeight, Tensor, marlin_code_offset
+from ..safetensors_io import SafetensorsFile
 from .base import READERS, LayerPlan, Source, SourcePlan, TensorInfo
 from .hf_checkpoint import HFCheckpoint
 from .packing import act_order_perm
@@ -92,6 +93,9 @@ class HFSource(Source):
 
     def load_tensor(self, name: str) -> Tensor:
         return self.ckpt.tensor(name)
+
+    def stored_bytes(self, name: str) -> tuple[SafetensorsFile, int, int] | None:
+        return self.ckpt.stored_bytes(name)
 
     def input_files(self) -> list[Path]:
         return self.ckpt.input_files()
