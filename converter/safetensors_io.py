@@ -31,6 +31,7 @@ from .atomic import (
     open_temporary,
     output_write_error,
     remove_stale_temporaries,
+    splice_write,
     temporary_name,
     track,
     untrack,
@@ -539,7 +540,9 @@ class StreamingWriter:
         start = offset + elem_start * dt.itemsize
         if data.dtype.itemsize != dt.itemsize or start + data.nbytes > offset + nbytes:
             raise ValueError(f"{name}: flat write of {data.nbytes} bytes at element {elem_start} does not fit")
-        self._pwrite(data, start)
+        # Flat writes are pass-through bytes, views of an input's map: pwrite keeps a
+        # truncated input a SIGBUS that names it (converter.faults), not a write error.
+        self._pwrite(data, start, splice=False)
 
     def copy_flat(self, name: str, fd: int, src_offset: int, byte_start: int, nbytes: int) -> int | None:
         """Copy ``nbytes`` bytes of the file ``fd`` from ``src_offset`` into tensor
@@ -578,10 +581,16 @@ class StreamingWriter:
         self._writeback.wrote(first, pos - first)
         return pos - first
 
-    def _pwrite(self, data: np.ndarray, start: int) -> None:
+    def _pwrite(self, data: np.ndarray, start: int, *, splice: bool = True) -> None:
+        # Computed chunks are spliced (atomic.splice_write: the kernel's copy from a
+        # buffer is the writer's largest cost otherwise); what the kernel will not splice,
+        # and data in a file's map (splice=False), is written with pwrite.
         view = memoryview(data.view(np.uint8).reshape(-1)) if data.nbytes else memoryview(b"")
         pos = first = self.data_start + start
         try:
+            if splice and data.nbytes:
+                done = splice_write(self._fd, data.ctypes.data, data.nbytes, pos)
+                view, pos = view[done:], pos + done
             while view:
                 done = os.pwrite(self._fd, view, pos)
                 view, pos = view[done:], pos + done

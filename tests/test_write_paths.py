@@ -1,6 +1,7 @@
-"""Pass-through tensors are copied file to file (``copy_file_range``, convert._copy_tensor):
-the artifact is byte-identical to writing them from the map, which is what happens where
-the kernel cannot copy; a source that ends early during the copy is an error naming it."""
+"""How the converter's bytes reach the file: pass-through tensors copied file to file
+(``copy_file_range``, convert._copy_tensor), computed chunks spliced (atomic.splice_write),
+and ``pwrite`` wherever the kernel cannot do either; every way gives the same artifact,
+and a source that ends early during a copy is an error naming it."""
 
 from __future__ import annotations
 
@@ -81,3 +82,61 @@ def test_source_truncated_during_the_copy_is_named(tmp_path: Path, monkeypatch: 
     assert f"shrank from {size} to {size - 10} bytes while being read" in str(err.value)
     assert not (tmp_path / "a.safetensors").exists()
     assert not list(tmp_path.glob(".a.safetensors*"))
+
+
+def test_splice_write_puts_the_bytes_at_the_offset(tmp_path: Path) -> None:
+    """atomic.splice_write: several pipefuls (1 MiB each) land exactly at the offset,
+    the bytes around them untouched; with vmsplice unavailable it writes nothing and
+    says so (0), for the caller's pwrite."""
+    from converter import atomic
+
+    data = np.random.default_rng(1).integers(0, 256, (3 << 20) + 12345, dtype=np.uint8)
+    path = tmp_path / "out"
+    path.write_bytes(b"\xee" * (data.nbytes + 100))
+    fd = os.open(path, os.O_RDWR)
+    try:
+        assert atomic.splice_write(fd, data.ctypes.data, data.nbytes, 40) == data.nbytes
+    finally:
+        os.close(fd)
+    got = path.read_bytes()
+    assert got[:40] == b"\xee" * 40 and got[40 + data.nbytes :] == b"\xee" * 60
+    assert got[40 : 40 + data.nbytes] == data.tobytes()
+    saved = atomic._VMSPLICE
+    try:
+        atomic._VMSPLICE = None
+        assert atomic.splice_write(0, data.ctypes.data, data.nbytes, 0) == 0
+    finally:
+        atomic._VMSPLICE = saved
+
+
+def test_spliced_artifact_is_byte_identical_to_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The computed chunks (B, scales, delta) spliced, or written with pwrite where the
+    kernel refuses to splice (EINVAL from vmsplice) or cannot (no vmsplice): the same
+    artifact."""
+    import ctypes
+
+    from converter import atomic
+
+    src = _checkpoint(tmp_path / "src")
+    calls: list[int] = []
+    real = atomic._VMSPLICE
+
+    def counting(*args: object) -> int:
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(atomic, "_VMSPLICE", counting)
+    convert(src, tmp_path / "spliced.safetensors")
+    assert calls
+
+    def refusing(*args: object) -> int:
+        ctypes.set_errno(errno.EINVAL)
+        return -1
+
+    monkeypatch.setattr(atomic, "_VMSPLICE", refusing)
+    convert(src, tmp_path / "refused.safetensors")
+    monkeypatch.setattr(atomic, "_VMSPLICE", None)
+    convert(src, tmp_path / "written.safetensors")
+    data = (tmp_path / "spliced.safetensors").read_bytes()
+    assert (tmp_path / "refused.safetensors").read_bytes() == data
+    assert (tmp_path / "written.safetensors").read_bytes() == data
