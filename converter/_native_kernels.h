@@ -148,6 +148,34 @@ KERNEL_ATTR static void FN(unpack_rows)(const uint32_t *u, uint8_t *q, Py_ssize_
     }
 }
 
+/* words [rows, W] -> codes [rows, W * 32/bits] along each row (GPTQ qzeros: field i of
+ * word j is code j * 32/bits + i), rows [r0, r1). */
+__attribute__((always_inline)) static inline void FN(unpack_cols_k)(const uint32_t *u, uint8_t *q, Py_ssize_t n_words,
+                                                                     const int bits, Py_ssize_t r0, Py_ssize_t r1) {
+    const int per = 32 / bits;
+    const uint32_t mask = (1u << bits) - 1u;
+    for (Py_ssize_t r = r0; r < r1; r++) {
+        const uint32_t *src = u + r * n_words;
+        uint8_t *dst = q + r * n_words * per;
+        for (Py_ssize_t j = 0; j < n_words; j++)
+            for (int i = 0; i < per; i++) dst[j * per + i] = (uint8_t)((src[j] >> (bits * i)) & mask);
+    }
+}
+
+KERNEL_ATTR static void FN(unpack_cols)(const uint32_t *u, uint8_t *q, Py_ssize_t n_words, int bits, Py_ssize_t r0,
+                                        Py_ssize_t r1) {
+    switch (bits) {
+        case 2:
+            FN(unpack_cols_k)(u, q, n_words, 2, r0, r1);
+            break;
+        case 4:
+            FN(unpack_cols_k)(u, q, n_words, 4, r0, r1);
+            break;
+        default:
+            FN(unpack_cols_k)(u, q, n_words, 8, r0, r1);
+    }
+}
+
 /* The first code of q [rows * 32/bits, N] that differs from what unpack_rows makes of
  * words [rows, N], word rows [r0, r1): its flat index into q, or -1 when all agree.  A
  * code wider than the field (a byte above 2**bits - 1) differs.  Per word the codes are

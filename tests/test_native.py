@@ -85,6 +85,21 @@ def test_unpack_words_down_the_rows_matches_numpy(bits: int) -> None:
     np.testing.assert_array_equal(unpack_words(words, bits, axis=0), unpack_words_numpy(words, bits, axis=0))
 
 
+@needs_native
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_unpack_words_along_the_rows_matches_numpy(bits: int) -> None:
+    """qzeros: field i of word j is code j * 32/bits + i (the compiled unpack_cols)."""
+    rng = np.random.default_rng(10 + bits)
+    words = rng.integers(0, 2**32, (7, 24), dtype=np.uint64).astype(np.uint32).view(np.int32)
+    got = unpack_words(words, bits, axis=1)
+    np.testing.assert_array_equal(got, unpack_words_numpy(words, bits, axis=1))
+    per = 32 // bits
+    u = int(words.view(np.uint32)[3, 5])
+    assert [int(c) for c in got[3, 5 * per : 6 * per]] == [(u >> (bits * i)) & ((1 << bits) - 1) for i in range(per)]
+    with pytest.raises(ValueError, match=f"codes: {per - 1} bytes, expected {per}"):
+        native.lib().unpack_cols(np.zeros(1, np.uint32), np.zeros(per - 1, np.uint8), 1, 1, bits)
+
+
 @pytest.mark.parametrize(
     "bits,fault",
     # An 8-bit field holds every byte: no code is too wide for it.

@@ -111,19 +111,23 @@ def unpack_words(words: np.ndarray, bits: int, axis: int) -> np.ndarray:
 
     Returns:
         uint8 codes in ``[0, 2**bits)``; the packed axis grows by ``32 / bits``.
-        Down the rows with 2, 4 or 8 bits this runs the compiled loop of
-        :mod:`converter.native` when it is built (the bulk of a GPTQ read), else
-        :func:`unpack_words_numpy`, the reference it is tested against.
+        With 2, 4 or 8 bits this runs the compiled loops of :mod:`converter.native`
+        when they are built (down the rows: the bulk of a GPTQ read; along them: its
+        zeros), else :func:`unpack_words_numpy`, the reference they are tested against.
 
     Raises:
         ValueError: an unknown bit width, or 3-bit words that are not whole 3-word blocks.
     """
     nat = native_lib()
-    if nat is not None and axis == 0 and bits in (2, 4, 8) and words.ndim == 2 and words.dtype.itemsize == 4:
+    if nat is not None and axis in (0, 1) and bits in (2, 4, 8) and words.ndim == 2 and words.dtype.itemsize == 4:
         u = np.ascontiguousarray(words).view(np.uint32)
-        rows, size_n = u.shape
-        out = np.empty((rows * (WORD_BITS // bits), size_n), dtype=np.uint8)
-        nat.unpack_rows(u, out, rows, size_n, bits)
+        rows, width = u.shape
+        if axis == 0:
+            out = np.empty((rows * (WORD_BITS // bits), width), dtype=np.uint8)
+            nat.unpack_rows(u, out, rows, width, bits)
+        else:  # qzeros: small, but read per layer and per chunk
+            out = np.empty((rows, width * (WORD_BITS // bits)), dtype=np.uint8)
+            nat.unpack_cols(u, out, rows, width, bits)
         return out
     return unpack_words_numpy(words, bits, axis)
 
