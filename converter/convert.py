@@ -11,13 +11,14 @@ written: code 8, scale 1, delta 0 (``PAD_CODE``, ``PAD_SCALE``, ``PAD_DELTA`` in
 :mod:`converter.constants`).  A regrouped layer arrives from its reader already at the
 artifact's group size (:meth:`~converter.formats.base.LayerPlan.source_group_rows`).
 
-Four threads share the work (docs/performance-cpu.md): the main one reads, packs (the
-compiled packer releases the GIL) and hashes each chunk, two write-behind threads write
-the chunks while the next is packed (the writer starts the disk's write-back as it
-goes), and one computes the sha256 of the input files for the manifest from the start
-(overlapping planning, when the second core is otherwise idle); the manifest is sized
-with placeholder digests and sealed with the real ones last, so nothing waits for the
-hash before the output checks have passed.
+Three threads share the work (docs/performance-cpu.md): the main one reads and packs
+(the compiled packer releases the GIL), a write-behind thread hashes and writes the
+chunks while the next is packed (splicing them into the file, copying pass-through
+tensors file to file, and starting the disk's write-back as it goes), and one computes
+the sha256 of the input files for the manifest from the start (overlapping planning,
+when the second core is otherwise idle); the manifest is sized with placeholder
+digests and sealed with the real ones last, so nothing waits for the hash before the
+output checks have passed.
 """
 
 from __future__ import annotations
@@ -414,28 +415,32 @@ def _plan_warnings(plan: SourcePlan, layers: list[LayerEntry]) -> list[str]:
 
 
 class _WriteBehind:
-    """Writes chunks on background threads while the next chunk is computed.
+    """Writes chunks on a background thread while the next chunk is computed.
 
-    The copy into the page cache is the writer's largest cost (on a VM whose new pages
-    fault in from the host, 1.2-2.4 s of CPU per GB against 0.2-0.3 s for pages just
-    freed, measured), so :data:`WRITERS` threads write at once (``pwrite`` releases the
-    GIL; each writes its own byte range).  Hashing stays on the calling thread, in
-    submission order, on data just computed and still in cache (xxh3: ~17 GB/s).  At most
-    :data:`WRITERS` jobs are in flight (bounded memory); a failure re-raises on the next
-    call.
+    One writer thread: ext4 serializes buffered writes to one file (the inode lock), so
+    a second writer only spun on that lock (``rwsem_spin_on_owner``, ~3% of a
+    conversion's CPU), and with the computed chunks spliced (``atomic.splice_write``)
+    one thread keeps up.  It also hashes the computed chunks, in submission order,
+    which takes xxh3 (0.2-0.35 s per 2.1 GB) off the packing thread, the busier one.
+    Pass-through bytes, views of an input's map that the caller drops next, are hashed
+    on the calling thread.  At most :data:`DEPTH` jobs are in flight (bounded memory);
+    a failure re-raises on the next call.
     """
 
-    WRITERS = 2
+    DEPTH = 2
 
     def __init__(self, writer: StreamingWriter) -> None:
         self._writer = writer
-        self._pool = ThreadPoolExecutor(self.WRITERS, thread_name_prefix="marlin-write")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="marlin-write")
         self._pending: deque[Future[None]] = deque()
 
     def submit(self, jobs: list[tuple[str, np.ndarray, int, Any]], *, flat: bool = False) -> None:
-        """Hash, then queue ``[(tensor, data, first row (or element, when flat), hasher)]``."""
-        for _, data, _, hasher in jobs:
-            hasher.update(data)
+        """Queue ``[(tensor, data, first row (or element, when flat), hasher)]``: hashed
+        and written on the writer thread, or, when ``flat`` (pass-through bytes from a
+        map), hashed now and written there."""
+        if flat:
+            for _, data, _, hasher in jobs:
+                hasher.update(data)
         self._queue(self._run, jobs, flat)
 
     def submit_copy(self, name: str, data: np.ndarray, start: int, hasher: Any, where: _CopySource) -> None:
@@ -446,7 +451,7 @@ class _WriteBehind:
         self._queue(self._copy, name, data, start, where)
 
     def _queue(self, fn: Callable[..., None], *args: Any) -> None:
-        while len(self._pending) >= self.WRITERS:
+        while len(self._pending) >= self.DEPTH:
             self._pending.popleft().result()
         self._pending.append(self._pool.submit(fn, *args))
 
@@ -462,10 +467,11 @@ class _WriteBehind:
             )
 
     def _run(self, jobs: list[tuple[str, np.ndarray, int, Any]], flat: bool) -> None:
-        for name, data, start, _ in jobs:
+        for name, data, start, hasher in jobs:
             if flat:
                 self._writer.write_flat(name, data, start)
             else:
+                hasher.update(data)  # one writer thread: jobs run, and hash, in order
                 self._writer.write(name, data, start)
 
     def wait(self) -> None:
