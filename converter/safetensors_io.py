@@ -44,7 +44,8 @@ from .quant_weight import Tensor, TensorInfo
 #: Array limits (NumPy's): at most 64 dimensions, each below 2**63.
 MAX_NDIM = 64
 MAX_DIM = 2**63 - 1
-#: Bytes a :class:`StreamingWriter` lets the kernel hold unwritten (:class:`~converter.atomic.WriteBack`).
+#: Bytes a :class:`StreamingWriter` lets the kernel hold unwritten (:class:`~converter.atomic.WriteBack`)
+#: when the output is dropped from the page cache behind the write front.
 WRITEBACK_WINDOW = 128 << 20
 
 
@@ -494,7 +495,15 @@ class StreamingWriter:
         track(self, self.abort)
         try:
             self._fd = fd = open_temporary(self.tmp_path, self.path)
-            self._writeback = WriteBack(fd, WRITEBACK_WINDOW, drop=size > _cache_budget())
+            # Each write's range is started at once.  Only an output dropped from the page
+            # cache behind the write front (larger than half the available memory) has
+            # its ranges waited for, as it must be before the drop; one that stays cached
+            # is left to the kernel's dirty limits and the final fsync: on the CI-class
+            # VM waiting cost the writer thread (the conversion's slowest) ~0.3 s per
+            # 2.1 GB output (median of 5 conversions 2.52 s against 2.25 s without the
+            # waits), and the final fsync still found almost nothing left (0.0-0.1 s).
+            drop = size > _cache_budget()
+            self._writeback = WriteBack(fd, WRITEBACK_WINDOW if drop else size + 1, drop=drop)
             os.ftruncate(fd, size)
             if size:
                 # Reserve the blocks now: a full disk fails here, before any work, and
