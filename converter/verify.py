@@ -57,6 +57,8 @@ CPU_REL_TOL = 1e-5
 CPU_M = ROWS
 #: Bytes of pass-through tensors compared at a time.
 COMPARE_CHUNK_BYTES = 64 << 20
+#: Pass-through chunks at least twice this size are compared in two halves on two threads.
+SPLIT_COMPARE_BYTES = 1 << 20
 #: How much smaller the chunks are when the NumPy code runs (no compiled loops).
 NUMPY_CHUNK_DIVISOR = 4
 P = ProblemCode
@@ -285,11 +287,11 @@ def _layer_pass(
                 _check_layer(art, rec, src, lay, x, report, numeric_problems, rows, pool, buffers)
             if progress:
                 progress("", 1)
-    for name in passthrough:
-        assert source is not None
-        _compare_passthrough(art, source, name, report)
-        if progress:
-            progress("", 1)
+        for name in passthrough:
+            assert source is not None
+            _compare_passthrough(art, source, name, report, pool)
+            if progress:
+                progress("", 1)
     if digests is not None:
         assert source is not None
         _check_identity(art, source, digests, report, identity_at)
@@ -618,8 +620,12 @@ def _widened(qw: QuantWeight, width: int) -> tuple[np.ndarray, np.ndarray, np.nd
     return wide(qw.q), wide(a), wide(c) if isinstance(c, np.ndarray) else c, None if b is None else wide(b)
 
 
-def _compare_passthrough(art: Artifact, source: Source, name: str, report: Report) -> None:
-    """A pass-through tensor's dtype, shape and bytes against the source's, in chunks."""
+def _compare_passthrough(
+    art: Artifact, source: Source, name: str, report: Report, pool: ThreadPoolExecutor | None = None
+) -> None:
+    """A pass-through tensor's dtype, shape and bytes against the source's, in chunks;
+    with ``pool``, each chunk's two halves on two of its threads (this runs after the
+    layers, when the second core is otherwise idle)."""
     try:
         t = source.load_tensor(name)
     except (KeyError, ConverterError):
@@ -635,7 +641,13 @@ def _compare_passthrough(art: Artifact, source: Source, name: str, report: Repor
     theirs = np.ascontiguousarray(t.data).reshape(-1).view(np.uint8) if t.data.size else np.zeros(0, np.uint8)
     same = mine.size == theirs.size
     for i in range(0, mine.size if same else 0, COMPARE_CHUNK_BYTES):
-        same = _same_bytes(mine[i : i + COMPARE_CHUNK_BYTES], theirs[i : i + COMPARE_CHUNK_BYTES])
+        a, b = mine[i : i + COMPARE_CHUNK_BYTES], theirs[i : i + COMPARE_CHUNK_BYTES]
+        half = a.size // 2
+        if pool is not None and half >= SPLIT_COMPARE_BYTES:
+            parts = [pool.submit(_same_bytes, a[:half], b[:half]), pool.submit(_same_bytes, a[half:], b[half:])]
+            same = all([f.result() for f in parts])
+        else:
+            same = _same_bytes(a, b)
         release_mapped_pages()
         source.release_pages()
         if not same:

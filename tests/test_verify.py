@@ -225,3 +225,29 @@ def test_checksums_in_blocks_catch_a_late_flip(tmp_path: Path, monkeypatch: pyte
     art.write_bytes(bytes(data))
     rep = verify(art, shapes_only=True)
     assert [(p.code.value, p.tensor) for p in rep.problems if p.severity == "error"] == [("checksum_mismatch", name)]
+
+
+@pytest.mark.parametrize("where", [None, 100, 1600, 1900, 4095])
+def test_passthrough_chunks_compared_in_halves_find_any_byte(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: int | None
+) -> None:
+    """Pass-through bytes compared in 1000-byte chunks, each in two halves on the pool:
+    a byte changed in either half of a chunk (or the last one) is found, and an
+    unchanged tensor passes."""
+    verify_mod = sys.modules["converter.verify"]
+    monkeypatch.setattr(verify_mod, "COMPARE_CHUNK_BYTES", 1000)
+    monkeypatch.setattr(verify_mod, "SPLIT_COMPARE_BYTES", 200)
+    src = _checkpoint(tmp_path / "src")
+    art = Path(convert(src, tmp_path / "a.safetensors").output)
+    name = "model.embed_tokens.weight"  # 32 x 64 float16: 4096 bytes
+
+    def edit(manifest: dict, t: dict) -> None:
+        if where is not None:
+            raw = t[name][1].copy().view(np.uint8).reshape(-1)
+            raw[where] ^= 0x40
+            t[name] = (t[name][0], raw.view(np.float16).reshape(32, 64))
+
+    out = rewrite_artifact_arrays(art, tmp_path / "b.safetensors", edit)
+    rep = verify(out, against=src, gpu=False)
+    bad = [(p.code.value, p.message) for p in rep.problems if p.tensor == name]
+    assert bad == ([] if where is None else [("source_mismatch", f"{name}: bytes differ from the source")])
