@@ -24,8 +24,9 @@ K, N, G = 512, 256, 64
 
 @pytest.fixture()
 def chunked(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Small chunks, so a 512-row layer is checked in several (4 compiled, 8 with the
-    NumPy unpackers' quarter-size chunks); the teardown checks that it was."""
+    """Small chunks, so a 512-row layer is checked in several (8 with the compiled
+    loops' half-size chunks, 16 with the NumPy unpackers' quarter-size ones); the
+    teardown checks that it was."""
     # converter.convert and .verify (the modules) are shadowed by the functions the package exports.
     monkeypatch.setattr(sys.modules["converter.convert"], "CHUNK_CODE_BYTES", 128 * N)
     verify_mod = sys.modules["converter.verify"]
