@@ -8,6 +8,8 @@
  *   pack_gptq4   converter.marlin.layout.pack_b_from_gptq4_numpy  GPTQ 4-bit words -> B
  *   unpack_b     converter.marlin.layout.unpack_b_numpy           B -> uint8 codes
  *   unpack_rows  converter.formats.packing.unpack_words (axis 0)   2/4/8-bit words -> codes
+ *   unpack_cols  converter.formats.packing.unpack_words (axis 1)   2/4/8-bit words -> codes
+ *   diff_rows    converter.formats.packing.first_code_diff_numpy  words vs codes: first difference
  *   gemv8        converter.numerics (its NumPy path)                x @ W from codes, no fp32 W
  *   first_diff   numpy.array_equal on bytes                       first differing byte
  *
@@ -26,7 +28,7 @@
 
 /* Bumped whenever a signature or a result changes, so that converter/native.py can refuse
  * a stale build left in an editable checkout. */
-#define ABI_VERSION 1
+#define ABI_VERSION 3
 /* Rows per block in gemv8.  The block's rows are read as BLOCK_ROWS streams of 64 bytes at
  * a time; measured on 4096 x 14336 (AVX-512): 16 rows 7.3, 32 rows 7.8, 64 rows 5.8 and
  * 128 rows 4.1 G weights/s (more streams than the prefetchers follow). */
@@ -74,6 +76,7 @@
 #endif
 
 typedef void (*rows_fn)(const uint32_t *, uint8_t *, Py_ssize_t, int, Py_ssize_t, Py_ssize_t);
+typedef Py_ssize_t (*diff_fn)(const uint32_t *, const uint8_t *, Py_ssize_t, int, Py_ssize_t, Py_ssize_t);
 typedef void (*gemv_fn)(const float *, const float *, const uint8_t *, Py_ssize_t, Py_ssize_t, Py_ssize_t,
                         const float *, const float *, float, const float *, int, float *, Py_ssize_t, Py_ssize_t);
 
@@ -82,6 +85,8 @@ static struct {
     void (*pack_gptq4)(const uint32_t *, uint32_t *, Py_ssize_t, Py_ssize_t, Py_ssize_t);
     void (*unpack_b)(const uint32_t *, uint8_t *, Py_ssize_t, Py_ssize_t, Py_ssize_t);
     rows_fn unpack_rows;
+    rows_fn unpack_cols;
+    diff_fn diff_rows;
     gemv_fn gemv8;
     const char *isa;
 } K;
@@ -91,6 +96,8 @@ static void pick_kernels(void) {
     K.pack_gptq4 = pack_gptq4_base;
     K.unpack_b = unpack_b_base;
     K.unpack_rows = unpack_rows_base;
+    K.unpack_cols = unpack_cols_base;
+    K.diff_rows = diff_rows_base;
     K.gemv8 = gemv8_base;
     K.isa = "baseline";
 #ifdef HAVE_AVX2_BUILD
@@ -100,6 +107,8 @@ static void pick_kernels(void) {
         K.pack_gptq4 = pack_gptq4_avx2;
         K.unpack_b = unpack_b_avx2;
         K.unpack_rows = unpack_rows_avx2;
+        K.unpack_cols = unpack_cols_avx2;
+        K.diff_rows = diff_rows_avx2;
         K.gemv8 = gemv8_avx2;
         K.isa = "avx2";
         /* Only the numerics loop is FMA-bound enough to gain from 16 lanes. */
@@ -219,6 +228,55 @@ static PyObject *py_unpack_rows(PyObject *self, PyObject *args) {
     return res;
 }
 
+/* unpack_cols(words, out, rows, n_words, bits): words uint32 [rows * W], out uint8
+ * [rows * W * 32/bits], unpacked along each row. */
+static PyObject *py_unpack_cols(PyObject *self, PyObject *args) {
+    Py_buffer w, out;
+    Py_ssize_t rows, n_words;
+    int bits;
+    if (!PyArg_ParseTuple(args, "y*w*nni", &w, &out, &rows, &n_words, &bits)) return NULL;
+    PyObject *res = NULL;
+    if (bits != 2 && bits != 4 && bits != 8) {
+        PyErr_Format(PyExc_ValueError, "bits must be 2, 4 or 8, got %d", bits);
+    } else if (rows < 0 || n_words < 0) {
+        PyErr_SetString(PyExc_ValueError, "negative size");
+    } else if (need_len(&w, rows * n_words * 4, "words") && need_len(&out, rows * n_words * (32 / bits), "codes")) {
+        Py_BEGIN_ALLOW_THREADS
+        K.unpack_cols((const uint32_t *)w.buf, (uint8_t *)out.buf, n_words, bits, 0, rows);
+        Py_END_ALLOW_THREADS
+        res = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&out);
+    return res;
+}
+
+/* diff_rows(words, codes, rows, size_n, bits) -> the flat index into codes of the first
+ * code that differs from unpack_rows(words), or -1: words uint32 [rows * N], codes uint8
+ * [rows * 32/bits * N].  marlin-verify compares a source's qweight with the artifact's
+ * unpacked codes this way, without unpacking the source. */
+static PyObject *py_diff_rows(PyObject *self, PyObject *args) {
+    Py_buffer w, q;
+    Py_ssize_t rows, size_n;
+    int bits;
+    if (!PyArg_ParseTuple(args, "y*y*nni", &w, &q, &rows, &size_n, &bits)) return NULL;
+    PyObject *res = NULL;
+    if (bits != 2 && bits != 4 && bits != 8) {
+        PyErr_Format(PyExc_ValueError, "bits must be 2, 4 or 8, got %d", bits);
+    } else if (rows < 0 || size_n < 0) {
+        PyErr_SetString(PyExc_ValueError, "negative size");
+    } else if (need_len(&w, rows * size_n * 4, "words") && need_len(&q, rows * (32 / bits) * size_n, "codes")) {
+        Py_ssize_t at;
+        Py_BEGIN_ALLOW_THREADS
+        at = K.diff_rows((const uint32_t *)w.buf, (const uint8_t *)q.buf, size_n, bits, 0, rows);
+        Py_END_ALLOW_THREADS
+        res = PyLong_FromSsize_t(at);
+    }
+    PyBuffer_Release(&w);
+    PyBuffer_Release(&q);
+    return res;
+}
+
 /* gemv8(xt, q, y, rows, size_n, group, a, c, c0, b, factored, n0, n1):
  *   xt f32 [rows * 8] (x transposed), q uint8 [rows * N], y f32 [8 * N] (accumulated),
  *   a f32 [G * N], c and b f32 [G * N] or None, G = ceil(rows / group); columns [n0, n1),
@@ -329,6 +387,9 @@ static PyMethodDef methods[] = {
     {"pack_gptq4", py_pack_gptq4, METH_VARARGS, "pack_gptq4(words, out, size_k, size_n): GPTQ 4-bit words -> B"},
     {"unpack_b", py_unpack_b, METH_VARARGS, "unpack_b(b, out, size_k, size_n): Marlin B -> uint8 codes"},
     {"unpack_rows", py_unpack_rows, METH_VARARGS, "unpack_rows(words, out, rows, size_n, bits): words -> codes"},
+    {"unpack_cols", py_unpack_cols, METH_VARARGS, "unpack_cols(words, out, rows, n_words, bits): words -> codes"},
+    {"diff_rows", py_diff_rows, METH_VARARGS,
+     "diff_rows(words, codes, rows, size_n, bits): first code differing from unpack_rows(words), or -1"},
     {"gemv8", py_gemv8, METH_VARARGS,
      "gemv8(xt, q, y, rows, size_n, group, a, c, c0, b, factored, n0, n1): y += x @ W from codes"},
     {"first_diff", py_first_diff, METH_VARARGS, "first_diff(a, b): index of the first differing byte, or -1"},

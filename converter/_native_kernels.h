@@ -148,6 +148,79 @@ KERNEL_ATTR static void FN(unpack_rows)(const uint32_t *u, uint8_t *q, Py_ssize_
     }
 }
 
+/* words [rows, W] -> codes [rows, W * 32/bits] along each row (GPTQ qzeros: field i of
+ * word j is code j * 32/bits + i), rows [r0, r1). */
+__attribute__((always_inline)) static inline void FN(unpack_cols_k)(const uint32_t *u, uint8_t *q, Py_ssize_t n_words,
+                                                                     const int bits, Py_ssize_t r0, Py_ssize_t r1) {
+    const int per = 32 / bits;
+    const uint32_t mask = (1u << bits) - 1u;
+    for (Py_ssize_t r = r0; r < r1; r++) {
+        const uint32_t *src = u + r * n_words;
+        uint8_t *dst = q + r * n_words * per;
+        for (Py_ssize_t j = 0; j < n_words; j++)
+            for (int i = 0; i < per; i++) dst[j * per + i] = (uint8_t)((src[j] >> (bits * i)) & mask);
+    }
+}
+
+KERNEL_ATTR static void FN(unpack_cols)(const uint32_t *u, uint8_t *q, Py_ssize_t n_words, int bits, Py_ssize_t r0,
+                                        Py_ssize_t r1) {
+    switch (bits) {
+        case 2:
+            FN(unpack_cols_k)(u, q, n_words, 2, r0, r1);
+            break;
+        case 4:
+            FN(unpack_cols_k)(u, q, n_words, 4, r0, r1);
+            break;
+        default:
+            FN(unpack_cols_k)(u, q, n_words, 8, r0, r1);
+    }
+}
+
+/* The first code of q [rows * 32/bits, N] that differs from what unpack_rows makes of
+ * words [rows, N], word rows [r0, r1): its flat index into q, or -1 when all agree.  A
+ * code wider than the field (a byte above 2**bits - 1) differs.  Per word the codes are
+ * packed back and compared with it (one pass, nothing written); only a word row that
+ * differs is searched for the first code.  bits is a constant in each caller below, so
+ * the column loop vectorizes. */
+__attribute__((always_inline)) static inline Py_ssize_t FN(diff_rows_k)(const uint32_t *u, const uint8_t *q,
+                                                                         Py_ssize_t n_cols, const int bits,
+                                                                         Py_ssize_t r0, Py_ssize_t r1) {
+    const int per = 32 / bits;
+    const uint32_t mask = (1u << bits) - 1u;
+    for (Py_ssize_t r = r0; r < r1; r++) {
+        const uint32_t *src = u + r * n_cols;
+        const uint8_t *rows = q + r * per * n_cols;
+        uint32_t bad = 0;
+        for (Py_ssize_t n = 0; n < n_cols; n++) {
+            uint32_t packed = 0, high = 0;
+            for (int i = 0; i < per; i++) {
+                const uint32_t c = rows[i * n_cols + n];
+                packed |= c << (bits * i);
+                high |= c;
+            }
+            bad |= (packed ^ src[n]) | (high & ~mask);
+        }
+        if (bad) {
+            for (int i = 0; i < per; i++)
+                for (Py_ssize_t n = 0; n < n_cols; n++)
+                    if (rows[i * n_cols + n] != ((src[n] >> (bits * i)) & mask)) return (r * per + i) * n_cols + n;
+        }
+    }
+    return -1;
+}
+
+KERNEL_ATTR static Py_ssize_t FN(diff_rows)(const uint32_t *u, const uint8_t *q, Py_ssize_t n_cols, int bits,
+                                           Py_ssize_t r0, Py_ssize_t r1) {
+    switch (bits) {
+        case 2:
+            return FN(diff_rows_k)(u, q, n_cols, 2, r0, r1);
+        case 4:
+            return FN(diff_rows_k)(u, q, n_cols, 4, r0, r1);
+        default:
+            return FN(diff_rows_k)(u, q, n_cols, 8, r0, r1);
+    }
+}
+
 /* y[m, n] += sum over rows r of x[r, m] * w[r, n], m < 8, columns [n0, n1) (multiples of
  * 64), where w comes from uint8 codes q [rows, N] and per-group f32 [G, N] parameters of
  * row r's group g = r / group:

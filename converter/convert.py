@@ -11,13 +11,14 @@ written: code 8, scale 1, delta 0 (``PAD_CODE``, ``PAD_SCALE``, ``PAD_DELTA`` in
 :mod:`converter.constants`).  A regrouped layer arrives from its reader already at the
 artifact's group size (:meth:`~converter.formats.base.LayerPlan.source_group_rows`).
 
-Four threads share the work (docs/performance-cpu.md): the main one reads, packs (the
-compiled packer releases the GIL) and hashes each chunk, two write-behind threads write
-the chunks while the next is packed (the writer starts the disk's write-back as it
-goes), and one computes the sha256 of the input files for the manifest from the start
-(overlapping planning, when the second core is otherwise idle); the manifest is sized
-with placeholder digests and sealed with the real ones last, so nothing waits for the
-hash before the output checks have passed.
+Three threads share the work (docs/performance-cpu.md): the main one reads and packs
+(the compiled packer releases the GIL), a write-behind thread hashes and writes the
+chunks while the next is packed (splicing them into the file, copying pass-through
+tensors file to file, and starting the disk's write-back as it goes), and one computes
+the sha256 of the input files for the manifest from the start (overlapping planning,
+when the second core is otherwise idle); the manifest is sized with placeholder
+digests and sealed with the real ones last, so nothing waits for the hash before the
+output checks have passed.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -58,7 +60,7 @@ from .formats.base import LayerPlan, Source, SourcePlan
 from .jsonio import non_finite_path
 from .marlin.layout import pack_b, permute_scales
 from .marlin.shapes import LayerShape, marlin_shapes
-from .safetensors_io import StreamingWriter, release_mapped_pages
+from .safetensors_io import SafetensorsFile, StreamingWriter, release_mapped_pages
 
 #: Bytes of uint8 codes unpacked at a time; bounds peak memory per layer.
 CHUNK_CODE_BYTES = 24 << 20
@@ -341,6 +343,9 @@ def _write(
         # never drains between them; the digests are read once it has written everything.
         behind = _WriteBehind(writer)
         hashers: dict[str, Any] = {}
+        # Descriptors of the input files that pass-through bytes are copied from (one
+        # per file, closed once every copy is done).
+        fds: dict[Path, int] = {}
         try:
             for layer in plan.layers:
                 if layer.convertible:
@@ -349,11 +354,16 @@ def _write(
                         progress("", 1)
             for entry in report.passthrough:
                 tensor = source.load_tensor(entry.name)
-                hashers[tensor.name] = _copy_tensor(behind, tensor.name, tensor.data, source.release_pages)
+                where = _copy_source(source, tensor.name, tensor.data.nbytes, fds)
+                hashers[tensor.name] = _copy_tensor(behind, tensor.name, tensor.data, source.release_pages, where)
                 if progress:
                     progress("", 1)
         finally:
-            behind.close()
+            try:
+                behind.close()
+            finally:
+                for fd in fds.values():
+                    os.close(fd)
         sums.update({n: h.hexdigest() for n, h in hashers.items()})
         manifest = dataclasses.replace(
             manifest,
@@ -405,37 +415,63 @@ def _plan_warnings(plan: SourcePlan, layers: list[LayerEntry]) -> list[str]:
 
 
 class _WriteBehind:
-    """Writes chunks on background threads while the next chunk is computed.
+    """Writes chunks on a background thread while the next chunk is computed.
 
-    The copy into the page cache is the writer's largest cost (on a VM whose new pages
-    fault in from the host, 1.2-2.4 s of CPU per GB against 0.2-0.3 s for pages just
-    freed, measured), so :data:`WRITERS` threads write at once (``pwrite`` releases the
-    GIL; each writes its own byte range).  Hashing stays on the calling thread, in
-    submission order, on data just computed and still in cache (xxh3: ~17 GB/s).  At most
-    :data:`WRITERS` jobs are in flight (bounded memory); a failure re-raises on the next
-    call.
+    One writer thread: ext4 serializes buffered writes to one file (the inode lock), so
+    a second writer only spun on that lock (``rwsem_spin_on_owner``, ~3% of a
+    conversion's CPU), and with the computed chunks spliced (``atomic.splice_write``)
+    one thread keeps up.  It also hashes the computed chunks, in submission order,
+    which takes xxh3 (0.2-0.35 s per 2.1 GB) off the packing thread, the busier one.
+    Pass-through bytes, views of an input's map that the caller drops next, are hashed
+    on the calling thread.  At most :data:`DEPTH` jobs are in flight (bounded memory);
+    a failure re-raises on the next call.
     """
 
-    WRITERS = 2
+    DEPTH = 2
 
     def __init__(self, writer: StreamingWriter) -> None:
         self._writer = writer
-        self._pool = ThreadPoolExecutor(self.WRITERS, thread_name_prefix="marlin-write")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="marlin-write")
         self._pending: deque[Future[None]] = deque()
 
     def submit(self, jobs: list[tuple[str, np.ndarray, int, Any]], *, flat: bool = False) -> None:
-        """Hash, then queue ``[(tensor, data, first row (or element, when flat), hasher)]``."""
-        for _, data, _, hasher in jobs:
-            hasher.update(data)
-        while len(self._pending) >= self.WRITERS:
+        """Queue ``[(tensor, data, first row (or element, when flat), hasher)]``: hashed
+        and written on the writer thread, or, when ``flat`` (pass-through bytes from a
+        map), hashed now and written there."""
+        if flat:
+            for _, data, _, hasher in jobs:
+                hasher.update(data)
+        self._queue(self._run, jobs, flat)
+
+    def submit_copy(self, name: str, data: np.ndarray, start: int, hasher: Any, where: _CopySource) -> None:
+        """Hash ``data`` (elements ``start..`` of pass-through tensor ``name``, a view of
+        its input file), then queue the copy of the same bytes file to file
+        (:meth:`StreamingWriter.copy_flat`), or their write where that cannot copy."""
+        hasher.update(data)
+        self._queue(self._copy, name, data, start, where)
+
+    def _queue(self, fn: Callable[..., None], *args: Any) -> None:
+        while len(self._pending) >= self.DEPTH:
             self._pending.popleft().result()
-        self._pending.append(self._pool.submit(self._run, jobs, flat))
+        self._pending.append(self._pool.submit(fn, *args))
+
+    def _copy(self, name: str, data: np.ndarray, start: int, where: _CopySource) -> None:
+        byte_start = start * data.itemsize
+        done = self._writer.copy_flat(name, where.fd, where.begin + byte_start, byte_start, data.nbytes)
+        if done is None:  # the kernel cannot copy between these files
+            self._writer.write_flat(name, data, start)
+        elif done < data.nbytes:  # the input ended early: truncated by another program meanwhile
+            where.file.check_size(os.fstat(where.fd).st_size)
+            raise SourceFormatError(
+                f"ended {data.nbytes - done} bytes early while being read; nothing was written", path=where.file.path
+            )
 
     def _run(self, jobs: list[tuple[str, np.ndarray, int, Any]], flat: bool) -> None:
-        for name, data, start, _ in jobs:
+        for name, data, start, hasher in jobs:
             if flat:
                 self._writer.write_flat(name, data, start)
             else:
+                hasher.update(data)  # one writer thread: jobs run, and hash, in order
                 self._writer.write(name, data, start)
 
     def wait(self) -> None:
@@ -489,14 +525,54 @@ def _write_layer(source: Source, layer: LayerPlan, writer: StreamingWriter, behi
     return {names[s]: h for s, h in hashers.items()}
 
 
-def _copy_tensor(behind: _WriteBehind, name: str, data: np.ndarray, release: Callable[[], None]) -> Any:
+@dataclasses.dataclass(frozen=True)
+class _CopySource:
+    """A pass-through tensor's bytes in an input file: ``[begin, ...)`` of ``fd``, a
+    descriptor of ``file``."""
+
+    file: SafetensorsFile
+    fd: int
+    begin: int
+
+
+def _copy_source(source: Source, name: str, nbytes: int, fds: dict[Path, int]) -> _CopySource | None:
+    """Where pass-through tensor ``name``'s bytes can be copied from file to file, or None
+    (a reader without such files, or an empty tensor); opens the file once into ``fds``."""
+    stored = source.stored_bytes(name)
+    if stored is None or not nbytes:
+        return None
+    file, begin, end = stored
+    if end - begin != nbytes:  # not the bytes load_tensor returns: write those instead
+        return None
+    if file.path not in fds:
+        fds[file.path] = file.open_data()
+    return _CopySource(file, fds[file.path], begin)
+
+
+def _copy_tensor(
+    behind: _WriteBehind,
+    name: str,
+    data: np.ndarray,
+    release: Callable[[], None],
+    where: _CopySource | None = None,
+) -> Any:
     """Queue a pass-through tensor's bytes on ``behind`` in chunks; returns its xxh3
-    hasher, complete once ``behind`` has been waited for."""
+    hasher, complete once ``behind`` has been waited for.
+
+    With ``where`` (its bytes in an input file) each chunk is hashed from the map here
+    and copied inside the kernel (``copy_file_range``, as ``cp`` does), instead of
+    written from the map: on the CI-class VM the in-kernel copy of the 2.1 GB benchmark
+    checkpoint's 0.52 GB of pass-through tensors took 0.17 s of CPU against 0.30 s for
+    ``pwrite`` from the map (whose pages, dropped after hashing, fault in again)."""
     h = xxhash.xxh3_128()
     flat = data.reshape(-1) if data.size else data.reshape(0)
     step = max(1, COPY_CHUNK_BYTES // max(flat.itemsize, 1))
     for i in range(0, flat.size, step):
-        behind.submit([(name, np.ascontiguousarray(flat[i : i + step]), i, h)], flat=True)
+        part = np.ascontiguousarray(flat[i : i + step])
+        if where is None:
+            behind.submit([(name, part, i, h)], flat=True)
+        else:
+            behind.submit_copy(name, part, i, h, where)
         release_mapped_pages()
         release()
     return h

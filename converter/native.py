@@ -15,7 +15,7 @@ import os
 from types import ModuleType
 
 #: The ABI the Python side expects; ``_native.c`` defines the same number.
-ABI_VERSION = 1
+ABI_VERSION = 3
 
 
 def _load() -> tuple[ModuleType | None, str]:

@@ -44,6 +44,7 @@ from .digests import FileDigests
 from .errors import ArtifactError, ConverterError, GpuUnavailableError
 from .formats import open_source
 from .formats.base import LayerPlan, Source, SourcePlan
+from .formats.packing import first_code_diff, unpack_words
 from .marlin.layout import unpack_b, unpermute_scales
 from .native import lib as native_lib
 from .numerics import ROWS, accumulate, relative_error
@@ -56,7 +57,11 @@ CPU_REL_TOL = 1e-5
 CPU_M = ROWS
 #: Bytes of pass-through tensors compared at a time.
 COMPARE_CHUNK_BYTES = 64 << 20
-#: How much smaller the chunks are when the NumPy code runs (no compiled loops).
+#: Pass-through chunks at least twice this size are compared in two halves on two threads.
+SPLIT_COMPARE_BYTES = 1 << 20
+#: How much smaller than the conversion's the chunks are with the compiled loops, and
+#: with the NumPy code (no compiled loops).
+COMPILED_CHUNK_DIVISOR = 2
 NUMPY_CHUNK_DIVISOR = 4
 P = ProblemCode
 
@@ -284,11 +289,11 @@ def _layer_pass(
                 _check_layer(art, rec, src, lay, x, report, numeric_problems, rows, pool, buffers)
             if progress:
                 progress("", 1)
-    for name in passthrough:
-        assert source is not None
-        _compare_passthrough(art, source, name, report)
-        if progress:
-            progress("", 1)
+        for name in passthrough:
+            assert source is not None
+            _compare_passthrough(art, source, name, report, pool)
+            if progress:
+                progress("", 1)
     if digests is not None:
         assert source is not None
         _check_identity(art, source, digests, report, identity_at)
@@ -388,7 +393,12 @@ def _artifact_chunks(art: Artifact, rec: LayerEntry) -> Iterator[_Chunk]:
     single = rec.shape.num_groups == 1
     # The NumPy unpackers widen every code to 32 bits on the way (4 bytes of temporaries
     # per code, on three threads at once): a quarter of the chunk keeps them in the bound.
-    budget = CHUNK_CODE_BYTES if native_lib() is not None else CHUNK_CODE_BYTES // NUMPY_CHUNK_DIVISOR
+    # The compiled loops take half the conversion's chunk: the codes unpacked into one of
+    # the two buffers are read again by both products, and at 12 MiB more of them are
+    # still in cache (4 alternating runs on the 2.1 GB benchmark checkpoint: 3.54 s wall,
+    # 5.84 s CPU against 3.66 s, 6.04 s with 24 MiB; 8 MiB 3.62 s).
+    divisor = COMPILED_CHUNK_DIVISOR if native_lib() is not None else NUMPY_CHUNK_DIVISOR
+    budget = CHUNK_CODE_BYTES // divisor
     step = chunk_rows(rec.size_k, rec.layout_n, rec.source_group_size or rec.group_size, budget)
     for k0 in range(0, rec.size_k, step):
         k1 = min(k0 + step, rec.size_k)
@@ -467,11 +477,21 @@ def _check_layer(
         # products and comparison still run; those share y, y_ref and the diffs with this
         # chunk's, so they finish before this chunk's are queued.
         codes = pool.submit(unpack_b, chunk.b, width, out=buffers.next((chunk.k1 - chunk.k0, width)))
-        qw = source.load_layer(lay, chunk.k0, chunk.k1) if compared else None
+        # Where the source has its codes as packed words (4-bit GPTQ), they are compared
+        # with the artifact's codes without being unpacked (_codes_and_reference).
+        words: np.ndarray | None = None
+        qw: QuantWeight | None = None
+        if compared:
+            assert source is not None and lay is not None
+            fast = source.load_words(lay, chunk.k0, chunk.k1)
+            words, qw = fast if fast is not None else (None, source.load_layer(lay, chunk.k0, chunk.k1))
         q = codes.result()
         for fut in pending:
             fut.result()
         pending = []
+        # Drop the pages read so far, the artifact's and the source's: not earlier, as
+        # the jobs just waited for read the source's words from its map.
+        _release(source)
         # A per-channel layer hands its one group to every chunk: compare it once.
         skip = max(groups_done - chunk.g0, 0)
         groups_done = max(groups_done, chunk.g0 + chunk.scales.shape[0])
@@ -481,8 +501,10 @@ def _check_layer(
             padding["delta"].check(chunk.delta[skip:], rec, chunk.g0 + skip)
         if qw is not None:
             first = first or qw
-            # The largest comparison runs beside the products; it only reads q.
-            pending.append(pool.submit(diffs["codes"].compare, q[:, :n], qw.marlin_codes(), (chunk.k0, 0)))
+            # The largest comparison runs beside the products; it only reads q.  From
+            # words it is queued below, with the reference product that needs its result.
+            if words is None:
+                pending.append(pool.submit(diffs["codes"].compare, q[:, :n], qw.marlin_codes(), (chunk.k0, 0)))
             if skip < qw.num_groups:
                 offset = (chunk.g0 + skip, 0)
                 scales = np.asarray(qw.scales, dtype=np.float16)[skip:]
@@ -496,7 +518,9 @@ def _check_layer(
             pending.append(
                 pool.submit(accumulate, y, xs, q, rec.group_size, s32, MARLIN_ZERO, chunk.delta, factored=True)
             )
-            if qw is not None:
+            if qw is not None and words is not None:
+                pending.append(pool.submit(_codes_and_reference, diffs["codes"], words, q, qw, chunk.k0, y_ref, xs))
+            elif qw is not None:
                 xr = x[:, qw.perm[chunk.k0 : chunk.k1]] if qw.perm is not None else xs
                 qs, a, c, b = _widened(qw, width)
                 pending.append(pool.submit(accumulate, y_ref, xr, qs, rec.group_size, a, c, b, factored=False))
@@ -504,13 +528,12 @@ def _check_layer(
                 pending.append(
                     pool.submit(accumulate, y_ref, xs, q, rec.group_size, s32, MARLIN_ZERO, chunk.delta, factored=False)
                 )
-        del qw, chunk
-        # Drop the pages this chunk touched, the artifact's and the source's.
-        release_mapped_pages()
-        if source is not None:
-            source.release_pages()
+        elif qw is not None and words is not None:
+            pending.append(pool.submit(_codes_and_reference, diffs["codes"], words, q, qw, chunk.k0, None, None))
+        del qw, words, chunk
     for fut in pending:
         fut.result()
+    _release(source)
     if compared:
         assert first is not None
         if rec.padded_n is not None:
@@ -556,6 +579,40 @@ def _check_layer(
             )
 
 
+def _release(source: Source | None) -> None:
+    """Drop the mapped pages of the artifact and the source (they stay in the page cache)."""
+    release_mapped_pages()
+    if source is not None:
+        source.release_pages()
+
+
+def _codes_and_reference(
+    diff: _Diff,
+    words: np.ndarray,
+    q: np.ndarray,
+    qw: QuantWeight,
+    k0: int,
+    y_ref: np.ndarray | None,
+    x: np.ndarray | None,
+) -> None:
+    """A chunk's codes against the source's 4-bit words (:meth:`Source.load_words`), then
+    its reference product ``y_ref += x @ W_source`` when ``y_ref`` is given.
+
+    ``q`` are the artifact's codes ``(rows, size_n)`` (an unpadded layer, natural row
+    order), ``qw`` the chunk's scales and zeros (empty ``q``).  Where every code agrees
+    the source's codes ARE ``q``, so the source formula is evaluated on ``q`` (the same
+    numbers, bit for bit); otherwise the words are unpacked, the differences counted as
+    :meth:`_Diff.compare` does, and the product uses the source's own codes."""
+    src_q = q
+    if first_code_diff(words, q, qw.bits) >= 0:
+        src_q = unpack_words(words, qw.bits, axis=0)
+        diff.compare(q, src_q, (k0, 0))
+    if y_ref is not None:
+        assert x is not None
+        a, c, b = qw.source_formula()
+        accumulate(y_ref, x, src_q, qw.group_size, a, c, b, factored=False)
+
+
 def _widened(qw: QuantWeight, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | float, np.ndarray | None]:
     """The source chunk's codes and formula (:meth:`QuantWeight.source_formula`) with
     zero columns up to ``width`` (a padded layer's): scale 0 makes their weight 0."""
@@ -570,8 +627,12 @@ def _widened(qw: QuantWeight, width: int) -> tuple[np.ndarray, np.ndarray, np.nd
     return wide(qw.q), wide(a), wide(c) if isinstance(c, np.ndarray) else c, None if b is None else wide(b)
 
 
-def _compare_passthrough(art: Artifact, source: Source, name: str, report: Report) -> None:
-    """A pass-through tensor's dtype, shape and bytes against the source's, in chunks."""
+def _compare_passthrough(
+    art: Artifact, source: Source, name: str, report: Report, pool: ThreadPoolExecutor | None = None
+) -> None:
+    """A pass-through tensor's dtype, shape and bytes against the source's, in chunks;
+    with ``pool``, each chunk's two halves on two of its threads (this runs after the
+    layers, when the second core is otherwise idle)."""
     try:
         t = source.load_tensor(name)
     except (KeyError, ConverterError):
@@ -587,7 +648,13 @@ def _compare_passthrough(art: Artifact, source: Source, name: str, report: Repor
     theirs = np.ascontiguousarray(t.data).reshape(-1).view(np.uint8) if t.data.size else np.zeros(0, np.uint8)
     same = mine.size == theirs.size
     for i in range(0, mine.size if same else 0, COMPARE_CHUNK_BYTES):
-        same = _same_bytes(mine[i : i + COMPARE_CHUNK_BYTES], theirs[i : i + COMPARE_CHUNK_BYTES])
+        a, b = mine[i : i + COMPARE_CHUNK_BYTES], theirs[i : i + COMPARE_CHUNK_BYTES]
+        half = a.size // 2
+        if pool is not None and half >= SPLIT_COMPARE_BYTES:
+            parts = [pool.submit(_same_bytes, a[:half], b[:half]), pool.submit(_same_bytes, a[half:], b[half:])]
+            same = all([f.result() for f in parts])
+        else:
+            same = _same_bytes(a, b)
         release_mapped_pages()
         source.release_pages()
         if not same:

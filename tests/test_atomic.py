@@ -253,3 +253,44 @@ def test_streaming_writer_starts_write_back_of_what_it_writes(tmp_path: Path, mo
         w.write("t", np.arange(16, dtype=np.int32).reshape(2, 8), 2)
         assert calls == [(w.data_start + 64, 64, atomic._SYNC_WRITE)]
         w.finish({})
+
+
+@pytest.mark.parametrize("dropped", [False, True])
+def test_streaming_writer_waits_only_for_an_output_it_drops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dropped: bool
+) -> None:
+    """An output that stays cached only has its ranges started (the kernel's dirty limits
+    and the final fsync do the rest); one larger than the cache budget is waited for
+    beyond the window and dropped behind it."""
+    import converter.atomic as atomic
+    import converter.safetensors_io as sio
+
+    calls: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(atomic, "_SYNC_FILE_RANGE", lambda fd, off, n, flags: calls.append((off, n, flags)))
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n, -1)))
+    monkeypatch.setattr(sio, "WRITEBACK_WINDOW", 100)
+    monkeypatch.setattr(sio, "_cache_budget", lambda: 0 if dropped else 1 << 40)
+    with StreamingWriter(tmp_path / "o.safetensors", [("t", "I32", (4, 16))], header_reserve=120) as w:
+        for row in range(4):
+            w.write("t", np.full((1, 16), row, dtype=np.int32), row)
+        start = w.data_start
+        w.finish({})
+    write = atomic._SYNC_WRITE
+    wait = atomic._SYNC_WAIT_BEFORE | atomic._SYNC_WRITE | atomic._SYNC_WAIT_AFTER
+    started = [(start + 64 * r, 64, write) for r in range(4)]
+    if not dropped:
+        assert calls == started
+    else:  # 128 bytes in flight after the second row: the oldest row is waited for and dropped
+        assert calls == [
+            started[0],
+            started[1],
+            (start, 64, wait),
+            (start, 64, -1),
+            started[2],
+            (start + 64, 64, wait),
+            (start + 64, 64, -1),
+            started[3],
+            (start + 128, 64, wait),
+            (start + 128, 64, -1),
+        ]
+    assert (tmp_path / "o.safetensors").exists()

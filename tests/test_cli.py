@@ -456,3 +456,17 @@ def test_the_summary_marks_act_order_layers(tmp_path: Path) -> None:
         if line.startswith("│")
     }
     assert rows == {"model.layers.0.mlp.up_proj": "128 act-order", "model.layers.0.mlp.gate_proj": "128"}
+
+
+def test_command_line_processes_turn_numpy_huge_pages_off() -> None:
+    """Both CLIs switch off NumPy's huge-page advice for arrays (the writers' buffers;
+    cli._no_huge_pages_for_arrays), in their own process: checked in a child, so this
+    test process keeps NumPy's default."""
+    import subprocess
+
+    code = (
+        "import numpy as np; from converter import cli; m = np._core.multiarray; "
+        "m._set_madvise_hugepage(True); print(cli._no_huge_pages_for_arrays(), m._get_madvise_hugepage())"
+    )
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert got.stdout.split() == ["True", "False"]

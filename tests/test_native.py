@@ -25,7 +25,13 @@ from converter import native
 from converter.convert import convert
 from converter.formats import open_source
 from converter.formats.gptq import GptqSource
-from converter.formats.packing import pack_words, unpack_words, unpack_words_numpy
+from converter.formats.packing import (
+    first_code_diff,
+    first_code_diff_numpy,
+    pack_words,
+    unpack_words,
+    unpack_words_numpy,
+)
 from converter.marlin.layout import (
     pack_b,
     pack_b_from_gptq4,
@@ -77,6 +83,78 @@ def test_unpack_words_down_the_rows_matches_numpy(bits: int) -> None:
     rng = np.random.default_rng(bits)
     words = rng.integers(0, 2**32, (12, 192), dtype=np.uint64).astype(np.uint32).view(np.int32)
     np.testing.assert_array_equal(unpack_words(words, bits, axis=0), unpack_words_numpy(words, bits, axis=0))
+
+
+@needs_native
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_unpack_words_along_the_rows_matches_numpy(bits: int) -> None:
+    """qzeros: field i of word j is code j * 32/bits + i (the compiled unpack_cols)."""
+    rng = np.random.default_rng(10 + bits)
+    words = rng.integers(0, 2**32, (7, 24), dtype=np.uint64).astype(np.uint32).view(np.int32)
+    got = unpack_words(words, bits, axis=1)
+    np.testing.assert_array_equal(got, unpack_words_numpy(words, bits, axis=1))
+    per = 32 // bits
+    u = int(words.view(np.uint32)[3, 5])
+    assert [int(c) for c in got[3, 5 * per : 6 * per]] == [(u >> (bits * i)) & ((1 << bits) - 1) for i in range(per)]
+    with pytest.raises(ValueError, match=f"codes: {per - 1} bytes, expected {per}"):
+        native.lib().unpack_cols(np.zeros(1, np.uint32), np.zeros(per - 1, np.uint8), 1, 1, bits)
+
+
+@pytest.mark.parametrize(
+    "bits,fault",
+    # An 8-bit field holds every byte: no code is too wide for it.
+    [(b, f) for b in (2, 4, 8) for f in ("none", "first", "later", "wide", "last") if (b, f) != (8, "wide")],
+)
+def test_first_code_diff_matches_numpy(bits: int, fault: str) -> None:
+    """The compiled words-vs-codes comparison and its NumPy twin give the same index:
+    -1 when equal, else the row-major position of the first differing code (a byte above
+    the field's mask differs too), with a second difference further on ignored."""
+    rng = np.random.default_rng(bits)
+    per = 32 // bits
+    codes = rng.integers(0, 1 << bits, (6 * per, 192), dtype=np.uint8)
+    words = pack_words(codes, bits, axis=0)
+    at = {"none": None, "first": (0, 0), "later": (3 * per + 1, 70), "wide": (per + 2, 5), "last": (6 * per - 1, 191)}
+    expected = -1
+    if at[fault] is not None:
+        r, c = at[fault]
+        codes[r, c] = (int(codes[r, c]) + 1) % (1 << bits) if fault != "wide" else int(codes[r, c]) | (1 << bits)
+        codes[-1, -1] ^= 1 if fault != "last" else 0  # a later difference does not move the first
+        expected = r * 192 + c
+    assert first_code_diff_numpy(words, codes, bits) == expected
+    assert first_code_diff(words, codes, bits) == expected
+    assert first_code_diff(words.view(np.uint32), codes, bits) == expected
+
+
+def test_first_code_diff_rejects_mismatched_shapes() -> None:
+    words = np.zeros((2, 64), np.int32)
+    with pytest.raises(ValueError, match=r"codes \(15, 64\) do not unpack from words \(2, 64\) at 4 bits"):
+        first_code_diff(words, np.zeros((15, 64), np.uint8), 4)
+    with pytest.raises(ValueError, match="bits must be 2, 4 or 8, got 3"):
+        first_code_diff(words, np.zeros((16, 64), np.uint8), 3)
+
+
+@needs_native
+def test_diff_rows_checks_its_buffers() -> None:
+    with pytest.raises(ValueError, match="codes: 1000 bytes, expected 1024"):
+        native.lib().diff_rows(np.zeros(128, np.uint32), np.zeros(1000, np.uint8), 2, 64, 4)
+
+
+def test_gptq_words_are_the_codes_of_load_layer(tmp_path: Path) -> None:
+    """GptqSource.load_words: the chunk's qweight words unpack to load_layer's codes, and
+    its QuantWeight has the same scales and delta (and no codes); None for act-order."""
+    rng = np.random.default_rng(5)
+    tensors = gptq_tensors("m.a", make_layer(rng, 256, 128, group_size=64), v1=True)
+    tensors |= gptq_tensors("m.b", make_layer(rng, 256, 128, group_size=64, act_order=True), v1=True)
+    src = write_checkpoint(tmp_path / "src", tensors, gptq_config(4, 64), where="quantize_config.json")
+    with open_source(src) as s:
+        plain, ordered = sorted((lay for lay in s.plan().layers), key=lambda lay: lay.name)
+        words, qw = s.load_words(plain, 64, 192)
+        ref = s.load_layer(plain, 64, 192)
+        assert words.shape == (16, 128) and qw.q.shape == (0, 128)
+        np.testing.assert_array_equal(unpack_words(words, 4, axis=0), ref.marlin_codes())
+        np.testing.assert_array_equal(qw.scales, ref.scales)
+        np.testing.assert_array_equal(qw.marlin_delta(), ref.marlin_delta())
+        assert s.load_words(ordered, 0, 256) is None
 
 
 @needs_native

@@ -24,8 +24,9 @@ K, N, G = 512, 256, 64
 
 @pytest.fixture()
 def chunked(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Small chunks, so a 512-row layer is checked in several (4 compiled, 8 with the
-    NumPy unpackers' quarter-size chunks); the teardown checks that it was."""
+    """Small chunks, so a 512-row layer is checked in several (8 with the compiled
+    loops' half-size chunks, 16 with the NumPy unpackers' quarter-size ones); the
+    teardown checks that it was."""
     # converter.convert and .verify (the modules) are shadowed by the functions the package exports.
     monkeypatch.setattr(sys.modules["converter.convert"], "CHUNK_CODE_BYTES", 128 * N)
     verify_mod = sys.modules["converter.verify"]
@@ -115,6 +116,44 @@ def test_differences_are_located_in_the_whole_layer(tmp_path: Path, chunked: Non
     assert row["cpu_rel_err"] > 1e-3
 
 
+def test_words_fast_path_gives_the_reports_of_unpacked_codes(
+    tmp_path: Path, chunked: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """verify --against compares a 4-bit GPTQ source's words with the artifact's codes
+    (Source.load_words); with the reader's fast path switched off (its codes unpacked and
+    compared, the reference product on them) the report is the same, every number bit
+    for bit: agreeing, and with two codes changed in one chunk."""
+    from converter.formats.gptq import GptqSource
+
+    src = _checkpoint(tmp_path / "src")
+    art = Path(convert(src, tmp_path / "a.safetensors").output)
+
+    def change(parts: dict) -> None:
+        parts["q"][300, 5] = (parts["q"][300, 5] + 3) % 16
+        parts["q"][301, 200] = (parts["q"][301, 200] + 1) % 16
+
+    bad = _edit_layer(art, tmp_path / "bad.safetensors", change)
+    calls: list[int] = []
+    real = GptqSource.load_words
+
+    def counted(self, *args):
+        got = real(self, *args)
+        calls.append(got is not None)
+        return got
+
+    monkeypatch.setattr(GptqSource, "load_words", counted)
+    fast = [verify(a, against=src, gpu=False) for a in (art, bad)]
+    assert calls and all(calls)
+    monkeypatch.setattr(GptqSource, "load_words", lambda self, *args: None)
+    slow = [verify(a, against=src, gpu=False) for a in (art, bad)]
+    for f, s in zip(fast, slow, strict=True):
+        assert [(p.code, p.message) for p in f.problems] == [(p.code, p.message) for p in s.problems]
+        assert f.layers == s.layers
+    assert fast[0].ok
+    assert any(f"2 of {K * N} differ; first at [300, 5]" in p.message for p in fast[1].problems)
+    assert next(r for r in fast[1].layers if r["name"] == L)["cpu_rel_err"] > 1e-3
+
+
 def test_act_order_permutation_is_compared(tmp_path: Path, chunked: None) -> None:
     src = _checkpoint(tmp_path / "src", act_order=True)
     art = Path(convert(src, tmp_path / "a.safetensors").output)
@@ -187,3 +226,29 @@ def test_checksums_in_blocks_catch_a_late_flip(tmp_path: Path, monkeypatch: pyte
     art.write_bytes(bytes(data))
     rep = verify(art, shapes_only=True)
     assert [(p.code.value, p.tensor) for p in rep.problems if p.severity == "error"] == [("checksum_mismatch", name)]
+
+
+@pytest.mark.parametrize("where", [None, 100, 1600, 1900, 4095])
+def test_passthrough_chunks_compared_in_halves_find_any_byte(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: int | None
+) -> None:
+    """Pass-through bytes compared in 1000-byte chunks, each in two halves on the pool:
+    a byte changed in either half of a chunk (or the last one) is found, and an
+    unchanged tensor passes."""
+    verify_mod = sys.modules["converter.verify"]
+    monkeypatch.setattr(verify_mod, "COMPARE_CHUNK_BYTES", 1000)
+    monkeypatch.setattr(verify_mod, "SPLIT_COMPARE_BYTES", 200)
+    src = _checkpoint(tmp_path / "src")
+    art = Path(convert(src, tmp_path / "a.safetensors").output)
+    name = "model.embed_tokens.weight"  # 32 x 64 float16: 4096 bytes
+
+    def edit(manifest: dict, t: dict) -> None:
+        if where is not None:
+            raw = t[name][1].copy().view(np.uint8).reshape(-1)
+            raw[where] ^= 0x40
+            t[name] = (t[name][0], raw.view(np.float16).reshape(32, 64))
+
+    out = rewrite_artifact_arrays(art, tmp_path / "b.safetensors", edit)
+    rep = verify(out, against=src, gpu=False)
+    bad = [(p.code.value, p.message) for p in rep.problems if p.tensor == name]
+    assert bad == ([] if where is None else [("source_mismatch", f"{name}: bytes differ from the source")])

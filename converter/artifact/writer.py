@@ -148,6 +148,10 @@ class ArtifactWriter:
         """See :meth:`StreamingWriter.write_flat`."""
         self._route[name].write_flat(name, data, elem_start)
 
+    def copy_flat(self, name: str, fd: int, src_offset: int, byte_start: int, nbytes: int) -> int | None:
+        """See :meth:`StreamingWriter.copy_flat`."""
+        return self._route[name].copy_flat(name, fd, src_offset, byte_start, nbytes)
+
     def finish(self, manifest: Manifest) -> list[Path]:
         """Write every header, stage the index and extra files, then rename all of
         them onto their final names (the index last).

@@ -12,13 +12,16 @@ import abc
 import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from ..constants import SourceFormat, ZeroConvention
 from ..marlin.shapes import LayerFit, fit_layer, regroup_rows
 from ..quant_weight import QuantWeight, Tensor, TensorInfo
+
+if TYPE_CHECKING:
+    from ..safetensors_io import SafetensorsFile
 
 
 @dataclasses.dataclass
@@ -204,6 +207,29 @@ class Source(abc.ABC):
         this layer; the converter then packs ``load_layer(...).marlin_codes()``, which
         must give the same bits.
         """
+        return None
+
+    def load_words(
+        self, layer: LayerPlan, k_start: int = 0, k_stop: int | None = None
+    ) -> tuple[np.ndarray, QuantWeight] | None:
+        """Optional verification fast path: the source's packed 4-bit code words for
+        rows ``[k_start, k_stop)`` (int32 ``(rows // 8, N)``, each word holding 8
+        consecutive rows of one column, lowest nibble first, as
+        :func:`~converter.formats.packing.unpack_words` reads them with ``axis=0``), and
+        the chunk's :class:`QuantWeight` with an empty ``q``.
+
+        Returns None where the reader has none (the default) or it does not apply to the
+        layer (not 4-bit, act-order, padded); ``marlin-verify`` then compares
+        ``load_layer(...).marlin_codes()``.  Where it applies, the words' codes are
+        exactly ``load_layer(...).marlin_codes()``.
+        """
+        return None
+
+    def stored_bytes(self, name: str) -> tuple[SafetensorsFile, int, int] | None:
+        """Optional conversion fast path for a pass-through tensor: the safetensors file
+        that stores its bytes exactly as :meth:`load_tensor` returns them, and their
+        ``[begin, end)`` file offsets, so that the converter can copy them file to file
+        (``copy_file_range``).  None (the default) where the reader has no such file."""
         return None
 
     @abc.abstractmethod

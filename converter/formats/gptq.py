@@ -541,6 +541,20 @@ class GptqSource(
         words = np.asarray(self.ckpt.array(f"{layer.name}.qweight")[k_start // per : k_stop // per])
         return pack_b_from_gptq4(words), self.load_layer(layer, k_start, k_stop, codes=False)
 
+    def load_words(
+        self, layer: LayerPlan, k_start: int = 0, k_stop: int | None = None
+    ) -> tuple[np.ndarray, QuantWeight] | None:
+        """:meth:`Source.load_words`: the 4-bit ``qweight`` words of rows ``[k_start,
+        k_stop)`` as stored (a view of the file), plus the chunk's scales and delta (its
+        ``q`` is empty).  None where it does not apply (not 4-bit, act-order, a padded
+        layer, rows not on whole words)."""
+        k_stop = layer.size_k if k_stop is None else k_stop
+        per = codes_per_word(4)
+        if layer.bits != 4 or layer.act_order or layer.padded_n or k_start % per or k_stop % per:
+            return None
+        words = np.asarray(self.ckpt.array(f"{layer.name}.qweight")[k_start // per : k_stop // per])
+        return words, self.load_layer(layer, k_start, k_stop, codes=False)
+
 
 _ALREADY_MARLIN = already_marlin(
     "checkpoint is",

@@ -21,10 +21,11 @@ from ..constants import MARLIN_ZERO
 from ..dtypes import as_f32
 from ..errors import ConfigError, SourceFormatError
 from ..quant_weight import QuantWeight, Tensor, marlin_code_offset
+from ..safetensors_io import SafetensorsFile
 from .base import READERS, LayerPlan, Source, SourcePlan, TensorInfo
 from .hf_checkpoint import HFCheckpoint
 from .packing import act_order_perm
-from .scales import kernel_range_error, scales_to_fp16
+from .scales import fp16_scales, kernel_range_error, scales_to_fp16
 
 
 class HFSource(Source):
@@ -92,6 +93,9 @@ class HFSource(Source):
 
     def load_tensor(self, name: str) -> Tensor:
         return self.ckpt.tensor(name)
+
+    def stored_bytes(self, name: str) -> tuple[SafetensorsFile, int, int] | None:
+        return self.ckpt.stored_bytes(name)
 
     def input_files(self) -> list[Path]:
         return self.ckpt.input_files()
@@ -326,18 +330,26 @@ def integer_zero_weight(
     """
     info = ckpt.info(scales)
     raw = ckpt.array(scales)
-    s_src = as_f32(raw[:, g0:g1], info.dtype).T.copy() if scales_transposed else as_f32(raw[g0:g1], info.dtype)
     k_start, k_stop = rows
     slices = layer.source_group_rows(k_start, k_stop)
-    if slices is not None:
-        z, s_src = z[slices], s_src[slices]
+    if info.dtype == "F16":  # Marlin's scales as they are: only NaN/Inf to refuse, no rounding to check
+        s16 = np.ascontiguousarray(raw[:, g0:g1].T) if scales_transposed else np.array(raw[g0:g1])
+        if slices is not None:
+            z, s16 = z[slices], s16[slices]
+        s16 = fp16_scales(s16, path=ckpt.file_of(scales), tensor=scales)
+        s_src = s16.astype(np.float32)
+    else:
+        s_src = as_f32(raw[:, g0:g1], info.dtype).T.copy() if scales_transposed else as_f32(raw[g0:g1], info.dtype)
+        if slices is not None:
+            z, s_src = z[slices], s_src[slices]
+        s16 = scales_to_fp16(s_src, path=ckpt.file_of(scales), tensor=scales)
     return QuantWeight(
         name=layer.name,
         q=q,
         zeros=z,
         group_size=layer.group_size,
         bits=layer.bits,
-        scales=scales_to_fp16(s_src, path=ckpt.file_of(scales), tensor=scales),
+        scales=s16,
         delta=(np.float32(MARLIN_ZERO) - z.astype(np.float32)) * s_src,
         zero_convention=layer.zero_convention,
         bias=ckpt.tensor(layer.bias.name) if layer.bias else None,

@@ -270,6 +270,11 @@ class HFCheckpoint:
     def file_of(self, name: str) -> Path:
         return self._where[name].path
 
+    def stored_bytes(self, name: str) -> tuple[SafetensorsFile, int, int]:
+        """Where a tensor's bytes are: its weight file and their ``[begin, end)`` offsets in it."""
+        where = self._where[name]
+        return (where, *where.byte_range(name))
+
     def array(self, name: str) -> np.ndarray:
         """Memory-mapped, read-only array in its storage dtype (BF16 as uint16)."""
         return self._where[name].array(name)

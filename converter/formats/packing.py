@@ -111,19 +111,23 @@ def unpack_words(words: np.ndarray, bits: int, axis: int) -> np.ndarray:
 
     Returns:
         uint8 codes in ``[0, 2**bits)``; the packed axis grows by ``32 / bits``.
-        Down the rows with 2, 4 or 8 bits this runs the compiled loop of
-        :mod:`converter.native` when it is built (the bulk of a GPTQ read), else
-        :func:`unpack_words_numpy`, the reference it is tested against.
+        With 2, 4 or 8 bits this runs the compiled loops of :mod:`converter.native`
+        when they are built (down the rows: the bulk of a GPTQ read; along them: its
+        zeros), else :func:`unpack_words_numpy`, the reference they are tested against.
 
     Raises:
         ValueError: an unknown bit width, or 3-bit words that are not whole 3-word blocks.
     """
     nat = native_lib()
-    if nat is not None and axis == 0 and bits in (2, 4, 8) and words.ndim == 2 and words.dtype.itemsize == 4:
+    if nat is not None and axis in (0, 1) and bits in (2, 4, 8) and words.ndim == 2 and words.dtype.itemsize == 4:
         u = np.ascontiguousarray(words).view(np.uint32)
-        rows, size_n = u.shape
-        out = np.empty((rows * (WORD_BITS // bits), size_n), dtype=np.uint8)
-        nat.unpack_rows(u, out, rows, size_n, bits)
+        rows, width = u.shape
+        if axis == 0:
+            out = np.empty((rows * (WORD_BITS // bits), width), dtype=np.uint8)
+            nat.unpack_rows(u, out, rows, width, bits)
+        else:  # qzeros: small, but read per layer and per chunk
+            out = np.empty((rows, width * (WORD_BITS // bits)), dtype=np.uint8)
+            nat.unpack_cols(u, out, rows, width, bits)
         return out
     return unpack_words_numpy(words, bits, axis)
 
@@ -134,6 +138,47 @@ def unpack_words_numpy(words: np.ndarray, bits: int, axis: int) -> np.ndarray:
     if axis == 0:
         return np.ascontiguousarray(_unpack_last(np.ascontiguousarray(u.T), bits).T)
     return _unpack_last(u, bits)
+
+
+def first_code_diff(words: np.ndarray, codes: np.ndarray, bits: int) -> int:
+    """Where ``codes`` first differs from ``unpack_words(words, bits, axis=0)``.
+
+    ``marlin-verify --against`` compares a GPTQ ``qweight`` chunk with the artifact's
+    unpacked codes this way: the compiled loop packs the codes back per word and compares
+    (nothing written), instead of unpacking the source into a second code array and
+    comparing the two.
+
+    Args:
+        words: int32 or uint32 ``(R, N)``, packed down the rows.
+        codes: uint8 ``(R * 32 / bits, N)``, C-contiguous.
+        bits: 2, 4 or 8.
+
+    Returns:
+        The flat (row-major) index into ``codes`` of the first code that differs, or -1
+        when all agree.  A code above ``2**bits - 1`` differs.  Runs the compiled loop when
+        built, else :func:`first_code_diff_numpy`, the reference it is tested against.
+
+    Raises:
+        ValueError: an unknown bit width, or shapes that do not match.
+    """
+    if bits not in (2, 4, 8):
+        raise ValueError(f"bits must be 2, 4 or 8, got {bits}")
+    if words.ndim != 2 or codes.shape != (words.shape[0] * (WORD_BITS // bits), words.shape[1]):
+        raise ValueError(f"codes {codes.shape} do not unpack from words {words.shape} at {bits} bits")
+    nat = native_lib()
+    if nat is not None and words.dtype.itemsize == 4 and codes.dtype == np.uint8 and codes.flags.c_contiguous:
+        u = np.ascontiguousarray(words).view(np.uint32)
+        return int(nat.diff_rows(u, codes, u.shape[0], u.shape[1], bits))
+    return first_code_diff_numpy(words, codes, bits)
+
+
+def first_code_diff_numpy(words: np.ndarray, codes: np.ndarray, bits: int) -> int:
+    """:func:`first_code_diff` in NumPy (same arguments and result)."""
+    ref = unpack_words_numpy(words, bits, axis=0)
+    if ref.shape != codes.shape:
+        raise ValueError(f"codes {codes.shape} do not unpack from words {words.shape} at {bits} bits")
+    bad = np.flatnonzero(ref.reshape(-1) != np.asarray(codes).reshape(-1))
+    return int(bad[0]) if bad.size else -1
 
 
 def pack_words(codes: np.ndarray, bits: int, axis: int) -> np.ndarray:
