@@ -19,6 +19,12 @@
 #define CAT(a, b) CAT_(a, b)
 #define FN(name) CAT(name, SUFFIX)
 
+/* One (kt, nb) tile's 128 words from tmp[4*rp + j][cl] into B order, 16*cl + 4*rp + j. */
+KERNEL_ATTR static inline void FN(store_tile)(uint32_t *o, uint32_t tmp[16][8]) {
+    for (int cl = 0; cl < 8; cl++)
+        for (int t = 0; t < 16; t++) o[16 * cl + t] = tmp[t][cl];
+}
+
 /* uint8 codes [K, N] -> B, tile rows [kt0, kt1). */
 KERNEL_ATTR static void FN(pack_codes)(const uint8_t *q, uint32_t *out, Py_ssize_t n_cols, Py_ssize_t kt0,
                                         Py_ssize_t kt1) {
@@ -42,9 +48,7 @@ KERNEL_ATTR static void FN(pack_codes)(const uint8_t *q, uint32_t *out, Py_ssize
                     }
                 }
             }
-            uint32_t *o = out + kt * 2 * n_cols + 128 * nb;
-            for (int cl = 0; cl < 8; cl++)
-                for (int t = 0; t < 16; t++) o[16 * cl + t] = tmp[t][cl];
+            FN(store_tile)(out + kt * 2 * n_cols + 128 * nb, tmp);
         }
     }
 }
@@ -80,9 +84,7 @@ KERNEL_ATTR static void FN(pack_gptq4)(const uint32_t *u, uint32_t *out, Py_ssiz
                     tmp[12 + j][cl] = ((hi0 >> 8) & 0x00FF00FFu) | (hi1 & 0xFF00FF00u);
                 }
             }
-            uint32_t *o = out + kt * 2 * n_cols + 128 * nb;
-            for (int cl = 0; cl < 8; cl++)
-                for (int t = 0; t < 16; t++) o[16 * cl + t] = tmp[t][cl];
+            FN(store_tile)(out + kt * 2 * n_cols + 128 * nb, tmp);
         }
     }
 }

@@ -70,14 +70,17 @@ def accumulate(
     if not rows:
         return
     nat = native_lib()
-    f32 = [None if p is None else np.ascontiguousarray(p, dtype=np.float32) for p in (a, c, b)]
-    a32, c32, b32 = f32[0], f32[1] if isinstance(c, np.ndarray) else None, f32[2]
-    c0 = 0.0 if isinstance(c, np.ndarray) else float(c)
+    a32, b32 = _f32(a), _f32(b)
+    c32, c0 = (_f32(c), 0.0) if isinstance(c, np.ndarray) else (None, float(c))
     if nat is not None:
         xt = np.ascontiguousarray(x.T, dtype=np.float32)
         nat.gemv8(xt, np.ascontiguousarray(q), y, rows, size_n, group, a32, c32, c0, b32, factored, 0, size_n)
         return
     _accumulate_numpy(y, np.asarray(x, dtype=np.float32), q, group, a32, c32 if c32 is not None else c0, b32, factored)
+
+
+def _f32(p: np.ndarray | None) -> np.ndarray | None:
+    return None if p is None else np.ascontiguousarray(p, dtype=np.float32)
 
 
 def _accumulate_numpy(
