@@ -17,11 +17,17 @@
 // (t = l % 4, g = l / 4), which codes_minus8 returns as m[0], m[2], m[1], m[3].
 //
 // Block: WGS warpgroups (128 WGS threads). The block owns 256 output features (4
-// Marlin column blocks; warp w of every warpgroup owns block 4 nb4 + w), TOK = T WGS
-// tokens (warpgroup i takes tokens T i ..) and one K range of tiles_per_split k-tiles.
-// wgmma j (j = 0..3) of a warpgroup has as its 64 rows tile j of each warp's block, so
-// accumulator acc[j][4 i + e] of warp w, lane (g, t) is feature 64 w + 16 j + g +
-// 8 (e / 2), token T wg + 8 i + 2 t + e % 2.
+// Marlin column blocks; warp w of every warpgroup reads block 4 nb4 + w) and one K
+// range of tiles_per_split k-tiles. Its warpgroups split the 16-column tiles of those
+// blocks J at a time (FG = 4 / J feature groups) and the block's tokens T at a time
+// (TG = WGS / FG token groups, TOK = T TG tokens): warpgroup wg = FG tg + fg issues J
+// wgmma per k-tile, wgmma jj having as its 64 rows tile j = J fg + jj of each warp's
+// block, so accumulator acc[jj][4 i + e] of warp w, lane (g, t) is feature 64 w + 16 j
+// + g + 8 (e / 2), token T tg + 8 i + 2 t + e % 2. J = 4 (one feature group): a
+// warpgroup dequantizes all 256 features, and two warpgroups split the tokens. J = 1
+// (four feature groups): each weight is dequantized once per block however many
+// tokens it holds, and the accumulators of T tokens take T / 2 registers, not 2 T,
+// so one wgmma can be 128 tokens wide.
 //
 // Pipeline: an NS-stage ring in shared memory; each stage holds U k-tiles:
 //   W  U x 2048 B   the 4 column blocks' B words of each k-tile, laid out as in global
@@ -42,7 +48,8 @@
 // NS - 2 stages are in flight while one is computed: wgmma groups are waited for one
 // k-tile behind (wait_group 1), so the stage computed two iterations ago is the one the
 // copies may overwrite, and each k-tile's A fragments go to the other of two register
-// sets than the k-tile before.
+// sets than the k-tile before. (Per-stage `empty` mbarriers instead of the block-wide
+// barrier, so that warps may drift a stage apart, measured 3-5 % slower on an H200.)
 //
 // K splits > 1: every block writes its fp32 accumulators to `ws` in register order
 // ([split][unit][register][thread], coalesced), then bumps the unit's counter; the last
@@ -77,9 +84,11 @@
 #error "marlin_wgmma.cu uses wgmma: build it for sm_90a (--gpu-architecture=sm_90a)"
 #endif
 
-template <int T, int WGS, int U, int GPI, int NS, bool HAS_DELTA>
+template <int T, int WGS, int U, int GPI, int NS, bool HAS_DELTA, int J = 4>
 struct WgLayout {
-    static constexpr int TOK = T * WGS;
+    static constexpr int FG = 4 / J;
+    static constexpr int TG = WGS / FG;
+    static constexpr int TOK = T * TG;
     static constexpr int NTHR = 128 * WGS;
     static constexpr int W_OFF = 0;
     static constexpr int W_TILE = 2048;
@@ -92,7 +101,10 @@ struct WgLayout {
     // epilogue: the block's C tile as fp16 rows of 256 features, padded by 16 bytes so
     // that the 4 token rows a warp's store touches fall in different banks
     static constexpr int C_PITCH = 264;
-    static constexpr int NACC = 2 * T;  // fp32 accumulators per thread: 4 wgmma x T / 2
+    static constexpr int NACC = J * T / 2;  // fp32 accumulators per thread: J wgmma x T / 2
+    static_assert(J == 1 || J == 2 || J == 4, "a warpgroup takes 1, 2 or 4 of a block's 16-column tiles");
+    static_assert(WGS % FG == 0 && TG >= 1, "whole feature groups");
+    static_assert(U % WGS == 0, "every thread copies the same number of weight rows");
     static_assert(TOK * C_PITCH * 2 <= RING, "the C tile must fit in the ring");
     static_assert(U % 2 == 0, "A fragments alternate between two register sets per k-tile");
     static_assert(NS >= 3, "NS - 2 stages in flight");
@@ -106,20 +118,36 @@ __device__ __forceinline__ unsigned long long wg_desc(u32 addr, u32 k_step) {
            ((unsigned long long)(128 >> 4) << 32);
 }
 
-__device__ __forceinline__ void splat8(u32 addr, u32 (&h)[8]) {
-    const int4 v = lds_v4(addr);
-    const u32 w[4] = {(u32)v.x, (u32)v.y, (u32)v.z, (u32)v.w};
-#pragma unroll
-    for (int p = 0; p < 8; ++p) h[p] = h_splat((u16)(w[p >> 1] >> (16 * (p & 1))));
+// J consecutive 32-bit words of shared memory (4 J bytes, 4 J-byte aligned): the B
+// words of a lane's J tiles, or the fp16 pairs of its 2 J scales.
+template <int J>
+__device__ __forceinline__ void lds_words(u32 addr, u32 (&w)[J]) {
+    if constexpr (J == 4) {
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(addr) : "memory");
+    } else if constexpr (J == 2) {
+        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "r"(addr) : "memory");
+    } else {
+        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(w[0]) : "r"(addr) : "memory");
+    }
 }
 
-// One k-tile of one warp: dequantize its 4 words into the A fragments of wgmma j = 0..3
-// (slot p = 2 j + h of the scales is column 16 j + g + 8 h of the warp's block).
-template <bool HAS_DELTA>
-__device__ __forceinline__ void weight_fragments(int4 bv, const u32 (&s2)[8], const u32 (&d2)[8], u32 (&af)[4][4]) {
-    const u32 w[4] = {(u32)bv.x, (u32)bv.y, (u32)bv.z, (u32)bv.w};
+template <int J>
+__device__ __forceinline__ void splat_cols(u32 addr, u32 (&h)[2 * J]) {
+    u32 w[J];
+    lds_words<J>(addr, w);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int p = 0; p < 2 * J; ++p) h[p] = h_splat((u16)(w[p >> 1] >> (16 * (p & 1))));
+}
+
+// One k-tile of one warp: dequantize its J words into the A fragments of wgmma
+// jj = 0..J-1 (slot p = 2 jj + h of the scales is column 16 (J fg + jj) + g + 8 h of
+// the warp's block).
+template <bool HAS_DELTA, int J>
+__device__ __forceinline__ void weight_fragments(const u32 (&w)[J], const u32 (&s2)[2 * J], const u32 (&d2)[2 * J],
+                                                 u32 (&af)[J][4]) {
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
         u32 m[4];
         codes_minus8(w[j], m);
         u32 b[4];
@@ -181,19 +209,21 @@ extern "C" __global__ void hopper_activations(const u16* __restrict__ A, const i
     *reinterpret_cast<int4*>(At + (size_t)i * 8) = make_int4((int)v[0], (int)v[1], (int)v[2], (int)v[3]);
 }
 
-template <int T, int WGS, int U, int GPI, int NS, bool HAS_DELTA>
+template <int T, int WGS, int U, int GPI, int NS, bool HAS_DELTA, int J = 4>
 __global__ void __launch_bounds__(128 * WGS, 1)
 marlin_wgmma(const u16* __restrict__ At, const int4* __restrict__ B, const u16* __restrict__ S,
              const u16* __restrict__ D, const u16* __restrict__ bias, u16* __restrict__ C,
              float* __restrict__ ws, int* __restrict__ locks, int M, int m_pad, int K, int N, int n_out,
              int group_tiles, int per_channel, int splits, int tiles_per_split) {
-    using L = WgLayout<T, WGS, U, GPI, NS, HAS_DELTA>;
-    constexpr int TOK = L::TOK, NTHR = L::NTHR, SUB = U / GPI;
+    using L = WgLayout<T, WGS, U, GPI, NS, HAS_DELTA, J>;
+    constexpr int TOK = L::TOK, NTHR = L::NTHR, SUB = U / GPI, FG = L::FG;
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ __align__(8) unsigned long long full[NS];
     __shared__ int arrived;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = (tid >> 5) & 3, wg = tid >> 7;
+    const int fg = wg % FG, tg = wg / FG;
+    const int j0 = J * fg;  // this warpgroup's first 16-column tile of each warp's block
     const int g4 = lane >> 2, t4 = lane & 3;
     const int nblk = N >> 6;
     const int nbb = (nblk + 3) >> 2;
@@ -212,19 +242,19 @@ marlin_wgmma(const u16* __restrict__ At, const int4* __restrict__ B, const u16* 
     const int nb_src = min(nb, nblk - 1);
     const int live_blocks = min(4, nblk - 4 * nb4);
 
-    float acc[4][T / 2];
+    float acc[J][T / 2];
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < J; ++j)
 #pragma unroll
         for (int i = 0; i < T / 2; ++i) acc[j][i] = 0.f;
 
-    u32 s2[8], d2[8];  // the open group's scales / deltas of this lane's 8 features, fp16x2 splats
+    u32 s2[2 * J], d2[2 * J];  // the open group's scales / deltas of this lane's 2 J features, fp16x2 splats
 #pragma unroll
-    for (int p = 0; p < 8; ++p) s2[p] = d2[p] = 0u;
+    for (int p = 0; p < 2 * J; ++p) s2[p] = d2[p] = 0u;
     if (per_channel) {  // one group for all of K: straight to registers
 #pragma unroll
-        for (int p = 0; p < 8; ++p) {
-            const int pos = scale_pos(64 * nb_src + 16 * (p >> 1) + g4 + 8 * (p & 1), 1);
+        for (int p = 0; p < 2 * J; ++p) {
+            const int pos = scale_pos(64 * nb_src + 16 * (j0 + (p >> 1)) + g4 + 8 * (p & 1), 1);
             s2[p] = h_splat(ldg_u16(S + pos));
             if (HAS_DELTA) d2[p] = h_splat(ldg_u16(D + pos));
         }
@@ -289,59 +319,95 @@ marlin_wgmma(const u16* __restrict__ At, const int4* __restrict__ B, const u16* 
         cp_async_commit();
     }
 
-    u32 af[2][4][4];
-    const u32 x_wg = (u32)(wg * (T / 8) * 128);  // this warpgroup's first token inside a chunk
+    // STAGED (J = 1, 2): a warpgroup dequantizes a whole stage into U register sets and
+    // issues its U k-tiles' wgmma back to back as one group, retired at the next stage;
+    // the products run while the warps meet at the barrier, issue the next copies and
+    // load the next B words. Else (J = 4, whose 4 A fragments per k-tile fill the
+    // registers): one group per k-tile, waited for one k-tile behind, in two register
+    // sets.
+    constexpr bool STAGED = J * U <= 8;
+    u32 af[STAGED ? U : 2][J][4];
+    const u32 x_wg = (u32)(tg * (T / 8) * 128);  // this warpgroup's first token inside a chunk
+    const u32 w_lane = L::W_OFF + warp * 512 + lane * 16 + 4 * j0;
+    auto fragments = [&](const u32 (&bw)[J], u32 (&a)[J][4]) {
+#if WG_NODQ
+#pragma unroll
+        for (int j = 0; j < J; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) a[j][i] = bw[j] ^ (u32)i;
+#else
+        weight_fragments<HAS_DELTA, J>(bw, s2, d2, a);
+#endif
+    };
+    auto products = [&](const u32 (&a)[J][4], unsigned long long desc) {
+#if WG_NOMMA
+#pragma unroll
+        for (int j = 0; j < J; ++j)
+            asm volatile("" ::"r"(a[j][0]), "r"(a[j][1]), "r"(a[j][2]), "r"(a[j][3]), "l"(desc));
+#else
+#pragma unroll
+        for (int j = 0; j < J; ++j) Wgmma<T>::mma(acc[j], a[j], desc);
+#endif
+    };
     for (int it = 0; it < steps; ++it) {
         const int stage = it % NS;
         const int kt = kt0 + it * U;
         cp_async_wait<NS - 3>();  // this thread's weight and scale copies of the stage landed
         mbar_wait(bar0 + 8 * stage, (u32)(it / NS) & 1u);  // and its activations
-        // ... every thread's; and every warp has passed iteration it - 1, whose first
-        // wgmma_wait<1> retired the last product that read the stage of iteration it - 2:
-        // that stage may be refilled.
+        // ... every thread's; and every warp has retired the products that read the stage
+        // of iteration it - 2 (STAGED: at the wgmma_wait<0> of iteration it - 1; else at
+        // its first wgmma_wait<1>): that stage may be refilled.
         __syncthreads();
         if (it + NS - 2 < steps) issue((it + NS - 2) % NS, kt + (NS - 2) * U);
         cp_async_commit();
         const u32 st = ring + stage * L::STAGE;
+        auto walk_groups = [&](auto&& per_tile) {
 #pragma unroll
-        for (int gi = 0; gi < GPI; ++gi) {
-            if (!per_channel && compute_walk.step(kt + gi * SUB, group_tiles)) {
-                splat8(st + L::S_OFF + gi * 512 + warp * 128 + 16 * g4, s2);
-                if (HAS_DELTA) splat8(st + L::D_OFF + gi * 512 + warp * 128 + 16 * g4, d2);
+            for (int gi = 0; gi < GPI; ++gi) {
+                if (!per_channel && compute_walk.step(kt + gi * SUB, group_tiles)) {
+                    splat_cols<J>(st + L::S_OFF + gi * 512 + warp * 128 + 16 * g4 + 4 * j0, s2);
+                    if (HAS_DELTA) splat_cols<J>(st + L::D_OFF + gi * 512 + warp * 128 + 16 * g4 + 4 * j0, d2);
+                }
+#pragma unroll
+                for (int uu = 0; uu < SUB; ++uu) per_tile(gi * SUB + uu);
             }
+        };
+        if constexpr (STAGED) {
+            u32 bw[U][J];
 #pragma unroll
-            for (int uu = 0; uu < SUB; ++uu) {
-                const int u = gi * SUB + uu;
-                const int SET = u & 1;  // the other register set than the k-tile before
-                const int4 bv = lds_v4(st + L::W_OFF + u * L::W_TILE + warp * 512 + lane * 16);
-#if WG_NODQ
-                af[SET][0][0] = bv.x; af[SET][0][1] = bv.y; af[SET][0][2] = bv.z; af[SET][0][3] = bv.w;
-#pragma unroll
-                for (int j = 1; j < 4; ++j)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) af[SET][j][i] = af[SET][0][i] ^ (u32)j;
-#else
-                weight_fragments<HAS_DELTA>(bv, s2, d2, af[SET]);
+            for (int u = 0; u < U; ++u) lds_words<J>(st + w_lane + u * L::W_TILE, bw[u]);
+#if !WG_NOMMA
+            wgmma_wait<0>();  // the stage before is done: its register sets may be refilled
 #endif
-                const unsigned long long desc = wg_desc(st + L::X_OFF + 2 * u * TOK * 16 + x_wg, TOK * 16);
-#if WG_NOMMA
+            walk_groups([&](int u) { fragments(bw[u], af[u]); });
+#if !WG_NOMMA
+            wgmma_fence();
+#endif
 #pragma unroll
-                for (int j = 0; j < 4; ++j)
-                    asm volatile("" ::"r"(af[SET][j][0]), "r"(af[SET][j][1]), "r"(af[SET][j][2]), "r"(af[SET][j][3]),
-                                 "l"(desc));
-#else
+            for (int u = 0; u < U; ++u) products(af[u], wg_desc(st + L::X_OFF + 2 * u * TOK * 16 + x_wg, TOK * 16));
+#if !WG_NOMMA
+            wgmma_commit();
+#endif
+        } else {
+            walk_groups([&](int u) {
+                const int SET = u & 1;  // the other register set than the k-tile before
+                u32 bw[J];
+                lds_words<J>(st + w_lane + u * L::W_TILE, bw);
+                fragments(bw, af[SET]);
+#if !WG_NOMMA
                 wgmma_fence();
-#pragma unroll
-                for (int j = 0; j < 4; ++j) Wgmma<T>::mma(acc[j], af[SET][j], desc);
+#endif
+                products(af[SET], wg_desc(st + L::X_OFF + 2 * u * TOK * 16 + x_wg, TOK * 16));
+#if !WG_NOMMA
                 wgmma_commit();
                 wgmma_wait<1>();  // the k-tile before is done: its register set may be refilled
 #endif
-            }
+            });
         }
     }
     wgmma_wait<0>();
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < J; ++j)
 #pragma unroll
         for (int i = 0; i < T / 2; ++i) reg_fence(acc[j][i]);
     cp_async_wait<0>();
@@ -350,7 +416,7 @@ marlin_wgmma(const u16* __restrict__ At, const int4* __restrict__ B, const u16* 
     if (splits > 1) {
         float* mine = ws + (size_t)(split * units + unit) * L::NACC * NTHR + tid;
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+        for (int j = 0; j < J; ++j)
 #pragma unroll
             for (int i = 0; i < T / 2; ++i) mine[(j * (T / 2) + i) * NTHR] = acc[j][i];
         __threadfence();  // this thread's partials are visible device-wide ...
@@ -360,13 +426,13 @@ marlin_wgmma(const u16* __restrict__ At, const int4* __restrict__ B, const u16* 
         if (arrived != splits - 1) return;
         __threadfence();
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+        for (int j = 0; j < J; ++j)
 #pragma unroll
             for (int i = 0; i < T / 2; ++i) acc[j][i] = 0.f;
         for (int s = 0; s < splits; ++s) {  // split order: the sum does not depend on who came last
             const float* part = ws + (size_t)(s * units + unit) * L::NACC * NTHR + tid;
 #pragma unroll
-            for (int j = 0; j < 4; ++j)
+            for (int j = 0; j < J; ++j)
 #pragma unroll
                 for (int i = 0; i < T / 2; ++i) {
                     float v;
@@ -378,18 +444,18 @@ marlin_wgmma(const u16* __restrict__ At, const int4* __restrict__ B, const u16* 
     }
 
     // ---- epilogue: acc + bias in fp32, one rounding, through shared memory to C ----
-    float bf[8];
+    float bf[2 * J];
 #pragma unroll
-    for (int p = 0; p < 8; ++p)
-        bf[p] = nb < nblk ? bias_at(bias, 64 * nb + 16 * (p >> 1) + g4 + 8 * (p & 1), n_out) : 0.f;
+    for (int p = 0; p < 2 * J; ++p)
+        bf[p] = nb < nblk ? bias_at(bias, 64 * nb + 16 * (j0 + (p >> 1)) + g4 + 8 * (p & 1), n_out) : 0.f;
     u16* tile = reinterpret_cast<u16*>(smem);
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < J; ++j)
 #pragma unroll
         for (int i = 0; i < T / 2; ++i) {
             const int e = i & 3;
-            const int tok = wg * T + 8 * (i >> 2) + 2 * t4 + (e & 1);
-            const int f = 64 * warp + 16 * j + g4 + 8 * (e >> 1);
+            const int tok = tg * T + 8 * (i >> 2) + 2 * t4 + (e & 1);
+            const int f = 64 * warp + 16 * (j0 + j) + g4 + 8 * (e >> 1);
             tile[tok * L::C_PITCH + f] = f32_to_h(acc[j][i] + bf[2 * j + (e >> 1)]);
         }
     __syncthreads();

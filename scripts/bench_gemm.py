@@ -249,7 +249,8 @@ def main() -> int:
         default=None,
         help="extra our-kernel variants to time, e.g. d1x4x3w1,t1x4x3w1 (d = decode kernel with NT "
         "8-row tiles, w = the same with per-weight scaling, t = tile kernel with MT "
-        "16-row tiles, h = Hopper kernel with R 8-token tiles; x U x NS; w = waves target)",
+        "16-row tiles, h = Hopper kernel with R 8-token tiles, f = the same with its warpgroups "
+        "splitting the features; x U x NS; w = waves target)",
     )
     ap.add_argument(
         "--sweep-splits",
@@ -328,7 +329,9 @@ def main() -> int:
                 # d|w|t R x U x NS w waves [o blocks per SM], e.g. d1x4x3w1, t1x4x3w1, d1x4x3w1o3
                 pipe_s, w = spec.rsplit("w", 1)
                 w, _, occ = w.partition("o")
-                kind = KernelKind({"d": "decode", "w": "decode_w", "t": "tile", "h": "hopper"}[pipe_s[0]])
+                kind = KernelKind(
+                    {"d": "decode", "w": "decode_w", "t": "tile", "h": "hopper", "f": "hopper_fs"}[pipe_s[0]]
+                )
                 pipe = (kind,) + tuple(int(v) for v in pipe_s[1:].split("x"))
                 cap = ((kind, int(occ)),) if occ else base.occupancy_cap
                 swept = dataclasses.replace(base, waves=int(w), occupancy_cap=cap)

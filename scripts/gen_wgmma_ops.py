@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-WIDTHS = (8, 16, 24, 32, 40, 48, 56, 64)
+WIDTHS = (8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128)
 OUT = Path(__file__).resolve().parents[1] / "kernels" / "wgmma_ops.cuh"
 
 HEADER = """\

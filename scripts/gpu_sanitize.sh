@@ -40,6 +40,11 @@ if hopper:  # every Hopper variant: full/ragged chunks, several chunks, ragged N
               (64, 4096, 512, -1, False, None, ("hopper", 8, 4, 6), None),
               (90, 1024, 1024, 64, True, None, ("hopper", 12, 4, 6), 1000),
               (129, 512, 4096, 16, True, None, ("hopper", 16, 4, 6), 4000),
+              (60, 2048, 320, 128, True, None, ("hopper_fs", 8, 4, 6), None),
+              (64, 4096, 256, -1, False, None, ("hopper_fs", 12, 4, 4), None),
+              (200, 768, 768, 48, True, None, ("hopper_fs", 4, 4, 6), 700),
+              (100, 1024, 512, 32, False, None, ("hopper_fs", 16, 4, 4), 509),
+              (129, 512, 4096, 16, True, None, ("hopper_fs", 6, 4, 6), None),
               (300, 256, 8192, 128, False, None, None, None)]
 for (m, k, n, gs, act, wk, pipe, n_out) in cases:
     tuning = Tuning(force_wk=wk)

@@ -23,7 +23,7 @@ from ..errors import GpuUnavailableError, KernelError
 from ..marlin.layout import permute_scales
 from ..marlin.shapes import kernel_layer_sizes, resolve_group_size
 from . import build, runtime
-from .plan import DEFAULT_TUNING, GemmPlan, KernelKind, Pipe, Tuning, default_pipe, kernel_variant, plan_gemm
+from .plan import DEFAULT_TUNING, GemmPlan, Pipe, Tuning, default_pipe, kernel_variant, plan_gemm
 
 #: Threads per block of every kernel but the gather (4 warps; ``kernels/*.cu`` launch geometry).
 BLOCK_THREADS = 128
@@ -140,7 +140,7 @@ def gemm_plan(
             m, size_k, size_n, gs // MARLIN_TILE, info.smem_per_block_optin, tuning, hopper=hopper_device()
         )
     pipe = Pipe.of(pipe)
-    if pipe.kind is KernelKind.HOPPER and not hopper_device():
+    if pipe.spec.wgmma and not hopper_device():
         raise KernelError(f"GEMM variant {pipe} needs sm_90 (wgmma); this device is {info.arch}")
     return _plan(m, size_k, size_n, group_size, delta, pipe, tuning, info)
 
@@ -248,9 +248,10 @@ def marlin_gemm(
     M the decode kernel (``kernels/marlin_decode.cu``) sums ``A (q - 8)`` and A per
     group in fp32 and applies ``s`` and ``d`` once per group; on sm_90 the Hopper kernel
     (``kernels/marlin_wgmma.cu``, after ``hopper_activations`` re-lays A out, the
-    act-order gather included) serves M >= 9 on layers of N >= 4096; the decode
+    act-order gather included) serves the larger M on layers of N >= 4096, its
+    feature-split form (``hopper_fs``) from 65 rows (33 on N = 4096); the decode
     kernel's "decode_w" variant and the tile kernel (``kernels/marlin_gemm.cu``) serve
-    the rest on sm_80..89. Every kernel but the decode kernel multiplies by the fp16
+    the rest, and everything on sm_80..89. Every kernel but the decode kernel multiplies by the fp16
     weight ``fp16((q - 8) * s (+ d))``. Twin: ``reference.marlin_gemm`` with the plan's
     ``arith``.
 
@@ -313,7 +314,7 @@ def marlin_gemm(
         np.int32(plan.splits),
         np.int32(plan.tiles_per_split),
     )
-    if plan.kind is KernelKind.HOPPER:
+    if plan.pipe.spec.wgmma:
         # The unit is 256 columns x one m-chunk; partials are kept in register order.
         m_pad = plan.m_chunks * plan.rows
         units = plan.m_chunks * -(-(size_n // KERNEL_N_MULTIPLE) // 4)

@@ -46,6 +46,10 @@ class KernelKind(str, enum.Enum):
     """``kernels/marlin_wgmma.cu`` (sm_90a): weights as wgmma's register operand, R
     8-token tiles per block (8 R tokens; R = 16 is two warpgroups of 64), per-weight
     fp16 scaling."""
+    HOPPER_FS = "hopper_fs"
+    """The same kernel with its 4 warpgroups splitting the block's 256 features (one
+    ``wgmma`` of 64 features per k-tile each, ``J = 1``) instead of its tokens: every
+    weight dequantized once per block of 8 R tokens, up to 128."""
 
 
 class Arith(str, enum.Enum):
@@ -88,7 +92,7 @@ class Pipe(NamedTuple):
 
     def name(self, gpi: int, delta: bool) -> str:
         """The template instantiation of this variant with ``gpi`` group slots per step."""
-        t, wgs = hopper_split(self.r)
+        t, wgs = hopper_split(self.r, self.kind)
         return self.spec.template.format(
             r=self.r, u=self.u, gpi=gpi, ns=self.ns, delta=str(delta).lower(), t=t, wgs=wgs
         )
@@ -115,12 +119,18 @@ HOPPER_MAX_T = 64
 #: the tokens a block holds, not with M, so 24, 48 and 96 (wgmma n24 and n48) serve
 #: M = 17-24, 33-48 and 65-96 (scripts/perf_notes.md).
 HOPPER_RS = (1, 2, 3, 4, 6, 8, 12)
+#: The same for the feature-split kind (``hopper_fs``), which serves M >= 33 only.
+HOPPER_FS_RS = (4, 6, 8, 12)
 
 
-def hopper_split(r: int) -> tuple[int, int]:
+def hopper_split(r: int, kind: KernelKind = KernelKind.HOPPER) -> tuple[int, int]:
     """``(T, WGS)`` of a Hopper block of ``8 r`` tokens: T tokens per warpgroup, WGS
-    warpgroups (one up to :data:`HOPPER_MAX_T` tokens, else two that halve them)."""
+    warpgroups. ``hopper``: one warpgroup up to :data:`HOPPER_MAX_T` tokens, else two
+    that halve them; ``hopper_fs``: four that split the features, each with all
+    tokens."""
     tokens = 8 * r
+    if kind is KernelKind.HOPPER_FS:
+        return tokens, 4
     return (tokens, 1) if tokens <= HOPPER_MAX_T else (tokens // 2, 2)
 
 
@@ -160,6 +170,8 @@ class KindSpec:
         tile_rows: A rows per unit of R.
         sums_bytes: bytes of fp32 sums a warp parks in shared memory, per unit of R.
         shares_a: with one output unit per block (``wk == 1``) its 4 warps stage A once.
+        wgmma: a kind of the Hopper kernel (sm_90 only; its activations re-laid out by
+            ``hopper_activations`` first, its unit 256 columns of one token chunk).
         smem: shared memory of a block, ``smem(pipe, gpi, wk)`` bytes.
         threads: threads per block, ``threads(pipe)``.
         block_shapes: the ``wk`` values it runs (1: a block takes 4 column blocks
@@ -186,6 +198,25 @@ class KindSpec:
     reduce_weight: float = 1.0
     reduces_chunk: bool = False
     reduces_per_wave: bool = False
+    wgmma: bool = False
+
+
+def _hopper_spec(template: str) -> KindSpec:
+    return KindSpec(
+        "marlin_wgmma.cu",
+        template,
+        Arith.WEIGHT,
+        tile_rows=8,
+        sums_bytes=0,
+        shares_a=True,
+        smem=hopper_smem,
+        threads=lambda pipe: 128 * hopper_split(pipe.r, pipe.kind)[1],
+        block_shapes=(1,),
+        reduce_weight=0.32,
+        reduces_chunk=True,
+        reduces_per_wave=True,
+        wgmma=True,
+    )
 
 
 KINDS: MappingProxyType[KernelKind, KindSpec] = MappingProxyType(
@@ -214,20 +245,8 @@ KINDS: MappingProxyType[KernelKind, KindSpec] = MappingProxyType(
             sums_bytes=2048,
             shares_a=True,
         ),
-        KernelKind.HOPPER: KindSpec(
-            "marlin_wgmma.cu",
-            "marlin_wgmma<{t}, {wgs}, {u}, {gpi}, {ns}, {delta}>",
-            Arith.WEIGHT,
-            tile_rows=8,
-            sums_bytes=0,
-            shares_a=True,
-            smem=hopper_smem,
-            threads=lambda pipe: 128 * hopper_split(pipe.r)[1],
-            block_shapes=(1,),
-            reduce_weight=0.32,
-            reduces_chunk=True,
-            reduces_per_wave=True,
-        ),
+        KernelKind.HOPPER: _hopper_spec("marlin_wgmma<{t}, {wgs}, {u}, {gpi}, {ns}, {delta}>"),
+        KernelKind.HOPPER_FS: _hopper_spec("marlin_wgmma<{t}, {wgs}, {u}, {gpi}, {ns}, {delta}, 1>"),
     }
 )
 #: The arithmetic of each kind (``KINDS[kind].arith``), keyed by kind.
@@ -257,6 +276,11 @@ GEMM_PIPES: tuple[Pipe, ...] = tuple(
         ("hopper", 8, 4, 6),
         ("hopper", 12, 4, 6),
         ("hopper", 16, 4, 6),
+        ("hopper_fs", 4, 4, 6),
+        ("hopper_fs", 6, 4, 6),
+        ("hopper_fs", 8, 4, 6),
+        ("hopper_fs", 12, 4, 4),
+        ("hopper_fs", 16, 4, 4),
     )
 )
 GEMM_GPIS: MappingProxyType[int, tuple[int, ...]] = MappingProxyType({8: (1,), 4: (1, 2, 4), 2: (1, 2)})
@@ -314,6 +338,11 @@ class Tuning:
             tile kernels were as fast or faster on an H200 (scripts/perf_notes.md:
             narrow N needs deep K splits, and the decode kernel streams better at
             M <= 16).
+        hopper_fs_min_m, hopper_fs_narrow_min_m: the feature-split Hopper kernel
+            (``hopper_fs``) serves M >= hopper_fs_min_m on every layer of N >= 4096
+            and at least hopper_small_kn weights, and M >= hopper_fs_narrow_min_m on
+            those of N == 4096 (where it beat the tile kernel; on wider layers the
+            token-split kernel is faster below 65 rows).
     """
 
     group_max_m: int = 16
@@ -335,6 +364,8 @@ class Tuning:
     hopper_large_m: int = 64
     hopper_huge_m: int = 129
     hopper_small_kn: int = 4096 * 4096
+    hopper_fs_min_m: int = 65
+    hopper_fs_narrow_min_m: int = 33
 
     def cap(self, kind: KernelKind) -> int | None:
         """The occupancy cap of ``kind``, or None."""
@@ -433,6 +464,10 @@ def gemm_path(
     """
     if hopper and tuning.hopper and size_n >= 4096:
         kn = size_k * size_n
+        if kn >= tuning.hopper_small_kn and (
+            m >= tuning.hopper_fs_min_m or (size_n == 4096 and m >= tuning.hopper_fs_narrow_min_m)
+        ):
+            return KernelKind.HOPPER_FS
         if (
             (size_n >= tuning.hopper_wide_n and m >= tuning.hopper_wide_min_m)
             or (kn >= tuning.hopper_big_kn and m >= tuning.hopper_big_min_m)
@@ -475,9 +510,13 @@ def default_pipe(
 
     Returns:
         One of GEMM_PIPES. The Hopper kernel's block holds the fewest 8-token tiles
-        (:data:`HOPPER_RS`, or 16) that hold M; beyond 128 rows, 128-token chunks.
+        (:data:`HOPPER_RS`, or 16) that hold M; beyond 128 rows, 128-token chunks
+        (the feature-split kernel: 64, 96 or 128 tokens).
     """
     kind = gemm_path(m, size_n, tuning, hopper=hopper, size_k=size_k)
+    if kind is KernelKind.HOPPER_FS:
+        r = next((r for r in HOPPER_FS_RS if 8 * r >= m), 16)
+        return Pipe(kind, r, 4, 6 if r <= 8 else 4)
     if kind is KernelKind.HOPPER:
         r = next((r for r in HOPPER_RS if 8 * r >= m), 16)
         return Pipe(kind, r, 4, 6 if r >= 6 else 4)

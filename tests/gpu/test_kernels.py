@@ -16,7 +16,7 @@ import pytest
 from converter.errors import KernelError
 from converter.gpu import kernels
 from converter.gpu import reference as ref
-from converter.gpu.plan import ARITH, GEMM_GPIS, GEMM_PIPES, Pipe, Tuning, hopper_split
+from converter.gpu.plan import ARITH, GEMM_GPIS, GEMM_PIPES, KernelKind, Pipe, Tuning, hopper_split
 from converter.marlin.layout import pack_b, permute_scales
 
 pytestmark = pytest.mark.gpu
@@ -339,7 +339,7 @@ def _hopper_or_skip():
 HOPPER_CASES = [
     (p, m, k, n, gs, act, asym)
     for p in GEMM_PIPES
-    if p[0] == "hopper"
+    if p.spec.wgmma
     for (m, k, n, gs, act, asym) in (
         (8 * p[1], 1024, 512, 128, False, True),  # a full chunk
         (8 * p[1] - 3, 2048, 320, 32, True, True),  # ragged N (one live block of 4), GPI 2, act-order
@@ -362,7 +362,7 @@ def test_every_hopper_variant(cp, pipe, m, k, n, group_size, act_order, asym):
     a = rng.standard_normal((m, k), dtype=np.float32).astype(np.float16)
     kw = dict(size_k=k, size_n=n, group_size=group_size)
     plan = kernels.gemm_plan(m, k, n, group_size, delta=asym, pipe=pipe)
-    assert plan.kind == "hopper" and plan.arith == "weight"
+    assert plan.kind == pipe.kind and plan.pipe.spec.wgmma and plan.arith == "weight"
     args = dict(delta=_dev(cp, L["delta"]), perm=_dev(cp, L["perm"]), bias=_dev(cp, L["bias"]), pipe=pipe)
     outs = [
         cp.asnumpy(
@@ -419,6 +419,8 @@ PADDED_PIPES = [
     ("tile", 4, 2, 3),
     ("hopper", 2, 4, 4),
     ("hopper", 16, 4, 6),
+    ("hopper_fs", 8, 4, 6),
+    ("hopper_fs", 16, 4, 4),
 ]
 
 
@@ -428,7 +430,7 @@ def test_padded_layer_stores_exactly_n_out_columns(cp, pipe, n_out, m):
     """A layer padded from n_out to 384 columns (zero codes, scale 1, delta 0 in the
     padding) gives exactly n_out columns, the real ones equal to the unpadded product's
     first n_out; nothing past them is written (poisoned guard columns)."""
-    if pipe[0] == "hopper":
+    if Pipe.of(pipe).spec.wgmma:
         _hopper_or_skip()
     rng = np.random.default_rng([n_out, m, pipe[1]])
     k, n = 512, 384
@@ -497,7 +499,7 @@ def test_shared_memory_of_every_variant_is_what_the_planner_reserves(cp):
     size below the kernel's would let a ring overrun the allocation."""
     from converter.gpu import build, runtime
 
-    rings = [(p, gpi) for p in GEMM_PIPES if p.kind.value != "hopper" for gpi in GEMM_GPIS[p.u]]
+    rings = [(p, gpi) for p in GEMM_PIPES if not p.spec.wgmma for gpi in GEMM_GPIS[p.u]]
     probe = {"decode": "decode_smem_probe", "decode_w": "decode_smem_probe", "tile": "gemm_smem_probe"}
     names = [f"{probe[p.kind.value]}<{p.r}, {p.u}, {gpi}, {p.ns}>" for p, gpi in rings]
     folder = build.kernel_dir()
@@ -520,15 +522,16 @@ def test_shared_memory_of_every_hopper_variant_is_what_the_planner_reserves(cp):
 
     if not kernels.hopper_device():
         pytest.skip("the Hopper kernel needs sm_90")
-    pipes = [(p, gpi) for p in GEMM_PIPES if p.kind.value == "hopper" for gpi in GEMM_GPIS[p.u]]
+    pipes = [(p, gpi) for p in GEMM_PIPES if p.spec.wgmma for gpi in GEMM_GPIS[p.u]]
     names = []
     for p, gpi in pipes:
-        t, wgs = hopper_split(p.r)
-        names += [f"wg_smem_probe<{t}, {wgs}, {p.u}, {gpi}, {p.ns}, {d}>" for d in ("true", "false")]
+        t, wgs = hopper_split(p.r, p.kind)
+        j = 1 if p.kind is KernelKind.HOPPER_FS else 4
+        names += [f"wg_smem_probe<{t}, {wgs}, {p.u}, {gpi}, {p.ns}, {d}, {j}>" for d in ("true", "false")]
     code = (
         '#include "marlin_wgmma.cu"\n'
-        "template <int T, int WGS, int U, int GPI, int NS, bool D> __global__ void wg_smem_probe(int* out) {\n"
-        "    out[0] = WgLayout<T, WGS, U, GPI, NS, D>::RING;\n}\n"
+        "template <int T, int WGS, int U, int GPI, int NS, bool D, int J> __global__ void wg_smem_probe(int* out) {\n"
+        "    out[0] = WgLayout<T, WGS, U, GPI, NS, D, J>::RING;\n}\n"
     )
     arch = runtime.device_info().arch + "a"
     opts = ("-std=c++17", f"--gpu-architecture={arch}", f"-I{build.kernel_dir()}")

@@ -175,6 +175,7 @@ def test_kind_table() -> None:
         KernelKind.DECODE: Arith.GROUP,
         KernelKind.DECODE_W: Arith.WEIGHT,
         KernelKind.HOPPER: Arith.WEIGHT,
+        KernelKind.HOPPER_FS: Arith.WEIGHT,
     }
     assert Pipe.of(("tile", 1, 4, 3)) == ("tile", 1, 4, 3) and repr(Pipe.of(("tile", 1, 4, 3))) == "('tile', 1, 4, 3)"
     assert Pipe.of(("decode", 2, 8, 3)).name(1, True) == "marlin_decode<2, 8, 1, 3, true, true>"
@@ -186,6 +187,9 @@ def test_kind_table() -> None:
     assert Pipe.of(("hopper", 16, 4, 6)).name(2, True) == "marlin_wgmma<64, 2, 4, 2, 6, true>"
     assert Pipe.of(("hopper", 4, 4, 4)).name(1, False) == "marlin_wgmma<32, 1, 4, 1, 4, false>"
     assert [Pipe.of(("hopper", r, 4, 4)).threads for r in (1, 8, 16)] == [128, 128, 256]
+    assert Pipe.of(("hopper_fs", 16, 4, 6)).name(1, True) == "marlin_wgmma<128, 4, 4, 1, 6, true, 1>"
+    assert [Pipe.of(("hopper_fs", r, 4, 6)).threads for r in (8, 16)] == [512, 512]
+    assert Pipe.of(("hopper_fs", 16, 4, 6)).smem(1) == Pipe.of(("hopper", 16, 4, 6)).smem(1)
 
 
 def test_hopper_routing() -> None:
@@ -201,12 +205,45 @@ def test_hopper_routing() -> None:
     assert gemm_path(32, 8192, hopper=True, size_k=28672) is KernelKind.HOPPER
     assert gemm_path(63, 8192, hopper=True, size_k=8192) is KernelKind.TILE
     assert gemm_path(64, 8192, hopper=True, size_k=8192) is KernelKind.HOPPER
-    assert gemm_path(128, 4096, hopper=True, size_k=14336) is KernelKind.TILE
-    assert gemm_path(129, 4096, hopper=True, size_k=14336) is KernelKind.HOPPER
-    assert gemm_path(256, 4096, hopper=True, size_k=4096) is KernelKind.TILE  # small layer
+    assert gemm_path(32, 4096, hopper=True, size_k=14336) is KernelKind.TILE
     assert gemm_path(256, 2048, hopper=True, size_k=65536) is KernelKind.TILE  # narrow
+    assert gemm_path(64, 1024, hopper=True, size_k=8192) is KernelKind.TILE  # narrow
     assert gemm_path(64, 57344, size_k=8192) is KernelKind.TILE  # not on sm_80..89
+    assert gemm_path(128, 57344, size_k=8192) is KernelKind.TILE
     assert gemm_path(64, 57344, Tuning(hopper=False), hopper=True, size_k=8192) is KernelKind.TILE
+
+
+def test_feature_split_routing() -> None:
+    """The feature-split kernel (H200 sweep, scripts/perf_notes.md): every layer of at
+    least 4096 x 4096 weights from 65 rows, N = 4096 layers from 33; below that the
+    token-split kernel or the tile kernel."""
+    fs = KernelKind.HOPPER_FS
+    for k, n in ((8192, 57344), (28672, 8192), (4096, 14336), (8192, 8192), (14336, 4096), (4096, 4096)):
+        assert gemm_path(65, n, hopper=True, size_k=k) is fs
+        assert gemm_path(300, n, hopper=True, size_k=k) is fs
+    assert gemm_path(64, 57344, hopper=True, size_k=8192) is KernelKind.HOPPER
+    assert gemm_path(64, 8192, hopper=True, size_k=28672) is KernelKind.HOPPER
+    assert gemm_path(33, 4096, hopper=True, size_k=14336) is fs
+    assert gemm_path(33, 4096, hopper=True, size_k=4096) is fs
+    assert gemm_path(32, 4096, hopper=True, size_k=4096) is KernelKind.TILE
+    assert gemm_path(256, 4096, hopper=True, size_k=2048) is KernelKind.TILE  # below 4096 x 4096
+    pipes = [
+        default_pipe(m, 4096, 4096, 8, H200.smem_per_block_optin, hopper=True)
+        for m in (33, 48, 49, 64, 65, 96, 97, 256)
+    ]
+    assert pipes == [
+        (fs, 6, 4, 6),
+        (fs, 6, 4, 6),
+        (fs, 8, 4, 6),
+        (fs, 8, 4, 6),
+        (fs, 12, 4, 4),
+        (fs, 12, 4, 4),
+        (fs, 16, 4, 4),
+        (fs, 16, 4, 4),
+    ]
+    assert all(p in GEMM_PIPES for p in pipes)
+    p = _plan(128, 8192, 57344, 128, regs=127, hopper=True)
+    assert (p.kind, p.r, p.threads, p.splits, p.blocks, p.resident_warps) == (fs, 16, 512, 1, 224, 16 * 132)
 
 
 @pytest.mark.parametrize(
@@ -220,15 +257,16 @@ def test_hopper_routing() -> None:
         (48, 6, 6),
         (49, 8, 6),
         (64, 8, 6),
-        (65, 12, 6),
-        (96, 12, 6),
-        (97, 16, 6),
-        (300, 16, 6),
     ],
 )
 def test_hopper_pipe_holds_m(m: int, r: int, ns: int) -> None:
     pipe = default_pipe(m, 8192, 57344, 8, H200.smem_per_block_optin, hopper=True)
     assert pipe == ("hopper", r, 4, ns)
+    # beyond 64 rows the feature-split kernel; the token-split blocks of 96 and 128
+    # tokens stay built (--sweep h12x4x6w1, h16x4x6w1)
+    assert (
+        default_pipe(m, 8192, 57344, 8, H200.smem_per_block_optin, Tuning(hopper_fs_min_m=10**9), hopper=True) == pipe
+    )
 
 
 @pytest.mark.parametrize(
@@ -262,8 +300,8 @@ def test_hopper_plan_occupancy_and_split() -> None:
     assert p32.blocks == 32 * p32.splits and p32.resident_warps == 4 * 3 * 132 and p32.blocks <= 3 * 132
     p64 = _plan(64, 8192, 57344, 128, regs=254, hopper=True)
     assert (p64.splits, p64.blocks, p64.m_chunks) == (1, 224, 1)
-    p128 = _plan(128, 8192, 57344, 128, regs=254, hopper=True)
+    p128 = _plan(128, 8192, 57344, 128, regs=254, hopper=True, pipe=Pipe.of(("hopper", 16, 4, 6)))
     assert (p128.threads, p128.splits, p128.resident_warps) == (256, 1, 8 * 132)
-    p300 = _plan(300, 8192, 57344, 128, regs=254, hopper=True)
-    assert (p300.m_chunks, p300.rows) == (3, 128)
+    p300 = _plan(300, 8192, 57344, 128, regs=127, hopper=True)
+    assert (p300.kind, p300.m_chunks, p300.rows) == (KernelKind.HOPPER_FS, 3, 128)
     assert resident_blocks(254, Pipe.of(("hopper", 16, 4, 6)).smem(1), H200.smem_per_sm, 8) == 1
