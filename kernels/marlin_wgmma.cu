@@ -24,7 +24,7 @@
 // wgmma per k-tile, wgmma jj having as its 64 rows tile j = J fg + jj of each warp's
 // block, so accumulator acc[jj][4 i + e] of warp w, lane (g, t) is feature 64 w + 16 j
 // + g + 8 (e / 2), token T tg + 8 i + 2 t + e % 2. J = 4 (one feature group): a
-// warpgroup dequantizes all 256 features, and two warpgroups split the tokens. J = 1
+// warpgroup dequantizes all 256 features (with WGS = 2, for half the tokens each). J = 1
 // (four feature groups): each weight is dequantized once per block however many
 // tokens it holds, and the accumulators of T tokens take T / 2 registers, not 2 T,
 // so one wgmma can be 128 tokens wide.
@@ -45,10 +45,13 @@
 // pipeline each stage (measured: the copies alone ran at 1.6 TB/s at M = 64; with X by
 // bulk copy, at 3.1 TB/s). W, S and D are read with ordinary loads, so cp.async suits
 // them, and a bulk copy completes on the stage's mbarrier.
-// NS - 2 stages are in flight while one is computed: wgmma groups are waited for one
-// k-tile behind (wait_group 1), so the stage computed two iterations ago is the one the
-// copies may overwrite, and each k-tile's A fragments go to the other of two register
-// sets than the k-tile before. (Per-stage `empty` mbarriers instead of the block-wide
+// NS - 2 stages are in flight while one is computed. The stage computed two iterations
+// ago is the one the copies may overwrite: every warpgroup retired its products before
+// the barrier of this iteration. J = 4: one wgmma group per k-tile, waited for one
+// k-tile behind (wait_group 1), each k-tile's A fragments in the other of two register
+// sets than the k-tile before. J * U <= 8 ("STAGED"): one group per stage, its U
+// k-tiles' fragments in U register sets, waited for (wait_group 0) at the next stage
+// before they are rewritten. (Per-stage `empty` mbarriers instead of the block-wide
 // barrier, so that warps may drift a stage apart, measured 3-5 % slower on an H200.)
 //
 // K splits > 1: every block writes its fp32 accumulators to `ws` in register order
@@ -64,15 +67,16 @@
 // m_chunks * TOK.
 // Constraints: K % (16 U) == 0, N % 64 == 0, group size a multiple of 16 dividing K or
 // per-channel, GPI = U / gcd(group tiles, U) (1 for per-channel), tiles_per_split %
-// U == 0, 16-byte aligned operands, `locks` zeroed before first use and never shared
-// by two launches in flight. Needs sm_90a (wgmma); no L2 cache-policy hint.
+// U == 0, U % WGS == 0, 16-byte aligned operands, `locks` zeroed before first use and
+// never shared by two launches in flight. Needs sm_90a (wgmma); no L2 cache-policy hint.
 
 #include "marlin_stream.cuh"
 #include "wgmma_ops.cuh"
 
 // Measurement switches (scripts/perf_notes.md, "where the time goes"): compile with
 // -DWG_NODQ=1 to feed the raw words to wgmma, -DWG_NOMMA=1 to skip the products. The
-// results are wrong then; the time of what remains is what they are for.
+// results are wrong then; the time of what remains is what they are for. (With J = 1,
+// WG_NODQ makes ptxas add warpgroup arrives (C7519): not comparable with J = 4.)
 #ifndef WG_NODQ
 #define WG_NODQ 0
 #endif
@@ -319,12 +323,12 @@ marlin_wgmma(const u16* __restrict__ At, const int4* __restrict__ B, const u16* 
         cp_async_commit();
     }
 
-    // STAGED (J = 1, 2): a warpgroup dequantizes a whole stage into U register sets and
-    // issues its U k-tiles' wgmma back to back as one group, retired at the next stage;
-    // the products run while the warps meet at the barrier, issue the next copies and
-    // load the next B words. Else (J = 4, whose 4 A fragments per k-tile fill the
-    // registers): one group per k-tile, waited for one k-tile behind, in two register
-    // sets.
+    // STAGED (J * U <= 8: J = 1, 2 at U = 4): a warpgroup dequantizes a whole stage into
+    // U register sets and issues its U k-tiles' wgmma back to back as one group, retired
+    // at the next stage; the products run while the warps meet at the barrier, issue the
+    // next copies and load the next B words. Else (J = 4, whose 4 A fragments per k-tile
+    // fill the registers): one group per k-tile, waited for one k-tile behind, in two
+    // register sets.
     constexpr bool STAGED = J * U <= 8;
     u32 af[STAGED ? U : 2][J][4];
     const u32 x_wg = (u32)(tg * (T / 8) * 128);  // this warpgroup's first token inside a chunk

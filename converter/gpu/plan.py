@@ -110,17 +110,19 @@ class Pipe(NamedTuple):
         return self.spec.threads(self)
 
 
-#: Tokens one warpgroup of the Hopper kernel takes at most (its accumulators: 2 T
-#: registers per thread, 128 at T = 64).
+#: Tokens one warpgroup of the token-split Hopper kind (``hopper``) takes at most (its
+#: accumulators: 2 T registers per thread, 128 at T = 64; ``hopper_fs`` needs T / 2).
 HOPPER_MAX_T = 64
 
 
-#: The Hopper kernel's block sizes below 128 tokens, in 8-token tiles: its time grows with
-#: the tokens a block holds, not with M, so 24, 48 and 96 (wgmma n24 and n48) serve
-#: M = 17-24, 33-48 and 65-96 (scripts/perf_notes.md).
+#: The token-split Hopper kind's block sizes below 128 tokens, in 8-token tiles: its
+#: time grows with the tokens a block holds, not with M, so 24, 48 and 96 (wgmma n24
+#: and n48) serve M = 17-24, 33-48 and 65-96 (the last only on the layers ``hopper_fs``
+#: does not take; scripts/perf_notes.md).
 HOPPER_RS = (1, 2, 3, 4, 6, 8, 12)
-#: The same for the feature-split kind (``hopper_fs``), which serves M >= 33 only.
-HOPPER_FS_RS = (4, 6, 8, 12)
+#: The same for the feature-split kind (``hopper_fs``), routed from 33 rows: 48, 64, 96
+#: and 128 tokens. Its 32-token block (r = 4) is built for sweeps only.
+HOPPER_FS_RS = (6, 8, 12)
 
 
 def hopper_split(r: int, kind: KernelKind = KernelKind.HOPPER) -> tuple[int, int]:
@@ -334,10 +336,11 @@ class Tuning:
             hopper_big_kn weights;
         hopper_large_m: M >= hopper_large_m on layers of N >= 8192;
         hopper_huge_m, hopper_small_kn: M >= hopper_huge_m on layers of more than
-            hopper_small_kn weights (N >= 4096 always). Everywhere else the decode and
-            tile kernels were as fast or faster on an H200 (scripts/perf_notes.md:
-            narrow N needs deep K splits, and the decode kernel streams better at
-            M <= 16).
+            hopper_small_kn weights (N >= 4096 always; with the defaults ``hopper_fs``
+            takes those rows first, so this serves only when it is switched off).
+            Everywhere else the decode and tile kernels were as fast or faster on an
+            H200 (scripts/perf_notes.md: narrow N needs deep K splits, and the decode
+            kernel streams better at M <= 16).
         hopper_fs_min_m, hopper_fs_narrow_min_m: the feature-split Hopper kernel
             (``hopper_fs``) serves M >= hopper_fs_min_m on every layer of N >= 4096
             and at least hopper_small_kn weights, and M >= hopper_fs_narrow_min_m on
@@ -511,7 +514,8 @@ def default_pipe(
     Returns:
         One of GEMM_PIPES. The Hopper kernel's block holds the fewest 8-token tiles
         (:data:`HOPPER_RS`, or 16) that hold M; beyond 128 rows, 128-token chunks
-        (the feature-split kernel: 64, 96 or 128 tokens).
+        (the feature-split kernel: 48, 64, 96 or 128 tokens; NS = 6 up to 64 tokens,
+        4 above).
     """
     kind = gemm_path(m, size_n, tuning, hopper=hopper, size_k=size_k)
     if kind is KernelKind.HOPPER_FS:

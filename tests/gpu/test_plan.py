@@ -65,6 +65,8 @@ def test_tuning_defaults_are_the_measured_values() -> None:
         hopper_large_m=64,
         hopper_huge_m=129,
         hopper_small_kn=4096 * 4096,
+        hopper_fs_min_m=65,
+        hopper_fs_narrow_min_m=33,
     )
     with pytest.raises(dataclasses.FrozenInstanceError):
         DEFAULT_TUNING.waves = 2  # type: ignore[misc]
@@ -187,9 +189,10 @@ def test_kind_table() -> None:
     assert Pipe.of(("hopper", 16, 4, 6)).name(2, True) == "marlin_wgmma<64, 2, 4, 2, 6, true>"
     assert Pipe.of(("hopper", 4, 4, 4)).name(1, False) == "marlin_wgmma<32, 1, 4, 1, 4, false>"
     assert [Pipe.of(("hopper", r, 4, 4)).threads for r in (1, 8, 16)] == [128, 128, 256]
-    assert Pipe.of(("hopper_fs", 16, 4, 6)).name(1, True) == "marlin_wgmma<128, 4, 4, 1, 6, true, 1>"
-    assert [Pipe.of(("hopper_fs", r, 4, 6)).threads for r in (8, 16)] == [512, 512]
-    assert Pipe.of(("hopper_fs", 16, 4, 6)).smem(1) == Pipe.of(("hopper", 16, 4, 6)).smem(1)
+    assert Pipe.of(("hopper_fs", 16, 4, 4)).name(1, True) == "marlin_wgmma<128, 4, 4, 1, 4, true, 1>"
+    assert [Pipe.of(("hopper_fs", r, 4, 6)).threads for r in (4, 8)] == [512, 512]
+    # 4 stages of 4 x 2 KB weights, 4 x 128 x 32 B activations, 2 x 512 B scale/delta rows
+    assert Pipe.of(("hopper_fs", 16, 4, 4)).smem(1) == 4 * (4 * 2048 + 4 * 128 * 32 + 2 * 512)
 
 
 def test_hopper_routing() -> None:
@@ -262,11 +265,28 @@ def test_feature_split_routing() -> None:
 def test_hopper_pipe_holds_m(m: int, r: int, ns: int) -> None:
     pipe = default_pipe(m, 8192, 57344, 8, H200.smem_per_block_optin, hopper=True)
     assert pipe == ("hopper", r, 4, ns)
-    # beyond 64 rows the feature-split kernel; the token-split blocks of 96 and 128
-    # tokens stay built (--sweep h12x4x6w1, h16x4x6w1)
-    assert (
-        default_pipe(m, 8192, 57344, 8, H200.smem_per_block_optin, Tuning(hopper_fs_min_m=10**9), hopper=True) == pipe
-    )
+
+
+@pytest.mark.parametrize("m,r", [(65, 12), (96, 12), (97, 16), (300, 16)])
+def test_beyond_64_rows_the_feature_split_block_holds_m(m: int, r: int) -> None:
+    """The feature-split kernel from 65 rows, its 96- or 128-token block (128-token
+    chunks beyond); with it switched off, the token-split blocks of 96 and 128 tokens
+    (two warpgroups), which also serve the layers of fewer than 4096^2 weights."""
+    limit = H200.smem_per_block_optin
+    assert default_pipe(m, 8192, 57344, 8, limit, hopper=True) == ("hopper_fs", r, 4, 4)
+    assert default_pipe(m, 8192, 57344, 8, limit, Tuning(hopper_fs_min_m=10**9), hopper=True) == ("hopper", r, 4, 6)
+    assert default_pipe(m, 1024, 14336, 8, limit, hopper=True) == ("hopper", r, 4, 6)
+
+
+def test_every_routed_pipe_is_built() -> None:
+    """default_pipe never names a variant that was not compiled, on any shape or M, on
+    sm_90 or sm_80..89."""
+    shapes = [(k, n) for k in (64, 1024, 4096, 8192, 14336, 28672) for n in (64, 1024, 4096, 8192, 14336, 57344)]
+    for k, n in shapes:
+        for m in range(1, 300):
+            for hopper in (False, True):
+                pipe = default_pipe(m, k, n, 8, H200.smem_per_block_optin, hopper=hopper)
+                assert pipe in GEMM_PIPES, (k, n, m, hopper, pipe)
 
 
 @pytest.mark.parametrize(
