@@ -172,8 +172,10 @@ class KindSpec:
         tile_rows: A rows per unit of R.
         sums_bytes: bytes of fp32 sums a warp parks in shared memory, per unit of R.
         shares_a: with one output unit per block (``wk == 1``) its 4 warps stage A once.
-        wgmma: a kind of the Hopper kernel (sm_90 only; its activations re-laid out by
-            ``hopper_activations`` first, its unit 256 columns of one token chunk).
+        wg_tiles: for a kind of the Hopper kernel (sm_90 only; its activations re-laid
+            out by ``hopper_activations`` first, its unit 256 columns of one token
+            chunk), the 16-column tiles of each warp's Marlin block one warpgroup takes
+            (the kernel's J: 4 splits the tokens, 1 the features); 0 for the others.
         smem: shared memory of a block, ``smem(pipe, gpi, wk)`` bytes.
         threads: threads per block, ``threads(pipe)``.
         block_shapes: the ``wk`` values it runs (1: a block takes 4 column blocks
@@ -200,13 +202,19 @@ class KindSpec:
     reduce_weight: float = 1.0
     reduces_chunk: bool = False
     reduces_per_wave: bool = False
-    wgmma: bool = False
+    wg_tiles: int = 0
+
+    @property
+    def wgmma(self) -> bool:
+        """A kind of the Hopper kernel (see ``wg_tiles``)."""
+        return self.wg_tiles > 0
 
 
-def _hopper_spec(template: str) -> KindSpec:
+def _hopper_spec(j: int) -> KindSpec:
+    # J = 4 is the template's default: the token-split names are spelled without it.
     return KindSpec(
         "marlin_wgmma.cu",
-        template,
+        "marlin_wgmma<{t}, {wgs}, {u}, {gpi}, {ns}, {delta}" + ("" if j == 4 else f", {j}") + ">",
         Arith.WEIGHT,
         tile_rows=8,
         sums_bytes=0,
@@ -217,7 +225,7 @@ def _hopper_spec(template: str) -> KindSpec:
         reduce_weight=0.32,
         reduces_chunk=True,
         reduces_per_wave=True,
-        wgmma=True,
+        wg_tiles=j,
     )
 
 
@@ -247,8 +255,8 @@ KINDS: MappingProxyType[KernelKind, KindSpec] = MappingProxyType(
             sums_bytes=2048,
             shares_a=True,
         ),
-        KernelKind.HOPPER: _hopper_spec("marlin_wgmma<{t}, {wgs}, {u}, {gpi}, {ns}, {delta}>"),
-        KernelKind.HOPPER_FS: _hopper_spec("marlin_wgmma<{t}, {wgs}, {u}, {gpi}, {ns}, {delta}, 1>"),
+        KernelKind.HOPPER: _hopper_spec(4),
+        KernelKind.HOPPER_FS: _hopper_spec(1),
     }
 )
 #: The arithmetic of each kind (``KINDS[kind].arith``), keyed by kind.

@@ -16,7 +16,7 @@ import pytest
 from converter.errors import KernelError
 from converter.gpu import kernels
 from converter.gpu import reference as ref
-from converter.gpu.plan import ARITH, GEMM_GPIS, GEMM_PIPES, KernelKind, Pipe, Tuning, hopper_split
+from converter.gpu.plan import ARITH, GEMM_GPIS, GEMM_PIPES, Pipe, Tuning, hopper_split
 from converter.marlin.layout import pack_b, permute_scales
 
 pytestmark = pytest.mark.gpu
@@ -526,8 +526,7 @@ def test_shared_memory_of_every_hopper_variant_is_what_the_planner_reserves(cp):
     names = []
     for p, gpi in pipes:
         t, wgs = hopper_split(p.r, p.kind)
-        j = 1 if p.kind is KernelKind.HOPPER_FS else 4
-        names += [f"wg_smem_probe<{t}, {wgs}, {p.u}, {gpi}, {p.ns}, {d}, {j}>" for d in ("true", "false")]
+        names += [f"wg_smem_probe<{t}, {wgs}, {p.u}, {gpi}, {p.ns}, {d}, {p.spec.wg_tiles}>" for d in ("true", "false")]
     code = (
         '#include "marlin_wgmma.cu"\n'
         "template <int T, int WGS, int U, int GPI, int NS, bool D, int J> __global__ void wg_smem_probe(int* out) {\n"
