@@ -221,7 +221,8 @@ convert_app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_ex
 @convert_app.command(
     help="Convert an asymmetric 4-bit checkpoint (.tinyloop, GPTQ, AWQ, compressed-tensors) into a Marlin "
     "safetensors artifact (one file, HF shards with --max-shard-size, or a model folder).\n\n"
-    "Exit codes: 0 ok; 2 bad input or usage (nothing is written); 130 interrupted (nothing is written).",
+    "Exit codes: 0 ok; 1 a bug (InternalError, traceback with --debug); 2 bad input or usage (nothing is "
+    "written); 130 interrupted (nothing is written).",
     epilog="Example: marlin-convert model.tinyloop model.marlin.safetensors",
 )
 def convert_cmd(
