@@ -205,21 +205,31 @@ static PyObject *py_unpack_b(PyObject *self, PyObject *args) {
     return res;
 }
 
-/* unpack_rows(words, out, rows, size_n, bits): words uint32 [rows * N], out uint8
- * [rows * 32/bits * N]. */
-static PyObject *py_unpack_rows(PyObject *self, PyObject *args) {
-    Py_buffer w, out;
-    Py_ssize_t rows, size_n;
-    int bits;
-    if (!PyArg_ParseTuple(args, "y*w*nni", &w, &out, &rows, &size_n, &bits)) return NULL;
-    PyObject *res = NULL;
+/* The checks shared by the word <-> code entry points: bits 2, 4 or 8, sizes >= 0, and
+ * buffers of rows * n 32-bit words and rows * n * 32/bits codes.  Sets the Python error
+ * and returns 0 when one fails. */
+static int words_and_codes(int bits, Py_ssize_t rows, Py_ssize_t n, Py_buffer *w, Py_buffer *q) {
     if (bits != 2 && bits != 4 && bits != 8) {
         PyErr_Format(PyExc_ValueError, "bits must be 2, 4 or 8, got %d", bits);
-    } else if (rows < 0 || size_n < 0) {
+        return 0;
+    }
+    if (rows < 0 || n < 0) {
         PyErr_SetString(PyExc_ValueError, "negative size");
-    } else if (need_len(&w, rows * size_n * 4, "words") && need_len(&out, rows * (32 / bits) * size_n, "codes")) {
+        return 0;
+    }
+    return need_len(w, rows * n * 4, "words") && need_len(q, rows * (32 / bits) * n, "codes");
+}
+
+/* unpack_rows and unpack_cols: (words, out, rows, n, bits), n words per row. */
+static PyObject *unpack_with(rows_fn fn, PyObject *args) {
+    Py_buffer w, out;
+    Py_ssize_t rows, n;
+    int bits;
+    if (!PyArg_ParseTuple(args, "y*w*nni", &w, &out, &rows, &n, &bits)) return NULL;
+    PyObject *res = NULL;
+    if (words_and_codes(bits, rows, n, &w, &out)) {
         Py_BEGIN_ALLOW_THREADS
-        K.unpack_rows((const uint32_t *)w.buf, (uint8_t *)out.buf, size_n, bits, 0, rows);
+        fn((const uint32_t *)w.buf, (uint8_t *)out.buf, n, bits, 0, rows);
         Py_END_ALLOW_THREADS
         res = Py_NewRef(Py_None);
     }
@@ -228,28 +238,13 @@ static PyObject *py_unpack_rows(PyObject *self, PyObject *args) {
     return res;
 }
 
+/* unpack_rows(words, out, rows, size_n, bits): words uint32 [rows * N], out uint8
+ * [rows * 32/bits * N]. */
+static PyObject *py_unpack_rows(PyObject *self, PyObject *args) { return unpack_with(K.unpack_rows, args); }
+
 /* unpack_cols(words, out, rows, n_words, bits): words uint32 [rows * W], out uint8
  * [rows * W * 32/bits], unpacked along each row. */
-static PyObject *py_unpack_cols(PyObject *self, PyObject *args) {
-    Py_buffer w, out;
-    Py_ssize_t rows, n_words;
-    int bits;
-    if (!PyArg_ParseTuple(args, "y*w*nni", &w, &out, &rows, &n_words, &bits)) return NULL;
-    PyObject *res = NULL;
-    if (bits != 2 && bits != 4 && bits != 8) {
-        PyErr_Format(PyExc_ValueError, "bits must be 2, 4 or 8, got %d", bits);
-    } else if (rows < 0 || n_words < 0) {
-        PyErr_SetString(PyExc_ValueError, "negative size");
-    } else if (need_len(&w, rows * n_words * 4, "words") && need_len(&out, rows * n_words * (32 / bits), "codes")) {
-        Py_BEGIN_ALLOW_THREADS
-        K.unpack_cols((const uint32_t *)w.buf, (uint8_t *)out.buf, n_words, bits, 0, rows);
-        Py_END_ALLOW_THREADS
-        res = Py_NewRef(Py_None);
-    }
-    PyBuffer_Release(&w);
-    PyBuffer_Release(&out);
-    return res;
-}
+static PyObject *py_unpack_cols(PyObject *self, PyObject *args) { return unpack_with(K.unpack_cols, args); }
 
 /* diff_rows(words, codes, rows, size_n, bits) -> the flat index into codes of the first
  * code that differs from unpack_rows(words), or -1: words uint32 [rows * N], codes uint8
@@ -261,11 +256,7 @@ static PyObject *py_diff_rows(PyObject *self, PyObject *args) {
     int bits;
     if (!PyArg_ParseTuple(args, "y*y*nni", &w, &q, &rows, &size_n, &bits)) return NULL;
     PyObject *res = NULL;
-    if (bits != 2 && bits != 4 && bits != 8) {
-        PyErr_Format(PyExc_ValueError, "bits must be 2, 4 or 8, got %d", bits);
-    } else if (rows < 0 || size_n < 0) {
-        PyErr_SetString(PyExc_ValueError, "negative size");
-    } else if (need_len(&w, rows * size_n * 4, "words") && need_len(&q, rows * (32 / bits) * size_n, "codes")) {
+    if (words_and_codes(bits, rows, size_n, &w, &q)) {
         Py_ssize_t at;
         Py_BEGIN_ALLOW_THREADS
         at = K.diff_rows((const uint32_t *)w.buf, (const uint8_t *)q.buf, size_n, bits, 0, rows);

@@ -131,8 +131,9 @@ def hopper_split(r: int, kind: KernelKind = KernelKind.HOPPER) -> tuple[int, int
     that halve them; ``hopper_fs``: four that split the features, each with all
     tokens."""
     tokens = 8 * r
-    if kind is KernelKind.HOPPER_FS:
-        return tokens, 4
+    j = KINDS[kind].wg_tiles
+    if 0 < j < 4:  # 4 / J warpgroups split the features, each with all the tokens
+        return tokens, 4 // j
     return (tokens, 1) if tokens <= HOPPER_MAX_T else (tokens // 2, 2)
 
 
