@@ -121,7 +121,8 @@ HOPPER_MAX_T = 64
 #: does not take; scripts/perf_notes.md).
 HOPPER_RS = (1, 2, 3, 4, 6, 8, 12)
 #: The same for the feature-split kind (``hopper_fs``), routed from 33 rows: 48, 64, 96
-#: and 128 tokens. Its 32-token block (r = 4) is built for sweeps only.
+#: and 128 tokens. Its 32-token block (r = 4) serves the thin layers (N < 4096,
+#: ``Tuning.hopper_fs_thin_min_m``) in chunks.
 HOPPER_FS_RS = (6, 8, 12)
 
 
@@ -331,7 +332,11 @@ class Tuning:
             the decode kernel's 16-row chunks (9-16 rows, 3 blocks resident) run no
             faster with a third block than with two; with 8 rows and fewer the waves
             model picked as well (a sweep of every split count at M = 1, 8, 12 and 16:
-            scripts/bench_gemm_h200_decode_splits.json). ``waves`` does not apply there.
+            scripts/bench_gemm_h200_decode_splits.json). The tile kernel's 32-row
+            chunks (168 registers, 3 blocks resident) likewise: on 14336 x 4096 and
+            8192 x 8192 at M = 16-32 its 2-block splits ran 7-12 % faster than the
+            one-wave-of-3 splits the waves model chose (scripts/bench_gemm_h200_tile_splits.json).
+            ``waves`` does not apply there.
         force_splits: forces the K split count where the block shape allows it (the
             split sweep of ``scripts/bench_gemm.py --sweep-splits``); None lets the cost
             model choose.
@@ -355,6 +360,12 @@ class Tuning:
             and at least hopper_small_kn weights, and M >= hopper_fs_narrow_min_m on
             those of N == 4096 (where it beat the tile kernel; on wider layers the
             token-split kernel is faster below 65 rows).
+        hopper_fs_thin_min_m, hopper_fs_thin_kn: it also serves M >=
+            hopper_fs_thin_min_m on layers of 1024 <= N < 4096 and at least
+            hopper_fs_thin_kn weights, in 32-token chunks (64 beyond 128 rows): there
+            the tile kernel's few column blocks leave the device idle, and 8192 x 1024
+            ran 17.6-23.0 us against its 20.8-24.1 at M = 48-128
+            (scripts/bench_gemm_h200_thin_splits.json).
     """
 
     group_max_m: int = 16
@@ -367,7 +378,7 @@ class Tuning:
     force_wk: int | None = None
     force_splits: int | None = None
     occupancy_cap: tuple[tuple[KernelKind, int], ...] = ()
-    saturation: tuple[tuple[KernelKind, int, int], ...] = ((KernelKind.DECODE, 9, 2),)
+    saturation: tuple[tuple[KernelKind, int, int], ...] = ((KernelKind.DECODE, 9, 2), (KernelKind.TILE, 9, 2))
     hopper: bool = True
     hopper_wide_n: int = 14336
     hopper_wide_min_m: int = 17
@@ -378,6 +389,8 @@ class Tuning:
     hopper_small_kn: int = 4096 * 4096
     hopper_fs_min_m: int = 65
     hopper_fs_narrow_min_m: int = 33
+    hopper_fs_thin_min_m: int = 33
+    hopper_fs_thin_kn: int = 8192 * 1024
 
     def cap(self, kind: KernelKind) -> int | None:
         """The occupancy cap of ``kind``, or None."""
@@ -474,6 +487,8 @@ def gemm_path(
         hopper: the device can run the Hopper kernel (sm_90); False gives the sm_80..89 rule.
         size_k: K (only the Hopper rule for small layers uses it).
     """
+    if hopper and tuning.hopper and _thin_fs(m, size_k, size_n, tuning):
+        return KernelKind.HOPPER_FS
     if hopper and tuning.hopper and size_n >= 4096:
         kn = size_k * size_n
         if kn >= tuning.hopper_small_kn and (
@@ -492,6 +507,11 @@ def gemm_path(
     if m <= tuning.decode_max_m and size_n > tuning.wide_n:
         return KernelKind.DECODE_W
     return KernelKind.TILE
+
+
+def _thin_fs(m: int, size_k: int, size_n: int, tuning: Tuning) -> bool:
+    """The thin-layer route of the feature-split Hopper kernel (see :class:`Tuning`)."""
+    return 1024 <= size_n < 4096 and size_k * size_n >= tuning.hopper_fs_thin_kn and m >= tuning.hopper_fs_thin_min_m
 
 
 def gemm_arith(m: int, size_n: int, tuning: Tuning = DEFAULT_TUNING, *, hopper: bool = False, size_k: int = 0) -> Arith:
@@ -524,10 +544,12 @@ def default_pipe(
         One of GEMM_PIPES. The Hopper kernel's block holds the fewest 8-token tiles
         (:data:`HOPPER_RS`, or 16) that hold M; beyond 128 rows, 128-token chunks
         (the feature-split kernel: 48, 64, 96 or 128 tokens; NS = 6 up to 64 tokens,
-        4 above).
+        4 above; on thin layers 32-token chunks, 64 beyond 128 rows).
     """
     kind = gemm_path(m, size_n, tuning, hopper=hopper, size_k=size_k)
     if kind is KernelKind.HOPPER_FS:
+        if _thin_fs(m, size_k, size_n, tuning):
+            return Pipe(kind, 4 if m <= 128 else 8, 4, 6)
         r = next((r for r in HOPPER_FS_RS if 8 * r >= m), 16)
         return Pipe(kind, r, 4, 6 if r <= 8 else 4)
     if kind is KernelKind.HOPPER:

@@ -56,7 +56,7 @@ def test_tuning_defaults_are_the_measured_values() -> None:
         force_wk=None,
         force_splits=None,
         occupancy_cap=(),
-        saturation=((KernelKind.DECODE, 9, 2),),
+        saturation=((KernelKind.DECODE, 9, 2), (KernelKind.TILE, 9, 2)),
         hopper=True,
         hopper_wide_n=14336,
         hopper_wide_min_m=17,
@@ -67,6 +67,8 @@ def test_tuning_defaults_are_the_measured_values() -> None:
         hopper_small_kn=4096 * 4096,
         hopper_fs_min_m=65,
         hopper_fs_narrow_min_m=33,
+        hopper_fs_thin_min_m=33,
+        hopper_fs_thin_kn=8192 * 1024,
     )
     with pytest.raises(dataclasses.FrozenInstanceError):
         DEFAULT_TUNING.waves = 2  # type: ignore[misc]
@@ -209,11 +211,51 @@ def test_hopper_routing() -> None:
     assert gemm_path(63, 8192, hopper=True, size_k=8192) is KernelKind.TILE
     assert gemm_path(64, 8192, hopper=True, size_k=8192) is KernelKind.HOPPER
     assert gemm_path(32, 4096, hopper=True, size_k=14336) is KernelKind.TILE
-    assert gemm_path(256, 2048, hopper=True, size_k=65536) is KernelKind.TILE  # narrow
-    assert gemm_path(64, 1024, hopper=True, size_k=8192) is KernelKind.TILE  # narrow
+    assert gemm_path(256, 512, hopper=True, size_k=65536) is KernelKind.TILE  # narrow
+    assert gemm_path(32, 1024, hopper=True, size_k=8192) is KernelKind.TILE  # thin, below 33 rows
     assert gemm_path(64, 57344, size_k=8192) is KernelKind.TILE  # not on sm_80..89
     assert gemm_path(128, 57344, size_k=8192) is KernelKind.TILE
     assert gemm_path(64, 57344, Tuning(hopper=False), hopper=True, size_k=8192) is KernelKind.TILE
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "n", "pipe"),
+    [
+        # 8192 x 1024 (Llama-70B's k/v projections; H200, scripts/bench_gemm_h200_thin_splits.json,
+        # fused us, feature-split chunks against the tile kernel): 32 rows 16.9 / 15.6 (tile kept),
+        # 48 17.6 / 20.8, 64 17.9 / 23.8, 96 20.1 / 24.0, 128 23.0 / 24.1, 256 in 64-row chunks 29.6 / 32.5
+        (32, 8192, 1024, ("tile", 2, 4, 3)),
+        (33, 8192, 1024, ("hopper_fs", 4, 4, 6)),
+        (128, 8192, 1024, ("hopper_fs", 4, 4, 6)),
+        (129, 8192, 1024, ("hopper_fs", 8, 4, 6)),
+        (256, 8192, 2048, ("hopper_fs", 8, 4, 6)),
+        (64, 4096, 1024, ("tile", 4, 2, 3)),  # fewer weights than the sweep's layer: not measured
+        (64, 8192, 512, ("tile", 4, 2, 3)),
+    ],
+)
+def test_thin_layers_take_feature_split_chunks(m: int, k: int, n: int, pipe) -> None:
+    assert default_pipe(m, k, n, 8, H200.smem_per_block_optin, hopper=True) == pipe
+    assert default_pipe(m, k, n, 8, H200.smem_per_block_optin, hopper=False)[0] == "tile"
+
+
+@pytest.mark.parametrize(
+    ("k", "n", "m", "best", "was"),
+    [
+        # the fastest split count of the H200 sweep of the tile kernel's 32-row chunks
+        # (scripts/bench_gemm_h200_tile_splits.json, fused us); "was": the waves model's
+        (14336, 4096, 16, 4, 6),  # 22.8; 25.0 at 6 (one wave of 3 blocks per SM)
+        (14336, 4096, 24, 4, 6),  # 26.8; 28.8 at 6
+        (14336, 4096, 32, 4, 6),  # 28.9; 32.8 at 6
+        (8192, 8192, 24, 2, 3),  # 26.9; 30.0 at 3
+        (8192, 8192, 32, 2, 3),  # 31.4; 34.2 at 3 (30.1 at 1)
+        (4096, 4096, 16, 4, 4),  # 13.0 (12.7 at 2)
+    ],
+)
+def test_tile_split_charges_saturated_multiprocessors(k: int, n: int, m: int, best: int, was: int) -> None:
+    plan = _plan(m, k, n, 128, regs=168)
+    assert (plan.kind, plan.r, plan.wk, plan.splits) == (KernelKind.TILE, 2, 4, best)
+    waves = _plan(m, k, n, 128, regs=168, tuning=Tuning(saturation=((KernelKind.DECODE, 9, 2),)))
+    assert waves.splits == was
 
 
 def test_feature_split_routing() -> None:
