@@ -121,8 +121,8 @@ HOPPER_MAX_T = 64
 #: does not take; scripts/perf_notes.md).
 HOPPER_RS = (1, 2, 3, 4, 6, 8, 12)
 #: The same for the feature-split kind (``hopper_fs``), routed from 33 rows: 48, 64, 96
-#: and 128 tokens. Its 32-token block (r = 4) serves the thin layers (N < 4096,
-#: ``Tuning.hopper_fs_thin_min_m``) in chunks.
+#: and 128 tokens. Its 32- and 64-token blocks (r = 4, 8) also serve the thin layers
+#: (1024 <= N < 4096 with K N >= 2^23, ``Tuning.hopper_fs_thin_min_m``) in chunks.
 HOPPER_FS_RS = (6, 8, 12)
 
 
@@ -328,7 +328,10 @@ class Tuning:
             ``rows`` rows of A, a multiprocessor's throughput on that kind saturates at
             ``blocks`` resident blocks, so the split model charges each multiprocessor
             its share of the blocks, ``ceil(blocks / SMs)``, run ``min(resident,
-            blocks)`` at a time, instead of whole waves of resident blocks. On an H200
+            blocks)`` at a time, instead of whole waves of resident blocks. An entry
+            applies only where more than ``blocks`` blocks fit on a multiprocessor (with
+            at most ``blocks`` resident, nothing saturates and the waves model holds).
+            On an H200
             the decode kernel's 16-row chunks (9-16 rows, 3 blocks resident) run no
             faster with a third block than with two; with 8 rows and fewer the waves
             model picked as well (a sweep of every split count at M = 1, 8, 12 and 16:
@@ -365,7 +368,8 @@ class Tuning:
             hopper_fs_thin_kn weights, in 32-token chunks (64 beyond 128 rows): there
             the tile kernel's few column blocks leave the device idle, and 8192 x 1024
             ran 17.6-23.0 us against its 20.8-24.1 at M = 48-128
-            (scripts/bench_gemm_h200_thin_splits.json).
+            (scripts/bench_gemm_h200_thin_splits.json; the only thin layer measured:
+            the others of the class are an extrapolation).
     """
 
     group_max_m: int = 16
@@ -485,7 +489,7 @@ def gemm_path(
         m, size_n: rows of A, N.
         tuning: the knobs.
         hopper: the device can run the Hopper kernel (sm_90); False gives the sm_80..89 rule.
-        size_k: K (only the Hopper rule for small layers uses it).
+        size_k: K (only the Hopper rules use it: small and thin layers).
     """
     if hopper and tuning.hopper and _thin_fs(m, size_k, size_n, tuning):
         return KernelKind.HOPPER_FS
@@ -698,7 +702,7 @@ def plan_gemm(
             reduce = spec.reduce_weight * tuning.reduce_tiles * (splits - 1) * -(-red_rows // 8)
             if spec.reduces_per_wave:
                 reduce *= waves
-            if sat:
+            if sat and blocks_per_sm > sat:  # past `sat` resident blocks only (see Tuning.saturation)
                 per_sm = -(-blocks_n * splits // device.sm_count)
                 at_once = min(blocks_per_sm, sat, per_sm)
                 rounds = -(-per_sm // blocks_per_sm)

@@ -231,6 +231,8 @@ def test_hopper_routing() -> None:
         (256, 8192, 2048, ("hopper_fs", 8, 4, 6)),
         (64, 4096, 1024, ("tile", 4, 2, 3)),  # fewer weights than the sweep's layer: not measured
         (64, 8192, 512, ("tile", 4, 2, 3)),
+        (64, 16384, 4032, ("hopper_fs", 4, 4, 6)),  # just under N = 4096
+        (64, 2048, 4096 - 64, ("tile", 4, 2, 3)),  # K N just under 2^23
     ],
 )
 def test_thin_layers_take_feature_split_chunks(m: int, k: int, n: int, pipe) -> None:
@@ -241,14 +243,15 @@ def test_thin_layers_take_feature_split_chunks(m: int, k: int, n: int, pipe) -> 
 @pytest.mark.parametrize(
     ("k", "n", "m", "best", "was"),
     [
-        # the fastest split count of the H200 sweep of the tile kernel's 32-row chunks
-        # (scripts/bench_gemm_h200_tile_splits.json, fused us); "was": the waves model's
+        # the planner's split count on the H200 sweep of the tile kernel's 32-row chunks
+        # (scripts/bench_gemm_h200_tile_splits.json, fused us; the fastest count unless
+        # noted); "was": the waves model's
         (14336, 4096, 16, 4, 6),  # 22.8; 25.0 at 6 (one wave of 3 blocks per SM)
         (14336, 4096, 24, 4, 6),  # 26.8; 28.8 at 6
         (14336, 4096, 32, 4, 6),  # 28.9; 32.8 at 6
         (8192, 8192, 24, 2, 3),  # 26.9; 30.0 at 3
-        (8192, 8192, 32, 2, 3),  # 31.4; 34.2 at 3 (30.1 at 1)
-        (4096, 4096, 16, 4, 4),  # 13.0 (12.7 at 2)
+        (8192, 8192, 32, 2, 3),  # 31.4; 34.2 at 3; the fastest, 30.1, at 1
+        (4096, 4096, 16, 4, 4),  # 13.0; the fastest, 12.7, at 2
     ],
 )
 def test_tile_split_charges_saturated_multiprocessors(k: int, n: int, m: int, best: int, was: int) -> None:
@@ -256,6 +259,32 @@ def test_tile_split_charges_saturated_multiprocessors(k: int, n: int, m: int, be
     assert (plan.kind, plan.r, plan.wk, plan.splits) == (KernelKind.TILE, 2, 4, best)
     waves = _plan(m, k, n, 128, regs=168, tuning=Tuning(saturation=((KernelKind.DECODE, 9, 2),)))
     assert waves.splits == was
+
+
+@dataclasses.dataclass(frozen=True)
+class A100:
+    sm_count: int = 108
+    smem_per_block_optin: int = 163 * 1024
+    smem_per_sm: int = 164 * 1024
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "n", "regs", "device"),
+    [
+        (48, 11008, 4096, 228, H200()),  # 64-row chunks: 2 blocks per SM fit, none saturates
+        (48, 8192, 8192, 228, H200()),
+        (24, 14336, 4096, 168, A100()),  # 32-row chunks, 2 blocks per SM by shared memory
+        (48, 8192, 57344, 228, A100()),
+    ],
+)
+def test_tile_saturation_leaves_plans_of_two_resident_blocks_alone(m, k, n, regs, device) -> None:
+    pipe = default_pipe(m, k, n, 8, device.smem_per_block_optin)
+    variant = kernel_variant(k, n, 128, pipe, smem_limit=device.smem_per_block_optin, arch="sm_80")
+    waves = Tuning(saturation=((KernelKind.DECODE, 9, 2),))
+    a = plan_gemm(m, k, n, variant, regs=regs, device=device)
+    b = plan_gemm(m, k, n, variant, regs=regs, device=device, tuning=waves)
+    assert a.kind is KernelKind.TILE and (a.wk, a.splits) == (b.wk, b.splits)
+    assert a.resident_warps == 4 * 2 * device.sm_count
 
 
 def test_feature_split_routing() -> None:
