@@ -491,15 +491,15 @@ def gemm_path(
         hopper: the device can run the Hopper kernel (sm_90); False gives the sm_80..89 rule.
         size_k: K (only the Hopper rules use it: small and thin layers).
     """
-    if hopper and tuning.hopper and _thin_fs(m, size_k, size_n, tuning):
-        return KernelKind.HOPPER_FS
-    if hopper and tuning.hopper and size_n >= 4096:
+    if hopper and tuning.hopper:
         kn = size_k * size_n
-        if kn >= tuning.hopper_small_kn and (
-            m >= tuning.hopper_fs_min_m or (size_n == 4096 and m >= tuning.hopper_fs_narrow_min_m)
+        if _thin_fs(m, size_k, size_n, tuning) or (
+            size_n >= 4096
+            and kn >= tuning.hopper_small_kn
+            and (m >= tuning.hopper_fs_min_m or (size_n == 4096 and m >= tuning.hopper_fs_narrow_min_m))
         ):
             return KernelKind.HOPPER_FS
-        if (
+        if size_n >= 4096 and (
             (size_n >= tuning.hopper_wide_n and m >= tuning.hopper_wide_min_m)
             or (kn >= tuning.hopper_big_kn and m >= tuning.hopper_big_min_m)
             or (size_n >= 8192 and m >= tuning.hopper_large_m)
