@@ -90,11 +90,22 @@ class Pipe(NamedTuple):
     def spec(self) -> KindSpec:
         return KINDS[self.kind]
 
-    def name(self, gpi: int, delta: bool) -> str:
-        """The template instantiation of this variant with ``gpi`` group slots per step."""
+    def name(self, gpi: int, delta: bool, zero_points: bool = False) -> str:
+        """The template instantiation of this variant with ``gpi`` group slots per step;
+        ``zero_points``: the decode kernel's integer-zero-point form of the fused delta
+        (``kernels.prepare_zero_points``; only kinds of :attr:`Arith.GROUP` have one)."""
+        if zero_points and not (delta and self.spec.arith is Arith.GROUP):
+            raise ValueError(f"{self!r} has no zero-point form (only the per-group kinds, with delta)")
         t, wgs = hopper_split(self.r, self.kind)
         return self.spec.template.format(
-            r=self.r, u=self.u, gpi=gpi, ns=self.ns, delta=str(delta).lower(), t=t, wgs=wgs
+            r=self.r,
+            u=self.u,
+            gpi=gpi,
+            ns=self.ns,
+            delta=str(delta).lower(),
+            zp=", true" if zero_points else "",
+            t=t,
+            wgs=wgs,
         )
 
     def smem(self, gpi: int, wk: int | None = None) -> int:
@@ -169,7 +180,8 @@ class KindSpec:
 
     Attributes:
         source: the ``.cu`` file under ``kernels/``.
-        template: its instantiation name, with ``{r} {u} {gpi} {ns} {delta}`` fields.
+        template: its instantiation name, with ``{r} {u} {gpi} {ns} {delta}`` fields
+            (``{zp}``: the zero-point flag, decode kernel only).
         arith: what it multiplies (:class:`Arith`).
         tile_rows: A rows per unit of R.
         sums_bytes: bytes of fp32 sums a warp parks in shared memory, per unit of R.
@@ -243,7 +255,7 @@ KINDS: MappingProxyType[KernelKind, KindSpec] = MappingProxyType(
         ),
         KernelKind.DECODE: KindSpec(
             "marlin_decode.cu",
-            "marlin_decode<{r}, {u}, {gpi}, {ns}, {delta}, true>",
+            "marlin_decode<{r}, {u}, {gpi}, {ns}, {delta}, true{zp}>",
             Arith.GROUP,
             tile_rows=8,
             sums_bytes=2048,
@@ -265,7 +277,7 @@ KINDS: MappingProxyType[KernelKind, KindSpec] = MappingProxyType(
 ARITH: MappingProxyType[KernelKind, Arith] = MappingProxyType({k: s.arith for k, s in KINDS.items()})
 
 #: The variants compiled, each for every GPI (group slots per step) in GEMM_GPIS[U],
-#: with and without the fused delta.
+#: with and without the fused delta (and the per-group kinds with zero points).
 GEMM_PIPES: tuple[Pipe, ...] = tuple(
     Pipe(KernelKind(k), r, u, ns)
     for k, r, u, ns in (
@@ -300,8 +312,13 @@ GEMM_GPIS: MappingProxyType[int, tuple[int, ...]] = MappingProxyType({8: (1,), 4
 
 def kernel_names(source: str) -> list[str]:
     """Every GEMM instantiation compiled from ``source``, in :data:`GEMM_PIPES` order."""
+    forms = ((False, False), (True, False))
     return [
-        p.name(gpi, d) for p in GEMM_PIPES if p.spec.source == source for gpi in GEMM_GPIS[p.u] for d in (False, True)
+        p.name(gpi, d, z)
+        for p in GEMM_PIPES
+        if p.spec.source == source
+        for gpi in GEMM_GPIS[p.u]
+        for d, z in forms + (((True, True),) if p.spec.arith is Arith.GROUP else ())
     ]
 
 
@@ -429,8 +446,8 @@ class Variant:
     group_tiles: int
     per_channel: bool
 
-    def name(self, delta: bool) -> str:
-        return self.pipe.name(self.gpi, delta)
+    def name(self, delta: bool, zero_points: bool = False) -> str:
+        return self.pipe.name(self.gpi, delta, zero_points)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -184,8 +184,13 @@ def test_kind_table() -> None:
     assert Pipe.of(("tile", 1, 4, 3)) == ("tile", 1, 4, 3) and repr(Pipe.of(("tile", 1, 4, 3))) == "('tile', 1, 4, 3)"
     assert Pipe.of(("decode", 2, 8, 3)).name(1, True) == "marlin_decode<2, 8, 1, 3, true, true>"
     assert Pipe.of(("decode_w", 4, 4, 3)).name(2, False) == "marlin_decode<4, 4, 2, 3, false, false>"
-    # Every variant is built for every GPI of its U, with and without delta.
-    n_gemm = sum(2 * len(GEMM_GPIS[p.u]) for p in GEMM_PIPES)
+    assert Pipe.of(("decode", 2, 8, 3)).name(1, True, True) == "marlin_decode<2, 8, 1, 3, true, true, true>"
+    for pipe, delta in ((("decode_w", 4, 4, 3), True), (("tile", 1, 4, 3), True), (("decode", 1, 4, 3), False)):
+        with pytest.raises(ValueError, match="has no zero-point form"):
+            Pipe.of(pipe).name(1, delta, True)
+    # Every variant is built for every GPI of its U, with and without delta, and the
+    # per-group kind also with zero points.
+    n_gemm = sum((3 if p.spec.arith is Arith.GROUP else 2) * len(GEMM_GPIS[p.u]) for p in GEMM_PIPES)
     built = sum(len(build.NAMES[f]) for f in ("marlin_gemm.cu", "marlin_decode.cu", "marlin_wgmma.cu"))
     assert built == n_gemm + 2  # + gather_columns, hopper_activations
     assert Pipe.of(("hopper", 16, 4, 6)).name(2, True) == "marlin_wgmma<64, 2, 4, 2, 6, true>"
