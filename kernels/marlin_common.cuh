@@ -93,21 +93,6 @@ __device__ __forceinline__ void codes_minus8(u32 w, u32 m[4]) {
     m[3] = h2_fma(lop3_and_or(hi, hi_mask, ex), FP16_ONE_16TH, FP16_MINUS_72);
 }
 
-// The same with a per-column integer zero point z in place of Marlin's 8: q - z, exact,
-// at no extra instruction. zs = fp16x2 splat of 1024 + z, zf = splat of -(64 + z)
-// (zero_fma_term), for columns c0 (zs0, zf0) and c0 + 8 (zs1, zf1); |z| < 960.
-#define FP16_MINUS_ONE 0xBC00BC00u
-#define FP16_960 0x63806380u
-__device__ __forceinline__ u32 zero_fma_term(u32 zs) { return h2_fma(zs, FP16_MINUS_ONE, FP16_960); }
-__device__ __forceinline__ void codes_minus_zero(u32 w, u32 zs0, u32 zf0, u32 zs1, u32 zf1, u32 m[4]) {
-    const u32 hi = w >> 8;
-    const u32 lo_mask = 0x000F000Fu, hi_mask = 0x00F000F0u, ex = FP16_EXP_BITS;
-    m[0] = h2_sub(lop3_and_or(w, lo_mask, ex), zs0);
-    m[1] = h2_fma(lop3_and_or(w, hi_mask, ex), FP16_ONE_16TH, zf0);
-    m[2] = h2_sub(lop3_and_or(hi, lo_mask, ex), zs1);
-    m[3] = h2_fma(lop3_and_or(hi, hi_mask, ex), FP16_ONE_16TH, zf1);
-}
-
 // Columns col and col + 1 (col even) of one row of C, a row of n_out columns: one 32-bit
 // store when both exist and the pair is 4-byte aligned (n_out even), else a 16-bit
 // store per existing column. n_out < N only for a layer whose N was padded to the

@@ -19,15 +19,8 @@
 // {k 2t..2t+1 at n g, at n g+8; k 2t+8..2t+9 at n g, at n g+8} (t = lane % 4,
 // g = lane / 4; codes_minus8's m[0], m[2], m[1], m[3]). The accumulator element e of
 // (j, nt) is column n = 64 nb + 16 j + g + 8 (e / 2) and row m = 8 nt + 2 t + e % 2.
-// X comes from one more mma per k-tile with an all-ones A operand.
-//
-// Integer zero points (ZP, with GS and HAS_DELTA): when every d[g, n] is (8 - z) s[g, n]
-// for an integer z (GPTQ, AWQ and compressed-tensors layers with fp16 scales;
-// kernels.prepare_zero_points checks it at load time), D holds fp16(1024 + z) instead
-// and the codes are unpacked as q - z, exact, by the same instructions that unpack
-// q - 8. Then C[m, n] = fp16( sum_g s[g, n] * P'[g, m, n] + bias[n] ) with
-// P' = sum_{k in g} A[m, k] (q[k, n] - z[g, n]): the weight (q - z) s is the artifact's
-// (q - 8) s + delta exactly, and the X sums, their mma and the delta fma are gone.
+// X comes from one more mma per k-tile with an all-ones A operand; with HAS_DELTA that
+// mma also sums the offsets of offset_codes (below), so the codes need no fp16 arithmetic.
 //
 // Launch geometry: as marlin_gemm.cu, with m-chunks of 8 NT rows: block = 4 warps,
 // grid.x = m_chunks * ceil(N / 64 / (4 / wk)) * splits; dynamic shared memory, with
@@ -37,7 +30,6 @@
 // block) sums them in split order (deterministic) and writes C.
 // Template: NT = 1, 2, 4 activation n8 tiles (M <= 8, 16, 32 per chunk); U k-tiles per
 //   step; GPI group slots per step (U / gcd(group tiles, U)); NS ring stages; HAS_DELTA;
-//   ZP (D holds zero points, above; GS only);
 //   GS: the per-group fp32 scaling above (true), or (false) the tile kernel's fp16
 //   weight fp16((q - 8) s + d) per element, which needs no per-group sums and so half
 //   the accumulator registers (used where NT = 4 would otherwise run 2 blocks per SM).
@@ -45,12 +37,33 @@
 //   of 16 dividing K or per-channel, 16-byte aligned operands, tiles_per_split % U == 0).
 // Valid on sm_80 and newer (cp.async, ldmatrix, mma.sync.m16n8k16.f16); no sm_90a
 // feature, no L2 cache-policy hint.
-// NumPy reference: converter.gpu.reference.marlin_gemm(arith="group"), with
-// zero_points= for ZP, or arith="weight" for GS = false.
+// NumPy reference: converter.gpu.reference.marlin_gemm(arith="group"), or
+// arith="weight" for GS = false.
 
 #include "marlin_stream.cuh"
 
 #define FP16X2_ONES 0x3C003C00u
+#define FP16X2_MINUS_1032 0xE408E408u
+#define FP16X2_64 0x54005400u
+
+// Offset codes (the per-group form with a delta): the codes as the mma's A operand with
+// no fp16 arithmetic, 4 lop3 and 1 shift per 8 codes instead of 4 more sub / fma. A
+// k-row r < 8 of a 16-row tile (m[0], m[2]) gets 1024 + q (the nibble in the mantissa
+// of 1024.0), a row r >= 8 (m[1], m[3], the nibble 4 bits up) 64 + q (in the mantissa
+// of 64.0, whose unit is 1/16); both exact. A tile's mma then sums A (q - 8) plus
+// A (1032 | 72), and the k-tile's X mma, whose constant operand has -1032 | -72 in the
+// rows it did not use, sums Y = -A (1032 | 72) beside X; the group's close adds Y back.
+// The two sums cancel to fp32 rounding of values ~1000x the result's size (the bound in
+// reference.gemm_error_bound). Without a delta there is no X mma to share, and one
+// more mma costs more than the sub / fma it saves (measured: scripts/perf_notes.md).
+__device__ __forceinline__ void offset_codes(u32 w, u32 m[4]) {
+    const u32 hi = w >> 8;
+    const u32 lo_mask = 0x000F000Fu, hi_mask = 0x00F000F0u;
+    m[0] = lop3_and_or(w, lo_mask, FP16_EXP_BITS);
+    m[1] = lop3_and_or(w, hi_mask, FP16X2_64);
+    m[2] = lop3_and_or(hi, lo_mask, FP16_EXP_BITS);
+    m[3] = lop3_and_or(hi, hi_mask, FP16X2_64);
+}
 
 // Eight fp16 values (a 16-byte shared-memory piece) to fp32; slot p = 2 j + h is the
 // column 16 j + g + 8 h of this lane (permuted order, section 4.4).
@@ -61,7 +74,9 @@ __device__ __forceinline__ void lds_h8_f32(u32 addr, float (&f)[8]) {
     for (int p = 0; p < 8; ++p) f[p] = h_to_f32((u16)(w[p >> 1] >> (16 * (p & 1))));
 }
 
-// Ends a group: acc += s * P (+ d * X), then P = X = 0.
+// Ends a group: acc += s * P (+ d * X), then P = X = 0. With HAS_DELTA the codes were
+// offset (offset_codes): P = gp + Y, and gx[nt] = {Y, Y, X, X} for this lane's two
+// activation rows 2 t, 2 t + 1.
 template <int NT, bool HAS_DELTA>
 __device__ __forceinline__ void close_group(float (&acc)[4][NT][4], float (&gp)[4][NT][4], float (&gx)[NT][4],
                                             const float (&sf)[8], const float (&df)[8]) {
@@ -72,8 +87,9 @@ __device__ __forceinline__ void close_group(float (&acc)[4][NT][4], float (&gp)[
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int p = 2 * j + (e >> 1);
-                float v = fmaf(sf[p], gp[j][nt][e], acc[j][nt][e]);
-                if (HAS_DELTA) v = fmaf(df[p], gx[nt][e], v);
+                const float pg = HAS_DELTA ? gp[j][nt][e] + gx[nt][e & 1] : gp[j][nt][e];
+                float v = fmaf(sf[p], pg, acc[j][nt][e]);
+                if (HAS_DELTA) v = fmaf(df[p], gx[nt][2 + (e & 1)], v);
                 acc[j][nt][e] = v;
                 gp[j][nt][e] = 0.f;
             }
@@ -132,21 +148,12 @@ __device__ __forceinline__ void lds_h8_splat(u32 addr, u32 (&h)[8]) {
     for (int p = 0; p < 8; ++p) h[p] = h_splat((u16)(w[p >> 1] >> (16 * (p & 1))));
 }
 
-// The zero points of this lane's 8 columns (slot p as lds_h8_f32): zs[p] = 1024 + z,
-// zf[p] = -(64 + z), fp16x2 splats.
-__device__ __forceinline__ void zero_forms(u32 addr, u32 (&zs)[8], u32 (&zf)[8]) {
-    lds_h8_splat(addr, zs);
-#pragma unroll
-    for (int p = 0; p < 8; ++p) zf[p] = zero_fma_term(zs[p]);
-}
-
-template <int NT, int U, int GPI, bool HAS_DELTA, bool GS, bool ZP>
+template <int NT, int U, int GPI, bool HAS_DELTA, bool GS>
 __device__ __forceinline__ void decode_stage(u32 st, u32 sa, int kt, int lane, GroupWalk& walk, int group_tiles,
                                              int per_channel, bool& open, float (&sf)[8], float (&df)[8],
-                                             u32 (&s2)[8], u32 (&d2)[8], u32 (&zs)[8], u32 (&zf)[8],
+                                             u32 (&s2)[8], u32 (&d2)[8],
                                              float (&acc)[4][NT][4], float (&gp)[4][NT][4], float (&gx)[NT][4]) {
     using R = SplitRing<8 * NT, U, GPI>;
-    constexpr bool DELTA_TERM = HAS_DELTA && !ZP;  // the X sums and their delta fma
     constexpr int SUB = U / GPI;
     const int g4 = lane >> 2;
     // ldmatrix row address: matrix q = lane / 8 is rows 8 (q / 2) .. of a 16-row chunk at
@@ -157,13 +164,10 @@ __device__ __forceinline__ void decode_stage(u32 st, u32 sa, int kt, int lane, G
     for (int gi = 0; gi < GPI; ++gi) {
         if (!per_channel && walk.step(kt + gi * SUB, group_tiles)) {
             if (GS) {
-                if (open) close_group<NT, DELTA_TERM>(acc, gp, gx, sf, df);
+                if (open) close_group<NT, HAS_DELTA>(acc, gp, gx, sf, df);
                 open = true;
                 lds_h8_f32(st + R::S_OFF + gi * 128 + 16 * g4, sf);
-                if (ZP)
-                    zero_forms(st + R::D_OFF + gi * 128 + 16 * g4, zs, zf);
-                else if (HAS_DELTA)
-                    lds_h8_f32(st + R::D_OFF + gi * 128 + 16 * g4, df);
+                if (HAS_DELTA) lds_h8_f32(st + R::D_OFF + gi * 128 + 16 * g4, df);
             } else {
                 lds_h8_splat(st + R::S_OFF + gi * 128 + 16 * g4, s2);
                 if (HAS_DELTA) lds_h8_splat(st + R::D_OFF + gi * 128 + 16 * g4, d2);
@@ -191,8 +195,8 @@ __device__ __forceinline__ void decode_stage(u32 st, u32 sa, int kt, int lane, G
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 u32 m[4];
-                if (ZP)
-                    codes_minus_zero(w[j], zs[2 * j], zf[2 * j], zs[2 * j + 1], zf[2 * j + 1], m);
+                if (GS && HAS_DELTA)
+                    offset_codes(w[j], m);
                 else
                     codes_minus8(w[j], m);
                 if (GS) {
@@ -210,10 +214,10 @@ __device__ __forceinline__ void decode_stage(u32 st, u32 sa, int kt, int lane, G
                     for (int nt = 0; nt < NT; ++nt) mma_16816(acc[j][nt], wa, xf[nt][0], xf[nt][1]);
                 }
             }
-            if (GS && DELTA_TERM) {
-                const u32 ones[4] = {FP16X2_ONES, FP16X2_ONES, FP16X2_ONES, FP16X2_ONES};
+            if (GS && HAS_DELTA) {  // rows g: Y = -(1032 A[k < 8] + 72 A[k >= 8]); rows g + 8: X
+                const u32 c[4] = {FP16X2_MINUS_1032, FP16X2_ONES, FP16_MINUS_72, FP16X2_ONES};
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) mma_16816(gx[nt], ones, xf[nt][0], xf[nt][1]);
+                for (int nt = 0; nt < NT; ++nt) mma_16816(gx[nt], c, xf[nt][0], xf[nt][1]);
             }
         }
     }
@@ -234,16 +238,14 @@ struct DecodeSmem {
     static constexpr int bytes(int wk) { return wk == 1 ? SHARED_A : 4 * WARP; }
 };
 
-template <int NT, int U, int GPI, int NS, bool HAS_DELTA, bool GS, bool ZP = false>
+template <int NT, int U, int GPI, int NS, bool HAS_DELTA, bool GS>
 __global__ void __launch_bounds__(128, NT == 1 ? 4 : (NT == 2 ? (U == 8 ? 3 : 4) : (GS ? 2 : 3)))
 marlin_decode(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __restrict__ S,
               const u16* __restrict__ D, const u16* __restrict__ bias, u16* __restrict__ C,
               float* __restrict__ ws, int* __restrict__ locks, int M, int K, int N, int n_out,
               int group_tiles, int per_channel, int splits, int tiles_per_split, int wk) {
-    static_assert(!ZP || (GS && HAS_DELTA), "zero points replace the delta of the per-group form only");
     extern __shared__ __align__(16) unsigned char smem[];
     constexpr int AR = 8 * NT;
-    constexpr bool DELTA_TERM = HAS_DELTA && !ZP;
     using R = SplitRing<AR, U, GPI>;
     using DS = DecodeSmem<NT, U, GPI, NS>;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -283,11 +285,11 @@ marlin_decode(const u16* __restrict__ A, const int4* __restrict__ B, const u16* 
 
     // the open group's scales and deltas of this lane's 8 columns: fp32 (GS) or fp16x2
     float sf[8], df[8];
-    u32 s2[8], d2[8], zs[8], zf[8];  // zs, zf: the zero point's forms (ZP, zero_forms)
+    u32 s2[8], d2[8];
 #pragma unroll
     for (int p = 0; p < 8; ++p) {
         sf[p] = df[p] = 0.f;
-        s2[p] = d2[p] = zs[p] = zf[p] = 0u;
+        s2[p] = d2[p] = 0u;
     }
     bool open = false;
     if (per_channel) {  // one group for all of K: read once, straight to registers
@@ -299,8 +301,6 @@ marlin_decode(const u16* __restrict__ A, const int4* __restrict__ B, const u16* 
             df[p] = h_to_f32(dv);
             s2[p] = h_splat(sv);
             d2[p] = h_splat(dv);
-            zs[p] = d2[p];
-            zf[p] = zero_fma_term(zs[p]);
         }
         open = GS;
     }
@@ -346,13 +346,13 @@ marlin_decode(const u16* __restrict__ A, const int4* __restrict__ B, const u16* 
             __syncwarp();
         if (kt + (NS - 1) * U < kt1) ISSUE(kt + (NS - 1) * U);
         cp_async_commit();
-        decode_stage<NT, U, GPI, HAS_DELTA, GS, ZP>(w_ring + slot * R::W_STAGE, a_ring + slot * R::A_STAGE, kt,
-                                                    lane, compute_walk, group_tiles, per_channel, open, sf, df, s2,
-                                                    d2, zs, zf, acc, gp, gx);
+        decode_stage<NT, U, GPI, HAS_DELTA, GS>(w_ring + slot * R::W_STAGE, a_ring + slot * R::A_STAGE, kt, lane,
+                                                compute_walk, group_tiles, per_channel, open, sf, df, s2, d2, acc,
+                                                gp, gx);
         slot = slot + 1 == NS ? 0 : slot + 1;
     }
 #undef ISSUE
-    if (GS && open) close_group<NT, DELTA_TERM>(acc, gp, gx, sf, df);
+    if (GS && open) close_group<NT, HAS_DELTA>(acc, gp, gx, sf, df);
     cp_async_wait<0>();
     __syncwarp();
 

@@ -3,13 +3,7 @@
 
 Measures, in one run, for each shape (K, N) and batch M:
   ours_sym     our GEMM, symmetric (marlin_B + marlin_scales)
-  ours_fused   our GEMM with the asymmetric delta folded in (no extra launch), for a
-               layer of integer zero points (GPTQ / AWQ / compressed-tensors: delta =
-               (8 - z) s), as MarlinLinear runs it: the decode kernel in its zero-point
-               form (kernels.prepare_zero_points), the other kernels with fp16(delta)
-  ours_fused_delta  the same layer in the general delta form (a float zero, as
-               .tinyloop has), timed where the plan is the decode kernel (elsewhere it
-               is the same kernel as ours_fused)
+  ours_fused   our GEMM with the asymmetric delta folded in (no extra launch)
   ours_2k      two-kernel correction path (symmetric GEMM + group_sums + add_correction)
   fp16         torch.matmul fp16 (cuBLAS), W [K, N]
   int4pack     torch.ops.aten._weight_int4pack_mm, bf16 activations, group 128
@@ -108,11 +102,10 @@ def safe(row, fn, *a):
         return float("nan")
 
 
-def time_ours(cp, row, weights, kw, fn, deltas, zps=None, **extra):
+def time_ours(cp, row, weights, kw, fn, deltas, **extra):
     """Median us per call of our ``fn`` (``kernels.marlin_gemm`` or the two-kernel path)
-    over the rotated weight copies; ``deltas`` per copy (None: symmetric), ``zps`` the
-    zero-point operands per copy (None: the delta form); ``extra`` overrides ``kw`` (a
-    pipe, a tuning). A failure is NaN with the error in ``row``."""
+    over the rotated weight copies; ``deltas`` per copy (None: symmetric); ``extra``
+    overrides ``kw`` (a pipe, a tuning). A failure is NaN with the error in ``row``."""
     a, Bs, Ss, out, calls, reps = weights
     ckw = {**kw, **extra}
     # partial, not lambda: each call binds its own copy of the weights now.
@@ -125,7 +118,6 @@ def time_ours(cp, row, weights, kw, fn, deltas, zps=None, **extra):
             out=out,
             **ckw,
             **({} if deltas is None else {"delta": deltas[i % len(Bs)]}),
-            **({} if zps is None else {"zero_points": zps[i % len(Bs)]}),
         )
         for i in range(calls)
     ]
@@ -283,11 +275,8 @@ def main() -> int:
         print(f"bench_gemm.py needs a GPU machine with CuPy and torch: {exc}", file=sys.stderr)
         return 2
 
-    import numpy as np
-
     from converter.gpu import kernels, runtime
     from converter.gpu.plan import KernelKind, Tuning
-    from converter.marlin.layout import permute_scales
 
     info = runtime.require_gpu()
     base = Tuning(force_wk=args.force_wk)
@@ -311,19 +300,8 @@ def main() -> int:
         copies = max(2, math.ceil(2 * L2_BYTES / int4_bytes))
         Bs = [(cp.random.random((k // 16, 2 * n)) * 2**32).astype(cp.uint32).view(cp.int32) for _ in range(copies)]
         Ss = [(cp.random.random((g, n), dtype=cp.float32) * 0.02 + 0.001).astype(cp.float16) for _ in range(copies)]
-        # integer zero points, delta = (8 - z) s in natural column order (the scales are
-        # stored permuted; natural[:, order] = permuted)
-        order = cp.asarray(permute_scales(np.arange(n)[None, :], single=g == 1)[0])
-        Ds = []
-        for S in Ss:
-            s_nat = cp.empty_like(S)
-            s_nat[:, order] = S
-            z = cp.random.randint(0, 16, (g, n)).astype(cp.float32)
-            Ds.append((8 - z) * s_nat.astype(cp.float32))
-        # done once at load time by MarlinLinear
-        Ds16 = [kernels.prepare_delta(d) for d in Ds]
-        Zs = [kernels.prepare_zero_points(d, S) for d, S in zip(Ds, Ss, strict=True)]
-        assert all(z is not None for z in Zs)
+        Ds = [(cp.random.random((g, n), dtype=cp.float32) - 0.5) * 0.05 for _ in range(copies)]
+        Ds16 = [kernels.prepare_delta(d) for d in Ds]  # done once at load time by MarlinLinear
         f16_copies = max(2, math.ceil(2 * L2_BYTES / (k * n * 2)))
         Ws = [torch.randn(k, n, device="cuda", dtype=torch.float16) * 0.02 for _ in range(f16_copies)]
         # PyTorch int4: its own packed layout, built from random codes
@@ -345,9 +323,7 @@ def main() -> int:
             weights = (a, Bs, Ss, out, calls, args.reps)
             ours = partial(time_ours, cp, row, weights, kw)
             row["ours_sym"] = ours(kernels.marlin_gemm, None)
-            row["ours_fused"] = ours(kernels.marlin_gemm, Ds16, Zs)
-            if row["plan"]["kind"] == KernelKind.DECODE.value:
-                row["ours_fused_delta"] = ours(kernels.marlin_gemm, Ds16)
+            row["ours_fused"] = ours(kernels.marlin_gemm, Ds16)
             row["ours_2k"] = ours(kernels.marlin_gemm_two_kernel, Ds)
             for spec in args.sweep.split(",") if args.sweep else []:
                 # d|w|t R x U x NS w waves [o blocks per SM], e.g. d1x4x3w1, t1x4x3w1, d1x4x3w1o3
@@ -360,7 +336,7 @@ def main() -> int:
                 cap = ((kind, int(occ)),) if occ else base.occupancy_cap
                 swept = dataclasses.replace(base, waves=int(w), occupancy_cap=cap)
                 row[f"sym_{spec}"] = ours(kernels.marlin_gemm, None, pipe=pipe, tuning=swept)
-                row[f"fused_{spec}"] = ours(kernels.marlin_gemm, Ds16, Zs, pipe=pipe, tuning=swept)
+                row[f"fused_{spec}"] = ours(kernels.marlin_gemm, Ds16, pipe=pipe, tuning=swept)
             if args.sweep_splits and row["plan"]["kind"] in sweep_kinds:
                 row["fused_by_splits"] = {}
                 for sp in range(1, args.sweep_splits + 1):
@@ -368,7 +344,7 @@ def main() -> int:
                     plan = kernels.gemm_plan(m, k, n, GROUP, tuning=forced)
                     if plan.splits != sp:  # not a feasible count for this K
                         continue
-                    us = ours(kernels.marlin_gemm, Ds16, Zs, tuning=forced)
+                    us = ours(kernels.marlin_gemm, Ds16, tuning=forced)
                     row["fused_by_splits"][sp] = {"us": us, "plan": dataclasses.asdict(plan)}
                 print(
                     f"   splits sweep {k}x{n} M={m} (planner {row['plan']['splits']}): "
@@ -444,11 +420,6 @@ def main() -> int:
             row["eff_bw_fused_TBps"] = (int4_bytes + delta_bytes) / (row["ours_fused"] * 1e-6) / 1e12
             results.append(row)
             i4 = f"{row['int4pack']:9.1f}" if row["int4pack"] else "      n/a"
-            delta_form = (
-                f"(delta form +{100 * (row['ours_fused_delta'] / row['ours_sym'] - 1):5.1f}%) "
-                if "ours_fused_delta" in row
-                else ""
-            )
             up = f"{row['upstream_corr']:8.1f}" if row.get("upstream_corr") else "     n/a"
             print(
                 f"{k:6d} {n:6d} {m:4d} {row['plan']['kind']:>8s} | "
@@ -456,12 +427,11 @@ def main() -> int:
                 f"2k {row['ours_2k']:8.1f} fp16 {row['fp16']:8.1f} int4 {i4} up+c {up} | "
                 f"x{row['fp16'] / row['ours_sym']:5.2f} x{row['fp16'] / row['ours_fused']:5.2f} "
                 f"fused+{100 * (row['ours_fused'] / row['ours_sym'] - 1):5.1f}% "
-                + delta_form
-                + f"floor {row['floor_sym_us']:7.1f} splits {row['plan']['splits']}"
+                f"floor {row['floor_sym_us']:7.1f} splits {row['plan']['splits']}"
                 + "".join(f" {key[4:]}:{v:.1f}" for key, v in row.items() if key.startswith("sym_")),
                 flush=True,
             )
-        del Bs, Ss, Ds, Ds16, Zs, Ws, packed, sz
+        del Bs, Ss, Ds, Ds16, Ws, packed, sz
         cp.get_default_memory_pool().free_all_blocks()
         torch.cuda.empty_cache()
 

@@ -13,12 +13,16 @@ print("| K | N | group | act-order | asym | M | fused mean | fused max | 2-kerne
 print("|---|---|---|---|---|---|---|---|---|---|---|")
 for k, n, gs, act, asym in [(4096, 4096, 128, False, True), (4096, 14336, 128, True, True), (8192, 8192, 128, True, True),
                             (14336, 4096, -1, False, True), (8192, 1024, 32, True, True),
-                            (2048, 8192, 64, False, False), (1024, 320, 16, True, True)]:
+                            (2048, 8192, 64, False, False), (1024, 320, 16, True, True),
+                            (4096, 4096, 128, True, "float"), (8192, 1024, 32, False, "float")]:
     g = 1 if gs == -1 else k // gs
     q = rng.integers(0, 16, (k, n), dtype=np.uint8)
     s = (rng.uniform(0.5, 2.0, (g, n)) / 64).astype(np.float16)
     z = rng.integers(0, 16, (g, n))
+    # asym True: integer zero points (GPTQ / AWQ); "float": a float additive zero (.tinyloop)
     delta = (s.astype(np.float32) * (8 - z)).astype(np.float32) if asym else None
+    if asym == "float":
+        delta = (rng.normal(0, 0.02, (g, n)) + 8 * s.astype(np.float32)).astype(np.float32)
     perm = rng.permutation(k).astype(np.int32) if act else None
     B, S = pack_b(q), permute_scales(s)
     w = ref.reference_weight(B, S, delta, perm, size_k=k, size_n=n, group_size=gs)

@@ -17,9 +17,7 @@ def layer(k, n, gs):
     q = rng.integers(0, 16, (k, n), dtype=np.uint8)
     s = (rng.uniform(0.5, 2, (g, n)) / 32).astype(np.float16)
     d = rng.normal(0, 0.05, (g, n)).astype(np.float32)
-    z = rng.integers(0, 16, (g, n)).astype(np.float32)
-    dz = ((8 - z) * s.astype(np.float32)).astype(np.float32)  # integer zero points
-    return cp.asarray(pack_b(q)), cp.asarray(permute_scales(s)), cp.asarray(d), cp.asarray(dz)
+    return cp.asarray(pack_b(q)), cp.asarray(permute_scales(s)), cp.asarray(d)
 # (m, k, n, group, act-order, wk, pipe, n_out): pipe None = the launcher's choice
 cases = [
         (1, 1024, 256, 128, False, None, None, None), (17, 1024, 256, 32, True, 4, None, None),
@@ -51,9 +49,7 @@ if hopper:  # every Hopper variant: full/ragged chunks, several chunks, ragged N
 for (m, k, n, gs, act, wk, pipe, n_out) in cases:
     tuning = Tuning(force_wk=wk)
     gsz = k if gs == -1 else gs
-    B, S, D, DZ = layer(k, n, gsz)
-    ZP = kernels.prepare_zero_points(DZ, S)
-    assert ZP is not None
+    B, S, D = layer(k, n, gsz)
     a = cp.asarray(rng.standard_normal((m, k)).astype(np.float16))
     perm = cp.asarray(rng.permutation(k).astype(np.int32)) if act else None
     bias = cp.asarray(rng.standard_normal(n_out or n).astype(np.float16))
@@ -61,7 +57,6 @@ for (m, k, n, gs, act, wk, pipe, n_out) in cases:
     for _ in range(2):
         kernels.marlin_gemm(a, B, S, delta=D, bias=bias, pipe=pipe, **kw)
         kernels.marlin_gemm(a, B, S, pipe=pipe, **kw)
-        kernels.marlin_gemm(a, B, S, delta=DZ, zero_points=ZP, bias=bias, pipe=pipe, **kw)
         kernels.marlin_gemm_two_kernel(a, B, S, delta=D, **kw)
     kernels.dequant(B, S, delta=D, size_k=k, size_n=n, group_size=gs)
     kernels.dequant(B, S, size_k=k, size_n=n, group_size=gs)

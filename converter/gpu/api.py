@@ -40,9 +40,6 @@ class MarlinLinear:
         size_k, size_n, group_size: the layer's sizes (group_size == size_k: per-channel);
             ``size_n`` the true N, the result's columns.
         padded_n: the width of ``B``, the scales and ``delta`` (``size_n`` unless padded).
-        integer_zero_points: the delta is ``(8 - z) s`` for integer zero points ``z``
-            (:func:`converter.gpu.kernels.prepare_zero_points`), which the decode kernel
-            then uses in its place.
     """
 
     def __init__(
@@ -85,14 +82,8 @@ class MarlinLinear:
         use_delta = delta is not None and bool(np.any(delta))
         # The GEMM's own delta operand (fp16, scale order), converted once here.
         self._delta = kernels.prepare_delta(np.ascontiguousarray(delta, dtype=np.float32)) if use_delta else None
-        # Integer zero points, where the delta has them: the decode kernel's cheaper form.
-        self._zero_points = kernels.prepare_zero_points(delta, scales) if use_delta else None
         self._perm = None if perm is None else cp.asarray(np.ascontiguousarray(perm, dtype=np.int32))
         self._bias = None if bias is None else cp.asarray(np.ascontiguousarray(bias, dtype=np.float16))
-
-    @property
-    def integer_zero_points(self) -> bool:
-        return self._zero_points is not None
 
     def __call__(self, x: Any) -> Any:
         """Apply the layer.
@@ -124,7 +115,6 @@ class MarlinLinear:
             size_n=self.padded_n,
             group_size=self.group_size,
             delta=self._delta,
-            zero_points=self._zero_points,
             perm=self._perm,
             bias=self._bias,
             n_out=self.size_n,

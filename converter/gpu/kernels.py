@@ -23,7 +23,7 @@ from ..errors import GpuUnavailableError, KernelError
 from ..marlin.layout import permute_scales
 from ..marlin.shapes import kernel_layer_sizes, resolve_group_size
 from . import build, runtime
-from .plan import DEFAULT_TUNING, Arith, GemmPlan, Pipe, Tuning, default_pipe, kernel_variant, plan_gemm
+from .plan import DEFAULT_TUNING, GemmPlan, Pipe, Tuning, default_pipe, kernel_variant, plan_gemm
 
 #: Threads per block of every kernel but the gather (4 warps; ``kernels/*.cu`` launch geometry).
 BLOCK_THREADS = 128
@@ -218,80 +218,6 @@ def prepare_delta(delta: Any) -> Any:
     return cp.ascontiguousarray(d.astype(cp.float16)[:, order])
 
 
-#: The largest |z| a zero-point operand holds: 1024 + z and -(64 + z) stay exact
-#: integers in fp16 far beyond it, and no 2-4 bit format comes near it.
-ZERO_POINT_LIMIT = 64
-
-
-def zero_point_operand(delta: np.ndarray, scales: np.ndarray) -> np.ndarray | None:
-    """The decode kernel's zero-point operand for a layer, when it has integer zero points
-    (NumPy, no GPU; :func:`prepare_zero_points` uploads it).
-
-    A layer from integer zero points (GPTQ, AWQ, compressed-tensors with fp16 scales)
-    has ``delta = (8 - z) * s`` exactly in fp32 for an integer ``z`` per group and
-    column (the converter evaluates it in one fp32 step, ``QuantWeight.marlin_delta``),
-    so ``W = (q - 8) s + delta = (q - z) s``. A ``.tinyloop`` layer (a float additive
-    zero) or one whose scales were rounded from bf16 generally has no such ``z``.
-
-    Args:
-        delta: float32 ``(G, N)``, natural column order (artifact ``marlin_delta``).
-        scales: float16 ``(G, N)``, Marlin-permuted (artifact ``marlin_scales``).
-
-    Returns:
-        float16 ``(G, N)`` holding ``1024 + z`` (exact) in Marlin's scale order, or None
-        when some group and column has no integer ``z`` with ``|z| <= ZERO_POINT_LIMIT``
-        and ``(8 - z) * s == delta`` bit for bit (``s == 0`` needs ``delta == 0``), or
-        when delta is not finite.
-
-    Raises:
-        KernelError: delta and scales are not 2-D of one shape with N % 64 == 0.
-    """
-    d = np.asarray(delta, dtype=np.float32)
-    sc = np.asarray(scales, dtype=np.float16)
-    if d.ndim != 2 or d.shape != sc.shape or d.shape[1] % KERNEL_N_MULTIPLE:
-        raise KernelError(
-            f"delta {d.shape} and scales {sc.shape} must be one (G, N) shape with N % {KERNEL_N_MULTIPLE} == 0",
-            tensor="delta",
-        )
-    if not np.isfinite(d).all():
-        return None
-    order = _scale_order(int(d.shape[1]), d.shape[0] == 1)
-    s = np.empty(sc.shape, dtype=np.float32)
-    s[:, order] = sc  # natural column order
-    with np.errstate(divide="ignore", invalid="ignore"):
-        z = np.where(s != 0, np.rint(np.float32(8) - d / s), np.float32(8)).astype(np.float32)
-    if not (np.abs(z) <= ZERO_POINT_LIMIT).all() or not np.array_equal((np.float32(8) - z) * s, d):
-        return None
-    return np.ascontiguousarray((z + np.float32(1024)).astype(np.float16)[:, order])
-
-
-def prepare_zero_points(delta: Any, scales: Any) -> Any | None:
-    """The decode kernel's zero-point operand on the GPU, or None when the layer has none.
-
-    Where :func:`zero_point_operand` finds the integer zero points, the decode kernel
-    (the per-group form, small M) unpacks the codes as ``q - z`` instead of ``q - 8``
-    and drops the delta term: the symmetric GEMM's instructions, and the weight
-    ``(q - z) s`` is the artifact's ``(q - 8) s + delta`` exactly (no fp16 rounding of
-    delta). Prepare once at load time (``MarlinLinear`` does) and pass it to
-    :func:`marlin_gemm` as ``zero_points`` together with the delta operand, which the
-    other kernels still use.
-
-    Args:
-        delta: float32 ``(G, N)`` natural order (artifact ``marlin_delta``), NumPy or CuPy.
-        scales: float16 ``(G, N)`` Marlin-permuted (artifact ``marlin_scales``).
-
-    Returns:
-        float16 ``(G, N)`` CuPy array of ``1024 + z`` in Marlin's scale order, or None.
-
-    Raises:
-        KernelError: as :func:`zero_point_operand`. GpuUnavailableError: no CuPy / GPU.
-    """
-    cp = runtime.cupy_module()
-    host = [cp.asnumpy(x) if isinstance(x, cp.ndarray) else np.asarray(x) for x in (delta, scales)]
-    z = zero_point_operand(*host)
-    return None if z is None else cp.asarray(z)
-
-
 @functools.lru_cache(maxsize=64)
 def _scale_order(size_n: int, single: bool) -> np.ndarray:
     """Source column of each position of a permuted scale row (layout.permute_scales)."""
@@ -307,7 +233,6 @@ def marlin_gemm(
     size_n: int,
     group_size: int,
     delta: Any = None,
-    zero_points: Any = None,
     perm: Any = None,
     bias: Any = None,
     out: Any = None,
@@ -327,9 +252,8 @@ def marlin_gemm(
     feature-split form (``hopper_fs``) from 65 rows (33 on N = 4096); the decode
     kernel's "decode_w" variant and the tile kernel (``kernels/marlin_gemm.cu``) serve
     the rest, and everything on sm_80..89. Every kernel but the decode kernel multiplies by the fp16
-    weight ``fp16((q - 8) * s (+ d))``. With ``zero_points`` the decode kernel sums
-    ``A (q - z)`` per group instead and applies ``s`` alone (:func:`prepare_zero_points`).
-    Twin: ``reference.marlin_gemm`` with the plan's ``arith`` (and ``zero_points``).
+    weight ``fp16((q - 8) * s (+ d))``. Twin: ``reference.marlin_gemm`` with the plan's
+    ``arith``.
 
     Args:
         A: float16 ``(M, size_k)``, M >= 1, SOURCE channel order.
@@ -341,9 +265,6 @@ def marlin_gemm(
         delta: float32 ``(G, size_n)`` natural order (artifact ``marlin_delta``,
             converted on every call), float16 ``(G, size_n)`` from
             :func:`prepare_delta`, or None.
-        zero_points: float16 ``(G, size_n)`` from :func:`prepare_zero_points` for the
-            same layer, or None; needs ``delta`` (the kernels without a zero-point form
-            use it). The caller vouches that both describe one weight.
         perm: int32 ``(size_k,)`` act-order permutation (artifact ``marlin_perm``) or None.
         bias: float16 ``(n_out,)`` or None.
         out: optional float16 ``(M, n_out)`` destination.
@@ -375,12 +296,6 @@ def marlin_gemm(
             delta = _dev(delta, "delta", np.float16, (g, size_n))
         else:
             delta = prepare_delta(_dev(delta, "delta", np.float32, (g, size_n)))
-    if zero_points is not None:
-        if delta is None:
-            raise KernelError(
-                "zero_points needs delta (the kernels without a zero-point form use it)", tensor="zero_points"
-            )
-        zero_points = _dev(zero_points, "zero_points", np.float16, (g, size_n))
     n_out = _n_out(n_out, size_n)
     if bias is not None:
         bias = _dev(bias, "bias", np.float16, (n_out,))
@@ -388,8 +303,7 @@ def marlin_gemm(
         perm = _dev(perm, "perm", np.int32, (size_k,))
     out = cp.empty((m, n_out), dtype=cp.float16) if out is None else _dev(out, "out", np.float16, (m, n_out))
     plan = gemm_plan(m, size_k, size_n, group_size, delta=delta is not None, pipe=pipe, tuning=tuning)
-    use_zp = zero_points is not None and plan.pipe.spec.arith is Arith.GROUP
-    fn = build.function(plan.pipe.spec.source, plan.pipe.name(plan.gpi, delta is not None, use_zp))
+    fn = build.function(plan.pipe.spec.source, plan.pipe.name(plan.gpi, delta is not None))
     if fn.max_dynamic_shared_size_bytes < plan.smem:
         # Opt in above the default (48 KB less the kernel's static shared memory).
         fn.max_dynamic_shared_size_bytes = plan.smem
@@ -439,7 +353,7 @@ def marlin_gemm(
             A,
             B,
             scales,
-            zero_points if use_zp else _ptr_or_null(delta),
+            _ptr_or_null(delta),
             _ptr_or_null(bias),
             out,
             ws,

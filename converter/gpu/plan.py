@@ -90,22 +90,11 @@ class Pipe(NamedTuple):
     def spec(self) -> KindSpec:
         return KINDS[self.kind]
 
-    def name(self, gpi: int, delta: bool, zero_points: bool = False) -> str:
-        """The template instantiation of this variant with ``gpi`` group slots per step;
-        ``zero_points``: the decode kernel's integer-zero-point form of the fused delta
-        (``kernels.prepare_zero_points``; only kinds of :attr:`Arith.GROUP` have one)."""
-        if zero_points and not (delta and self.spec.arith is Arith.GROUP):
-            raise ValueError(f"{self!r} has no zero-point form (only the per-group kinds, with delta)")
+    def name(self, gpi: int, delta: bool) -> str:
+        """The template instantiation of this variant with ``gpi`` group slots per step."""
         t, wgs = hopper_split(self.r, self.kind)
         return self.spec.template.format(
-            r=self.r,
-            u=self.u,
-            gpi=gpi,
-            ns=self.ns,
-            delta=str(delta).lower(),
-            zp=", true" if zero_points else "",
-            t=t,
-            wgs=wgs,
+            r=self.r, u=self.u, gpi=gpi, ns=self.ns, delta=str(delta).lower(), t=t, wgs=wgs
         )
 
     def smem(self, gpi: int, wk: int | None = None) -> int:
@@ -180,8 +169,7 @@ class KindSpec:
 
     Attributes:
         source: the ``.cu`` file under ``kernels/``.
-        template: its instantiation name, with ``{r} {u} {gpi} {ns} {delta}`` fields
-            (``{zp}``: the zero-point flag, decode kernel only).
+        template: its instantiation name, with ``{r} {u} {gpi} {ns} {delta}`` fields.
         arith: what it multiplies (:class:`Arith`).
         tile_rows: A rows per unit of R.
         sums_bytes: bytes of fp32 sums a warp parks in shared memory, per unit of R.
@@ -255,7 +243,7 @@ KINDS: MappingProxyType[KernelKind, KindSpec] = MappingProxyType(
         ),
         KernelKind.DECODE: KindSpec(
             "marlin_decode.cu",
-            "marlin_decode<{r}, {u}, {gpi}, {ns}, {delta}, true{zp}>",
+            "marlin_decode<{r}, {u}, {gpi}, {ns}, {delta}, true>",
             Arith.GROUP,
             tile_rows=8,
             sums_bytes=2048,
@@ -277,7 +265,7 @@ KINDS: MappingProxyType[KernelKind, KindSpec] = MappingProxyType(
 ARITH: MappingProxyType[KernelKind, Arith] = MappingProxyType({k: s.arith for k, s in KINDS.items()})
 
 #: The variants compiled, each for every GPI (group slots per step) in GEMM_GPIS[U],
-#: with and without the fused delta (and the per-group kinds with zero points).
+#: with and without the fused delta.
 GEMM_PIPES: tuple[Pipe, ...] = tuple(
     Pipe(KernelKind(k), r, u, ns)
     for k, r, u, ns in (
@@ -312,13 +300,8 @@ GEMM_GPIS: MappingProxyType[int, tuple[int, ...]] = MappingProxyType({8: (1,), 4
 
 def kernel_names(source: str) -> list[str]:
     """Every GEMM instantiation compiled from ``source``, in :data:`GEMM_PIPES` order."""
-    forms = ((False, False), (True, False))
     return [
-        p.name(gpi, d, z)
-        for p in GEMM_PIPES
-        if p.spec.source == source
-        for gpi in GEMM_GPIS[p.u]
-        for d, z in forms + (((True, True),) if p.spec.arith is Arith.GROUP else ())
+        p.name(gpi, d) for p in GEMM_PIPES if p.spec.source == source for gpi in GEMM_GPIS[p.u] for d in (False, True)
     ]
 
 
@@ -387,6 +370,13 @@ class Tuning:
             ran 17.6-23.0 us against its 20.8-24.1 at M = 48-128
             (scripts/bench_gemm_h200_thin_splits.json; the only thin layer measured:
             the others of the class are an extrapolation).
+        hopper_decode_small_kn: on sm_90, layers of N <= 4096 and at most this many
+            weights take the decode kernel in 8-row chunks (two per call at 9-16 rows)
+            at 9..group_max_m rows instead of the tile kernel, whose few column blocks
+            leave most multiprocessors idle there: 4096² ran 11.8 / 11.6 us (symmetric)
+            against the tile kernel's 12.6 / 13.2 at M = 12 / 16, 8192 x 1024 10.5 /
+            10.6 against 11.4 (H200 sweep, scripts/perf_notes.md); 14336 x 4096 was
+            even at M = 16, so larger layers keep the tile kernel.
     """
 
     group_max_m: int = 16
@@ -412,6 +402,7 @@ class Tuning:
     hopper_fs_narrow_min_m: int = 33
     hopper_fs_thin_min_m: int = 33
     hopper_fs_thin_kn: int = 8192 * 1024
+    hopper_decode_small_kn: int = 4096 * 4096
 
     def cap(self, kind: KernelKind) -> int | None:
         """The occupancy cap of ``kind``, or None."""
@@ -446,8 +437,8 @@ class Variant:
     group_tiles: int
     per_channel: bool
 
-    def name(self, delta: bool, zero_points: bool = False) -> str:
-        return self.pipe.name(self.gpi, delta, zero_points)
+    def name(self, delta: bool) -> str:
+        return self.pipe.name(self.gpi, delta)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -523,11 +514,18 @@ def gemm_path(
             or (kn > tuning.hopper_small_kn and m >= tuning.hopper_huge_m)
         ):
             return KernelKind.HOPPER
+        if _small_decode(m, size_k, size_n, tuning):
+            return KernelKind.DECODE
     if m <= 8 or (m <= tuning.group_max_m and size_n >= tuning.wide_n):
         return KernelKind.DECODE
     if m <= tuning.decode_max_m and size_n > tuning.wide_n:
         return KernelKind.DECODE_W
     return KernelKind.TILE
+
+
+def _small_decode(m: int, size_k: int, size_n: int, tuning: Tuning) -> bool:
+    """The small-layer route of the decode kernel on sm_90 (see :class:`Tuning`)."""
+    return 8 < m <= tuning.group_max_m and size_n <= 4096 and size_k * size_n <= tuning.hopper_decode_small_kn
 
 
 def _thin_fs(m: int, size_k: int, size_n: int, tuning: Tuning) -> bool:
@@ -553,7 +551,8 @@ def default_pipe(
     """The GEMM variant for batch size m (measured on an H200, scripts/perf_notes.md).
 
     The kind from :func:`gemm_path`; the decode kernels with the fewest 8-row activation
-    tiles that hold M, the tile kernel with 2 (M <= 32) or 4 m-tiles per warp.
+    tiles that hold M (on sm_90 the small layers' 9-16 rows in two 8-row chunks), the
+    tile kernel with 2 (M <= 32) or 4 m-tiles per warp.
 
     Args:
         m: rows of A. size_k, size_n: K, N. group_tiles: group size / 16 (K / 16
@@ -580,7 +579,7 @@ def default_pipe(
         return Pipe(kind, 2, 4, 3) if m <= 32 else Pipe(kind, 4, 2, 3)
     if kind is KernelKind.DECODE_W:
         return Pipe(kind, 4, 4, 3)
-    if m <= 8:
+    if m <= 8 or (hopper and tuning.hopper and _small_decode(m, size_k, size_n, tuning)):
         return Pipe(kind, 1, 4, 3)
     # 8-tile steps when every step holds one group slot (group size >= 128, per-channel)
     u8 = (size_k // MARLIN_TILE) % 8 == 0 and group_tiles % 8 == 0 and Pipe(kind, 2, 8, 3).smem(1) <= smem_limit

@@ -10,8 +10,7 @@ Each twin computes what its kernel computes, from the same artifact tensors:
 * :func:`marlin_gemm` follows the launcher's kernels: with the "weight" arithmetic
   (tile kernel, per-weight decode variant) it uses that same fp16 weight; with
   "group" (decode kernel, small M: scale and delta applied per group in fp32) the
-  unrounded ``(q - 8) * s + fp16(delta)``, or ``(q - z) * s`` with the decode kernel's
-  integer zero points (``zero_points=``); ``plan.gemm_arith`` says which for
+  unrounded ``(q - 8) * s + fp16(delta)``; ``plan.gemm_arith`` says which for
   (M, N). It multiplies in float64 and rounds once to float16; the kernels accumulate exact products in fp32 in
   another order, so the two differ by at most the bound in :func:`gemm_error_bound`.
 * :func:`group_sums`, :func:`add_correction`, :func:`gather_columns` mirror
@@ -131,31 +130,15 @@ def _delta16(delta: np.ndarray | None, size_n: int) -> np.ndarray | None:
 
 
 def _decode_parts(
-    B: np.ndarray,
-    scales: np.ndarray,
-    delta: np.ndarray | None,
-    *,
-    size_k: int,
-    size_n: int,
-    group_size: int,
-    zero_points: np.ndarray | None = None,
+    B: np.ndarray, scales: np.ndarray, delta: np.ndarray | None, *, size_k: int, size_n: int, group_size: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """float64 ``q - 8``, ``s`` and ``fp16(delta)`` (or None), each ``(K, N)`` by row;
-    with ``zero_points`` (``kernels.prepare_zero_points``' ``1024 + z``, permuted like
-    the scales) ``q - z`` and no delta."""
+    """float64 ``q - 8``, ``s`` and ``fp16(delta)`` (or None), each ``(K, N)`` by row."""
     gs, g = _groups(size_k, group_size)
     if scales.shape != (g, size_n):
         raise ValueError(f"scales shape {scales.shape} != {(g, size_n)}")
     rows = np.arange(size_k) // gs
-    q = unpack_b(np.asarray(B), size_n).astype(np.float64)
+    q8 = unpack_b(np.asarray(B), size_n).astype(np.float64) - MARLIN_ZERO
     s = unpermute_scales(np.asarray(scales, dtype=np.float16)).astype(np.float64)[rows]
-    if zero_points is not None:
-        zp = np.asarray(zero_points)
-        if zp.shape != (g, size_n) or zp.dtype != np.float16:
-            raise ValueError(f"zero_points must be float16 {(g, size_n)}, got {zp.dtype} {zp.shape}")
-        z = unpermute_scales(zp).astype(np.float64) - 1024.0
-        return q - z[rows], s, None
-    q8 = q - MARLIN_ZERO
     d = _delta16(delta, size_n)
     if d is not None and d.shape != (g, size_n):
         raise ValueError(f"delta shape {d.shape} != {(g, size_n)}")
@@ -163,20 +146,10 @@ def _decode_parts(
 
 
 def _decode_weight(
-    B: np.ndarray,
-    scales: np.ndarray,
-    delta: np.ndarray | None,
-    *,
-    size_k: int,
-    size_n: int,
-    group_size: int,
-    zero_points: np.ndarray | None = None,
+    B: np.ndarray, scales: np.ndarray, delta: np.ndarray | None, *, size_k: int, size_n: int, group_size: int
 ) -> np.ndarray:
-    """float64 ``(q - 8) * s + fp16(delta)`` (or ``(q - z) * s``) without any rounding
-    (the decode kernel's weight)."""
-    q8, s, d = _decode_parts(
-        B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size, zero_points=zero_points
-    )
+    """float64 ``(q - 8) * s + fp16(delta)`` without any rounding (the decode kernel's weight)."""
+    q8, s, d = _decode_parts(B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size)
     return q8 * s if d is None else q8 * s + d
 
 
@@ -193,7 +166,6 @@ def marlin_gemm(
     bias: np.ndarray | None = None,
     arith: str | None = None,
     n_out: int | None = None,
-    zero_points: np.ndarray | None = None,
 ) -> np.ndarray:
     """Twin of ``kernels.marlin_gemm`` (symmetric, or fused-asymmetric when ``delta`` is given).
 
@@ -208,28 +180,15 @@ def marlin_gemm(
             the kernel the launcher picks for (M, N) (``plan.gemm_arith``).
         n_out: columns of the result, at most ``size_n`` (default ``size_n``): the
             first ``n_out`` of a padded layer's ``size_n``, as the launcher stores them.
-        zero_points: float16 ``(G, size_n)`` from ``kernels.prepare_zero_points`` (NumPy),
-            or None; used by "group" only, as the launcher does.
 
     Returns:
         float16 ``(M, n_out)``, the product in float64 and one rounding:
         "weight": ``fp16(A @ W16 + bias)`` with W16 the fp16 weight of :func:`dequant`;
         "group": ``fp16(A @ ((q - 8) s + fp16(delta)) + bias)``, the weight unrounded
-        (the kernel applies s and delta per group in fp32); with ``zero_points``
-        ``fp16(A @ ((q - z) s) + bias)``.
+        (the kernel applies s and delta per group in fp32).
     """
     a = gather_columns(A, perm) if perm is not None else np.asarray(A)
-    w = _weight(
-        a.shape[0],
-        B,
-        scales,
-        delta,
-        size_k=size_k,
-        size_n=size_n,
-        group_size=group_size,
-        arith=arith,
-        zero_points=zero_points,
-    )
+    w = _weight(a.shape[0], B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size, arith=arith)
     acc = a.astype(np.float64) @ w[:, : size_n if n_out is None else n_out]
     if bias is not None:
         acc = acc + np.asarray(bias, dtype=np.float16).astype(np.float64)
@@ -246,12 +205,9 @@ def _weight(
     size_n: int,
     group_size: int,
     arith: str | None,
-    zero_points: np.ndarray | None = None,
 ) -> np.ndarray:
     if _arith(m, size_n, arith) is Arith.GROUP:
-        return _decode_weight(
-            B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size, zero_points=zero_points
-        )
+        return _decode_weight(B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size)
     d = _delta16(delta, size_n)
     return dequant(
         B,
@@ -276,7 +232,6 @@ def gemm_error_bound(
     bias: np.ndarray | None = None,
     splits: int = 1,
     arith: str | None = None,
-    zero_points: np.ndarray | None = None,
 ) -> np.ndarray:
     """Elementwise bound on ``|kernel - twin|`` for :func:`marlin_gemm`, float64 ``(M, N)``.
 
@@ -286,10 +241,13 @@ def gemm_error_bound(
     * "weight": fp32 sums of K products (in any order, ``splits`` partial sums added
       last): ``|err| <= (K + splits + 1) * 2**-24 * (|A| @ |W| + |bias|)`` (Higham's
       recursive-summation bound with unit roundoff 2**-24, first order);
-      ``zero_points`` as in :func:`marlin_gemm`;
     * "group": the same for the per-group sums of ``A (q - 8)`` and of A, plus two
       fp32 fma per group (scale, delta), so ``K + 2 G + splits + 4`` roundings of at most
-      ``|A| @ (|q - 8| |s| + |fp16(delta)|)``;
+      ``|A| @ (|q - 8| |s| + |fp16(delta)|)``; with a delta the kernel sums ``A (q - 8)``
+      as two offset sums that cancel (``A (q + 1024 | 64)`` and ``-A (1032 | 72)``,
+      ``offset_codes`` in kernels/marlin_decode.cu), each rounded at every one of a
+      group's ``gs / 16`` mma steps (counted twice: a tensor core may truncate) at up to
+      ``1040 |A|`` per weight, so ``4 (gs / 16 + 1) 2**-23 1040 (|A| @ |s|)`` more;
     * both results are rounded to fp16: up to one fp16 ulp of the larger magnitude
       (``2**-10 * |x|``, and ``2**-24`` for subnormals).
 
@@ -303,14 +261,15 @@ def gemm_error_bound(
     a = gather_columns(A, perm) if perm is not None else np.asarray(A)
     m = a.shape[0]
     a64 = a.astype(np.float64)
+    offset_err: np.ndarray | float = 0.0
     if _arith(m, size_n, arith) is Arith.GROUP:
         _, g = _groups(size_k, group_size)
-        q8, sc, d = _decode_parts(
-            B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size, zero_points=zero_points
-        )
+        q8, sc, d = _decode_parts(B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size)
         wmag = np.abs(q8 * sc) + (0.0 if d is None else np.abs(d))
         exact = a64 @ (q8 * sc if d is None else q8 * sc + d)
         terms = size_k + 2 * g + splits + 4
+        if d is not None:
+            offset_err = 4 * (size_k // g // 16 + 1) * 2.0**-23 * 1040 * (np.abs(a64) @ np.abs(sc))
     else:
         w = _weight(m, B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size, arith="weight")
         wmag = np.abs(w)
@@ -321,7 +280,7 @@ def gemm_error_bound(
         b = np.asarray(bias, dtype=np.float16).astype(np.float64)
         mag = mag + np.abs(b)
         exact = exact + b
-    sum_err = terms * 2.0**-24 * mag
+    sum_err = terms * 2.0**-24 * mag + offset_err
     return sum_err + 2.0**-10 * (np.abs(exact) + sum_err) + 2.0**-24
 
 

@@ -1,8 +1,7 @@
 """GPU check of one converted layer: kernel output against an fp32 reference.
 
 Used by ``marlin-verify --gpu``. The check runs the fused path (GEMM with the delta
-folded into the dequantized weight, or the decode kernel's integer zero points where
-the layer has them, as ``MarlinLinear`` runs it) and the two-kernel path (symmetric GEMM, then
+folded into the dequantized weight) and the two-kernel path (symmetric GEMM, then
 ``C += xsum @ delta``) on random fp16 activations and compares both with
 ``A.astype(float32) @ w_ref_f32`` over all the layer's columns (``n_out`` of a padded
 layer: the kernels store exactly those).
@@ -96,20 +95,13 @@ def verify_layer_gpu(
     if tuple(w_ref.shape) != (size_k, n_out):
         raise KernelError(f"w_ref_f32 must be ({size_k}, {n_out}), got {tuple(w_ref.shape)}")
     kw = dict(size_k=size_k, size_n=size_n, group_size=group_size, perm=dev["perm"], n_out=n_out)
-    # The fused path as MarlinLinear runs it: with the integer zero points where the
-    # delta has them.
-    zp = None if delta is None else kernels.prepare_zero_points(dev["delta"], dev["scales"])
     result: dict[Any, Any] = {}
     ok = True
     for m in ms:
         a_host = rng.standard_normal((m, size_k), dtype=np.float32).astype(np.float16)
         a = cp.asarray(a_host)
         ref = a.astype(cp.float32) @ w_ref
-        paths = {
-            "": functools.partial(
-                kernels.marlin_gemm, a, dev["B"], dev["scales"], delta=dev["delta"], zero_points=zp, **kw
-            )
-        }
+        paths = {"": functools.partial(kernels.marlin_gemm, a, dev["B"], dev["scales"], delta=dev["delta"], **kw)}
         if dev["delta"] is not None:
             paths["two_kernel_"] = functools.partial(
                 kernels.marlin_gemm_two_kernel, a, dev["B"], dev["scales"], delta=dev["delta"], **kw

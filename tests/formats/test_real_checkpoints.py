@@ -87,33 +87,3 @@ def test_wrong_awq_interleave_would_be_caught(realinput: Path) -> None:
     k, n = w.shape
     wrong = w.reshape(k, n // 8, 8)[:, :, [0, 2, 4, 6, 1, 3, 5, 7]].reshape(k, n)
     assert np.linalg.norm(wrong - ref) / np.linalg.norm(ref) > 0.5
-
-
-@pytest.mark.parametrize("name", sorted(n for n in EXPECTED if not n.endswith("-sym")))
-def test_real_asymmetric_layers_have_the_decode_kernels_integer_zero_points(
-    realinput: Path, tmp_path: Path, name: str
-) -> None:
-    """Every asymmetric layer of every real integer-zero checkpoint gets the decode
-    kernel's zero-point operand (kernels.zero_point_operand), and it holds the source's
-    own zero points: the fast fused path is the one real checkpoints take."""
-    from converter.artifact.reader import open_artifact
-    from converter.constants import Suffix
-    from converter.gpu.kernels import zero_point_operand
-    from converter.marlin.layout import unpermute_scales
-
-    src = realinput / name
-    out = tmp_path / "a.safetensors"
-    convert(src, out)
-    with open_source(src) as s:
-        zeros = {}
-        for layer in s.plan().layers:
-            qw = s.load_layer(layer)
-            zeros[layer.name] = qw.zeros.astype(np.float64) + qw.code_offset
-    with open_artifact(out) as art:
-        assert set(art.layers) == set(zeros)
-        for layer, rec in art.layers.items():
-            zp = zero_point_operand(
-                art.tensor(f"{layer}.{Suffix.DELTA.value}"), art.tensor(f"{layer}.{Suffix.SCALES.value}")
-            )
-            assert zp is not None, layer
-            assert np.array_equal(unpermute_scales(zp).astype(np.float64)[:, : rec.size_n] - 1024, zeros[layer]), layer

@@ -39,17 +39,11 @@ def _twin_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     import numpy as np
 
     import converter.gpu.api as api
-    import converter.gpu.kernels as kernels
     import converter.gpu.reference as ref
     import converter.gpu.runtime as runtime
 
     monkeypatch.setattr(runtime, "cupy_module", lambda: np)
-    fake = types.SimpleNamespace(
-        gemm_plan=lambda *a, **k: None,
-        prepare_delta=lambda d: d,
-        prepare_zero_points=kernels.zero_point_operand,
-        marlin_gemm=ref.marlin_gemm,
-    )
+    fake = types.SimpleNamespace(gemm_plan=lambda *a, **k: None, prepare_delta=lambda d: d, marlin_gemm=ref.marlin_gemm)
     monkeypatch.setattr(api, "kernels", fake)
 
 

@@ -17,7 +17,7 @@ from converter.errors import KernelError
 from converter.gpu import kernels
 from converter.gpu import reference as ref
 from converter.gpu.plan import ARITH, GEMM_GPIS, GEMM_PIPES, Pipe, Tuning, hopper_split
-from converter.marlin.layout import pack_b, permute_scales, unpermute_scales
+from converter.marlin.layout import pack_b, permute_scales
 
 pytestmark = pytest.mark.gpu
 
@@ -202,6 +202,10 @@ def test_every_gemm_variant(cp, wk, pipe, m, k, n, group_size):
         bound = ref.gemm_error_bound(a, L["B"], L["S"], **kw, **host, splits=plan.splits * plan.wk)
         bad = np.abs(got.astype(np.float64) - twin) > bound
         assert np.isfinite(got).all() and not bad.any(), (variant, plan, int(bad.sum()))
+        # The bound is first-order worst case (and loose for the offset codes' cancelling
+        # sums); the typical error is the output's own fp16 rounding, ~1.5e-4.
+        rel = np.abs(got.astype(np.float64) - twin).mean() / np.abs(twin).mean()
+        assert rel < 4e-4, (variant, rel)
         sym = kernels.marlin_gemm(
             cp.asarray(a),
             cp.asarray(L["B"]),
@@ -214,98 +218,6 @@ def test_every_gemm_variant(cp, wk, pipe, m, k, n, group_size):
         twin_s = ref.marlin_gemm(a, L["B"], L["S"], **kw, arith=arith).astype(np.float64)
         bound_s = ref.gemm_error_bound(a, L["B"], L["S"], **kw, arith=arith, splits=plan.splits * plan.wk)
         assert (np.abs(cp.asnumpy(sym).astype(np.float64) - twin_s) <= bound_s).all(), (variant, "sym")
-
-
-def make_zp_layer(rng, k, n, group_size, act_order):
-    """A layer of integer zero points (GPTQ-like): delta = (8 - z) s exactly in fp32."""
-    L = make_layer(rng, k, n, group_size, act_order, True)
-    g = L["S"].shape[0]
-    z = rng.integers(0, 16, size=(g, n))
-    s = unpermute_scales(L["S"]).astype(np.float32)
-    L["delta"] = ((np.float32(8) - z.astype(np.float32)) * s).astype(np.float32)
-    L["z"] = z
-    return L
-
-
-ZP_CASES = [c for c in DECODE_CASES if c[0][0] == "decode"]
-
-
-@pytest.mark.parametrize("wk", [1, 4])
-@pytest.mark.parametrize("pipe,m,k,n,group_size", ZP_CASES)
-def test_every_decode_variant_with_zero_points(cp, wk, pipe, m, k, n, group_size):
-    """The decode kernel's zero-point form (codes unpacked as q - z, no delta term), every
-    built variant forced, both block shapes: against its twin, whose weight (q - z) s is
-    the artifact's (q - 8) s + delta exactly; the operand holds 1024 + z."""
-    tuning = Tuning(force_wk=wk)
-    rng = np.random.default_rng([pipe[1], pipe[2], pipe[3], m, k, n, 7])
-    L = make_zp_layer(rng, k, n, group_size, False)
-    zp = kernels.prepare_zero_points(L["delta"], L["S"])
-    assert zp is not None
-    assert np.array_equal(unpermute_scales(cp.asnumpy(zp)).astype(np.int64), 1024 + L["z"])
-    a = rng.standard_normal((m, k), dtype=np.float32).astype(np.float16)
-    kw = dict(size_k=k, size_n=n, group_size=group_size)
-    try:
-        plan = kernels.gemm_plan(m, k, n, group_size, delta=True, pipe=pipe, tuning=tuning)
-    except KernelError as exc:  # group size not served by this U
-        assert "not supported" in str(exc)
-        return
-    bias = cp.asarray(L["bias"]) if L["bias"] is not None else None
-    runs = [
-        kernels.marlin_gemm(
-            cp.asarray(a),
-            cp.asarray(L["B"]),
-            cp.asarray(L["S"]),
-            delta=kernels.prepare_delta(cp.asarray(L["delta"])),
-            zero_points=zp,
-            bias=bias,
-            out=poisoned(cp, (m, n)),
-            pipe=pipe,
-            tuning=tuning,
-            **kw,
-        )
-        for _ in range(2)
-    ]
-    got = cp.asnumpy(runs[0])
-    assert np.array_equal(got.view(np.uint16), cp.asnumpy(runs[1]).view(np.uint16)), "not deterministic"
-    host = dict(delta=L["delta"], bias=L["bias"], arith="group", zero_points=cp.asnumpy(zp))
-    twin = ref.marlin_gemm(a, L["B"], L["S"], **kw, **host).astype(np.float64)
-    bound = ref.gemm_error_bound(a, L["B"], L["S"], **kw, **host, splits=plan.splits * plan.wk)
-    bad = np.abs(got.astype(np.float64) - twin) > bound
-    assert np.isfinite(got).all() and not bad.any(), (pipe, plan, int(bad.sum()))
-
-
-@pytest.mark.parametrize("m", [1, 8, 16, 17, 33, 64, 65, 128])
-@pytest.mark.parametrize("k,n,group_size,act_order", [(2048, 1024, 128, True), (1024, 4096, 32, False)])
-def test_zero_points_through_the_planner(cp, m, k, n, group_size, act_order):
-    """With zero points given, every plan computes its own twin: the decode kernel the
-    zero-point form, the others (tile, Hopper) the delta form, bit for bit as without
-    zero points."""
-    rng = np.random.default_rng([m, k, n, 8])
-    L = make_zp_layer(rng, k, n, group_size, act_order)
-    zp = kernels.prepare_zero_points(L["delta"], L["S"])
-    a = rng.standard_normal((m, k), dtype=np.float32).astype(np.float16)
-    kw = dict(size_k=k, size_n=n, group_size=group_size)
-    dev = dict(delta=kernels.prepare_delta(cp.asarray(L["delta"])), perm=cp.asarray(L["perm"]) if act_order else None)
-    args = (cp.asarray(a), cp.asarray(L["B"]), cp.asarray(L["S"]))
-    c = cp.asnumpy(kernels.marlin_gemm(*args, zero_points=zp, out=poisoned(cp, (m, n)), **kw, **dev))
-    plan = kernels.gemm_plan(m, k, n, group_size, delta=True)
-    host = dict(delta=L["delta"], perm=L["perm"], arith=plan.arith, zero_points=cp.asnumpy(zp))
-    twin = ref.marlin_gemm(a, L["B"], L["S"], **kw, **host).astype(np.float64)
-    bound = ref.gemm_error_bound(a, L["B"], L["S"], **kw, **host, splits=plan.splits)
-    assert np.isfinite(c).all() and (np.abs(c.astype(np.float64) - twin) <= bound).all(), plan
-    if str(plan.arith) == "weight":
-        plain = cp.asnumpy(kernels.marlin_gemm(*args, out=poisoned(cp, (m, n)), **kw, **dev))
-        assert np.array_equal(c.view(np.uint16), plain.view(np.uint16)), plan
-
-
-def test_zero_points_need_delta(cp):
-    L = make_zp_layer(np.random.default_rng(9), 256, 64, 64, False)
-    zp = kernels.prepare_zero_points(L["delta"], L["S"])
-    a = cp.zeros((1, 256), dtype=cp.float16)
-    with pytest.raises(KernelError, match="zero_points needs delta"):
-        kernels.marlin_gemm(
-            a, cp.asarray(L["B"]), cp.asarray(L["S"]), size_k=256, size_n=64, group_size=64, zero_points=zp
-        )
 
 
 @pytest.mark.parametrize(
@@ -388,11 +300,6 @@ def test_verify_layer_gpu(cp):
     assert res["ok"], res
     assert set(res) == {1, 16, 17, 64, 128, "ok"}
     assert res[17]["deterministic"] and res[17]["two_kernel_deterministic"]
-    Z = make_zp_layer(rng, k, n, 128, True)
-    wz = ref.reference_weight(Z["B"], Z["S"], Z["delta"], Z["perm"], size_k=k, size_n=n, group_size=128)
-    rz = verify_layer_gpu(Z["B"], Z["S"], Z["delta"], Z["perm"], k, n, 128, wz, repeats=3)
-    assert rz["ok"], rz
-    assert rz[1]["mean_rel_err"] < 5e-4 and rz[16]["mean_rel_err"] < 5e-4, rz
 
 
 def test_api_module_roundtrip(cp):
@@ -402,16 +309,6 @@ def test_api_module_roundtrip(cp):
     k, n = 512, 128
     L = make_layer(rng, k, n, 64, True, True)
     layer = MarlinLinear("x", k, n, 64, L["B"], L["S"], L["delta"], L["perm"], L["bias"])
-    assert not layer.integer_zero_points  # make_layer's delta carries noise
-    Z = make_zp_layer(rng, k, n, 64, True)
-    zl = MarlinLinear("z", k, n, 64, Z["B"], Z["S"], Z["delta"], Z["perm"], None)
-    assert zl.integer_zero_points
-    az = rng.standard_normal((16, k)).astype(np.float16)
-    twin_z = ref.marlin_gemm(
-        az, Z["B"], Z["S"], size_k=k, size_n=n, group_size=64, delta=Z["delta"], perm=Z["perm"], arith="weight"
-    )
-    yz = cp.asnumpy(zl(cp.asarray(az))).astype(np.float64)
-    assert np.abs(yz - twin_z).max() <= 0.01 * np.abs(twin_z).max()
     a = rng.standard_normal((2, 3, k)).astype(np.float16)
     y = cp.asnumpy(layer(cp.asarray(a)))
     twin = ref.marlin_gemm(

@@ -69,6 +69,7 @@ def test_tuning_defaults_are_the_measured_values() -> None:
         hopper_fs_narrow_min_m=33,
         hopper_fs_thin_min_m=33,
         hopper_fs_thin_kn=8192 * 1024,
+        hopper_decode_small_kn=4096 * 4096,
     )
     with pytest.raises(dataclasses.FrozenInstanceError):
         DEFAULT_TUNING.waves = 2  # type: ignore[misc]
@@ -184,13 +185,8 @@ def test_kind_table() -> None:
     assert Pipe.of(("tile", 1, 4, 3)) == ("tile", 1, 4, 3) and repr(Pipe.of(("tile", 1, 4, 3))) == "('tile', 1, 4, 3)"
     assert Pipe.of(("decode", 2, 8, 3)).name(1, True) == "marlin_decode<2, 8, 1, 3, true, true>"
     assert Pipe.of(("decode_w", 4, 4, 3)).name(2, False) == "marlin_decode<4, 4, 2, 3, false, false>"
-    assert Pipe.of(("decode", 2, 8, 3)).name(1, True, True) == "marlin_decode<2, 8, 1, 3, true, true, true>"
-    for pipe, delta in ((("decode_w", 4, 4, 3), True), (("tile", 1, 4, 3), True), (("decode", 1, 4, 3), False)):
-        with pytest.raises(ValueError, match="has no zero-point form"):
-            Pipe.of(pipe).name(1, delta, True)
-    # Every variant is built for every GPI of its U, with and without delta, and the
-    # per-group kind also with zero points.
-    n_gemm = sum((3 if p.spec.arith is Arith.GROUP else 2) * len(GEMM_GPIS[p.u]) for p in GEMM_PIPES)
+    # Every variant is built for every GPI of its U, with and without delta.
+    n_gemm = sum(2 * len(GEMM_GPIS[p.u]) for p in GEMM_PIPES)
     built = sum(len(build.NAMES[f]) for f in ("marlin_gemm.cu", "marlin_decode.cu", "marlin_wgmma.cu"))
     assert built == n_gemm + 2  # + gather_columns, hopper_activations
     assert Pipe.of(("hopper", 16, 4, 6)).name(2, True) == "marlin_wgmma<64, 2, 4, 2, 6, true>"
@@ -243,6 +239,32 @@ def test_hopper_routing() -> None:
 def test_thin_layers_take_feature_split_chunks(m: int, k: int, n: int, pipe) -> None:
     assert default_pipe(m, k, n, 8, H200.smem_per_block_optin, hopper=True) == pipe
     assert default_pipe(m, k, n, 8, H200.smem_per_block_optin, hopper=False)[0] == "tile"
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "n", "pipe"),
+    [
+        # H200 sweep 2026-12-02 (symmetric us, 8-row decode chunks against the tile
+        # kernel): 4096² 11.8 / 12.6 at 12 rows, 11.6 / 13.2 at 16; 8192 x 1024 10.5 /
+        # 11.4 and 10.6 / 11.4; 14336 x 4096 even at 16 (21.4 / 21.5): the tile kernel stays
+        (8, 4096, 4096, ("decode", 1, 4, 3)),
+        (9, 4096, 4096, ("decode", 1, 4, 3)),
+        (16, 4096, 4096, ("decode", 1, 4, 3)),
+        (17, 4096, 4096, ("tile", 2, 4, 3)),
+        (16, 8192, 1024, ("decode", 1, 4, 3)),
+        (12, 8192, 2048, ("decode", 1, 4, 3)),
+        (16, 8192, 4096, ("tile", 2, 4, 3)),  # more weights than 4096²
+        (16, 14336, 4096, ("tile", 2, 4, 3)),
+        (16, 2048, 8192, ("decode", 2, 8, 3)),  # N > 4096: the wide rule's 16-row chunks
+    ],
+)
+def test_small_layers_take_8_row_decode_chunks_at_9_to_16_rows(m: int, k: int, n: int, pipe) -> None:
+    assert default_pipe(m, k, n, 8, H200.smem_per_block_optin, hopper=True) == pipe
+    if 8 < m <= 16 and n <= 4096:  # the sm_80..89 rule is unchanged
+        assert default_pipe(m, k, n, 8, H200.smem_per_block_optin, hopper=False)[0] == "tile"
+    off = Tuning(hopper_decode_small_kn=0)
+    if pipe == ("decode", 1, 4, 3) and m > 8:
+        assert default_pipe(m, k, n, 8, H200.smem_per_block_optin, off, hopper=True)[0] == "tile"
 
 
 @pytest.mark.parametrize(
