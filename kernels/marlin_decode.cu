@@ -9,7 +9,8 @@
 // once per weight in fp16. That is what makes the kernel cheap at small M, where the
 // per-weight fp16 arithmetic, not the memory, was the limit (scripts/perf_notes.md):
 // a weight costs 9 instructions per 8 codes (4 lop3, 1 shift, 4 fp16x2 sub/fma), with
-// no scale multiply.
+// no scale multiply; with a delta 5 (offset_codes: P is then the difference of two
+// larger fp32 sums, closed per group, per step when per-channel).
 //
 // Why the weights are the mma's A operand ("transposed" mma): m16n8k16 multiplies a
 // 16 x 16 A by a 16 x 8 B. With the 16 columns of a B tile as the 16 rows of A and up
@@ -19,8 +20,8 @@
 // {k 2t..2t+1 at n g, at n g+8; k 2t+8..2t+9 at n g, at n g+8} (t = lane % 4,
 // g = lane / 4; codes_minus8's m[0], m[2], m[1], m[3]). The accumulator element e of
 // (j, nt) is column n = 64 nb + 16 j + g + 8 (e / 2) and row m = 8 nt + 2 t + e % 2.
-// X comes from one more mma per k-tile with an all-ones A operand; with HAS_DELTA that
-// mma also sums the offsets of offset_codes (below), so the codes need no fp16 arithmetic.
+// With HAS_DELTA, X comes from one more mma per k-tile (ones in the A operand's rows
+// g + 8), whose rows g also sum the offsets of offset_codes (below).
 //
 // Launch geometry: as marlin_gemm.cu, with m-chunks of 8 NT rows: block = 4 warps,
 // grid.x = m_chunks * ceil(N / 64 / (4 / wk)) * splits; dynamic shared memory, with
@@ -162,7 +163,13 @@ __device__ __forceinline__ void decode_stage(u32 st, u32 sa, int kt, int lane, G
     const u32 a_lane = sa + R::A_OFF + ((lane & 7) + 8 * (q >> 1)) * 32 + 16 * (q & 1);
 #pragma unroll
     for (int gi = 0; gi < GPI; ++gi) {
-        if (!per_channel && walk.step(kt + gi * SUB, group_tiles)) {
+        if (per_channel) {
+            // One group over all of K would let the offset sums grow over K / 16 steps
+            // (a NumPy model of the fp32 sums: 5e-5 of the result at K = 14336); its scale
+            // and delta stay in registers, so the group is closed at every step instead
+            // (the kernel's end closes the last).
+            if (GS && HAS_DELTA && gi == 0) close_group<NT, true>(acc, gp, gx, sf, df);
+        } else if (walk.step(kt + gi * SUB, group_tiles)) {
             if (GS) {
                 if (open) close_group<NT, HAS_DELTA>(acc, gp, gx, sf, df);
                 open = true;

@@ -313,7 +313,8 @@ class Tuning:
     Attributes:
         group_max_m: the decode kernel with per-group scaling serves up to 8 rows
             always, and 9..group_max_m rows when N >= wide_n (enough column blocks keep
-            the device busy without deep K splits).
+            the device busy without deep K splits) or, on sm_90, on the small layers of
+            hopper_decode_small_kn (in 8-row chunks, at most 16 rows).
         decode_max_m: the per-weight decode variant serves 17..decode_max_m rows when
             N > wide_n; the tile kernel serves everything else.
         wide_n: see above.
@@ -524,8 +525,9 @@ def gemm_path(
 
 
 def _small_decode(m: int, size_k: int, size_n: int, tuning: Tuning) -> bool:
-    """The small-layer route of the decode kernel on sm_90 (see :class:`Tuning`)."""
-    return 8 < m <= tuning.group_max_m and size_n <= 4096 and size_k * size_n <= tuning.hopper_decode_small_kn
+    """The small-layer route of the decode kernel on sm_90 (see :class:`Tuning`); at most
+    16 rows, two 8-row chunks (measured no further)."""
+    return 8 < m <= min(tuning.group_max_m, 16) and size_n <= 4096 and size_k * size_n <= tuning.hopper_decode_small_kn
 
 
 def _thin_fs(m: int, size_k: int, size_n: int, tuning: Tuning) -> bool:

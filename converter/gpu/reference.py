@@ -111,7 +111,8 @@ def hopper_activations(A: np.ndarray, perm: np.ndarray | None, m_pad: int) -> np
 def _arith(m: int, size_n: int, arith: str | None) -> Arith:
     if arith is None:
         # The sm_80..89 rule (converter.gpu.plan, no GPU needed); on sm_90 the Hopper
-        # kernel takes more calls, so tests pass the plan's own ``arith``.
+        # kernels and the small layers' 8-row decode chunks take other calls, so tests
+        # pass the plan's own ``arith``.
         return gemm_arith(m, size_n)
     try:
         return Arith(arith)
@@ -246,8 +247,9 @@ def gemm_error_bound(
       ``|A| @ (|q - 8| |s| + |fp16(delta)|)``; with a delta the kernel sums ``A (q - 8)``
       as two offset sums that cancel (``A (q + 1024 | 64)`` and ``-A (1032 | 72)``,
       ``offset_codes`` in kernels/marlin_decode.cu), each rounded at every one of a
-      group's ``gs / 16`` mma steps (counted twice: a tensor core may truncate) at up to
-      ``1040 |A|`` per weight, so ``4 (gs / 16 + 1) 2**-23 1040 (|A| @ |s|)`` more;
+      group's ``gs / 16`` mma steps (at most 8 per-channel, where the kernel closes every
+      step; counted twice: a tensor core may truncate) at up to ``1040 |A|`` per weight,
+      so ``4 (steps + 1) 2**-23 1040 (|A| @ |s|)`` more;
     * both results are rounded to fp16: up to one fp16 ulp of the larger magnitude
       (``2**-10 * |x|``, and ``2**-24`` for subnormals).
 
@@ -269,7 +271,8 @@ def gemm_error_bound(
         exact = a64 @ (q8 * sc if d is None else q8 * sc + d)
         terms = size_k + 2 * g + splits + 4
         if d is not None:
-            offset_err = 4 * (size_k // g // 16 + 1) * 2.0**-23 * 1040 * (np.abs(a64) @ np.abs(sc))
+            steps = 8 if g == 1 else size_k // g // 16
+            offset_err = 4 * (steps + 1) * 2.0**-23 * 1040 * (np.abs(a64) @ np.abs(sc))
     else:
         w = _weight(m, B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size, arith="weight")
         wmag = np.abs(w)
