@@ -377,7 +377,9 @@ class Tuning:
             leave most multiprocessors idle there: 4096² ran 11.8 / 11.6 us (symmetric)
             against the tile kernel's 12.6 / 13.2 at M = 12 / 16, 8192 x 1024 10.5 /
             10.6 against 11.4 (H200 sweep, scripts/perf_notes.md); 14336 x 4096 was
-            even at M = 16, so larger layers keep the tile kernel.
+            even at M = 16, so larger layers keep the tile kernel. Only those two
+            shapes were measured: narrower or deeper layers of the class (say
+            65536 x 256) are an extrapolation.
     """
 
     group_max_m: int = 16
