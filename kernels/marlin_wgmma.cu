@@ -72,6 +72,7 @@
 
 #include "marlin_stream.cuh"
 #include "wgmma_ops.cuh"
+#include "hopper_pipe.cuh"
 
 // Measurement switches (scripts/perf_notes.md, "where the time goes"): compile with
 // -DWG_NODQ=1 to feed the raw words to wgmma, -DWG_NOMMA=1 to skip the products. The
@@ -114,90 +115,25 @@ struct WgLayout {
     static_assert(NS >= 3, "NS - 2 stages in flight");
 };
 
-// The no-swizzle shared-memory matrix descriptor of wgmma (PTX ISA, "Matrix
-// Descriptor"): start address, leading byte offset (K direction) and stride byte
-// offset (token direction), each in 16-byte units, swizzle mode 0.
-__device__ __forceinline__ unsigned long long wg_desc(u32 addr, u32 k_step) {
-    return (unsigned long long)((addr & 0x3FFFFu) >> 4) | ((unsigned long long)(k_step >> 4) << 16) |
-           ((unsigned long long)(128 >> 4) << 32);
-}
-
-// J consecutive 32-bit words of shared memory (4 J bytes, 4 J-byte aligned): the B
-// words of a lane's J tiles, or the fp16 pairs of its 2 J scales.
-template <int J>
-__device__ __forceinline__ void lds_words(u32 addr, u32 (&w)[J]) {
-    if constexpr (J == 4) {
-        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(addr) : "memory");
-    } else if constexpr (J == 2) {
-        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "r"(addr) : "memory");
-    } else {
-        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(w[0]) : "r"(addr) : "memory");
-    }
-}
-
-template <int J>
-__device__ __forceinline__ void splat_cols(u32 addr, u32 (&h)[2 * J]) {
-    u32 w[J];
-    lds_words<J>(addr, w);
-#pragma unroll
-    for (int p = 0; p < 2 * J; ++p) h[p] = h_splat((u16)(w[p >> 1] >> (16 * (p & 1))));
-}
-
-// One k-tile of one warp: dequantize its J words into the A fragments of wgmma
-// jj = 0..J-1 (slot p = 2 jj + h of the scales is column 16 (J fg + jj) + g + 8 h of
-// the warp's block).
-template <bool HAS_DELTA, int J>
-__device__ __forceinline__ void weight_fragments(const u32 (&w)[J], const u32 (&s2)[2 * J], const u32 (&d2)[2 * J],
-                                                 u32 (&af)[J][4]) {
-#pragma unroll
-    for (int j = 0; j < J; ++j) {
-        u32 m[4];
-        codes_minus8(w[j], m);
-        u32 b[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-            b[i] = HAS_DELTA ? h2_fma(m[i], s2[2 * j + (i >> 1)], d2[2 * j + (i >> 1)]) : h2_mul(m[i], s2[2 * j + (i >> 1)]);
-        af[j][0] = b[0];
-        af[j][1] = b[2];
-        af[j][2] = b[1];
-        af[j][3] = b[3];
-    }
-}
-
-// --- mbarrier and bulk copies (PTX ISA: mbarrier, cp.async.bulk) ---
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    asm volatile(
-        "{\n.reg .pred done;\nWAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
-}
-// size bytes (a multiple of 16, 16-byte aligned ends) from global to this block's shared
-// memory; completes on `bar` as transaction bytes (the async proxy: no generic fence).
-__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-
-// The activations in the layout the bulk copies want: At[c][r][0..7] = A[r][8 c .. 8 c + 7]
-// (K/8 chunks of m_pad rows of 16 bytes), rows r >= M zero, after the act-order gather
-// A[r][perm[k]] when perm != nullptr. A stage's TOK rows of one chunk are then TOK * 16
-// contiguous bytes, and in shared memory they form wgmma's no-swizzle K-major core
-// matrices with a leading byte offset of TOK * 16 (K) and a stride byte offset of 128
-// (tokens). Launch: one thread per 16-byte piece, grid.x = ceil(K / 8 * m_pad / 256),
-// block 256. NumPy reference: converter.gpu.reference.hopper_activations.
+// The activations in the layout the bulk copies want, chunk-major in blocks of `tok`
+// token rows: At[b][c][r][0..7] = A[b tok + r][8 c .. 8 c + 7] (m_pad / tok blocks of K/8
+// chunks of tok rows of 16 bytes), rows >= M zero, after the act-order gather
+// A[r][perm[k]] when perm != nullptr. A stage's tokens of one chunk are then tok * 16
+// contiguous bytes (and, within a block, a stage's chunks follow each other), and in
+// shared memory they form wgmma's no-swizzle K-major core matrices with a leading byte
+// offset of tok * 16 (K) and a stride byte offset of 128 (tokens). marlin_wgmma takes
+// tok = m_pad (one block: [c][r], its m-chunks side by side in each chunk row);
+// marlin_streamk takes its token chunk, so that a stage is one bulk copy. Launch: one
+// thread per 16-byte piece, grid.x = ceil(K / 8 * m_pad / 256), block 256; m_pad % tok
+// == 0. NumPy reference: converter.gpu.reference.hopper_activations.
 extern "C" __global__ void hopper_activations(const u16* __restrict__ A, const int* __restrict__ perm,
-                                             u16* __restrict__ At, int M, int K, int m_pad) {
+                                             u16* __restrict__ At, int M, int K, int m_pad, int tok) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long total = (long long)(K >> 3) * m_pad;
+    const long long k8 = K >> 3;
+    const long long total = k8 * m_pad;
     if (i >= total) return;
-    const int r = (int)(i % m_pad), c = (int)(i / m_pad);
+    const long long rest = i / tok;
+    const int r = (int)((rest / k8) * tok + i % tok), c = (int)(rest % k8);
     u32 v[4] = {0u, 0u, 0u, 0u};
     if (r < M) {
         const u16* row = A + (size_t)r * K;

@@ -250,7 +250,8 @@ def main() -> int:
         help="extra our-kernel variants to time, e.g. d1x4x3w1,t1x4x3w1 (d = decode kernel with NT "
         "8-row tiles, w = the same with per-weight scaling, t = tile kernel with MT "
         "16-row tiles, h = Hopper kernel with R 8-token tiles, f = the same with its warpgroups "
-        "splitting the features; x U x NS; w = waves target)",
+        "splitting the features, p = the persistent Hopper kernel, R 0 = the tiles that hold M; "
+        "x U x NS; w = waves target)",
     )
     ap.add_argument(
         "--sweep-splits",
@@ -276,7 +277,7 @@ def main() -> int:
         return 2
 
     from converter.gpu import kernels, runtime
-    from converter.gpu.plan import KernelKind, Tuning
+    from converter.gpu.plan import HOPPER_SK_RS, KernelKind, Tuning
 
     info = runtime.require_gpu()
     base = Tuning(force_wk=args.force_wk)
@@ -330,9 +331,13 @@ def main() -> int:
                 pipe_s, w = spec.rsplit("w", 1)
                 w, _, occ = w.partition("o")
                 kind = KernelKind(
-                    {"d": "decode", "w": "decode_w", "t": "tile", "h": "hopper", "f": "hopper_fs"}[pipe_s[0]]
+                    {"d": "decode", "w": "decode_w", "t": "tile", "h": "hopper", "f": "hopper_fs", "p": "hopper_sk"}[
+                        pipe_s[0]
+                    ]
                 )
                 pipe = (kind,) + tuple(int(v) for v in pipe_s[1:].split("x"))
+                if pipe[1] == 0:  # R 0: the fewest 8-token tiles that hold M (128-token chunks beyond)
+                    pipe = (kind, next(r for r in HOPPER_SK_RS if 8 * r >= min(m, 128)), *pipe[2:])
                 cap = ((kind, int(occ)),) if occ else base.occupancy_cap
                 swept = dataclasses.replace(base, waves=int(w), occupancy_cap=cap)
                 row[f"sym_{spec}"] = ours(kernels.marlin_gemm, None, pipe=pipe, tuning=swept)

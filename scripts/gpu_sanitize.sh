@@ -6,6 +6,7 @@ set -u
 out=${1:-${OUT:-/tmp}}
 export PYTHONPATH=$PWD
 cat > /tmp/sanitize_cases.py <<'PY'
+import os
 import numpy as np, cupy as cp
 from converter.gpu import kernels, reference as ref
 from converter.gpu.plan import Tuning
@@ -46,8 +47,21 @@ if hopper:  # every Hopper variant: full/ragged chunks, several chunks, ragged N
               (100, 1024, 512, 32, False, None, ("hopper_fs", 16, 4, 4), 509),
               (129, 512, 4096, 16, True, None, ("hopper_fs", 6, 4, 6), None),
               (300, 256, 8192, 128, False, None, None, None)]
-for (m, k, n, gs, act, wk, pipe, n_out) in cases:
-    tuning = Tuning(force_wk=wk)
+    # the persistent kernel: forced runs of `wk` stages cut units into many pieces
+    # (owners adding parked sums), runs crossing units, ragged N and chunks, GPI 1/2/4
+    sk = [(1, 2048, 320, 128, False, 1, ("hopper_sk", 1, 4, 8), None),
+          (13, 1024, 512, 32, True, 3, ("hopper_sk", 2, 4, 8), 509),
+          (40, 768, 768, 48, False, 2, ("hopper_sk", 6, 4, 8), None),
+          (64, 4096, 256, -1, True, 5, ("hopper_sk", 8, 4, 8), None),
+          (200, 512, 1280, 16, True, 7, ("hopper_sk", 16, 4, 8), 1200),
+          (90, 1024, 4096, 128, False, None, ("hopper_sk", 12, 4, 8), None)]
+    cases = [c + (None,) for c in cases] + [c[:5] + (None,) + c[6:] + (c[5],) for c in sk]
+    if os.environ.get("SANITIZE_ONLY"):  # e.g. hopper_sk: only the cases of that kind
+        cases = [c for c in cases if c[6] and c[6][0] == os.environ["SANITIZE_ONLY"]]
+else:
+    cases = [c + (None,) for c in cases]
+for (m, k, n, gs, act, wk, pipe, n_out, iters) in cases:
+    tuning = Tuning(force_wk=wk, streamk_iters=iters)
     gsz = k if gs == -1 else gs
     B, S, D = layer(k, n, gsz)
     a = cp.asarray(rng.standard_normal((m, k)).astype(np.float16))

@@ -31,6 +31,8 @@ SOURCES = (
     "marlin_stream.cuh",
     "marlin_wgmma.cu",
     "wgmma_ops.cuh",
+    "hopper_pipe.cuh",
+    "marlin_streamk.cu",
 )
 #: ``.cu`` file -> the kernels (template instantiations included) it is built for.
 NAMES: dict[str, list[str]] = {
@@ -39,10 +41,11 @@ NAMES: dict[str, list[str]] = {
     "dequant.cu": ["marlin_dequant<false>", "marlin_dequant<true>"],
     "asym_correction.cu": ["group_sums", "add_correction"],
     "marlin_wgmma.cu": [*kernel_names("marlin_wgmma.cu"), "hopper_activations"],
+    "marlin_streamk.cu": kernel_names("marlin_streamk.cu"),
 }
 #: Sources that use sm_90a-only instructions (wgmma): built for the device's "a"
 #: target, and only on sm_90 (the planner routes nothing to them elsewhere).
-ARCH_SPECIFIC = ("marlin_wgmma.cu",)
+ARCH_SPECIFIC = ("marlin_wgmma.cu", "marlin_streamk.cu")
 
 
 def kernel_dir() -> Path:

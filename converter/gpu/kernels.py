@@ -246,13 +246,14 @@ def marlin_gemm(
     ``d = fp16(delta)``, fp32 accumulation, one fp16 rounding. The kernels share the
     work (:func:`converter.gpu.plan.gemm_path` picks by M, N and the device): for small
     M the decode kernel (``kernels/marlin_decode.cu``) sums ``A (q - 8)`` and A per
-    group in fp32 and applies ``s`` and ``d`` once per group; on sm_90 the Hopper kernel
-    (``kernels/marlin_wgmma.cu``, after ``hopper_activations`` re-lays A out, the
-    act-order gather included) serves the larger M on layers of N >= 4096, its
-    feature-split form (``hopper_fs``) from 65 rows (33 on N = 4096); the decode
-    kernel's "decode_w" variant and the tile kernel (``kernels/marlin_gemm.cu``) serve
-    the rest, and everything on sm_80..89. Every kernel but the decode kernel multiplies by the fp16
-    weight ``fp16((q - 8) * s (+ d))``. Twin: ``reference.marlin_gemm`` with the plan's
+    group in fp32 and applies ``s`` and ``d`` once per group; on sm_90 the persistent
+    Hopper kernel (``kernels/marlin_streamk.cu``, ``hopper_sk``, after
+    ``hopper_activations`` re-lays A out, the act-order gather included) serves M >= 17
+    on every layer of N >= 4096 and at least 4096 x 4096 weights, and the other Hopper
+    kinds (``kernels/marlin_wgmma.cu``) the larger M of smaller and thin layers; the
+    decode kernel's "decode_w" variant and the tile kernel (``kernels/marlin_gemm.cu``)
+    serve the rest, and everything on sm_80..89. Every kernel but the decode kernel
+    multiplies by the fp16 weight ``fp16((q - 8) * s (+ d))``. Twin: ``reference.marlin_gemm`` with the plan's
     ``arith``.
 
     Args:
@@ -315,18 +316,21 @@ def marlin_gemm(
         np.int32(plan.tiles_per_split),
     )
     if plan.pipe.spec.wgmma:
-        # The unit is 256 columns x one m-chunk; partials are kept in register order.
         m_pad = plan.m_chunks * plan.rows
-        units = plan.m_chunks * -(-(size_n // KERNEL_N_MULTIPLE) // 4)
-        ws, locks, at = _workspace(
-            plan.splits * units * m_pad // plan.m_chunks * 256 if plan.splits > 1 else 0, units, m_pad * size_k
-        )
-        pieces = size_k // AT_PIECE * m_pad
-        build.function("marlin_wgmma.cu", "hopper_activations")(
-            (-(-pieces // GATHER_THREADS),),
-            (GATHER_THREADS,),
-            (A, _ptr_or_null(perm), at, np.int32(m), np.int32(size_k), np.int32(m_pad)),
-        )
+        if plan.pipe.spec.persistent:
+            # Stream-K over the multiprocessors: T x 256 partial sums per block that
+            # parks a piece of a unit, one flag per block; A in blocks of T tokens.
+            tok, n_locks = plan.rows, plan.blocks
+            ws_floats = plan.blocks * plan.rows * 256 if plan.splits > 1 else 0
+            scalars = (size_k, size_n, n_out, gt, int(per_channel), plan.tiles_per_split // plan.u)
+        else:
+            # The unit is 256 columns x one m-chunk; partials are kept in register order.
+            tok = m_pad
+            n_locks = plan.m_chunks * -(-(size_n // KERNEL_N_MULTIPLE) // 4)
+            ws_floats = plan.splits * n_locks * plan.rows * 256 if plan.splits > 1 else 0
+            scalars = (m_pad, size_k, size_n, n_out, gt, int(per_channel), plan.splits, plan.tiles_per_split)
+        ws, locks, at = _workspace(ws_floats, n_locks, m_pad * size_k)
+        _activations(A, perm, at, m, size_k, m_pad, tok)
         args = (
             at,
             B,
@@ -337,11 +341,7 @@ def marlin_gemm(
             ws,
             locks,
             np.int32(m),
-            np.int32(m_pad),
-            np.int32(size_k),
-            np.int32(size_n),
-            np.int32(n_out),
-            *tail,
+            *(np.int32(v) for v in scalars),
         )
     else:
         if perm is not None:
@@ -367,6 +367,17 @@ def marlin_gemm(
         )
     fn((plan.blocks,), (plan.threads,), args, shared_mem=plan.smem)
     return out
+
+
+def _activations(A: Any, perm: Any, at: Any, m: int, size_k: int, m_pad: int, tok: int) -> None:
+    """``hopper_activations``: A (gathered by ``perm``) into ``at`` in blocks of ``tok``
+    token rows (``kernels/marlin_wgmma.cu``; twin ``reference.hopper_activations``)."""
+    pieces = size_k // AT_PIECE * m_pad
+    build.function("marlin_wgmma.cu", "hopper_activations")(
+        (-(-pieces // GATHER_THREADS),),
+        (GATHER_THREADS,),
+        (A, _ptr_or_null(perm), at, np.int32(m), np.int32(size_k), np.int32(m_pad), np.int32(tok)),
+    )
 
 
 def _n_out(n_out: int | None, size_n: int) -> int:

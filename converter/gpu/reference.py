@@ -86,26 +86,32 @@ def gather_columns(A: np.ndarray, perm: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(A)[:, np.asarray(perm, dtype=np.intp)])
 
 
-def hopper_activations(A: np.ndarray, perm: np.ndarray | None, m_pad: int) -> np.ndarray:
+def hopper_activations(A: np.ndarray, perm: np.ndarray | None, m_pad: int, tok: int | None = None) -> np.ndarray:
     """Twin of ``hopper_activations`` (``kernels/marlin_wgmma.cu``): A in 16-byte pieces,
-    chunk-major, exactly.
+    chunk-major in blocks of ``tok`` token rows, exactly.
 
     Args:
         A: float16 ``(M, K)``, source channel order; K % 8 == 0.
         perm: int32 ``(K,)`` act-order permutation, or None.
         m_pad: rows of the result (>= M), a whole number of the kernel's token chunks.
+        tok: token rows per block (divides ``m_pad``); None: ``m_pad`` (one block, the
+            layout of ``marlin_wgmma``).
 
     Returns:
-        float16 ``(K // 8, m_pad, 8)``: ``[c, r, :] = A[r, 8 c : 8 c + 8]`` after the gather,
-        zero for ``r >= M``.
+        float16 ``(m_pad // tok, K // 8, tok, 8)``: ``[b, c, r, :] = A[b tok + r, 8 c : 8 c + 8]``
+        after the gather, zero for rows ``>= M``; with ``tok`` None, ``(K // 8, m_pad, 8)``.
     """
     a = np.asarray(A, dtype=np.float16)
     if perm is not None:
         a = gather_columns(a, perm)
     m, k = a.shape
-    out = np.zeros((k // 8, m_pad, 8), dtype=np.float16)
-    out[:, :m, :] = a.reshape(m, k // 8, 8).transpose(1, 0, 2)
-    return out
+    rows = np.zeros((m_pad, k // 8, 8), dtype=np.float16)
+    rows[:m] = a.reshape(m, k // 8, 8)
+    if tok is None:
+        return np.ascontiguousarray(rows.transpose(1, 0, 2))
+    if m_pad % tok:
+        raise ValueError(f"m_pad={m_pad} is not a whole number of {tok}-token blocks")
+    return np.ascontiguousarray(rows.reshape(m_pad // tok, tok, k // 8, 8).transpose(0, 2, 1, 3))
 
 
 def _arith(m: int, size_n: int, arith: str | None) -> Arith:

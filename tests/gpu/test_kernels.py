@@ -425,24 +425,106 @@ def test_every_hopper_variant(cp, pipe, m, k, n, group_size, act_order, asym):
         assert np.array_equal(cp.asnumpy(c16).view(np.uint16), outs[0].view(np.uint16))
 
 
-@pytest.mark.parametrize("m,k,perm", [(1, 64, False), (37, 512, True), (128, 8192, False), (300, 1024, True)])
-def test_hopper_activations_exact(cp, m, k, perm):
+@pytest.mark.parametrize(
+    "m,k,perm,tok",
+    [
+        (1, 64, False, None),
+        (37, 512, True, None),
+        (128, 8192, False, None),
+        (300, 1024, True, None),
+        (1, 64, False, 8),
+        (37, 512, True, 16),
+        (300, 1024, True, 128),
+        (130, 256, False, 64),
+    ],
+)
+def test_hopper_activations_exact(cp, m, k, perm, tok):
+    """Chunk-major A in one block of all rows (marlin_wgmma) or in blocks of ``tok``
+    token rows (marlin_streamk), act-order gathered, padding rows zero."""
     _hopper_or_skip()
     from converter.gpu import build
 
     rng = np.random.default_rng([m, k])
     a = rng.standard_normal((m, k)).astype(np.float16)
     p = rng.permutation(k).astype(np.int32) if perm else None
-    m_pad = -(-m // 64) * 64
+    m_pad = -(-m // (tok or 64)) * (tok or 64)
     at = cp.full(m_pad * k, cp.nan, dtype=cp.float16)
     pieces = k // 8 * m_pad
     build.function("marlin_wgmma.cu", "hopper_activations")(
         (-(-pieces // 256),),
         (256,),
-        (cp.asarray(a), cp.asarray(p) if perm else np.uint64(0), at, np.int32(m), np.int32(k), np.int32(m_pad)),
+        (
+            cp.asarray(a),
+            cp.asarray(p) if perm else np.uint64(0),
+            at,
+            np.int32(m),
+            np.int32(k),
+            np.int32(m_pad),
+            np.int32(tok or m_pad),
+        ),
     )
-    got = cp.asnumpy(at).reshape(k // 8, m_pad, 8)
-    assert np.array_equal(got.view(np.uint16), ref.hopper_activations(a, p, m_pad).view(np.uint16))
+    want = ref.hopper_activations(a, p, m_pad, tok)
+    got = cp.asnumpy(at).reshape(want.shape)
+    assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+
+
+STREAMK_CASES = [
+    # (pipe r, m, k, n, group, act, asym, forced stages per block): units cut into many
+    # pieces (owners adding up to 63 parked pieces), runs crossing several units, ragged
+    # N and chunks, several token chunks, per-channel, GPI 1/2/4
+    (1, 1, 8192, 1024, 128, False, True, 1),
+    (1, 3, 4096, 512, 32, True, True, 3),
+    (2, 16, 2048, 2304, 16, False, True, 5),
+    (4, 29, 1024, 320, -1, True, True, 2),
+    (8, 64, 4096, 1280, 128, False, False, 7),
+    (16, 200, 1536, 768, 48, True, True, 11),
+    (12, 96, 768, 4096, 64, False, True, 48),
+    (6, 47, 8192, 256, 128, True, True, 128),
+]
+
+
+@pytest.mark.parametrize("r,m,k,n,group_size,act_order,asym,iters", STREAMK_CASES)
+def test_streamk_pieces_are_summed_exactly_once(cp, r, m, k, n, group_size, act_order, asym, iters):
+    """The persistent kernel with forced run lengths: every unit's pieces, parked by up to
+    63 blocks and added by its owner, give the twin's product within the bound (NaN-
+    poisoned output fully written), bitwise the same over 3 calls (the flags reset
+    themselves), and the same bits as the same call planned with runs of whole units."""
+    _hopper_or_skip()
+    rng = np.random.default_rng([r, m, k, n, iters])
+    L = make_layer(rng, k, n, group_size, act_order, asym)
+    a = rng.standard_normal((m, k), dtype=np.float32).astype(np.float16)
+    kw = dict(size_k=k, size_n=n, group_size=group_size, pipe=("hopper_sk", r, 4, 8))
+    args = dict(delta=_dev(cp, L["delta"]), perm=_dev(cp, L["perm"]), bias=_dev(cp, L["bias"]))
+    tuning = Tuning(streamk_iters=iters)
+    plan = kernels.gemm_plan(m, k, n, group_size, delta=asym, pipe=kw["pipe"], tuning=tuning)
+    units, stages = plan.m_chunks * -(-(n // 64) // 4), k // 64
+    assert plan.tiles_per_split == 4 * max(iters, -(-units * stages // 132))
+    outs = [
+        cp.asnumpy(
+            kernels.marlin_gemm(
+                cp.asarray(a),
+                cp.asarray(L["B"]),
+                cp.asarray(L["S"]),
+                out=poisoned(cp, (m, n)),
+                tuning=tuning,
+                **kw,
+                **args,
+            )
+        )
+        for _ in range(3)
+    ]
+    assert all(np.array_equal(o.view(np.uint16), outs[0].view(np.uint16)) for o in outs), "not deterministic"
+    got = outs[0].astype(np.float64)
+    assert np.isfinite(got).all(), "unwritten (NaN) outputs"
+    host = dict(delta=L["delta"], perm=L["perm"], bias=L["bias"], arith="weight")
+    twin = ref.marlin_gemm(a, L["B"], L["S"], size_k=k, size_n=n, group_size=group_size, **host).astype(np.float64)
+    bound = ref.gemm_error_bound(
+        a, L["B"], L["S"], size_k=k, size_n=n, group_size=group_size, **host, splits=plan.splits
+    )
+    bad = np.abs(got - twin) > bound
+    assert not bad.any(), (plan, int(bad.sum()), float(np.abs(got - twin).max()))
+    rel = np.abs(got - twin).mean() / np.abs(twin).mean()
+    assert rel < 5e-4, rel
 
 
 PADDED_PIPES = [
@@ -454,6 +536,8 @@ PADDED_PIPES = [
     ("hopper", 16, 4, 6),
     ("hopper_fs", 8, 4, 6),
     ("hopper_fs", 16, 4, 4),
+    ("hopper_sk", 1, 4, 8),
+    ("hopper_sk", 16, 4, 8),
 ]
 
 
@@ -559,11 +643,17 @@ def test_shared_memory_of_every_hopper_variant_is_what_the_planner_reserves(cp):
     names = []
     for p, gpi in pipes:
         t, wgs = hopper_split(p.r, p.kind)
-        names += [f"wg_smem_probe<{t}, {wgs}, {p.u}, {gpi}, {p.ns}, {d}, {p.spec.wg_tiles}>" for d in ("true", "false")]
+        for d in ("true", "false"):
+            if p.spec.persistent:
+                names.append(f"sk_smem_probe<{t}, {p.u}, {gpi}, {p.ns}, {d}>")
+            else:
+                names.append(f"wg_smem_probe<{t}, {wgs}, {p.u}, {gpi}, {p.ns}, {d}, {p.spec.wg_tiles}>")
     code = (
-        '#include "marlin_wgmma.cu"\n'
+        '#include "marlin_wgmma.cu"\n#include "marlin_streamk.cu"\n'
         "template <int T, int WGS, int U, int GPI, int NS, bool D, int J> __global__ void wg_smem_probe(int* out) {\n"
         "    out[0] = WgLayout<T, WGS, U, GPI, NS, D, J>::RING;\n}\n"
+        "template <int T, int U, int GPI, int NS, bool D> __global__ void sk_smem_probe(int* out) {\n"
+        "    out[0] = StreamkLayout<T, U, GPI, NS, D>::RING;\n}\n"
     )
     arch = runtime.device_info().arch + "a"
     opts = ("-std=c++17", f"--gpu-architecture={arch}", f"-I{build.kernel_dir()}")

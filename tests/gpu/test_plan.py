@@ -25,7 +25,11 @@ from converter.gpu.plan import (
     kernel_variant,
     plan_gemm,
     resident_blocks,
+    streamk_pieces,
 )
+
+#: The persistent Hopper kind switched off: the routes it took over from 17 rows.
+NO_SK = Tuning(hopper_sk_min_m=10**9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +74,9 @@ def test_tuning_defaults_are_the_measured_values() -> None:
         hopper_fs_thin_min_m=33,
         hopper_fs_thin_kn=8192 * 1024,
         hopper_decode_small_kn=4096 * 4096,
+        hopper_sk_min_m=17,
+        streamk_fix=1.0,
+        streamk_iters=None,
     )
     with pytest.raises(dataclasses.FrozenInstanceError):
         DEFAULT_TUNING.waves = 2  # type: ignore[misc]
@@ -96,12 +103,13 @@ def test_force_wk_is_a_tuning_field(wk: int) -> None:
 
 def test_force_splits_takes_a_feasible_count_and_ignores_others() -> None:
     # 8192 x 57344 at M = 24 on the Hopper kernel: K = 512 k-tiles in steps of 4.
-    free = _plan(24, 8192, 57344, 128, hopper=True, regs=168)
+    free = _plan(24, 8192, 57344, 128, hopper=True, regs=168, tuning=NO_SK)
     assert (free.kind, free.splits, free.tiles_per_split) == (KernelKind.HOPPER, 5, 104)
-    three = _plan(24, 8192, 57344, 128, hopper=True, regs=168, tuning=Tuning(force_splits=3))
+    three = _plan(24, 8192, 57344, 128, hopper=True, regs=168, tuning=dataclasses.replace(NO_SK, force_splits=3))
     assert (three.splits, three.tiles_per_split) == (3, 172)
     # 129 splits would leave a split without k-tiles: not feasible, so the cost model chooses
-    assert _plan(24, 8192, 57344, 128, hopper=True, regs=168, tuning=Tuning(force_splits=129)) == free
+    never = dataclasses.replace(NO_SK, force_splits=129)
+    assert _plan(24, 8192, 57344, 128, hopper=True, regs=168, tuning=never) == free
 
 
 def test_occupancy_cap_shrinks_the_resident_set() -> None:
@@ -181,19 +189,24 @@ def test_kind_table() -> None:
         KernelKind.DECODE_W: Arith.WEIGHT,
         KernelKind.HOPPER: Arith.WEIGHT,
         KernelKind.HOPPER_FS: Arith.WEIGHT,
+        KernelKind.HOPPER_SK: Arith.WEIGHT,
     }
     assert Pipe.of(("tile", 1, 4, 3)) == ("tile", 1, 4, 3) and repr(Pipe.of(("tile", 1, 4, 3))) == "('tile', 1, 4, 3)"
     assert Pipe.of(("decode", 2, 8, 3)).name(1, True) == "marlin_decode<2, 8, 1, 3, true, true>"
     assert Pipe.of(("decode_w", 4, 4, 3)).name(2, False) == "marlin_decode<4, 4, 2, 3, false, false>"
     # Every variant is built for every GPI of its U, with and without delta.
     n_gemm = sum(2 * len(GEMM_GPIS[p.u]) for p in GEMM_PIPES)
-    built = sum(len(build.NAMES[f]) for f in ("marlin_gemm.cu", "marlin_decode.cu", "marlin_wgmma.cu"))
+    built = sum(
+        len(build.NAMES[f]) for f in ("marlin_gemm.cu", "marlin_decode.cu", "marlin_wgmma.cu", "marlin_streamk.cu")
+    )
     assert built == n_gemm + 2  # + gather_columns, hopper_activations
     assert Pipe.of(("hopper", 16, 4, 6)).name(2, True) == "marlin_wgmma<64, 2, 4, 2, 6, true>"
     assert Pipe.of(("hopper", 4, 4, 4)).name(1, False) == "marlin_wgmma<32, 1, 4, 1, 4, false>"
     assert [Pipe.of(("hopper", r, 4, 4)).threads for r in (1, 8, 16)] == [128, 128, 256]
     assert Pipe.of(("hopper_fs", 16, 4, 4)).name(1, True) == "marlin_wgmma<128, 4, 4, 1, 4, true, 1>"
     assert [Pipe.of(("hopper_fs", r, 4, 6)).threads for r in (4, 8)] == [512, 512]
+    assert Pipe.of(("hopper_sk", 16, 4, 8)).name(4, True) == "marlin_streamk<128, 4, 4, 8, true>"
+    assert Pipe.of(("hopper_sk", 1, 4, 8)).threads == 384 and KINDS[KernelKind.HOPPER_SK].persistent
     # 4 stages of 4 x 2 KB weights, 4 x 128 x 32 B activations, 2 x 512 B scale/delta rows
     assert Pipe.of(("hopper_fs", 16, 4, 4)).smem(1) == 4 * (4 * 2048 + 4 * 128 * 32 + 2 * 512)
 
@@ -202,18 +215,18 @@ def test_hopper_routing() -> None:
     """sm_90 only, where the H200 sweep had it ahead: wide N and big layers from 17 rows,
     N >= 8192 from 64, anything but small layers beyond 128; never at M <= 16."""
     for m in (1, 8, 16):
-        assert gemm_path(m, 57344, hopper=True, size_k=8192) is KernelKind.DECODE
-    assert gemm_path(17, 57344, hopper=True, size_k=8192) is KernelKind.HOPPER
-    assert gemm_path(17, 14336, hopper=True, size_k=4096) is KernelKind.HOPPER
-    assert gemm_path(16, 8192, hopper=True, size_k=28672) is KernelKind.DECODE
-    assert gemm_path(17, 8192, hopper=True, size_k=28672) is KernelKind.HOPPER
-    assert gemm_path(24, 8192, hopper=True, size_k=14336) is KernelKind.TILE  # 2^26.8 weights
-    assert gemm_path(32, 8192, hopper=True, size_k=28672) is KernelKind.HOPPER
-    assert gemm_path(63, 8192, hopper=True, size_k=8192) is KernelKind.TILE
-    assert gemm_path(64, 8192, hopper=True, size_k=8192) is KernelKind.HOPPER
-    assert gemm_path(32, 4096, hopper=True, size_k=14336) is KernelKind.TILE
-    assert gemm_path(256, 512, hopper=True, size_k=65536) is KernelKind.TILE  # narrow
-    assert gemm_path(32, 1024, hopper=True, size_k=8192) is KernelKind.TILE  # thin, below 33 rows
+        assert gemm_path(m, 57344, NO_SK, hopper=True, size_k=8192) is KernelKind.DECODE
+    assert gemm_path(17, 57344, NO_SK, hopper=True, size_k=8192) is KernelKind.HOPPER
+    assert gemm_path(17, 14336, NO_SK, hopper=True, size_k=4096) is KernelKind.HOPPER
+    assert gemm_path(16, 8192, NO_SK, hopper=True, size_k=28672) is KernelKind.DECODE
+    assert gemm_path(17, 8192, NO_SK, hopper=True, size_k=28672) is KernelKind.HOPPER
+    assert gemm_path(24, 8192, NO_SK, hopper=True, size_k=14336) is KernelKind.TILE  # 2^26.8 weights
+    assert gemm_path(32, 8192, NO_SK, hopper=True, size_k=28672) is KernelKind.HOPPER
+    assert gemm_path(63, 8192, NO_SK, hopper=True, size_k=8192) is KernelKind.TILE
+    assert gemm_path(64, 8192, NO_SK, hopper=True, size_k=8192) is KernelKind.HOPPER
+    assert gemm_path(32, 4096, NO_SK, hopper=True, size_k=14336) is KernelKind.TILE
+    assert gemm_path(256, 512, NO_SK, hopper=True, size_k=65536) is KernelKind.TILE  # narrow
+    assert gemm_path(32, 1024, NO_SK, hopper=True, size_k=8192) is KernelKind.TILE  # thin, below 33 rows
     assert gemm_path(64, 57344, size_k=8192) is KernelKind.TILE  # not on sm_80..89
     assert gemm_path(128, 57344, size_k=8192) is KernelKind.TILE
     assert gemm_path(64, 57344, Tuning(hopper=False), hopper=True, size_k=8192) is KernelKind.TILE
@@ -250,7 +263,7 @@ def test_thin_layers_take_feature_split_chunks(m: int, k: int, n: int, pipe) -> 
         (8, 4096, 4096, ("decode", 1, 4, 3)),
         (9, 4096, 4096, ("decode", 1, 4, 3)),
         (16, 4096, 4096, ("decode", 1, 4, 3)),
-        (17, 4096, 4096, ("tile", 2, 4, 3)),
+        (17, 4096, 4096, ("hopper_sk", 3, 4, 8)),  # the persistent kernel from 17 rows
         (16, 8192, 1024, ("decode", 1, 4, 3)),
         (12, 8192, 2048, ("decode", 1, 4, 3)),
         (16, 8192, 4096, ("tile", 2, 4, 3)),  # more weights than 4096²
@@ -320,16 +333,16 @@ def test_feature_split_routing() -> None:
     token-split kernel or the tile kernel."""
     fs = KernelKind.HOPPER_FS
     for k, n in ((8192, 57344), (28672, 8192), (4096, 14336), (8192, 8192), (14336, 4096), (4096, 4096)):
-        assert gemm_path(65, n, hopper=True, size_k=k) is fs
-        assert gemm_path(300, n, hopper=True, size_k=k) is fs
-    assert gemm_path(64, 57344, hopper=True, size_k=8192) is KernelKind.HOPPER
-    assert gemm_path(64, 8192, hopper=True, size_k=28672) is KernelKind.HOPPER
-    assert gemm_path(33, 4096, hopper=True, size_k=14336) is fs
-    assert gemm_path(33, 4096, hopper=True, size_k=4096) is fs
-    assert gemm_path(32, 4096, hopper=True, size_k=4096) is KernelKind.TILE
-    assert gemm_path(256, 4096, hopper=True, size_k=2048) is KernelKind.TILE  # below 4096 x 4096
+        assert gemm_path(65, n, NO_SK, hopper=True, size_k=k) is fs
+        assert gemm_path(300, n, NO_SK, hopper=True, size_k=k) is fs
+    assert gemm_path(64, 57344, NO_SK, hopper=True, size_k=8192) is KernelKind.HOPPER
+    assert gemm_path(64, 8192, NO_SK, hopper=True, size_k=28672) is KernelKind.HOPPER
+    assert gemm_path(33, 4096, NO_SK, hopper=True, size_k=14336) is fs
+    assert gemm_path(33, 4096, NO_SK, hopper=True, size_k=4096) is fs
+    assert gemm_path(32, 4096, NO_SK, hopper=True, size_k=4096) is KernelKind.TILE
+    assert gemm_path(256, 4096, NO_SK, hopper=True, size_k=2048) is KernelKind.TILE  # below 4096 x 4096
     pipes = [
-        default_pipe(m, 4096, 4096, 8, H200.smem_per_block_optin, hopper=True)
+        default_pipe(m, 4096, 4096, 8, H200.smem_per_block_optin, NO_SK, hopper=True)
         for m in (33, 48, 49, 64, 65, 96, 97, 256)
     ]
     assert pipes == [
@@ -343,7 +356,7 @@ def test_feature_split_routing() -> None:
         (fs, 16, 4, 4),
     ]
     assert all(p in GEMM_PIPES for p in pipes)
-    p = _plan(128, 8192, 57344, 128, regs=127, hopper=True)
+    p = _plan(128, 8192, 57344, 128, regs=127, hopper=True, tuning=NO_SK)
     assert (p.kind, p.r, p.threads, p.splits, p.blocks, p.resident_warps) == (fs, 16, 512, 1, 224, 16 * 132)
 
 
@@ -361,7 +374,7 @@ def test_feature_split_routing() -> None:
     ],
 )
 def test_hopper_pipe_holds_m(m: int, r: int, ns: int) -> None:
-    pipe = default_pipe(m, 8192, 57344, 8, H200.smem_per_block_optin, hopper=True)
+    pipe = default_pipe(m, 8192, 57344, 8, H200.smem_per_block_optin, NO_SK, hopper=True)
     assert pipe == ("hopper", r, 4, ns)
 
 
@@ -371,9 +384,14 @@ def test_beyond_64_rows_the_feature_split_block_holds_m(m: int, r: int) -> None:
     chunks beyond); with it switched off, the token-split blocks of 96 and 128 tokens
     (two warpgroups), which also serve the layers of fewer than 4096^2 weights."""
     limit = H200.smem_per_block_optin
-    assert default_pipe(m, 8192, 57344, 8, limit, hopper=True) == ("hopper_fs", r, 4, 4)
-    assert default_pipe(m, 8192, 57344, 8, limit, Tuning(hopper_fs_min_m=10**9), hopper=True) == ("hopper", r, 4, 6)
-    assert default_pipe(m, 1024, 14336, 8, limit, hopper=True) == ("hopper", r, 4, 6)
+    assert default_pipe(m, 8192, 57344, 8, limit, NO_SK, hopper=True) == ("hopper_fs", r, 4, 4)
+    assert default_pipe(m, 8192, 57344, 8, limit, dataclasses.replace(NO_SK, hopper_fs_min_m=10**9), hopper=True) == (
+        "hopper",
+        r,
+        4,
+        6,
+    )
+    assert default_pipe(m, 1024, 14336, 8, limit, NO_SK, hopper=True) == ("hopper", r, 4, 6)
 
 
 def test_every_routed_pipe_is_built() -> None:
@@ -413,13 +431,78 @@ def test_hopper_plan_occupancy_and_split() -> None:
     columns, 3 blocks per SM); the wide 70B layer needs none at 64 and 128 rows (224
     units; the H200 sweep's best, scripts/perf_notes.md); a two-warpgroup block holds
     one multiprocessor."""
-    p32 = _plan(32, 28672, 8192, 128, regs=150, hopper=True)
+    p32 = _plan(32, 28672, 8192, 128, regs=150, hopper=True, tuning=NO_SK)
     assert (p32.kind, p32.r, p32.threads) == (KernelKind.HOPPER, 4, 128)
     assert p32.blocks == 32 * p32.splits and p32.resident_warps == 4 * 3 * 132 and p32.blocks <= 3 * 132
-    p64 = _plan(64, 8192, 57344, 128, regs=254, hopper=True)
+    p64 = _plan(64, 8192, 57344, 128, regs=254, hopper=True, tuning=NO_SK)
     assert (p64.splits, p64.blocks, p64.m_chunks) == (1, 224, 1)
     p128 = _plan(128, 8192, 57344, 128, regs=254, hopper=True, pipe=Pipe.of(("hopper", 16, 4, 6)))
     assert (p128.threads, p128.splits, p128.resident_warps) == (256, 1, 8 * 132)
-    p300 = _plan(300, 8192, 57344, 128, regs=127, hopper=True)
+    p300 = _plan(300, 8192, 57344, 128, regs=127, hopper=True, tuning=NO_SK)
     assert (p300.kind, p300.m_chunks, p300.rows) == (KernelKind.HOPPER_FS, 3, 128)
     assert resident_blocks(254, Pipe.of(("hopper", 16, 4, 6)).smem(1), H200.smem_per_sm, 8) == 1
+
+
+def _units_of(plan: GemmPlan, n: int) -> int:
+    return plan.m_chunks * -(-(n // 64) // 4)
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "n"), [(1, 8192, 57344), (64, 8192, 57344), (128, 28672, 8192), (200, 4096, 14336), (1, 8192, 1024)]
+)
+def test_streamk_plan_covers_the_work_once_on_at_most_one_block_per_sm(m: int, k: int, n: int) -> None:
+    """Every (unit, stage) belongs to exactly one block's run; the grid never exceeds the
+    multiprocessors (an owner waits for its successors: all must be resident); the
+    reported pieces are the most blocks any unit is cut into."""
+    r = next(r for r in (1, 2, 3, 4, 6, 8, 12, 16) if 8 * r >= min(m, 128))
+    plan = _plan(m, k, n, 128, regs=168, hopper=True, pipe=("hopper_sk", r, 4, 8))
+    stages = k // 16 // 4
+    units = _units_of(plan, n)
+    iters = plan.tiles_per_split // plan.u
+    assert plan.blocks <= H200.sm_count and plan.threads == 384 and plan.wk == 1
+    assert (plan.blocks - 1) * iters < units * stages <= plan.blocks * iters
+    assert plan.m_chunks == -(-m // (8 * r)) and plan.rows == 8 * r
+    pieces = [0] * units
+    for b in range(plan.blocks):
+        for i in range(b * iters, min((b + 1) * iters, units * stages), 1):
+            if i == b * iters or i % stages == 0:
+                pieces[i // stages] += 1
+    assert max(pieces) == plan.splits == streamk_pieces(units, stages, iters)
+
+
+def test_streamk_plan_trades_run_length_for_fewer_pieces() -> None:
+    """A big layer fills every multiprocessor (runs of ~1.7 units, at most 3 pieces a
+    unit); a thin one (4 units) is not cut into 32 pieces of 4 stages but into fewer,
+    longer runs; a forced run length is taken as given (at least the fewest stages
+    that fit the grid)."""
+    big = _plan(64, 8192, 57344, 128, regs=168, hopper=True, pipe=("hopper_sk", 8, 4, 8))
+    assert big.blocks == 132 and big.splits <= 3
+    thin = _plan(1, 8192, 1024, 128, regs=168, hopper=True, pipe=("hopper_sk", 1, 4, 8))
+    assert streamk_pieces(4, 128, 4) == 32 and thin.splits < 32 and thin.tiles_per_split > 16
+    forced = _plan(
+        1, 8192, 1024, 128, regs=168, hopper=True, pipe=("hopper_sk", 1, 4, 8), tuning=Tuning(streamk_iters=8)
+    )
+    assert (forced.tiles_per_split, forced.blocks, forced.splits) == (32, 64, 16)
+    floor = _plan(
+        1, 8192, 1024, 128, regs=168, hopper=True, pipe=("hopper_sk", 1, 4, 8), tuning=Tuning(streamk_iters=1)
+    )
+    assert floor.tiles_per_split == 16 and floor.blocks == 128
+
+
+def test_persistent_kernel_routing() -> None:
+    """sm_90: the persistent kernel from 17 rows on every layer of N >= 4096 and at least
+    4096 x 4096 weights, in the fewest 8-token tiles that hold M (128-token chunks
+    beyond); the decode (or tile) kernel below; thin, narrow and small layers and sm_80..89 keep
+    their kernels."""
+    sk = KernelKind.HOPPER_SK
+    for k, n in ((8192, 57344), (28672, 8192), (4096, 14336), (8192, 8192), (14336, 4096), (4096, 4096)):
+        assert gemm_path(16, n, hopper=True, size_k=k) is not sk
+        for m in (17, 64, 128, 300):
+            assert gemm_path(m, n, hopper=True, size_k=k) is sk
+            assert gemm_path(m, n, size_k=k) is not sk
+    assert gemm_path(64, 8192, hopper=True, size_k=1024) is KernelKind.HOPPER  # below 4096 x 4096
+    assert gemm_path(64, 1024, hopper=True, size_k=8192) is KernelKind.HOPPER_FS  # thin
+    limit = H200.smem_per_block_optin
+    pipes = [default_pipe(m, 8192, 57344, 8, limit, hopper=True) for m in (17, 24, 25, 40, 64, 65, 100, 128, 129, 999)]
+    assert [p.r for p in pipes] == [3, 3, 4, 6, 8, 12, 16, 16, 16, 16]
+    assert all(p.kind is sk and (p.u, p.ns) == (4, 8) and p in GEMM_PIPES for p in pipes)

@@ -312,7 +312,7 @@ def test_kernels_ship_in_wheel(tmp_path):
         names = set(z.namelist())
     from converter.gpu.build import SOURCES
 
-    assert len(SOURCES) == 8
+    assert len(SOURCES) == 10
     for cu in SOURCES:
         assert f"converter/_kernels/{cu}" in names, sorted(n for n in names if "kernel" in n)
     assert "converter/py.typed" in names

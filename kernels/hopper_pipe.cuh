@@ -1,0 +1,130 @@
+// hopper_pipe.cuh: the pieces both Hopper GEMMs (sm_90a) build on: marlin_wgmma.cu
+// (one block per K split, every warp copies and computes) and marlin_streamk.cu
+// (persistent, a producer warp and two consumer warpgroups). wgmma's no-swizzle
+// descriptor, the weights as its register operand, mbarriers and bulk copies; all from
+// the PTX ISA (sections "Asynchronous Warpgroup Level Matrix Multiply-Accumulate",
+// "mbarrier", "cp.async.bulk"), no library code.
+
+#ifndef HOPPER_PIPE_CUH
+#define HOPPER_PIPE_CUH
+
+#include "marlin_common.cuh"
+
+// The no-swizzle shared-memory matrix descriptor of wgmma (PTX ISA, "Matrix
+// Descriptor"): start address, leading byte offset (K direction) and stride byte
+// offset (token direction), each in 16-byte units, swizzle mode 0.
+__device__ __forceinline__ unsigned long long wg_desc(u32 addr, u32 k_step) {
+    return (unsigned long long)((addr & 0x3FFFFu) >> 4) | ((unsigned long long)(k_step >> 4) << 16) |
+           ((unsigned long long)(128 >> 4) << 32);
+}
+
+// J consecutive 32-bit words of shared memory (4 J bytes, 4 J-byte aligned): the B
+// words of a lane's J tiles, or the fp16 pairs of its 2 J scales.
+template <int J>
+__device__ __forceinline__ void lds_words(u32 addr, u32 (&w)[J]) {
+    if constexpr (J == 4) {
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(addr) : "memory");
+    } else if constexpr (J == 2) {
+        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "r"(addr) : "memory");
+    } else {
+        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(w[0]) : "r"(addr) : "memory");
+    }
+}
+
+template <int J>
+__device__ __forceinline__ void splat_cols(u32 addr, u32 (&h)[2 * J]) {
+    u32 w[J];
+    lds_words<J>(addr, w);
+#pragma unroll
+    for (int p = 0; p < 2 * J; ++p) h[p] = h_splat((u16)(w[p >> 1] >> (16 * (p & 1))));
+}
+
+// One k-tile of one warp: dequantize its J words into the A fragments of wgmma
+// jj = 0..J-1 (slot p = 2 jj + h of the scales is column 16 (J fg + jj) + g + 8 h of
+// the warp's block).
+template <bool HAS_DELTA, int J>
+__device__ __forceinline__ void weight_fragments(const u32 (&w)[J], const u32 (&s2)[2 * J], const u32 (&d2)[2 * J],
+                                                 u32 (&af)[J][4]) {
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+        u32 m[4];
+        codes_minus8(w[j], m);
+        u32 b[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            b[i] = HAS_DELTA ? h2_fma(m[i], s2[2 * j + (i >> 1)], d2[2 * j + (i >> 1)]) : h2_mul(m[i], s2[2 * j + (i >> 1)]);
+        af[j][0] = b[0];
+        af[j][1] = b[2];
+        af[j][2] = b[1];
+        af[j][3] = b[3];
+    }
+}
+
+// --- mbarrier and bulk copies (PTX ISA: mbarrier, cp.async.bulk) ---
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred done;\nWAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+// size bytes (a multiple of 16, 16-byte aligned ends) from global to this block's shared
+// memory; completes on `bar` as transaction bytes (the async proxy: no generic fence).
+__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+// An arrival on `bar` when every cp.async this thread issued before has landed; the
+// barrier's count includes it (.noinc).
+__device__ __forceinline__ void cp_async_arrive_noinc(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+// One arrival on `bar` (the consumers' "slot is free" signal to the producer).
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// The same when `cond` holds, as a predicated instruction rather than a branch.
+__device__ __forceinline__ void mbar_arrive_if(u32 bar, bool cond) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(bar),
+        "r"((int)cond)
+        : "memory");
+}
+// Hand registers between the warpgroups of a block (every warp of the warpgroup runs
+// it; the kernel needs a register cap at entry, __launch_bounds__(threads, 1)).
+template <int R>
+__device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(R));
+}
+template <int R>
+__device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(R));
+}
+// Named barrier `id` over `count` threads (whole warps): the consumer warpgroups meet
+// without the producer warp, which never waits on a block-wide barrier after setup.
+__device__ __forceinline__ void named_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+// A flag another block waits for: release after this thread's (fenced) stores ...
+__device__ __forceinline__ void st_release(int* p, int v) {
+    asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+// ... and acquire before the waiter reads what the flag guards.
+__device__ __forceinline__ int ld_acquire(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ float ldcg_f32(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+#endif  // HOPPER_PIPE_CUH

@@ -1,0 +1,333 @@
+// marlin_streamk.cu, the persistent Hopper GEMM (sm_90a only):
+// C[M, N] (fp16) = A[M, K] (fp16) @ W (+ optional bias) on the operands of
+// marlin_stream.cuh (B in Marlin tile order, permuted scales S, permuted fp16 deltas D)
+// and the activations re-laid out by hopper_activations (marlin_wgmma.cu) in blocks of
+// T tokens, with marlin_wgmma.cu's per-weight arithmetic
+//   W[k, n] = fp16((q - 8) s + d)   (fma.rn.f16x2; mul.rn when !HAS_DELTA)
+// and fp32 accumulation. NumPy reference: converter.gpu.reference.marlin_gemm
+// (arith="weight"), bounded by reference.gemm_error_bound.
+//
+// Why another Hopper kernel. marlin_wgmma.cu has every warp issue its share of a
+// stage's copies, wait for the whole stage and meet at a block barrier before it
+// dequantizes and multiplies, one K split per block in waves over the multiprocessors.
+// Measured on an H200 (scripts/perf_notes.md): its copies alone stream 2.6-3.3 TB/s,
+// it spends half its instructions on the copy issue, and 224 blocks on 132
+// multiprocessors leave a third of them idle for half the kernel. Here:
+//   * one block per multiprocessor, each taking an equal run of the work (stream-K):
+//     the work is units (256 output features x one chunk of T tokens) x stages (U
+//     k-tiles), numbered unit-major; block b takes stages [b L, b L + L);
+//   * a producer warpgroup that only copies, NS stages ahead of the consumers: per
+//     stage its 128 threads copy the U weight rows (2 KB each, 4 Marlin column blocks)
+//     and the scales / deltas of the groups that start in it by 16-byte cp.async, and
+//     thread 0 the stage's activations (U T 32 bytes) by one bulk copy; the stage's
+//     `full` mbarrier completes when every thread's copies have landed
+//     (cp.async.mbarrier.arrive.noinc) and the bulk copy's bytes have arrived; a slot
+//     is refilled when its `empty` mbarrier says all 8 consumer warps are done with it.
+//     (Every operand by bulk copy, issued by lanes of one warp, ran ~1000 cycles a
+//     stage whatever the token count: 115 us at M = 1 on 8192 x 57344, see
+//     scripts/perf_notes.md);
+//   * two consumer warpgroups that only dequantize and multiply: warpgroup c takes the
+//     16-column tiles 2c, 2c + 1 of each warp's Marlin block (128 features, two
+//     `wgmma m64nTk16` per k-tile, weights as the register operand exactly as in
+//     marlin_wgmma.cu), one wgmma group per k-tile, WG_DEPTH groups in flight, so a
+//     k-tile is dequantized while the ones before it are multiplied.
+// Units cut by a block boundary are finished by their first block (the "owner", for
+// which it is the last piece of its run): every later block that holds a piece of it
+// (its first piece, done before anything it could wait for) parks its fp32 sums in
+// `ws` and raises its flag; the owner waits for those flags in block order, adds the
+// pieces in that order (deterministic: the order depends on the problem and the grid
+// only) and stores C. An owner waits only for pieces its successors compute first, and
+// every block of the grid is resident at once (one per multiprocessor), so no cycle
+// of waits exists.
+//
+// Shared memory: NS stages (StreamkLayout), each
+//   W  U x 2048 B       the 4 column blocks' B words of each k-tile, as in global memory
+//   X  U x T x 32 B     the stage's activations as wgmma's no-swizzle K-major core
+//                       matrices: chunk c (k 8 c .. 8 c + 7) of token r at c T 16 + r 16
+//                       (leading byte offset T 16, stride byte offset 128)
+//   S  GPI x 512 B      the 4 blocks' 64 permuted scales of each group slot
+//   D  GPI x 512 B      the same for fp16(delta) (HAS_DELTA)
+// Only the live column blocks are copied when N is ragged (N / 64 not a multiple of 4):
+// the warps past them compute on whatever their slot holds and store nothing.
+// The consumers read W, S and D with ordinary loads, which the cp.async (generic proxy)
+// writes, and wgmma reads X through the async proxy, which the bulk copy writes: no
+// proxy fence is needed.
+//
+// Launch geometry (converter/gpu plans it): hopper_activations with tok = T first; then
+// block = 384 threads (consumer warpgroups 0-1, producer warpgroup 2), grid =
+// ceil(units x K / (16 U) / iters) blocks (at most one per multiprocessor), dynamic shared memory
+// StreamkLayout::RING; `ws` holds grid x T x 256 floats, `flags` grid ints, zero before
+// the first launch and zero again after each (the owner clears what it waited for).
+// Constraints: K % (16 U) == 0, N % 64 == 0, group size a multiple of 16 dividing K
+// or per-channel, GPI = U / gcd(group tiles, U) (1 for per-channel), 16-byte aligned
+// operands; `ws` and `flags` never shared by two launches in flight. Needs sm_90a
+// (wgmma); no L2 cache-policy hint.
+
+#include "marlin_stream.cuh"
+#include "wgmma_ops.cuh"
+#include "hopper_pipe.cuh"
+
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "marlin_streamk.cu uses wgmma: build it for sm_90a (--gpu-architecture=sm_90a)"
+#endif
+
+// Registers per thread after the roles split (setmaxnreg): 128 x 56 + 256 x 224 = 64512
+// of the multiprocessor's 65536.
+constexpr int PRODUCER_REGS = 56;
+constexpr int CONSUMER_REGS = 224;
+// wgmma groups (one per k-tile) a consumer warpgroup keeps in flight: it dequantizes
+// k-tile i while the products of i - 1 .. i - WG_DEPTH + 1 run. Against 2, measured only
+// with the first, bulk-copy producer, in two runs (scripts/perf_notes.md): 3 % faster at
+// 128 tokens, 5-10 % slower at 16-64, where that producer set the pace; not yet timed with
+// the cp.async producer.
+constexpr int WG_DEPTH = 4;
+
+template <int T, int U, int GPI, int NS, bool HAS_DELTA>
+struct StreamkLayout {
+    static constexpr int W_OFF = 0;
+    static constexpr int W_TILE = 2048;
+    static constexpr int X_OFF = U * W_TILE;
+    static constexpr int X_BYTES = U * T * 32;
+    static constexpr int S_OFF = X_OFF + X_BYTES;
+    static constexpr int D_OFF = S_OFF + GPI * 512;
+    static constexpr int STAGE = D_OFF + (HAS_DELTA ? GPI * 512 : 0);
+    static constexpr int RING = NS * STAGE;
+    static constexpr int CONSUMERS = 256;  // two warpgroups
+    static constexpr int THREADS = CONSUMERS + 128;  // + the producer warpgroup (one warp copies)
+    static constexpr int NACC = T;  // fp32 accumulators per consumer thread: 2 wgmma x T / 2
+    static_assert(U % WG_DEPTH == 0 && WG_DEPTH >= 2, "k-tiles cycle through the register sets, each stage from set 0");
+    static_assert(T % 8 == 0 && T <= 128, "wgmma n8 .. n128");
+};
+
+// The stage sequence of one block: its run [i0, i1) of (unit, stage) numbers cut at
+// unit boundaries into pieces, each one unit's stages [s0, s0 + n). The producer and
+// the consumers walk the same sequence.
+struct Piece {
+    int unit, s0, n;
+};
+
+template <int T, int U, int GPI, int NS, bool HAS_DELTA>
+__global__ void __launch_bounds__(384, 1)
+marlin_streamk(const u16* __restrict__ At, const int4* __restrict__ B, const u16* __restrict__ S,
+               const u16* __restrict__ D, const u16* __restrict__ bias, u16* __restrict__ C,
+               float* __restrict__ ws, int* __restrict__ flags, int M, int K, int N, int n_out, int group_tiles,
+               int per_channel, int iters) {
+    using L = StreamkLayout<T, U, GPI, NS, HAS_DELTA>;
+    constexpr int SUB = U / GPI;
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ __align__(8) unsigned long long full[NS], empty[NS];
+
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int nblk = N >> 6;
+    const int m_chunks = (M + T - 1) / T;
+    const int KS = (K >> 4) / U;  // stages per unit
+    const int total = m_chunks * ((nblk + 3) >> 2) * KS;
+    const int i0 = blockIdx.x * iters, i1 = min(i0 + iters, total);
+    const u32 ring = smem_addr(smem), full0 = smem_addr(full), empty0 = smem_addr(empty);
+    if (tid == 0) {
+        for (int s = 0; s < NS; ++s) {
+            // every producer thread's cp.async arrive, and one arrive with the activations' bytes
+            mbar_init(full0 + 8 * s, 128 + 1);
+            mbar_init(empty0 + 8 * s, 8);  // one arrive per consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    auto piece_at = [&](int i) {
+        Piece p;
+        p.unit = i / KS;
+        p.s0 = i - p.unit * KS;
+        p.n = min(KS - p.s0, i1 - i);
+        return p;
+    };
+
+    if (tid >= L::CONSUMERS) {
+        // ---------------- producer warpgroup: copies only ----------------
+        // Registers move to the consumers (setmaxnreg acts on whole warpgroups): a
+        // 12-warp block starts at 168 a thread, the consumers' 128-token accumulators
+        // and their weight register sets need more, the copy loop far fewer.
+        setmaxnreg_dec<PRODUCER_REGS>();
+        const int pt = tid - L::CONSUMERS;  // 0..127: the 16-byte piece of each 2 KB weight row
+        const size_t brow = (size_t)(N >> 1);  // int4 per B row (k-tile)
+        const size_t k8 = (size_t)(K >> 3);
+        int q = 0;  // stages issued by this block
+        for (int i = i0; i < i1;) {
+            const Piece p = piece_at(i);
+            const int mc = p.unit % m_chunks, nb4 = p.unit / m_chunks;
+            const int live = min(4, nblk - 4 * nb4);
+            const bool w_live = pt < 32 * live;
+            const int4* wsrc = B + (size_t)p.s0 * U * brow + 128 * nb4 + (w_live ? pt : 0);
+            const u16* xsrc = At + ((size_t)mc * k8 + (size_t)2 * p.s0 * U) * T * 8;
+            // scales (threads 0..31) and deltas (32..63): 8 pieces of 16 bytes per live block
+            const bool s_live = (pt & 31) < 8 * live && (pt < 32 || (HAS_DELTA && pt < 64));
+            const u16* ssrc = (pt < 32 ? S : D) + 256 * nb4 + 8 * (pt & 31);
+            const u32 s_dst = (pt < 32 ? L::S_OFF : L::D_OFF) + 16 * (pt & 31);
+            GroupWalk walk;
+            walk.init(p.s0 * U, group_tiles);
+            for (int st = 0; st < p.n; ++st, ++q) {
+                const int slot = q % NS;
+                // the slot's previous contents (stage q - NS) are consumed
+                if (q >= NS) mbar_wait(empty0 + 8 * slot, (u32)(q / NS - 1) & 1u);
+                const u32 sb = ring + slot * L::STAGE, bar = full0 + 8 * slot;
+                const int kt = (p.s0 + st) * U;
+                if (pt == 0) {  // the activations, read by wgmma through the async proxy
+                    mbar_expect_tx(bar, L::X_BYTES);
+                    bulk_load(sb + L::X_OFF, xsrc, L::X_BYTES, bar);
+                }
+                if (w_live) {
+#pragma unroll
+                    for (int u = 0; u < U; ++u) cp_async16(sb + L::W_OFF + u * L::W_TILE + 16 * pt, wsrc + u * brow);
+                }
+#pragma unroll
+                for (int gi = 0; gi < GPI; ++gi) {
+                    if (!per_channel && walk.step(kt + gi * SUB, group_tiles) && s_live)
+                        cp_async16(sb + s_dst + gi * 512, ssrc + (size_t)walk.g * N);
+                }
+                // this thread's copies of the stage arrive on its barrier when they land
+                cp_async_arrive_noinc(bar);
+                wsrc += U * brow;
+                xsrc += (size_t)2 * U * T * 8;
+            }
+            i += p.n;
+        }
+        return;  // every copy completes on a barrier the consumers wait for before they exit
+    }
+
+    // ---------------- consumer warpgroups: dequantize and multiply ----------------
+    setmaxnreg_inc<CONSUMER_REGS>();
+    const int warp = (tid >> 5) & 3, wg = tid >> 7;
+    const int j0 = 2 * wg;  // this warpgroup's first 16-column tile of each warp's block
+    const int g4 = lane >> 2, t4 = lane & 3;
+    float acc[2][T / 2];
+    u32 s2[4], d2[4];  // the open group's scales / deltas of this lane's 4 features, fp16x2 splats
+    u32 af[WG_DEPTH][2][4];  // register sets of the two wgmma's weight fragments, one per group in flight
+    const u32 w_lane = L::W_OFF + warp * 512 + lane * 16 + 4 * j0;
+    const u32 s_lane = (u32)(warp * 128 + 16 * g4 + 4 * j0);
+    int q = 0;  // stages consumed by this block
+    for (int i = i0; i < i1;) {
+        const Piece p = piece_at(i);
+        i += p.n;
+        const int mc = p.unit % m_chunks, nb4 = p.unit / m_chunks;
+        const int nb = 4 * nb4 + warp;
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < T / 2; ++e) acc[j][e] = 0.f;
+#pragma unroll
+        for (int v = 0; v < 4; ++v) s2[v] = d2[v] = 0u;
+        if (per_channel) {  // one group for all of K: straight to registers
+            const int nb_src = min(nb, nblk - 1);
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+                const int pos = scale_pos(64 * nb_src + 16 * (j0 + (v >> 1)) + g4 + 8 * (v & 1), 1);
+                s2[v] = h_splat(ldg_u16(S + pos));
+                if (HAS_DELTA) d2[v] = h_splat(ldg_u16(D + pos));
+            }
+        }
+        GroupWalk walk;
+        walk.init(p.s0 * U, group_tiles);
+        for (int st = 0; st < p.n; ++st, ++q) {
+            const int slot = q % NS;
+            mbar_wait(full0 + 8 * slot, (u32)(q / NS) & 1u);
+            const u32 sb = ring + slot * L::STAGE;
+            const int kt = (p.s0 + st) * U;
+#pragma unroll
+            for (int gi = 0; gi < GPI; ++gi) {
+                // A group opens at the run's first slot and wherever a boundary is reached.
+                // Without a branch: a branch between two wgmma makes ptxas serialize them
+                // all (C7513) once more than two groups are in flight. A slot where no group
+                // opens holds stale values, loaded and dropped.
+                const int t = kt + gi * SUB;
+                const bool hit = t >= walk.next;
+                walk.next += hit ? group_tiles : 0;
+                const bool open = !per_channel && (hit || t == walk.first);
+                u32 ns2[4], nd2[4];
+                splat_cols<2>(sb + L::S_OFF + gi * 512 + s_lane, ns2);
+                if (HAS_DELTA) splat_cols<2>(sb + L::D_OFF + gi * 512 + s_lane, nd2);
+#pragma unroll
+                for (int v = 0; v < 4; ++v) {
+                    s2[v] = open ? ns2[v] : s2[v];
+                    if (HAS_DELTA) d2[v] = open ? nd2[v] : d2[v];
+                }
+#pragma unroll
+                for (int uu = 0; uu < SUB; ++uu) {
+                    const int u = gi * SUB + uu;
+                    u32 bw[2];
+                    lds_words<2>(sb + w_lane + u * L::W_TILE, bw);
+                    weight_fragments<HAS_DELTA, 2>(bw, s2, d2, af[u % WG_DEPTH]);
+                    wgmma_fence();
+                    const unsigned long long desc = wg_desc(sb + L::X_OFF + 2 * u * T * 16, T * 16);
+                    Wgmma<T>::mma(acc[0], af[u % WG_DEPTH][0], desc);
+                    Wgmma<T>::mma(acc[1], af[u % WG_DEPTH][1], desc);
+                    wgmma_commit();
+                    // the k-tile WG_DEPTH - 1 before is done: its register set may be refilled
+                    wgmma_wait<WG_DEPTH - 1>();
+                    if (u == WG_DEPTH - 2) {
+                        // ... and that was the last k-tile of the stage before: its slot is
+                        // free. Predicated, not branched: a branch between two wgmma makes
+                        // ptxas serialize every wgmma of the kernel (warning C7513).
+                        __syncwarp();
+                        mbar_arrive_if(empty0 + 8 * ((q + NS - 1) % NS), lane == 0 && st > 0);
+                    }
+                }
+            }
+        }
+        wgmma_wait<0>();
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty0 + 8 * ((q - 1) % NS));
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < T / 2; ++e) reg_fence(acc[j][e]);
+
+        // ---- the piece's sums: park them for the unit's owner, or finish the unit ----
+        const bool owner = p.s0 == 0 && p.n < KS;
+        if (p.s0 > 0) {
+            float* mine = ws + (size_t)blockIdx.x * L::NACC * L::CONSUMERS + tid;
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int e = 0; e < T / 2; ++e) mine[(j * (T / 2) + e) * L::CONSUMERS] = acc[j][e];
+            __threadfence();  // this thread's sums are visible device-wide ...
+            named_sync(1, L::CONSUMERS);  // ... for every consumer thread, before the flag
+            if (tid == 0) st_release(flags + blockIdx.x, 1);
+            continue;
+        }
+        if (owner) {
+            // the unit's later pieces are the first pieces of blocks blockIdx.x + 1 .. last;
+            // their flags are polled side by side (one thread each), their sums added in
+            // block order, four blocks' loads in flight at a time
+            const int first = blockIdx.x + 1, count = (p.unit * KS + KS - 1) / iters + 1 - first;
+            for (int c = tid; c < count; c += L::CONSUMERS) {
+                while (ld_acquire(flags + first + c) == 0) {
+                }
+                flags[first + c] = 0;  // ready for the next launch (this one reads it no more)
+            }
+            named_sync(1, L::CONSUMERS);
+            const float* part = ws + (size_t)first * L::NACC * L::CONSUMERS + tid;
+#pragma unroll 4
+            for (int c = 0; c < count; ++c) {
+#pragma unroll
+                for (int j = 0; j < 2; ++j)
+#pragma unroll
+                    for (int e = 0; e < T / 2; ++e) acc[j][e] += ldcg_f32(part + (j * (T / 2) + e) * L::CONSUMERS);
+                part += L::NACC * L::CONSUMERS;
+            }
+        }
+        // ---- epilogue: acc + bias in fp32, one rounding, stored from registers ----
+        if (nb >= nblk) continue;
+        const int mrow0 = mc * T;
+        float bf[4];
+#pragma unroll
+        for (int v = 0; v < 4; ++v) bf[v] = bias_at(bias, 64 * nb + 16 * (j0 + (v >> 1)) + g4 + 8 * (v & 1), n_out);
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int e = 0; e < T / 2; ++e) {
+                const int r = e & 3;
+                const int tok = mrow0 + 8 * (e >> 2) + 2 * t4 + (r & 1);
+                const int f = 64 * nb + 16 * (j0 + j) + g4 + 8 * (r >> 1);
+                if (tok < M && f < n_out) C[(size_t)tok * n_out + f] = f32_to_h(acc[j][e] + bf[2 * j + (r >> 1)]);
+            }
+    }
+}
