@@ -1,6 +1,6 @@
 // hopper_pipe.cuh: the pieces both Hopper GEMMs (sm_90a) build on: marlin_wgmma.cu
 // (one block per K split, every warp copies and computes) and marlin_streamk.cu
-// (persistent, a producer warp and two consumer warpgroups). wgmma's no-swizzle
+// (persistent, a producer warpgroup and two consumer warpgroups). wgmma's no-swizzle
 // descriptor, the weights as its register operand, mbarriers and bulk copies; all from
 // the PTX ISA (sections "Asynchronous Warpgroup Level Matrix Multiply-Accumulate",
 // "mbarrier", "cp.async.bulk"), no library code.
@@ -107,7 +107,7 @@ __device__ __forceinline__ void setmaxnreg_inc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(R));
 }
 // Named barrier `id` over `count` threads (whole warps): the consumer warpgroups meet
-// without the producer warp, which never waits on a block-wide barrier after setup.
+// without the producer warpgroup, which never waits on a block-wide barrier after setup.
 __device__ __forceinline__ void named_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
 }

@@ -36,9 +36,13 @@
 // (its first piece, done before anything it could wait for) parks its fp32 sums in
 // `ws` and raises its flag; the owner waits for those flags in block order, adds the
 // pieces in that order (deterministic: the order depends on the problem and the grid
-// only) and stores C. An owner waits only for pieces its successors compute first, and
-// every block of the grid is resident at once (one per multiprocessor), so no cycle
-// of waits exists.
+// only) and stores C. An owner waits only for pieces its successors compute first, so
+// no cycle of waits exists as long as every block of the grid gets a multiprocessor
+// (one per multiprocessor, grid <= multiprocessors). That holds when nothing else holds
+// multiprocessors indefinitely; it is an assumption, not a guarantee of an ordinary
+// launch: two of these GEMMs launched concurrently on two streams of one device could
+// each hold part of the machine and wait for blocks that never start. The launcher
+// documents it; a last-arriver reduction (marlin_wgmma.cu's) would remove it.
 //
 // Shared memory: NS stages (StreamkLayout), each
 //   W  U x 2048 B       the 4 column blocks' B words of each k-tile, as in global memory
@@ -93,7 +97,7 @@ struct StreamkLayout {
     static constexpr int STAGE = D_OFF + (HAS_DELTA ? GPI * 512 : 0);
     static constexpr int RING = NS * STAGE;
     static constexpr int CONSUMERS = 256;  // two warpgroups
-    static constexpr int THREADS = CONSUMERS + 128;  // + the producer warpgroup (one warp copies)
+    static constexpr int THREADS = CONSUMERS + 128;  // + the producer warpgroup
     static constexpr int NACC = T;  // fp32 accumulators per consumer thread: 2 wgmma x T / 2
     static_assert(U % WG_DEPTH == 0 && WG_DEPTH >= 2, "k-tiles cycle through the register sets, each stage from set 0");
     static_assert(T % 8 == 0 && T <= 128, "wgmma n8 .. n128");

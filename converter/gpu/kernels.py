@@ -253,7 +253,10 @@ def marlin_gemm(
     kinds (``kernels/marlin_wgmma.cu``) the larger M of smaller and thin layers; the
     decode kernel's "decode_w" variant and the tile kernel (``kernels/marlin_gemm.cu``)
     serve the rest, and everything on sm_80..89. Every kernel but the decode kernel
-    multiplies by the fp16 weight ``fp16((q - 8) * s (+ d))``. Twin: ``reference.marlin_gemm`` with the plan's
+    multiplies by the fp16 weight ``fp16((q - 8) * s (+ d))``. The persistent kernel's
+    blocks wait for each other (its stream-K reduction), so do not run two calls that
+    take it concurrently on two streams of one device: each could hold part of the
+    multiprocessors and wait for blocks that never start. Twin: ``reference.marlin_gemm`` with the plan's
     ``arith``.
 
     Args:

@@ -390,14 +390,15 @@ class Tuning:
             hopper_big_kn weights;
         hopper_large_m: M >= hopper_large_m on layers of N >= 8192;
         hopper_huge_m, hopper_small_kn: M >= hopper_huge_m on layers of more than
-            hopper_small_kn weights (N >= 4096 always; with the defaults ``hopper_fs``
-            takes those rows first, so this serves only when it is switched off).
+            hopper_small_kn weights (N >= 4096 always; with the defaults ``hopper_sk``
+            and ``hopper_fs`` take those rows first, so this serves only when both are
+            switched off).
             Everywhere else the decode and tile kernels were as fast or faster on an
             H200 (scripts/perf_notes.md: narrow N needs deep K splits, and the decode
             kernel streams better at M <= 16).
-        hopper_fs_min_m, hopper_fs_narrow_min_m: the feature-split Hopper kernel
-            (``hopper_fs``) serves M >= hopper_fs_min_m on every layer of N >= 4096
-            and at least hopper_small_kn weights, and M >= hopper_fs_narrow_min_m on
+        hopper_fs_min_m, hopper_fs_narrow_min_m: with ``hopper_sk`` switched off, the
+            feature-split Hopper kernel (``hopper_fs``) serves M >= hopper_fs_min_m on
+            every layer of N >= 4096 and at least hopper_small_kn weights, and M >= hopper_fs_narrow_min_m on
             those of N == 4096 (where it beat the tile kernel; on wider layers the
             token-split kernel is faster below 65 rows).
         hopper_fs_thin_min_m, hopper_fs_thin_kn: it also serves M >=
@@ -413,7 +414,8 @@ class Tuning:
             serve those rows only when it is switched off, say with 10**9). On an H200
             it was 1.10-1.45x faster than the kernels it replaced on every such
             benchmark row from 24 rows (4096² at 96 rows: 0.99x), and the decode
-            kernel 1.2-1.5x faster than it at 1-16 rows (scripts/perf_notes.md).
+            kernel 1.2-1.5x faster than it at 1-16 rows (scripts/perf_notes.md);
+            17-23 rows were not measured (the threshold sits between 16 and 24).
         streamk_fix: the persistent kind's cost of adding one more
             block's piece of a unit, in stage times per 32 tokens of the chunk
             (:func:`plan_streamk`).
@@ -813,8 +815,20 @@ def plan_gemm(
 
 def streamk_pieces(units: int, stages: int, iters: int) -> int:
     """The most blocks any unit is cut into when each of ``units`` units of ``stages``
-    stages, numbered unit-major, is dealt out in runs of ``iters`` stages."""
-    return max((u * stages + stages - 1) // iters - (u * stages) // iters + 1 for u in range(units))
+    stages, numbered unit-major, is dealt out in runs of ``iters`` stages.
+
+    Unit u starts ``r = u stages mod iters`` stages into a run and is cut into
+    ``(r + stages - 1) // iters + 1`` pieces, so the largest such offset decides. The
+    offsets are the multiples of ``g = gcd(stages, iters)`` below ``iters``, all of them
+    once ``units`` reaches ``iters / g`` (closed form, constant time for any M);
+    otherwise the first ``units`` of them are checked.
+    """
+    g = math.gcd(stages, iters)
+    if units >= iters // g:
+        worst = iters - g
+    else:
+        worst = max(u * stages % iters for u in range(units))
+    return (worst + stages - 1) // iters + 1
 
 
 def plan_streamk(
@@ -850,7 +864,7 @@ def plan_streamk(
     total = units * stages
     least = -(-total // device.sm_count)
     if tuning.streamk_iters:
-        best = max(tuning.streamk_iters, least)
+        best = min(max(tuning.streamk_iters, least), total)
     else:
         fix = tuning.streamk_fix * max(1.0, tokens / 32)
         cands = sorted({least, *range(least, min(total, 4 * least) + 1, max(1, least // 16)), stages, total})

@@ -469,9 +469,11 @@ def test_hopper_activations_exact(cp, m, k, perm, tok):
 
 
 STREAMK_CASES = [
-    # (pipe r, m, k, n, group, act, asym, forced stages per block): units cut into many
-    # pieces (owners adding up to 63 parked pieces), runs crossing several units, ragged
-    # N and chunks, several token chunks, per-channel, GPI 1/2/4
+    # (pipe r, m, k, n, group, act, asym, forced stages per block). Planned on an H200
+    # (132 SMs) the first six cut units into 32, 22, 8, 8, 10 and 4 pieces (owners adding
+    # up to 31 parked pieces); the last two store whole units only: a block's run of four
+    # units, and one block with the whole layer. Ragged N and chunks, two token chunks,
+    # per-channel, GPI 1/2/4, act-order.
     (1, 1, 8192, 1024, 128, False, True, 1),
     (1, 3, 4096, 512, 32, True, True, 3),
     (2, 16, 2048, 2304, 16, False, True, 5),
@@ -485,10 +487,10 @@ STREAMK_CASES = [
 
 @pytest.mark.parametrize("r,m,k,n,group_size,act_order,asym,iters", STREAMK_CASES)
 def test_streamk_pieces_are_summed_exactly_once(cp, r, m, k, n, group_size, act_order, asym, iters):
-    """The persistent kernel with forced run lengths: every unit's pieces, parked by up to
-    63 blocks and added by its owner, give the twin's product within the bound (NaN-
-    poisoned output fully written), bitwise the same over 3 calls (the flags reset
-    themselves), and the same bits as the same call planned with runs of whole units."""
+    """The persistent kernel with forced run lengths: every unit's pieces, parked by the
+    blocks after its owner and added by the owner, give the twin's product within the
+    bound (NaN-poisoned output fully written) and the same bits over 3 calls (the flags
+    reset themselves between launches)."""
     _hopper_or_skip()
     rng = np.random.default_rng([r, m, k, n, iters])
     L = make_layer(rng, k, n, group_size, act_order, asym)
@@ -497,8 +499,11 @@ def test_streamk_pieces_are_summed_exactly_once(cp, r, m, k, n, group_size, act_
     args = dict(delta=_dev(cp, L["delta"]), perm=_dev(cp, L["perm"]), bias=_dev(cp, L["bias"]))
     tuning = Tuning(streamk_iters=iters)
     plan = kernels.gemm_plan(m, k, n, group_size, delta=asym, pipe=kw["pipe"], tuning=tuning)
+    from converter.gpu import runtime
+
     units, stages = plan.m_chunks * -(-(n // 64) // 4), k // 64
-    assert plan.tiles_per_split == 4 * max(iters, -(-units * stages // 132))
+    least = -(-units * stages // runtime.device_info().sm_count)
+    assert plan.tiles_per_split == 4 * min(max(iters, least), units * stages)
     outs = [
         cp.asnumpy(
             kernels.marlin_gemm(

@@ -506,3 +506,14 @@ def test_persistent_kernel_routing() -> None:
     pipes = [default_pipe(m, 8192, 57344, 8, limit, hopper=True) for m in (17, 24, 25, 40, 64, 65, 100, 128, 129, 999)]
     assert [p.r for p in pipes] == [3, 3, 4, 6, 8, 12, 16, 16, 16, 16]
     assert all(p.kind is sk and (p.u, p.ns) == (4, 8) and p in GEMM_PIPES for p in pipes)
+
+
+def test_streamk_pieces_closed_form_matches_counting() -> None:
+    """The closed form against counting every unit's pieces, over random deals."""
+    import random
+
+    rnd = random.Random(7)
+    for _ in range(3000):
+        units, stages, iters = rnd.randint(1, 300), rnd.randint(1, 200), rnd.randint(1, 2000)
+        counted = max((u * stages + stages - 1) // iters - (u * stages) // iters + 1 for u in range(units))
+        assert streamk_pieces(units, stages, iters) == counted, (units, stages, iters)
