@@ -151,14 +151,9 @@ def hopper_split(r: int, kind: KernelKind = KernelKind.HOPPER) -> tuple[int, int
     return (tokens, 1) if tokens <= HOPPER_MAX_T else (tokens // 2, 2)
 
 
-def streamk_smem(pipe: Pipe, gpi: int, wk: int = 1) -> int:
-    """Dynamic shared memory of a persistent Hopper block (``kernels/marlin_streamk.cu``,
-    StreamkLayout::RING): the same stage as :func:`hopper_smem`'s."""
-    return hopper_smem(pipe, gpi, wk)
-
-
 def hopper_smem(pipe: Pipe, gpi: int, wk: int = 1) -> int:
-    """Dynamic shared memory of a Hopper block (``kernels/marlin_wgmma.cu``, WgLayout):
+    """Dynamic shared memory of a Hopper block (``kernels/marlin_wgmma.cu``, WgLayout, and
+    the persistent ``kernels/marlin_streamk.cu``, StreamkLayout, whose stage is the same):
     NS stages of U 2 KB weight rows, U x tokens x 32 bytes of activations and GPI
     512-byte scale and delta rows (the delta rows counted always)."""
     tokens = 8 * pipe.r
@@ -288,7 +283,7 @@ KINDS: MappingProxyType[KernelKind, KindSpec] = MappingProxyType(
             tile_rows=8,
             sums_bytes=0,
             shares_a=True,
-            smem=streamk_smem,
+            smem=hopper_smem,
             threads=lambda pipe: STREAMK_THREADS,
             block_shapes=(1,),
             wg_tiles=2,

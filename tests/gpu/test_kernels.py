@@ -504,6 +504,7 @@ def test_streamk_pieces_are_summed_exactly_once(cp, r, m, k, n, group_size, act_
     units, stages = plan.m_chunks * -(-(n // 64) // 4), k // 64
     least = -(-units * stages // runtime.device_info().sm_count)
     assert plan.tiles_per_split == 4 * min(max(iters, least), units * stages)
+    assert (plan.splits > 1) == (iters < stages), plan  # the first six cases exercise the owners' sums
     outs = [
         cp.asnumpy(
             kernels.marlin_gemm(

@@ -495,11 +495,20 @@ def test_persistent_kernel_routing() -> None:
     beyond); the decode (or tile) kernel below; thin, narrow and small layers and sm_80..89 keep
     their kernels."""
     sk = KernelKind.HOPPER_SK
-    for k, n in ((8192, 57344), (28672, 8192), (4096, 14336), (8192, 8192), (14336, 4096), (4096, 4096)):
-        assert gemm_path(16, n, hopper=True, size_k=k) is not sk
+    decode, tile, decode_w = KernelKind.DECODE, KernelKind.TILE, KernelKind.DECODE_W
+    for k, n, at_16 in (
+        (8192, 57344, decode),
+        (28672, 8192, decode),
+        (4096, 14336, decode),
+        (8192, 8192, decode),
+        (14336, 4096, tile),
+        (4096, 4096, decode),  # the small layers' 8-row chunks
+    ):
+        assert gemm_path(16, n, hopper=True, size_k=k) is at_16
         for m in (17, 64, 128, 300):
             assert gemm_path(m, n, hopper=True, size_k=k) is sk
-            assert gemm_path(m, n, size_k=k) is not sk
+            # sm_80..89: the decode kernel's per-weight variant up to 32 rows on N > 8192, else the tile kernel
+            assert gemm_path(m, n, size_k=k) is (decode_w if m <= 32 and n > 8192 else tile)
     assert gemm_path(64, 8192, hopper=True, size_k=1024) is KernelKind.HOPPER  # below 4096 x 4096
     assert gemm_path(64, 1024, hopper=True, size_k=8192) is KernelKind.HOPPER_FS  # thin
     limit = H200.smem_per_block_optin
