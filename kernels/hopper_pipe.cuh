@@ -61,6 +61,51 @@ __device__ __forceinline__ void weight_fragments(const u32 (&w)[J], const u32 (&
     }
 }
 
+// The descriptor `d` moved on by `bytes` (a multiple of 16) in shared memory: only the
+// start-address field changes and it cannot carry out (shared addresses are below
+// 2^18), so one 32-bit add on the low word does it.
+__device__ __forceinline__ unsigned long long wg_desc_at(unsigned long long d, u32 bytes) {
+    return (d & 0xFFFFFFFF00000000ull) | (u32)((u32)d + (bytes >> 4));
+}
+
+// a * {s, s} + {d, d} (fma.rn.f16x2) for the fp16 halves s of `s_pair` and d of `d_pair`
+// picked by H: the splat is written as a PTX vector move, which ptxas folds into the
+// HFMA2's operand selectors (.H0_H0 / .H1_H1) instead of spending instructions on it.
+template <int H, bool HAS_DELTA>
+__device__ __forceinline__ u32 h2_scale_half(u32 a, u32 s_pair, u32 d_pair) {
+    u32 r;
+    if constexpr (HAS_DELTA) {
+        asm("{\n.reg .f16 s0, s1, d0, d1;\n.reg .b32 ss, dd;\n"
+            "mov.b32 {s0, s1}, %2;\nmov.b32 {d0, d1}, %3;\n"
+            "mov.b32 ss, {s%4, s%4};\nmov.b32 dd, {d%4, d%4};\n"
+            "fma.rn.f16x2 %0, %1, ss, dd;\n}"
+            : "=r"(r) : "r"(a), "r"(s_pair), "r"(d_pair), "n"(H));
+    } else {
+        asm("{\n.reg .f16 s0, s1;\n.reg .b32 ss;\n"
+            "mov.b32 {s0, s1}, %2;\nmov.b32 ss, {s%3, s%3};\n"
+            "mul.rn.f16x2 %0, %1, ss;\n}"
+            : "=r"(r) : "r"(a), "r"(s_pair), "n"(H));
+    }
+    return r;
+}
+
+// weight_fragments with the scales and deltas as loaded: s_pair[j] (d_pair[j]) holds
+// the fp16 scales (deltas) of columns 16 (J fg + j) + g and + 8 of the warp's block,
+// low half first, exactly as the S (D) slot stores them. The same arithmetic and bits.
+template <bool HAS_DELTA, int J>
+__device__ __forceinline__ void weight_fragments_pairs(const u32 (&w)[J], const u32 (&s_pair)[J],
+                                                       const u32 (&d_pair)[J], u32 (&af)[J][4]) {
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+        u32 m[4];
+        codes_minus8(w[j], m);
+        af[j][0] = h2_scale_half<0, HAS_DELTA>(m[0], s_pair[j], d_pair[j]);
+        af[j][1] = h2_scale_half<1, HAS_DELTA>(m[2], s_pair[j], d_pair[j]);
+        af[j][2] = h2_scale_half<0, HAS_DELTA>(m[1], s_pair[j], d_pair[j]);
+        af[j][3] = h2_scale_half<1, HAS_DELTA>(m[3], s_pair[j], d_pair[j]);
+    }
+}
+
 // --- mbarrier and bulk copies (PTX ISA: mbarrier, cp.async.bulk) ---
 __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
@@ -111,11 +156,8 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 __device__ __forceinline__ void named_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
-// A flag another block waits for: release after this thread's (fenced) stores ...
-__device__ __forceinline__ void st_release(int* p, int v) {
-    asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-// ... and acquire before the waiter reads what the flag guards.
+// A counter another block moved, read with acquire: its writer's fenced stores are
+// visible to this thread after it.
 __device__ __forceinline__ int ld_acquire(const int* p) {
     int v;
     asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");

@@ -31,18 +31,14 @@
 //     `wgmma m64nTk16` per k-tile, weights as the register operand exactly as in
 //     marlin_wgmma.cu), one wgmma group per k-tile, WG_DEPTH groups in flight, so a
 //     k-tile is dequantized while the ones before it are multiplied.
-// Units cut by a block boundary are finished by their first block (the "owner", for
-// which it is the last piece of its run): every later block that holds a piece of it
-// (its first piece, done before anything it could wait for) parks its fp32 sums in
-// `ws` and raises its flag; the owner waits for those flags in block order, adds the
-// pieces in that order (deterministic: the order depends on the problem and the grid
-// only) and stores C. An owner waits only for pieces its successors compute first, so
-// no cycle of waits exists as long as every block of the grid gets a multiprocessor
-// (one per multiprocessor, grid <= multiprocessors). That holds when nothing else holds
-// multiprocessors indefinitely; it is an assumption, not a guarantee of an ordinary
-// launch: two of these GEMMs launched concurrently on two streams of one device could
-// each hold part of the machine and wait for blocks that never start. The launcher
-// documents it; a last-arriver reduction (marlin_wgmma.cu's) would remove it.
+// Units cut by block boundaries: every block that holds a piece of one parks its fp32
+// sums in `ws` and bumps the unit's counter; the last to arrive adds the pieces in piece
+// (= block) order, whoever it is, so the result depends on the problem and the grid
+// only, and stores C. No block ever waits for another: two of these GEMMs running
+// concurrently (two streams of one device, each with its own workspace) or a grid that
+// does not get every multiprocessor cannot deadlock. (An owner that waited for its
+// successors' pieces, the first design, could: it assumed every block of the grid
+// runs at once.)
 //
 // Shared memory: NS stages (StreamkLayout), each
 //   W  U x 2048 B       the 4 column blocks' B words of each k-tile, as in global memory
@@ -60,8 +56,9 @@
 // Launch geometry (converter/gpu plans it): hopper_activations with tok = T first; then
 // block = 384 threads (consumer warpgroups 0-1, producer warpgroup 2), grid =
 // ceil(units x K / (16 U) / iters) blocks (at most one per multiprocessor), dynamic shared memory
-// StreamkLayout::RING; `ws` holds grid x T x 256 floats, `flags` grid ints, zero before
-// the first launch and zero again after each (the owner clears what it waited for).
+// StreamkLayout::RING; `ws` holds 2 x grid x T x 256 floats (two piece slots a block),
+// `flags` grid ints (the counter of the cut unit that starts in block b is flags[b]),
+// zero before the first launch and zero again after each (the last arriver resets it).
 // Constraints: K % (16 U) == 0, N % 64 == 0, group size a multiple of 16 dividing K
 // or per-channel, GPI = U / gcd(group tiles, U) (1 for per-channel), 16-byte aligned
 // operands; `ws` and `flags` never shared by two launches in flight. Needs sm_90a
@@ -120,6 +117,11 @@ marlin_streamk(const u16* __restrict__ At, const int4* __restrict__ B, const u16
     constexpr int SUB = U / GPI;
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ __align__(8) unsigned long long full[NS], empty[NS];
+    // Thread 0's reading of a counter, for the other consumer threads: [0] for the piece
+    // that starts the block's run, [1] for the one that ends it. Two words, because no
+    // barrier separates the other threads' read of the first from thread 0's write of
+    // the second (a racecheck hazard with one word).
+    __shared__ int arrived[2];
 
     const int tid = threadIdx.x, lane = tid & 31;
     const int nblk = N >> 6;
@@ -154,7 +156,7 @@ marlin_streamk(const u16* __restrict__ At, const int4* __restrict__ B, const u16
         const int pt = tid - L::CONSUMERS;  // 0..127: the 16-byte piece of each 2 KB weight row
         const size_t brow = (size_t)(N >> 1);  // int4 per B row (k-tile)
         const size_t k8 = (size_t)(K >> 3);
-        int q = 0;  // stages issued by this block
+        u32 q = 0;  // stages issued by this block
         for (int i = i0; i < i1;) {
             const Piece p = piece_at(i);
             const int mc = p.unit % m_chunks, nb4 = p.unit / m_chunks;
@@ -169,9 +171,9 @@ marlin_streamk(const u16* __restrict__ At, const int4* __restrict__ B, const u16
             GroupWalk walk;
             walk.init(p.s0 * U, group_tiles);
             for (int st = 0; st < p.n; ++st, ++q) {
-                const int slot = q % NS;
+                const u32 slot = q % NS;
                 // the slot's previous contents (stage q - NS) are consumed
-                if (q >= NS) mbar_wait(empty0 + 8 * slot, (u32)(q / NS - 1) & 1u);
+                if (q >= NS) mbar_wait(empty0 + 8 * slot, (q / NS - 1) & 1u);
                 const u32 sb = ring + slot * L::STAGE, bar = full0 + 8 * slot;
                 const int kt = (p.s0 + st) * U;
                 if (pt == 0) {  // the activations, read by wgmma through the async proxy
@@ -203,11 +205,11 @@ marlin_streamk(const u16* __restrict__ At, const int4* __restrict__ B, const u16
     const int j0 = 2 * wg;  // this warpgroup's first 16-column tile of each warp's block
     const int g4 = lane >> 2, t4 = lane & 3;
     float acc[2][T / 2];
-    u32 s2[4], d2[4];  // the open group's scales / deltas of this lane's 4 features, fp16x2 splats
+    u32 s2[2], d2[2];  // the open group's scales / deltas of this lane's 4 features, as fp16 pairs
     u32 af[WG_DEPTH][2][4];  // register sets of the two wgmma's weight fragments, one per group in flight
     const u32 w_lane = L::W_OFF + warp * 512 + lane * 16 + 4 * j0;
     const u32 s_lane = (u32)(warp * 128 + 16 * g4 + 4 * j0);
-    int q = 0;  // stages consumed by this block
+    u32 q = 0;  // stages consumed by this block (unsigned: q % NS is a mask)
     for (int i = i0; i < i1;) {
         const Piece p = piece_at(i);
         i += p.n;
@@ -218,22 +220,23 @@ marlin_streamk(const u16* __restrict__ At, const int4* __restrict__ B, const u16
 #pragma unroll
             for (int e = 0; e < T / 2; ++e) acc[j][e] = 0.f;
 #pragma unroll
-        for (int v = 0; v < 4; ++v) s2[v] = d2[v] = 0u;
+        for (int v = 0; v < 2; ++v) s2[v] = d2[v] = 0u;
         if (per_channel) {  // one group for all of K: straight to registers
             const int nb_src = min(nb, nblk - 1);
 #pragma unroll
             for (int v = 0; v < 4; ++v) {
                 const int pos = scale_pos(64 * nb_src + 16 * (j0 + (v >> 1)) + g4 + 8 * (v & 1), 1);
-                s2[v] = h_splat(ldg_u16(S + pos));
-                if (HAS_DELTA) d2[v] = h_splat(ldg_u16(D + pos));
+                s2[v >> 1] |= (u32)ldg_u16(S + pos) << (16 * (v & 1));
+                if (HAS_DELTA) d2[v >> 1] |= (u32)ldg_u16(D + pos) << (16 * (v & 1));
             }
         }
         GroupWalk walk;
         walk.init(p.s0 * U, group_tiles);
         for (int st = 0; st < p.n; ++st, ++q) {
-            const int slot = q % NS;
-            mbar_wait(full0 + 8 * slot, (u32)(q / NS) & 1u);
+            const u32 slot = q % NS;
+            mbar_wait(full0 + 8 * slot, (q / NS) & 1u);
             const u32 sb = ring + slot * L::STAGE;
+            const unsigned long long desc0 = wg_desc(sb + L::X_OFF, T * 16);
             const int kt = (p.s0 + st) * U;
 #pragma unroll
             for (int gi = 0; gi < GPI; ++gi) {
@@ -245,11 +248,11 @@ marlin_streamk(const u16* __restrict__ At, const int4* __restrict__ B, const u16
                 const bool hit = t >= walk.next;
                 walk.next += hit ? group_tiles : 0;
                 const bool open = !per_channel && (hit || t == walk.first);
-                u32 ns2[4], nd2[4];
-                splat_cols<2>(sb + L::S_OFF + gi * 512 + s_lane, ns2);
-                if (HAS_DELTA) splat_cols<2>(sb + L::D_OFF + gi * 512 + s_lane, nd2);
+                u32 ns2[2], nd2[2];
+                lds_words<2>(sb + L::S_OFF + gi * 512 + s_lane, ns2);
+                if (HAS_DELTA) lds_words<2>(sb + L::D_OFF + gi * 512 + s_lane, nd2);
 #pragma unroll
-                for (int v = 0; v < 4; ++v) {
+                for (int v = 0; v < 2; ++v) {
                     s2[v] = open ? ns2[v] : s2[v];
                     if (HAS_DELTA) d2[v] = open ? nd2[v] : d2[v];
                 }
@@ -258,9 +261,9 @@ marlin_streamk(const u16* __restrict__ At, const int4* __restrict__ B, const u16
                     const int u = gi * SUB + uu;
                     u32 bw[2];
                     lds_words<2>(sb + w_lane + u * L::W_TILE, bw);
-                    weight_fragments<HAS_DELTA, 2>(bw, s2, d2, af[u % WG_DEPTH]);
+                    weight_fragments_pairs<HAS_DELTA, 2>(bw, s2, d2, af[u % WG_DEPTH]);
                     wgmma_fence();
-                    const unsigned long long desc = wg_desc(sb + L::X_OFF + 2 * u * T * 16, T * 16);
+                    const unsigned long long desc = wg_desc_at(desc0, 2 * u * T * 16);
                     Wgmma<T>::mma(acc[0], af[u % WG_DEPTH][0], desc);
                     Wgmma<T>::mma(acc[1], af[u % WG_DEPTH][1], desc);
                     wgmma_commit();
@@ -284,38 +287,55 @@ marlin_streamk(const u16* __restrict__ At, const int4* __restrict__ B, const u16
 #pragma unroll
             for (int e = 0; e < T / 2; ++e) reg_fence(acc[j][e]);
 
-        // ---- the piece's sums: park them for the unit's owner, or finish the unit ----
-        const bool owner = p.s0 == 0 && p.n < KS;
-        if (p.s0 > 0) {
-            float* mine = ws + (size_t)blockIdx.x * L::NACC * L::CONSUMERS + tid;
-#pragma unroll
-            for (int j = 0; j < 2; ++j)
-#pragma unroll
-                for (int e = 0; e < T / 2; ++e) mine[(j * (T / 2) + e) * L::CONSUMERS] = acc[j][e];
-            __threadfence();  // this thread's sums are visible device-wide ...
-            named_sync(1, L::CONSUMERS);  // ... for every consumer thread, before the flag
-            if (tid == 0) st_release(flags + blockIdx.x, 1);
-            continue;
-        }
-        if (owner) {
-            // the unit's later pieces are the first pieces of blocks blockIdx.x + 1 .. last;
-            // their flags are polled side by side (one thread each), their sums added in
-            // block order, four blocks' loads in flight at a time
-            const int first = blockIdx.x + 1, count = (p.unit * KS + KS - 1) / iters + 1 - first;
-            for (int c = tid; c < count; c += L::CONSUMERS) {
-                while (ld_acquire(flags + first + c) == 0) {
-                }
-                flags[first + c] = 0;  // ready for the next launch (this one reads it no more)
+        // ---- a cut unit's piece: park it; the last of the unit's pieces to arrive adds them ----
+        if (p.n < KS) {
+            // The unit's pieces, in order: the last piece of the run of block `first`
+            // (where the unit starts), then the first piece of blocks first + 1 ..
+            // first + count. Piece 0 parks in slot 2 b + 1 of its block b, a later piece
+            // (its block's first) in slot 2 b: a block holds at most one piece of each
+            // kind, so no slot is written twice in a launch.
+            const int first = (p.unit * KS) / iters, count = (p.unit * KS + KS - 1) / iters - first;
+            const int j = blockIdx.x - first;
+            // Piece 0 ends its block's run, and the others start theirs, so it is usually
+            // the last to arrive: when the counter already holds every other piece, it
+            // adds them without parking its own (a T x 256 x 4-byte write and read).
+            bool in = false;
+            if (j == 0) {
+                if (tid == 0) arrived[1] = ld_acquire(flags + first);
+                named_sync(1, L::CONSUMERS);
+                in = arrived[1] == count;
             }
-            named_sync(1, L::CONSUMERS);
-            const float* part = ws + (size_t)first * L::NACC * L::CONSUMERS + tid;
+            if (!in) {
+                float* mine = ws + ((size_t)2 * blockIdx.x + (j == 0 ? 1 : 0)) * L::NACC * L::CONSUMERS + tid;
+#pragma unroll
+                for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+                    for (int e = 0; e < T / 2; ++e) mine[(jj * (T / 2) + e) * L::CONSUMERS] = acc[jj][e];
+                __threadfence();  // this thread's sums are visible device-wide ...
+                named_sync(1, L::CONSUMERS);  // ... for every consumer thread, before the counter moves
+                if (tid == 0) arrived[j == 0] = atomicAdd(flags + first, 1);
+                named_sync(1, L::CONSUMERS);
+                if (arrived[j == 0] != count) continue;  // a later piece will finish the unit
+            }
+            __threadfence();
+            if (tid == 0) flags[first] = 0;  // every piece has arrived: ready for the next launch
+            // Last to arrive: the sum in piece order, whoever came last (deterministic).
+            // Piece 0 comes from its slot unless it is this block's own, still in registers.
+            if (j != 0) {
+                const float* part = ws + ((size_t)2 * first + 1) * L::NACC * L::CONSUMERS + tid;
+#pragma unroll
+                for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+                    for (int e = 0; e < T / 2; ++e) acc[jj][e] = ldcg_f32(part + (jj * (T / 2) + e) * L::CONSUMERS);
+            }
+            const float* part = ws + (size_t)2 * (first + 1) * L::NACC * L::CONSUMERS + tid;
 #pragma unroll 4
-            for (int c = 0; c < count; ++c) {
+            for (int c = 1; c <= count; ++c) {
 #pragma unroll
-                for (int j = 0; j < 2; ++j)
+                for (int jj = 0; jj < 2; ++jj)
 #pragma unroll
-                    for (int e = 0; e < T / 2; ++e) acc[j][e] += ldcg_f32(part + (j * (T / 2) + e) * L::CONSUMERS);
-                part += L::NACC * L::CONSUMERS;
+                    for (int e = 0; e < T / 2; ++e) acc[jj][e] += ldcg_f32(part + (jj * (T / 2) + e) * L::CONSUMERS);
+                part += (size_t)2 * L::NACC * L::CONSUMERS;
             }
         }
         // ---- epilogue: acc + bias in fp32, one rounding, stored from registers ----

@@ -253,11 +253,10 @@ def marlin_gemm(
     kinds (``kernels/marlin_wgmma.cu``) the larger M of smaller and thin layers; the
     decode kernel's "decode_w" variant and the tile kernel (``kernels/marlin_gemm.cu``)
     serve the rest, and everything on sm_80..89. Every kernel but the decode kernel
-    multiplies by the fp16 weight ``fp16((q - 8) * s (+ d))``. The persistent kernel's
-    blocks wait for each other (its stream-K reduction), so do not run two calls that
-    take it concurrently on two streams of one device: each could hold part of the
-    multiprocessors and wait for blocks that never start. Twin: ``reference.marlin_gemm`` with the plan's
-    ``arith``.
+    multiplies by the fp16 weight ``fp16((q - 8) * s (+ d))``. No kernel's blocks wait
+    for each other (split and stream-K sums are added by the last block to arrive), so
+    calls may run concurrently on several streams; each (device, stream) has its own
+    workspace. Twin: ``reference.marlin_gemm`` with the plan's ``arith``.
 
     Args:
         A: float16 ``(M, size_k)``, M >= 1, SOURCE channel order.
@@ -321,10 +320,11 @@ def marlin_gemm(
     if plan.pipe.spec.wgmma:
         m_pad = plan.m_chunks * plan.rows
         if plan.pipe.spec.persistent:
-            # Stream-K over the multiprocessors: T x 256 partial sums per block that
-            # parks a piece of a unit, one flag per block; A in blocks of T tokens.
+            # Stream-K over the multiprocessors: two slots of T x 256 partial sums per
+            # block (the piece that starts its run, the one that ends it), one counter
+            # per block (the cut unit starting there); A in blocks of T tokens.
             tok, n_locks = plan.rows, plan.blocks
-            ws_floats = plan.blocks * plan.rows * 256 if plan.splits > 1 else 0
+            ws_floats = 2 * plan.blocks * plan.rows * 256 if plan.splits > 1 else 0
             scalars = (size_k, size_n, n_out, gt, int(per_channel), plan.tiles_per_split // plan.u)
         else:
             # The unit is 256 columns x one m-chunk; partials are kept in register order.

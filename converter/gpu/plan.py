@@ -840,8 +840,8 @@ def plan_streamk(
 
     The work is ``m_chunks x ceil(N / 256)`` units of ``K / 16 / U`` stages; block b
     takes stages ``[b iters, (b + 1) iters)`` of them numbered unit-major, one block per
-    multiprocessor at most. A unit cut by block boundaries is summed by its first
-    block after the others' pieces arrive, one after another, so the plan minimises
+    multiprocessor at most. Every piece of a unit cut by block boundaries is parked,
+    and the last to arrive adds them one after another, so the plan minimises
     ``iters + fix * (pieces - 1)``: the longest run plus the most pieces a unit has,
     each charged ``tuning.streamk_fix`` stage times per 32 tokens (a piece's partial
     sums are T x 256 floats).

@@ -470,8 +470,8 @@ def test_hopper_activations_exact(cp, m, k, perm, tok):
 
 STREAMK_CASES = [
     # (pipe r, m, k, n, group, act, asym, forced stages per block). Planned on an H200
-    # (132 SMs) the first six cut units into 32, 22, 8, 8, 10 and 4 pieces (owners adding
-    # up to 31 parked pieces); the last two store whole units only: a block's run of four
+    # (132 SMs) the first six cut units into 32, 22, 8, 8, 10 and 4 pieces (the last
+    # arriver adding up to 32 parked pieces); the last two store whole units only: a block's run of four
     # units, and one block with the whole layer. Ragged N and chunks, two token chunks,
     # per-channel, GPI 1/2/4, act-order.
     (1, 1, 8192, 1024, 128, False, True, 1),
@@ -488,9 +488,9 @@ STREAMK_CASES = [
 @pytest.mark.parametrize("r,m,k,n,group_size,act_order,asym,iters", STREAMK_CASES)
 def test_streamk_pieces_are_summed_exactly_once(cp, r, m, k, n, group_size, act_order, asym, iters):
     """The persistent kernel with forced run lengths: every unit's pieces, parked by the
-    blocks after its owner and added by the owner, give the twin's product within the
-    bound (NaN-poisoned output fully written) and the same bits over 3 calls (the flags
-    reset themselves between launches)."""
+    blocks that hold them and added in block order by the last to arrive, give the
+    twin's product within the bound (NaN-poisoned output fully written) and the same bits
+    over 3 calls (the counters reset themselves between launches)."""
     _hopper_or_skip()
     rng = np.random.default_rng([r, m, k, n, iters])
     L = make_layer(rng, k, n, group_size, act_order, asym)
@@ -504,7 +504,7 @@ def test_streamk_pieces_are_summed_exactly_once(cp, r, m, k, n, group_size, act_
     units, stages = plan.m_chunks * -(-(n // 64) // 4), k // 64
     least = -(-units * stages // runtime.device_info().sm_count)
     assert plan.tiles_per_split == 4 * min(max(iters, least), units * stages)
-    assert (plan.splits > 1) == (iters < stages), plan  # the first six cases exercise the owners' sums
+    assert (plan.splits > 1) == (iters < stages), plan  # the first six cases exercise the parked sums
     outs = [
         cp.asnumpy(
             kernels.marlin_gemm(
@@ -531,6 +531,70 @@ def test_streamk_pieces_are_summed_exactly_once(cp, r, m, k, n, group_size, act_
     assert not bad.any(), (plan, int(bad.sum()), float(np.abs(got - twin).max()))
     rel = np.abs(got - twin).mean() / np.abs(twin).mean()
     assert rel < 5e-4, rel
+
+
+# Test-only kernels that take multiprocessors away from a GEMM: `hold` keeps one block
+# per multiprocessor (the launch gives it all the shared memory a block may have, so no
+# GEMM block fits beside it) until `release` is set or `limit_ns` has passed, and says
+# which happened; `wait_for` spins until n blocks of `hold` run.
+_HOLD_SRC = r"""
+extern "C" __global__ void hold(int* started, const volatile int* release, int* timed_out,
+                                unsigned long long limit_ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    if (threadIdx.x == 0) atomicAdd(started, 1);
+    while (*release == 0) {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        if (t - t0 > limit_ns) { atomicExch(timed_out, 1); return; }
+    }
+}
+extern "C" __global__ void wait_for(const volatile int* started, int n) { while (*started < n) {} }
+extern "C" __global__ void set_flag(int* flag) { *flag = 1; }
+"""
+
+
+def test_streamk_finishes_on_a_few_multiprocessors(cp):
+    """The persistent kernel's blocks never wait for each other: with all but one
+    multiprocessor held by another stream's kernel (which lets go only when a kernel
+    queued after the GEMM on the GEMM's stream says so, or after 10 s), the GEMM's 128
+    blocks run one after another, finish, and give the same bits as on the whole
+    device. A block that waited for a later block's piece (the kernel's first design,
+    whose owners did) would wait for a block that cannot start: the holder would time
+    out. (With 4 free multiprocessors that design also timed out on an H200.)"""
+    _hopper_or_skip()
+    from converter.gpu import runtime
+
+    m, k, n, group_size = 64, 4096, 4096, 128
+    rng = np.random.default_rng(7)
+    L = make_layer(rng, k, n, group_size, False, True)
+    a = cp.asarray(rng.standard_normal((m, k), dtype=np.float32).astype(np.float16))
+    kw = dict(size_k=k, size_n=n, group_size=group_size, pipe=("hopper_sk", 8, 4, 8))
+    args = (a, cp.asarray(L["B"]), cp.asarray(L["S"]))
+    delta = _dev(cp, L["delta"])
+    plan = kernels.gemm_plan(m, k, n, group_size, delta=True, pipe=kw["pipe"])
+    assert plan.splits > 1 and plan.blocks > 64, plan  # units cut across many blocks
+    whole = cp.asnumpy(kernels.marlin_gemm(*args, delta=delta, **kw))  # also compiles
+
+    mod = cp.RawModule(code=_HOLD_SRC)
+    hold, wait_for, set_flag = (mod.get_function(f) for f in ("hold", "wait_for", "set_flag"))
+    smem = cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
+    hold.max_dynamic_shared_size_bytes = smem
+    flags = cp.zeros(3, dtype=cp.int32)  # started, release, timed_out
+    held = runtime.device_info().sm_count - 1
+    gemm_stream, hold_stream = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    cp.cuda.Device().synchronize()
+    with hold_stream:
+        hold((held,), (32,), (flags[0:], flags[1:], flags[2:], np.uint64(10**10)), shared_mem=smem)
+    with gemm_stream:
+        wait_for((1,), (32,), (flags[0:], np.int32(held)))
+        out = kernels.marlin_gemm(*args, delta=delta, out=poisoned(cp, (m, n)), **kw)
+        set_flag((1,), (1,), (flags[1:],))
+    gemm_stream.synchronize()
+    hold_stream.synchronize()
+    started, released, timed_out = (int(v) for v in cp.asnumpy(flags))
+    assert started == held and released == 1
+    assert timed_out == 0, "the GEMM needed the held multiprocessors: its blocks waited for blocks that could not start"
+    assert np.array_equal(cp.asnumpy(out).view(np.uint16), whole.view(np.uint16))
 
 
 PADDED_PIPES = [

@@ -452,7 +452,7 @@ def _units_of(plan: GemmPlan, n: int) -> int:
 )
 def test_streamk_plan_covers_the_work_once_on_at_most_one_block_per_sm(m: int, k: int, n: int) -> None:
     """Every (unit, stage) belongs to exactly one block's run; the grid never exceeds the
-    multiprocessors (an owner waits for its successors: all must be resident); the
+    multiprocessors (one run each, so every multiprocessor streams the same bytes); the
     reported pieces are the most blocks any unit is cut into."""
     r = next(r for r in (1, 2, 3, 4, 6, 8, 12, 16) if 8 * r >= min(m, 128))
     plan = _plan(m, k, n, 128, regs=168, hopper=True, pipe=("hopper_sk", r, 4, 8))
