@@ -350,11 +350,16 @@ class GptqSource(
             )
         size_k = unpacked_len(qw.shape[0], b)
         if size_k is None:
-            raise SourceFormatError(
-                f"{qw.shape[0]} rows cannot hold 3-bit codes: 3-bit packs 32 codes into every 3 rows (spec 1.2)",
-                path=qw_path,
-                tensor=qw.name,
-            )
+            rule = f"{qw.shape[0]} rows cannot hold 3-bit codes: 3-bit packs 32 codes into every 3 rows (spec 1.2)"
+            fits = self._bits_that_fit(prefix, qw)
+            if fits:
+                # the other tensors agree on another width: the config is what is wrong
+                raise ConfigError(
+                    f"bits={b}{where}, but qweight's {rule}; bits={fits[0]} would fit",
+                    path=self.cfg_path,
+                    tensor=f"{prefix} bits",
+                )
+            raise SourceFormatError(rule, path=qw_path, tensor=qw.name)
         gi_name = f"{prefix}.g_idx"
         if gi_name in self.ckpt:
             gi = self.ckpt.info(gi_name)
@@ -426,6 +431,26 @@ class GptqSource(
                 "converted with delta (data wins)"
             )
         return layer
+
+    def _bits_that_fit(self, prefix: str, qw: TensorInfo) -> list[int]:
+        """The code widths (2, 3, 4, 8) that qweight's rows and every other witness the
+        layer has agree on: g_idx's length (K) and qzeros' width (N codes a row). Empty
+        when no witness exists or none agrees."""
+        gi = self.ckpt.info(f"{prefix}.g_idx") if f"{prefix}.g_idx" in self.ckpt else None
+        qz = self.ckpt.info(f"{prefix}.qzeros") if f"{prefix}.qzeros" in self.ckpt else None
+        if (gi is None or len(gi.shape) != 1) and (qz is None or len(qz.shape) != 2):
+            return []
+        fits = []
+        for c in (2, 3, 4, 8):
+            k = unpacked_len(qw.shape[0], c)
+            if k is None:
+                continue
+            if gi is not None and len(gi.shape) == 1 and gi.shape[0] != k:
+                continue
+            if qz is not None and len(qz.shape) == 2 and packed_len(qw.shape[1], c) != qz.shape[1]:
+                continue
+            fits.append(c)
+        return fits
 
     def _unreadable(self, prefix: str, qw: TensorInfo, reason: str, warnings: list[str]) -> LayerPlan:
         owned = [n for n in (f"{prefix}.{s}" for s in GPTQ_SUFFIXES if s != "bias") if n in self.ckpt]

@@ -249,7 +249,8 @@ def marlin_gemm(
     group in fp32 and applies ``s`` and ``d`` once per group; on sm_90 the persistent
     Hopper kernel (``kernels/marlin_streamk.cu``, ``hopper_sk``, after
     ``hopper_activations`` re-lays A out, the act-order gather included) serves M >= 17
-    on every layer of N >= 4096 and at least 4096 x 4096 weights, and the other Hopper
+    on every layer of N >= 4096 and at least 4096 x 4096 weights (M >= 9 above 4096 x
+    4096 and up to 8192 x 8192 weights), and the other Hopper
     kinds (``kernels/marlin_wgmma.cu``) the larger M of smaller and thin layers; the
     decode kernel's "decode_w" variant and the tile kernel (``kernels/marlin_gemm.cu``)
     serve the rest, and everything on sm_80..89. Every kernel but the decode kernel

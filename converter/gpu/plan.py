@@ -411,6 +411,15 @@ class Tuning:
             benchmark row from 24 rows (4096² at 96 rows: 0.99x), and the decode
             kernel 1.2-1.5x faster than it at 1-16 rows (scripts/perf_notes.md);
             17-23 rows were not measured (the threshold sits between 16 and 24).
+        hopper_sk_small_min_m, hopper_sk_small_kn: on the layers above
+            hopper_small_kn and up to hopper_sk_small_kn weights it serves M >=
+            hopper_sk_small_min_m already. At 16 rows on an H200 (the 16:54Z run's
+            hopper_sk sweep column beside the routed kernel, fused us): 4096 x 14336
+            20.4 against the decode kernel's 21.0, 14336 x 4096 20.2 against the tile
+            kernel's 22.0, 8192 x 8192 21.4 against 24.3; the decode kernel stays
+            faster at 8 rows on every layer (0.83-0.99x) and at 16 on the 70B layers
+            (89.9 / 98.8, 52.2 / 54.4 us), and 4096 x 4096 was even (11.9 / 11.6).
+            9-15 rows were not timed: both kernels run the same 16-row chunk there.
         streamk_fix: the persistent kind's cost of adding one more
             block's piece of a unit, in stage times per 32 tokens of the chunk
             (:func:`plan_streamk`).
@@ -422,7 +431,8 @@ class Tuning:
             leave most multiprocessors idle there: 4096² ran 11.8 / 11.6 us (symmetric)
             against the tile kernel's 12.6 / 13.2 at M = 12 / 16, 8192 x 1024 10.5 /
             10.6 against 11.4 (H200 sweep, scripts/perf_notes.md); 14336 x 4096 was
-            even at M = 16, so larger layers keep the tile kernel. Only those two
+            even at M = 16, so larger layers keep the tile kernel (up to 8192 x 8192
+            weights the persistent kernel now takes them first). Only those two
             shapes were measured: narrower or deeper layers of the class (say
             65536 x 256) are an extrapolation.
     """
@@ -452,6 +462,8 @@ class Tuning:
     hopper_fs_thin_kn: int = 8192 * 1024
     hopper_decode_small_kn: int = 4096 * 4096
     hopper_sk_min_m: int = 17
+    hopper_sk_small_min_m: int = 9
+    hopper_sk_small_kn: int = 8192 * 8192
     streamk_fix: float = 1.0
     streamk_iters: int | None = None
 
@@ -554,6 +566,9 @@ def gemm_path(
         kn = size_k * size_n
         if size_n >= 4096 and kn >= tuning.hopper_small_kn and m >= tuning.hopper_sk_min_m:
             return KernelKind.HOPPER_SK
+        if size_n >= 4096 and tuning.hopper_small_kn < kn <= tuning.hopper_sk_small_kn:
+            if m >= tuning.hopper_sk_small_min_m:
+                return KernelKind.HOPPER_SK
         if _thin_fs(m, size_k, size_n, tuning) or (
             size_n >= 4096
             and kn >= tuning.hopper_small_kn

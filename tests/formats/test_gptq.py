@@ -208,6 +208,24 @@ def test_bits_contradicting_g_idx_is_a_config_error(tmp_path: Path) -> None:
         convert(src, tmp_path / "a.safetensors")
 
 
+@pytest.mark.parametrize("act", [True, False])
+def test_three_bits_on_four_bit_rows_is_a_config_error(tmp_path: Path, act: bool) -> None:
+    """bits=3 where qweight's rows are no multiple of 3: when g_idx (act) or qzeros'
+    width agree on another width, the config is named, with the width that fits."""
+    rng = np.random.default_rng(4)
+    lay = make_layer(rng, 256, 64, bits=4, act_order=act)
+    tensors = gptq_tensors(P, lay, v1=True)
+    if not act:
+        tensors.pop(f"{P}.g_idx", None)
+    src = write_checkpoint(tmp_path / "src", tensors, gptq_config(3, 128), where="quantize_config.json")
+    with pytest.raises(
+        ConfigError,
+        match=r"quantize_config.json: model.layers.0.mlp.up_proj bits: bits=3, but qweight's 32 rows cannot "
+        r"hold 3-bit codes: 3-bit packs 32 codes into every 3 rows \(spec 1.2\); bits=4 would fit",
+    ):
+        convert(src, tmp_path / "a.safetensors")
+
+
 # --------------------------------------------------------------------------- mislabelled files
 
 

@@ -28,8 +28,9 @@ from converter.gpu.plan import (
     streamk_pieces,
 )
 
-#: The persistent Hopper kind switched off: the routes it took over from 17 rows.
-NO_SK = Tuning(hopper_sk_min_m=10**9)
+#: The persistent Hopper kind switched off: the routes it took over from 17 rows (9 on
+#: the mid-sized layers).
+NO_SK = Tuning(hopper_sk_min_m=10**9, hopper_sk_small_min_m=10**9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +76,8 @@ def test_tuning_defaults_are_the_measured_values() -> None:
         hopper_fs_thin_kn=8192 * 1024,
         hopper_decode_small_kn=4096 * 4096,
         hopper_sk_min_m=17,
+        hopper_sk_small_min_m=9,
+        hopper_sk_small_kn=8192 * 8192,
         streamk_fix=1.0,
         streamk_iters=None,
     )
@@ -266,8 +269,10 @@ def test_thin_layers_take_feature_split_chunks(m: int, k: int, n: int, pipe) -> 
         (17, 4096, 4096, ("hopper_sk", 3, 4, 8)),  # the persistent kernel from 17 rows
         (16, 8192, 1024, ("decode", 1, 4, 3)),
         (12, 8192, 2048, ("decode", 1, 4, 3)),
-        (16, 8192, 4096, ("tile", 2, 4, 3)),  # more weights than 4096²
-        (16, 14336, 4096, ("tile", 2, 4, 3)),
+        # more weights than 4096² (up to 8192²): the persistent kernel from 9 rows
+        # (14336 x 4096 at 16 rows: 20.2 against the tile kernel's 22.0, fused, 16:54Z)
+        (16, 8192, 4096, ("hopper_sk", 2, 4, 8)),
+        (16, 14336, 4096, ("hopper_sk", 2, 4, 8)),
         (16, 2048, 8192, ("decode", 2, 8, 3)),  # N > 4096: the wide rule's 16-row chunks
     ],
 )
@@ -491,20 +496,25 @@ def test_streamk_plan_trades_run_length_for_fewer_pieces() -> None:
 
 def test_persistent_kernel_routing() -> None:
     """sm_90: the persistent kernel from 17 rows on every layer of N >= 4096 and at least
-    4096 x 4096 weights, in the fewest 8-token tiles that hold M (128-token chunks
-    beyond); the decode (or tile) kernel below; thin, narrow and small layers and sm_80..89 keep
+    4096 x 4096 weights, from 9 rows on those above 4096 x 4096 and up to 8192 x 8192
+    weights, in the fewest 8-token tiles that hold M (128-token chunks beyond); the
+    decode (or tile) kernel below; thin, narrow and small layers and sm_80..89 keep
     their kernels."""
     sk = KernelKind.HOPPER_SK
     decode, tile, decode_w = KernelKind.DECODE, KernelKind.TILE, KernelKind.DECODE_W
     for k, n, at_16 in (
         (8192, 57344, decode),
         (28672, 8192, decode),
-        (4096, 14336, decode),
-        (8192, 8192, decode),
-        (14336, 4096, tile),
+        (4096, 14336, sk),
+        (8192, 8192, sk),
+        (14336, 4096, sk),
         (4096, 4096, decode),  # the small layers' 8-row chunks
+        (28672, 4096, tile),  # above 8192 x 8192 weights
     ):
         assert gemm_path(16, n, hopper=True, size_k=k) is at_16
+        assert gemm_path(9, n, hopper=True, size_k=k) is at_16
+        assert gemm_path(8, n, hopper=True, size_k=k) is decode
+        assert gemm_path(16, n, NO_SK, hopper=True, size_k=k) is (tile if n == 4096 and k > 4096 else decode)
         for m in (17, 64, 128, 300):
             assert gemm_path(m, n, hopper=True, size_k=k) is sk
             # sm_80..89: the decode kernel's per-weight variant up to 32 rows on N > 8192, else the tile kernel
