@@ -18,17 +18,19 @@ the user's output and, for a full disk, the free and the needed bytes
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
 import os
 import secrets
+import signal
 import sys
 import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -67,6 +69,41 @@ def abort_all() -> None:
         except BaseException:  # best effort on the way out
             pass
     _LIVE.clear()
+
+
+#: The signals that interrupt a command (the CLI maps SIGTERM and SIGHUP to Ctrl-C).
+_INTERRUPTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Hold SIGINT, SIGTERM and SIGHUP until the block ends, then act on the first one
+    that came (its previous handler is called: the CLI's raise KeyboardInterrupt).
+
+    For the commit of a multi-file output: an interrupt between a rename and the
+    bookkeeping after it would leave a mix of old and new files that the undo cannot
+    see, and one after the renames would claim that nothing was written. Python runs
+    signal handlers only in the main thread, so elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    previous = {s: signal.getsignal(s) for s in _INTERRUPTS}
+    held = [s for s in _INTERRUPTS if previous[s] is not None]  # None: a C-level handler, left alone
+    for s in held:
+        signal.signal(s, lambda signum, frame: came.append(signum))
+    try:
+        yield
+    finally:
+        for s in held:
+            signal.signal(s, previous[s])
+        if came:
+            handler = previous[came[0]]
+            if callable(handler):
+                handler(came[0], None)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), came[0])
 
 
 def note_committed(path: Path) -> None:

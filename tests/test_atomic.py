@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from converter.atomic import remove_stale_temporaries
+from converter.atomic import interrupts_deferred, remove_stale_temporaries
 from converter.convert import convert
 from converter.errors import ConverterError, OutputExistsError
 from converter.formats.gptq import GptqSource
@@ -294,3 +294,19 @@ def test_streaming_writer_waits_only_for_an_output_it_drops(
             (start + 128, 64, -1),
         ]
     assert (tmp_path / "o.safetensors").exists()
+
+
+def test_interrupts_deferred_holds_a_signal_until_the_block_ends() -> None:
+    """SIGINT inside the block changes nothing there; the previous handler (here
+    Python's, KeyboardInterrupt) acts once it ends, and the handlers are restored."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    reached = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # a handler would have run by now
+            reached.append(True)
+    assert reached == [True]
+    assert {s: signal.getsignal(s) for s in before} == before
+    with interrupts_deferred():  # no signal: nothing happens on the way out
+        pass

@@ -431,6 +431,55 @@ def test_interrupt_after_the_commit_does_not_claim_nothing_was_written(tmp_path:
     assert out.read_bytes() != b"old"  # what the line says: the new artifact is in place
 
 
+MID_COMMIT = """
+import os, signal, sys
+from converter import atomic
+SIG = getattr(signal, sys.argv.pop(1))
+real = atomic.os.replace
+renames = []
+def replace_then_signal(src, dst):
+    real(src, dst)
+    if not os.path.basename(dst).startswith("."):  # a final name (staged, backups are hidden)
+        renames.append(dst)
+        if len(renames) == 2:  # between the second and third new file's rename
+            os.kill(os.getpid(), SIG)
+atomic.os.replace = replace_then_signal
+sys.argv[0] = "marlin-convert"
+from converter.cli import main_convert
+main_convert()
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_interrupt_between_renames_waits_for_the_commit(tmp_path: Path, sig: str) -> None:
+    """A signal that lands between two renames of a sharded --force run is held until
+    the commit is recorded: the new output is complete (every shard and the index the
+    new run's), the line says so, and no backup of the old files is left."""
+    out = tmp_path / "a.safetensors"
+    args = [str(SAMPLE), str(out), "--max-shard-size", "300KB", "-q"]
+    assert run_cli("marlin-convert", *args).returncode == 0
+    new = tmp_path / "new"
+    new.mkdir()
+    assert run_cli("marlin-convert", str(SAMPLE), str(new / "a.safetensors"), *args[2:]).returncode == 0
+    for p in tmp_path.glob("a-*"):
+        p.write_bytes(p.read_bytes()[:-1] + b" ")  # the old output differs from the new
+    res = subprocess.run(
+        [sys.executable, "-c", MID_COMMIT, sig, *args, "--force"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+        timeout=120,
+    )
+    assert res.returncode == 130, res.stderr
+    index = tmp_path / "a.safetensors.index.json"  # a sharded artifact is named by its index
+    assert res.stderr == f"interrupted after the output was written: {index} is complete\n"
+    names = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
+    assert names == sorted(p.name for p in new.iterdir())  # nothing hidden left (no .backup)
+    for name in names:
+        assert (tmp_path / name).read_bytes() == (new / name).read_bytes(), name
+
+
 def test_exit_130_is_documented() -> None:
     for tool in ("marlin-convert", "marlin-verify"):
         res = run_cli(tool, "--help")

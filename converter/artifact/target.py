@@ -132,6 +132,9 @@ class OutputTarget:
 
     def __init__(self, out: str | Path) -> None:
         text = str(out)
+        if not text:
+            # Path("") is ".": an unset $OUT in a script would write a model folder here
+            raise ConverterError("output path is empty; give a .safetensors file or a folder", path=None)
         out = Path(out)
         self.directory = out.is_dir() or text.endswith(("/", os.sep))
         self.path = out / DIR_MODE_NAME if self.directory else out
@@ -201,10 +204,6 @@ class OutputTarget:
             raise ConverterError(
                 f"output path {ascii(str(self.path))} is not valid UTF-8; choose another name", path=self.folder
             ) from None
-        if self.directory and not self.folder.exists() and not create:
-            if not self.folder.parent.is_dir():
-                raise ConverterError("output folder's parent does not exist", path=self.folder.parent)
-            return
         if (
             self.directory
             and self.folder.exists()
@@ -232,6 +231,11 @@ class OutputTarget:
             raise ConverterError(
                 "output must be a .safetensors file, or a folder (existing, or ending in '/')", path=self.path
             )
+        if self.directory and not self.folder.exists() and not create:
+            # a dry run creates nothing; the checks above (the input guard) still ran
+            if not self.folder.parent.is_dir():
+                raise ConverterError("output folder's parent does not exist", path=self.folder.parent)
+            return
         if self.directory and not self.folder.exists():
             try:
                 self.folder.mkdir(parents=False)

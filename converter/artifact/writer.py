@@ -28,6 +28,7 @@ import numpy as np
 from ..atomic import (
     TEMP_SUFFIX,
     commit_all,
+    interrupts_deferred,
     note_committed,
     output_write_error,
     remove_stale_temporaries,
@@ -183,13 +184,16 @@ class ArtifactWriter:
         # would, or that of the file it replaces.
         for tmp, final in self._commit:
             os.chmod(tmp, target_mode(final))
-        try:
-            commit_all(self._commit, self.target.folder)
-        except BaseException:
-            self.abort()
-            raise
-        self._done = True
-        note_committed(self.artifact_path)
+        # An interrupt is held from the first rename until the commit is recorded: it
+        # then finds either every output file as it was or the new output complete.
+        with interrupts_deferred():
+            try:
+                commit_all(self._commit, self.target.folder)
+            except BaseException:
+                self.abort()
+                raise
+            self._done = True
+            note_committed(self.artifact_path)
         untrack(self)
         self._temps.clear()
         for old in stale:

@@ -119,6 +119,28 @@ def test_output_in_a_folder_inside_an_hf_input_folder(tmp_path: Path, out: str) 
     assert sorted(p.relative_to(src) for p in src.rglob("*")) == listing
 
 
+@pytest.mark.parametrize("out", ["new/", "sub/new/"])
+def test_dry_run_refuses_a_new_output_folder_inside_the_input_folder(tmp_path: Path, out: str) -> None:
+    """A dry run fails exactly when the real run would: a folder output that does not
+    exist yet inside the checkpoint folder is refused before anything is planned as
+    written (the dry run creates no folder, but the input guard still runs)."""
+    src = _checkpoint(tmp_path / "src")
+    (src / "sub").mkdir()
+    listing = sorted(p.relative_to(src) for p in src.rglob("*"))
+    for dry in (True, False):
+        with pytest.raises(ConverterError, match="output is in a folder inside the input checkpoint folder"):
+            convert(src, f"{src}/{out}", dry_run=dry)
+    assert sorted(p.relative_to(src) for p in src.rglob("*")) == listing
+
+
+def test_empty_output_path_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty OUT (an unset $OUT) is not the current folder."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConverterError, match="output path is empty; give a .safetensors file or a folder"):
+        convert(SAMPLE, "")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_output_folder_that_is_a_link_to_the_input_folder(tmp_path: Path) -> None:
     src = _checkpoint(tmp_path / "src")
     link = tmp_path / "link"
