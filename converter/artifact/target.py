@@ -16,13 +16,16 @@ artifact's shards at the output path).
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+import xxhash
+
 from ..atomic import free_bytes
-from ..constants import META_SCHEMA_VERSION
+from ..constants import META_MANIFEST, META_SCHEMA_VERSION
 from ..errors import ArtifactError, ConverterError, OutputExistsError
 from ..hf_index import SHARD_NAME_RE, read_index
 from ..safetensors_io import MAX_MAPPED_FILES, SafetensorsFile, set_map_limit
@@ -158,8 +161,9 @@ class OutputTarget:
     def stale_paths(self, count: int, extra_names: Iterable[str] = ()) -> list[Path]:
         """Files of an earlier artifact at this path that a write of ``count`` shards
         orphans, and deletes after its commit: old shards it does not overwrite, an old
-        index when the new artifact is one file, and an old single file when the new
-        one is sharded (either would shadow the new artifact for some loader)."""
+        index when the new artifact is one file, an old single file when the new one is
+        sharded (either would shadow the new artifact for some loader), and in folder
+        mode the old artifact's tokenizer and config files the new one does not write."""
         finals = set(self.final_paths(count, extra_names))
         out: list[Path] = []
         if self.index.is_file():
@@ -175,6 +179,40 @@ class OutputTarget:
                 out.append(self.index)
         if count > 1 and self.path.is_file():
             out.append(self.path)
+        if self.directory:
+            out += self._stale_extras(finals)
+        return out
+
+    def _stale_extras(self, finals: set[Path]) -> list[Path]:
+        """Folder mode: the files an earlier artifact here wrote beside itself (its
+        manifest's ``checksums.files``: a tokenizer, a generation config) that this write
+        does not, so that the folder does not mix two models. Only files still exactly
+        as written (size and xxh3-128) are taken: one edited since is left alone."""
+        written: dict[str, tuple[int, str]] = {}
+        olds = [self.path]
+        if self.index.is_file():
+            try:
+                olds += [self.folder / f for f in read_index(self.index, error=ConverterError).shard_names]
+            except ConverterError:
+                pass
+        for old in olds:
+            try:
+                doc = json.loads(SafetensorsFile(old, error=ArtifactError).metadata[META_MANIFEST])
+                written = {f["name"]: (int(f["bytes"]), str(f["xxh3_128"])) for f in doc["checksums"]["files"]}
+                break
+            except (ConverterError, OSError, KeyError, TypeError, ValueError):
+                continue  # not there, not ours, or a manifest without folder files
+        out = []
+        for name, (size, digest) in sorted(written.items()):
+            p = self.folder / name
+            if p in finals or os.sep in name or name.startswith(".") or p.is_symlink() or not p.is_file():
+                continue
+            try:
+                same = p.stat().st_size == size and xxhash.xxh3_128_hexdigest(p.read_bytes()) == digest
+            except OSError:
+                same = False
+            if same:
+                out.append(p)
         return out
 
     def check(

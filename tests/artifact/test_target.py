@@ -392,3 +392,22 @@ def test_fuzz_paths_never_touch_the_input(
             assert SECRET not in p.read_bytes(), (case, p)
     if "{two}" not in out:  # replacing or deleting a link in old/ never reaches the inode it shares
         assert {p.name: p.read_bytes() for p in sorted(paths["two"].glob("model-*"))} == shard_bytes, case
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_force_into_a_model_folder_removes_the_old_models_extra_files(tmp_path: Path, shards: int) -> None:
+    """--force over a model folder that held another model: the old artifact's tokenizer
+    (listed in its manifest, unchanged since) goes with it, so the folder does not mix
+    two models; the new model's files verify; a file edited since is left alone."""
+    src = _checkpoint(tmp_path / "src")  # writes tokenizer.json, which folder mode copies
+    (src / "generation_config.json").write_text('{"max_length": 7}')
+    out = tmp_path / "out"
+    convert(src, f"{out}/", max_shard_size=None if shards == 1 else 200_000)
+    assert {"tokenizer.json", "generation_config.json"} <= {p.name for p in out.iterdir()}
+    (out / "generation_config.json").write_text('{"max_length": 8}')  # the user's edit
+    convert(SAMPLE, f"{out}/", force=True)  # a .tinyloop beside no tokenizer
+    names = {p.name for p in out.iterdir()}
+    assert "tokenizer.json" not in names
+    assert (out / "generation_config.json").read_text() == '{"max_length": 8}'
+    assert {"model.safetensors", "config.json"} <= names
+    assert not any(n.startswith("model-0") or n.endswith(".index.json") for n in names)
