@@ -77,13 +77,16 @@ _INTERRUPTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 @contextlib.contextmanager
 def interrupts_deferred() -> Iterator[None]:
-    """Hold SIGINT, SIGTERM and SIGHUP until the block ends, then act on the first one
-    that came (its previous handler is called: the CLI's raise KeyboardInterrupt).
+    """Hold SIGINT, SIGTERM and SIGHUP until the block ends, then act on those that came,
+    in order (each one's previous handler is called: the CLI's raise KeyboardInterrupt;
+    an ignored one is skipped).
 
     For the commit of a multi-file output: an interrupt between a rename and the
     bookkeeping after it would leave a mix of old and new files that the undo cannot
-    see, and one after the renames would claim that nothing was written. Python runs
-    signal handlers only in the main thread, so elsewhere this does nothing.
+    see, and one after the renames would claim that nothing was written. When the block
+    raises (a failed commit, with its message of what was left), that error stands and
+    the held signals are dropped: the command ends anyway. Python runs signal handlers
+    only in the main thread, so elsewhere this does nothing.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -91,19 +94,30 @@ def interrupts_deferred() -> Iterator[None]:
     came: list[int] = []
     previous = {s: signal.getsignal(s) for s in _INTERRUPTS}
     held = [s for s in _INTERRUPTS if previous[s] is not None]  # None: a C-level handler, left alone
+
+    def restore() -> None:
+        # blocked while the handlers go back, so that none fires halfway through the loop
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+        try:
+            for s in held:
+                signal.signal(s, previous[s])
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
     for s in held:
         signal.signal(s, lambda signum, frame: came.append(signum))
     try:
         yield
-    finally:
-        for s in held:
-            signal.signal(s, previous[s])
-        if came:
-            handler = previous[came[0]]
-            if callable(handler):
-                handler(came[0], None)
-            elif handler == signal.SIG_DFL:
-                os.kill(os.getpid(), came[0])
+    except BaseException:
+        restore()
+        raise
+    restore()
+    for s in came:
+        handler = previous[s]
+        if callable(handler):
+            handler(s, None)
+        elif handler == signal.SIG_DFL:
+            os.kill(os.getpid(), s)
 
 
 def note_committed(path: Path) -> None:

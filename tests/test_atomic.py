@@ -310,3 +310,28 @@ def test_interrupts_deferred_holds_a_signal_until_the_block_ends() -> None:
     assert {s: signal.getsignal(s) for s in before} == before
     with interrupts_deferred():  # no signal: nothing happens on the way out
         pass
+
+
+def test_interrupts_deferred_lets_a_failure_stand_and_skips_ignored_signals() -> None:
+    """An error from the block is what propagates (the held signal is dropped: the
+    command ends anyway); a held signal whose handler was SIG_IGN is skipped and the next
+    one acted on."""
+    with pytest.raises(ValueError, match="commit failed"):
+        with interrupts_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            raise ValueError("commit failed")
+    seen = []
+    old_hup, old_term = signal.getsignal(signal.SIGHUP), signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        with interrupts_deferred():
+            os.kill(os.getpid(), signal.SIGHUP)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+        assert seen == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, old_hup)
+        signal.signal(signal.SIGTERM, old_term)

@@ -435,13 +435,14 @@ MID_COMMIT = """
 import os, signal, sys
 from converter import atomic
 SIG = getattr(signal, sys.argv.pop(1))
+AT = int(sys.argv.pop(1))
 real = atomic.os.replace
 renames = []
 def replace_then_signal(src, dst):
     real(src, dst)
     if not os.path.basename(dst).startswith("."):  # a final name (staged, backups are hidden)
         renames.append(dst)
-        if len(renames) == 2:  # between the second and third new file's rename
+        if len(renames) == AT:  # after the AT-th new file's rename
             os.kill(os.getpid(), SIG)
 atomic.os.replace = replace_then_signal
 sys.argv[0] = "marlin-convert"
@@ -464,7 +465,7 @@ def test_interrupt_between_renames_waits_for_the_commit(tmp_path: Path, sig: str
     for p in tmp_path.glob("a-*"):
         p.write_bytes(p.read_bytes()[:-1] + b" ")  # the old output differs from the new
     res = subprocess.run(
-        [sys.executable, "-c", MID_COMMIT, sig, *args, "--force"],
+        [sys.executable, "-c", MID_COMMIT, sig, "2", *args, "--force"],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -478,6 +479,27 @@ def test_interrupt_between_renames_waits_for_the_commit(tmp_path: Path, sig: str
     assert names == sorted(p.name for p in new.iterdir())  # nothing hidden left (no .backup)
     for name in names:
         assert (tmp_path / name).read_bytes() == (new / name).read_bytes(), name
+
+
+def test_interrupt_during_the_commit_also_waits_for_the_old_artifacts_leftovers(tmp_path: Path) -> None:
+    """A single-file model folder replacing a sharded one: a Ctrl-C after the first
+    rename is held until the old shards and index are gone too, so the folder is the new
+    model alone."""
+    out = tmp_path / "out"
+    assert run_cli("marlin-convert", SAMPLE, f"{out}/", "--max-shard-size", "300KB", "-q").returncode == 0
+    assert any(p.name.endswith(".index.json") for p in out.iterdir())
+    res = subprocess.run(
+        [sys.executable, "-c", MID_COMMIT, "SIGINT", "1", str(SAMPLE), f"{out}/", "-q", "--force"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+        timeout=120,
+    )
+    assert res.returncode == 130, res.stderr
+    assert res.stderr == f"interrupted after the output was written: {out / 'model.safetensors'} is complete\n"
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert run_cli("marlin-verify", out, "--shapes").returncode == 0
 
 
 def test_exit_130_is_documented() -> None:

@@ -197,22 +197,34 @@ class OutputTarget:
                 pass
         for old in olds:
             try:
-                doc = json.loads(SafetensorsFile(old, error=ArtifactError).metadata[META_MANIFEST])
-                written = {f["name"]: (int(f["bytes"]), str(f["xxh3_128"])) for f in doc["checksums"]["files"]}
+                meta = SafetensorsFile(old, error=ArtifactError).metadata
+                if META_SCHEMA_VERSION not in meta:
+                    continue  # not a marlin-convert artifact's file
+                entries = json.loads(meta[META_MANIFEST])["checksums"]["files"]
+                written = {
+                    f["name"]: (f["bytes"], f["xxh3_128"])
+                    for f in entries
+                    if isinstance(f, dict)
+                    and isinstance(f.get("name"), str)
+                    and type(f.get("bytes")) is int
+                    and isinstance(f.get("xxh3_128"), str)
+                }
                 break
             except (ConverterError, OSError, KeyError, TypeError, ValueError):
                 continue  # not there, not ours, or a manifest without folder files
+        taken = {p.name.casefold() for p in finals}  # a case-insensitive filesystem: the same file
         out = []
         for name, (size, digest) in sorted(written.items()):
             p = self.folder / name
-            if p in finals or os.sep in name or name.startswith(".") or p.is_symlink() or not p.is_file():
+            if not name or name.casefold() in taken or os.sep in name or name.startswith(".") or "\0" in name:
                 continue
             try:
-                same = p.stat().st_size == size and xxhash.xxh3_128_hexdigest(p.read_bytes()) == digest
-            except OSError:
-                same = False
-            if same:
-                out.append(p)
+                if p.is_symlink() or not p.is_file() or p.stat().st_size != size:
+                    continue
+                if xxhash.xxh3_128_hexdigest(p.read_bytes()) == digest:
+                    out.append(p)
+            except (OSError, ValueError):  # a name the filesystem refuses: not a file we wrote
+                continue
         return out
 
     def check(

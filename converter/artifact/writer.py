@@ -186,6 +186,8 @@ class ArtifactWriter:
             os.chmod(tmp, target_mode(final))
         # An interrupt is held from the first rename until the commit is recorded: it
         # then finds either every output file as it was or the new output complete.
+        # The old artifact's leftovers go in the same held stretch, or an interrupt would
+        # leave two models' files in one folder.
         with interrupts_deferred():
             try:
                 commit_all(self._commit, self.target.folder)
@@ -194,10 +196,10 @@ class ArtifactWriter:
                 raise
             self._done = True
             note_committed(self.artifact_path)
-        untrack(self)
-        self._temps.clear()
-        for old in stale:
-            old.unlink(missing_ok=True)
+            untrack(self)
+            self._temps.clear()
+            for old in stale:
+                old.unlink(missing_ok=True)
         return [final for _, final in self._commit]
 
     def _stage_bytes(self, name: str, content: bytes) -> Path:

@@ -411,3 +411,34 @@ def test_force_into_a_model_folder_removes_the_old_models_extra_files(tmp_path: 
     assert (out / "generation_config.json").read_text() == '{"max_length": 8}'
     assert {"model.safetensors", "config.json"} <= names
     assert not any(n.startswith("model-0") or n.endswith(".index.json") for n in names)
+
+
+def test_a_tampered_old_manifest_deletes_nothing_and_breaks_nothing(tmp_path: Path) -> None:
+    """Entries of the old manifest's checksums.files that are not plain names of files
+    we wrote (wrong types, paths, a 300-character name) are skipped: the --force run
+    succeeds and only the real leftover (the old tokenizer) goes."""
+    import xxhash
+
+    from tests.helpers.artifact_edit import rewrite_artifact
+
+    src = _checkpoint(tmp_path / "src")
+    out = tmp_path / "out"
+    convert(src, f"{out}/")
+    (tmp_path / "victim").write_text("keep")
+    digest = xxhash.xxh3_128_hexdigest(b"keep")
+
+    def edit(manifest: dict, tensors: dict) -> None:
+        manifest["checksums"]["files"] += [
+            {"name": None, "bytes": 4, "xxh3_128": digest},
+            {"name": 5, "bytes": 4, "xxh3_128": digest},
+            {"name": "../victim", "bytes": 4, "xxh3_128": digest},
+            {"name": str(tmp_path / "victim"), "bytes": 4, "xxh3_128": digest},
+            {"name": "a" * 300, "bytes": 4, "xxh3_128": digest},
+            {"name": "tokenizer.json", "bytes": "4", "xxh3_128": digest},
+            "not an entry",
+        ]
+
+    rewrite_artifact(out / "model.safetensors", out / "model.safetensors", edit)
+    convert(SAMPLE, f"{out}/", force=True)
+    assert (tmp_path / "victim").read_text() == "keep"
+    assert "tokenizer.json" not in {p.name for p in out.iterdir()}  # its valid entry still counts
