@@ -40,6 +40,7 @@ from .faults import (
     interrupted_message,
     restore_interrupt,
     sigbus_as_error,
+    wants_json,
     write_fd,
 )
 
@@ -78,7 +79,7 @@ DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks for err
 def _version(value: bool) -> None:
     if value:
         prog = Path(sys.argv[0]).name or "marlin-convert"
-        if "--json" in sys.argv[1:]:  # eager: --json may not be parsed yet, and stdout stays one document
+        if wants_json(sys.argv[1:]):  # eager: --json may not be parsed yet, and stdout stays one document
             sys.stdout.write(json.dumps({"ok": True, "program": prog, "version": __version__}) + "\n")
         else:
             out_console.print(f"{prog} (marlin-convert {__version__})")
@@ -563,7 +564,7 @@ def _main(app: typer.Typer, prog: str) -> None:
     """Run a command.  With ``--json`` a usage error (an unknown option, a missing
     argument, a path that does not exist) is a JSON error document on stdout too, with
     exit 2, not click's text on stderr."""
-    if "--json" not in sys.argv[1:]:
+    if not wants_json(sys.argv[1:]):
         app(prog_name=prog)
         return
     try:

@@ -150,6 +150,12 @@ def sigbus_as_error(report: Callable[[str], None]) -> Iterator[None]:
         _keep.remove(callback)
 
 
+def wants_json(argv: list[str]) -> bool:
+    """Whether the command line asks for ``--json`` output, seen before click parses it
+    (``--json=1`` too: its usage error is then a JSON document as well)."""
+    return any(a == "--json" or a.startswith("--json=") for a in argv)
+
+
 def is_command() -> bool:
     """Whether this process is ``marlin-convert`` or ``marlin-verify`` (the console
     scripts name themselves in ``argv[0]``)."""
@@ -157,4 +163,4 @@ def is_command() -> bool:
 
 
 if is_command():  # the console scripts import this package, and so this module, first
-    quiet_interrupt_until_ready("--json" in sys.argv[1:])
+    quiet_interrupt_until_ready(wants_json(sys.argv[1:]))

@@ -79,6 +79,16 @@ def test_json_errors_are_one_document_and_stderr_stays_empty(
     assert not (tmp_path / "o.safetensors").exists()
 
 
+@pytest.mark.parametrize("tool", ["marlin-convert", "marlin-verify"])
+def test_json_given_a_value_is_a_json_usage_error(tmp_path: Path, tool: str) -> None:
+    """``--json=1`` asks for JSON too: its usage error is the one document, not click's text."""
+    args = [SAMPLE, tmp_path / "o.safetensors"] if tool == "marlin-convert" else [SAMPLE]
+    res = run_cli(tool, *args, "--json=1")
+    assert (res.returncode, res.stderr) == (2, "")
+    doc = json.loads(res.stdout)
+    assert doc["error"]["type"] == "UsageError" and "--json" in doc["error"]["message"], doc
+
+
 def test_json_success_is_one_document_and_stderr_stays_empty(tmp_path: Path) -> None:
     res = run_cli("marlin-convert", SAMPLE, tmp_path / "o.safetensors", "--json", "--max-shard-size", "300KB")
     assert res.returncode == 0 and res.stderr == ""
