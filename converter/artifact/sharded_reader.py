@@ -167,6 +167,15 @@ class ShardedFile:
                 f"metadata.total_size is {total}, the shards hold {size} bytes of tensor data",
                 "metadata.total_size",
             )
+        single = index.parent / index.name.removesuffix(".index.json")
+        if single != index and single.is_file():
+            # transformers' from_pretrained looks for the single file before the index
+            self._problem(
+                ProblemCode.INDEX_MISMATCH,
+                f"{single.name} lies beside {index.name}: a loader that looks for the single file first "
+                "(transformers does) would load it instead of the shards; move it away",
+                single.name,
+            )
         self.metadata = self.shards[0].metadata
         self._check_manifests(len(files))
 

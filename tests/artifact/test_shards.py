@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -160,6 +161,26 @@ def test_verify_reports_missing_shard_and_bad_index(tmp_path: Path, src: tuple[P
     msgs = [p.message for p in rep.problems]
     assert any(m == f"{victim}: shard listed in m.safetensors.index.json is missing" for m in msgs)
     assert any(p.code == "missing_tensor" for p in rep.problems)
+
+
+def test_verify_flags_a_single_file_that_would_shadow_the_shards(tmp_path: Path, src: tuple[Path, dict]) -> None:
+    """m.safetensors beside m.safetensors.index.json is what transformers would load:
+    the sharded artifact is otherwise intact, and verify says what to move."""
+    folder, _ = src
+    convert(folder, tmp_path / "m.safetensors", max_shard_size="40KB")
+    index = tmp_path / "m.safetensors.index.json"
+    assert verify(index, shapes_only=True).ok
+    shutil.copy(sorted(tmp_path.glob("m-0*.safetensors"))[0], tmp_path / "m.safetensors")
+    rep = verify(index, shapes_only=True)
+    assert not rep.ok
+    assert [(p.code, p.tensor, p.message) for p in rep.problems] == [
+        (
+            "index_mismatch",
+            "m.safetensors",
+            "m.safetensors lies beside m.safetensors.index.json: a loader that looks for the single file first "
+            "(transformers does) would load it instead of the shards; move it away",
+        )
+    ]
 
 
 def test_verify_reports_an_unreadable_shard_and_still_checks_the_others(tmp_path: Path, src: tuple[Path, dict]) -> None:
