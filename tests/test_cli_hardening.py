@@ -40,6 +40,18 @@ def _ckpt(folder: Path, *, plain_name: str = "model.norm.weight", layer: str = "
     return write_checkpoint(folder, tensors, gptq_config(4, 64))
 
 
+def _run_code(code: str, *args: object, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``python -c code args...`` from the repository, with a bare environment."""
+    return subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+        timeout=timeout,
+    )
+
+
 # --------------------------------------------------------------------------- --json
 
 
@@ -315,14 +327,7 @@ def test_the_file_size_limit_is_checked_first(tmp_path: Path) -> None:
         "sys.argv[0] = 'marlin-convert'; from converter.cli import main_convert; main_convert()"
     )
     for extra in (["--dry-run"], []):
-        res = subprocess.run(
-            [sys.executable, "-c", code, str(SAMPLE), str(tmp_path / "o.safetensors"), *extra],
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
-            timeout=120,
-        )
+        res = _run_code(code, str(SAMPLE), str(tmp_path / "o.safetensors"), *extra)
         assert res.returncode == 2 and res.stderr == (
             f"error: {tmp_path / 'o.safetensors'}: this file would be 844600 bytes, above the file-size limit of "
             "100000 bytes (ulimit -f); raise the limit, or split the output with a smaller --max-shard-size\n"
@@ -347,14 +352,7 @@ print("not reached")
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
 @pytest.mark.parametrize("as_json", [False, True])
 def test_ctrl_c_during_the_imports_is_one_line_and_exit_130(as_json: bool, sig: str) -> None:
-    res = subprocess.run(
-        [sys.executable, "-c", EARLY_INTERRUPT, sig, *(["--json"] if as_json else [])],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
-        timeout=60,
-    )
+    res = _run_code(EARLY_INTERRUPT, sig, *(["--json"] if as_json else []), timeout=60)
     assert res.returncode == 130
     if as_json:
         assert res.stderr == "" and json.loads(res.stdout) == {
@@ -383,14 +381,7 @@ print("not reached")
 def test_interrupt_while_json_is_half_imported_is_still_one_json_document() -> None:
     """Found by killing runs at random: the early handler called json.dumps, which
     raised AttributeError (a traceback, exit 1) when the signal landed inside json's import."""
-    res = subprocess.run(
-        [sys.executable, "-c", HALF_IMPORTED_JSON, "--json"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
-        timeout=60,
-    )
+    res = _run_code(HALF_IMPORTED_JSON, "--json", timeout=60)
     assert (res.returncode, res.stderr) == (130, "")
     assert json.loads(res.stdout)["error"] == {
         "type": "KeyboardInterrupt",
@@ -418,14 +409,7 @@ main_convert()
 def test_interrupt_after_the_commit_does_not_claim_nothing_was_written(tmp_path: Path, as_json: bool) -> None:
     out = tmp_path / "o.safetensors"
     out.write_bytes(b"old")
-    res = subprocess.run(
-        [sys.executable, "-c", AFTER_COMMIT, str(SAMPLE), str(out), "--force", *(["--json"] if as_json else [])],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
-        timeout=120,
-    )
+    res = _run_code(AFTER_COMMIT, str(SAMPLE), str(out), "--force", *(["--json"] if as_json else []))
     message = f"interrupted after the output was written: {out} is complete"
     assert res.returncode == 130
     if as_json:
@@ -474,14 +458,7 @@ def test_interrupt_between_renames_waits_for_the_commit(tmp_path: Path, sig: str
     assert run_cli("marlin-convert", str(SAMPLE), str(new / "a.safetensors"), *args[2:]).returncode == 0
     for p in tmp_path.glob("a-*"):
         p.write_bytes(p.read_bytes()[:-1] + b" ")  # the old output differs from the new
-    res = subprocess.run(
-        [sys.executable, "-c", MID_COMMIT, sig, "2", *args, "--force"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
-        timeout=120,
-    )
+    res = _run_code(MID_COMMIT, sig, "2", *args, "--force")
     assert res.returncode == 130, res.stderr
     index = tmp_path / "a.safetensors.index.json"  # a sharded artifact is named by its index
     assert res.stderr == f"interrupted after the output was written: {index} is complete\n"
@@ -498,14 +475,7 @@ def test_interrupt_during_the_commit_also_waits_for_the_old_artifacts_leftovers(
     out = tmp_path / "out"
     assert run_cli("marlin-convert", SAMPLE, f"{out}/", "--max-shard-size", "300KB", "-q").returncode == 0
     assert any(p.name.endswith(".index.json") for p in out.iterdir())
-    res = subprocess.run(
-        [sys.executable, "-c", MID_COMMIT, "SIGINT", "1", str(SAMPLE), f"{out}/", "-q", "--force"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
-        timeout=120,
-    )
+    res = _run_code(MID_COMMIT, "SIGINT", "1", str(SAMPLE), f"{out}/", "-q", "--force")
     assert res.returncode == 130, res.stderr
     assert res.stderr == f"interrupted after the output was written: {out / 'model.safetensors'} is complete\n"
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]

@@ -166,11 +166,12 @@ class OutputTarget:
         mode the old artifact's tokenizer and config files the new one does not write."""
         finals = set(self.final_paths(count, extra_names))
         out: list[Path] = []
+        files: set[str] = set()
         if self.index.is_file():
             try:
                 files = set(read_index(self.index, error=ConverterError, allow_empty=True).shard_names)
             except ConverterError:  # an unreadable old index orphans nothing we know of
-                files = set()
+                pass
             for f in sorted(files):
                 p = self.folder / f
                 if SHARD_NAME_RE.match(f) and p not in finals:
@@ -180,22 +181,16 @@ class OutputTarget:
         if count > 1 and self.path.is_file():
             out.append(self.path)
         if self.directory:
-            out += self._stale_extras(finals)
+            out += self._stale_extras(finals, [self.path, *(self.folder / f for f in sorted(files))])
         return out
 
-    def _stale_extras(self, finals: set[Path]) -> list[Path]:
+    def _stale_extras(self, finals: set[Path], olds: list[Path]) -> list[Path]:
         """Folder mode: the files an earlier artifact here wrote beside itself (its
         manifest's ``checksums.files``: a tokenizer, a generation config) that this write
         does not, so that the folder does not mix two models. Only files still exactly
         as written (size and xxh3-128) are taken: one edited since is left alone."""
         written: dict[str, tuple[int, str]] = {}
-        olds = [self.path]
-        if self.index.is_file():
-            try:
-                olds += [self.folder / f for f in read_index(self.index, error=ConverterError).shard_names]
-            except ConverterError:
-                pass
-        for old in olds:
+        for old in olds:  # the old single file, then the old index's shards: the first manifest found
             try:
                 meta = SafetensorsFile(old, error=ArtifactError).metadata
                 if META_SCHEMA_VERSION not in meta:
