@@ -125,6 +125,22 @@ __device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
+// A tensor map (the driver's CUtensorMap: 128 opaque bytes, 64-byte aligned), passed
+// by value as a __grid_constant__ kernel parameter so that its address is usable by
+// the bulk tensor copy (PTX ISA: "Tensor map").
+struct alignas(64) TensorMap {
+    unsigned long long opaque[16];
+};
+// One box of a 3-D tensor map at coordinates (c0, c1, c2), innermost first, into this
+// block's shared memory (box order: dimension 0 fastest); completes on `bar` as the
+// box's bytes, out-of-range elements included (they arrive as zeros).
+__device__ __forceinline__ void tensor_load_3d(u32 dst, const TensorMap* map, int c0, int c1, int c2, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+        "[%5];" ::"r"(dst),
+        "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+        : "memory");
+}
 // An arrival on `bar` when every cp.async this thread issued before has landed; the
 // barrier's count includes it (.noinc).
 __device__ __forceinline__ void cp_async_arrive_noinc(u32 bar) {

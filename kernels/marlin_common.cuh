@@ -93,6 +93,30 @@ __device__ __forceinline__ void codes_minus8(u32 w, u32 m[4]) {
     m[3] = h2_fma(lop3_and_or(hi, hi_mask, ex), FP16_ONE_16TH, FP16_MINUS_72);
 }
 
+// Offset codes (the per-group arithmetic with a delta: marlin_decode.cu and the
+// persistent kernel's GS form in marlin_streamk.cu): the codes as the mma's A operand
+// with no fp16 arithmetic, 4 lop3 and 1 shift per 8 codes instead of 4 more sub / fma.
+// A k-row r < 8 of a 16-row tile (m[0], m[2]) gets 1024 + q (the nibble in the mantissa
+// of 1024.0), a row r >= 8 (m[1], m[3], the nibble 4 bits up) 64 + q (in the mantissa
+// of 64.0, whose unit is 1/16); both exact. A tile's mma then sums A (q - 8) plus
+// A (1032 | 72); one more mma per k-tile, with OFFSET_SUMS_A as its A operand (-1032 |
+// -72 in the rows g of the fragment, ones in the rows g + 8), sums Y = -A (1032 | 72)
+// beside X = sum A, and the group's close adds Y back. The two sums cancel to fp32
+// rounding of values ~1000x the result's size (reference.gemm_error_bound).
+#define FP16X2_ONES 0x3C003C00u
+#define FP16X2_MINUS_1032 0xE408E408u
+#define FP16X2_64 0x54005400u
+__device__ __forceinline__ void offset_codes(u32 w, u32 m[4]) {
+    const u32 hi = w >> 8;
+    const u32 lo_mask = 0x000F000Fu, hi_mask = 0x00F000F0u;
+    m[0] = lop3_and_or(w, lo_mask, FP16_EXP_BITS);
+    m[1] = lop3_and_or(w, hi_mask, FP16X2_64);
+    m[2] = lop3_and_or(hi, lo_mask, FP16_EXP_BITS);
+    m[3] = lop3_and_or(hi, hi_mask, FP16X2_64);
+}
+// The A fragment {a0, a1, a2, a3} of the offset-sum mma: rows g give Y, rows g + 8 X.
+#define OFFSET_SUMS_A {FP16X2_MINUS_1032, FP16X2_ONES, FP16_MINUS_72, FP16X2_ONES}
+
 // Columns col and col + 1 (col even) of one row of C, a row of n_out columns: one 32-bit
 // store when both exist and the pair is 4-byte aligned (n_out even), else a 16-bit
 // store per existing column. n_out < N only for a layer whose N was padded to the

@@ -21,7 +21,7 @@
 // g = lane / 4; codes_minus8's m[0], m[2], m[1], m[3]). The accumulator element e of
 // (j, nt) is column n = 64 nb + 16 j + g + 8 (e / 2) and row m = 8 nt + 2 t + e % 2.
 // With HAS_DELTA, X comes from one more mma per k-tile (ones in the A operand's rows
-// g + 8), whose rows g also sum the offsets of offset_codes (below).
+// g + 8), whose rows g also sum the offsets of offset_codes (marlin_common.cuh).
 //
 // Launch geometry: as marlin_gemm.cu, with m-chunks of 8 NT rows: block = 4 warps,
 // grid.x = m_chunks * ceil(N / 64 / (4 / wk)) * splits; dynamic shared memory, with
@@ -43,28 +43,8 @@
 
 #include "marlin_stream.cuh"
 
-#define FP16X2_ONES 0x3C003C00u
-#define FP16X2_MINUS_1032 0xE408E408u
-#define FP16X2_64 0x54005400u
-
-// Offset codes (the per-group form with a delta): the codes as the mma's A operand with
-// no fp16 arithmetic, 4 lop3 and 1 shift per 8 codes instead of 4 more sub / fma. A
-// k-row r < 8 of a 16-row tile (m[0], m[2]) gets 1024 + q (the nibble in the mantissa
-// of 1024.0), a row r >= 8 (m[1], m[3], the nibble 4 bits up) 64 + q (in the mantissa
-// of 64.0, whose unit is 1/16); both exact. A tile's mma then sums A (q - 8) plus
-// A (1032 | 72), and the k-tile's X mma, whose constant operand has -1032 | -72 in the
-// rows it did not use, sums Y = -A (1032 | 72) beside X; the group's close adds Y back.
-// The two sums cancel to fp32 rounding of values ~1000x the result's size (the bound in
-// reference.gemm_error_bound). Without a delta there is no X mma to share, and one
-// more mma costs more than the sub / fma it saves (measured: scripts/perf_notes.md).
-__device__ __forceinline__ void offset_codes(u32 w, u32 m[4]) {
-    const u32 hi = w >> 8;
-    const u32 lo_mask = 0x000F000Fu, hi_mask = 0x00F000F0u;
-    m[0] = lop3_and_or(w, lo_mask, FP16_EXP_BITS);
-    m[1] = lop3_and_or(w, hi_mask, FP16X2_64);
-    m[2] = lop3_and_or(hi, lo_mask, FP16_EXP_BITS);
-    m[3] = lop3_and_or(hi, hi_mask, FP16X2_64);
-}
+// offset_codes, OFFSET_SUMS_A: marlin_common.cuh. Without a delta there is no X mma to share, and
+// one more mma costs more than the sub / fma it saves (measured: scripts/perf_notes.md).
 
 // Eight fp16 values (a 16-byte shared-memory piece) to fp32; slot p = 2 j + h is the
 // column 16 j + g + 8 h of this lane (permuted order, section 4.4).
@@ -222,7 +202,7 @@ __device__ __forceinline__ void decode_stage(u32 st, u32 sa, int kt, int lane, G
                 }
             }
             if (GS && HAS_DELTA) {  // rows g: Y = -(1032 A[k < 8] + 72 A[k >= 8]); rows g + 8: X
-                const u32 c[4] = {FP16X2_MINUS_1032, FP16X2_ONES, FP16_MINUS_72, FP16X2_ONES};
+                const u32 c[4] = OFFSET_SUMS_A;
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) mma_16816(gx[nt], c, xf[nt][0], xf[nt][1]);
             }

@@ -1,11 +1,14 @@
 // marlin_streamk.cu, the persistent Hopper GEMM (sm_90a only):
 // C[M, N] (fp16) = A[M, K] (fp16) @ W (+ optional bias) on the operands of
 // marlin_stream.cuh (B in Marlin tile order, permuted scales S, permuted fp16 deltas D)
-// and the activations re-laid out by hopper_activations (marlin_wgmma.cu) in blocks of
-// T tokens, with marlin_wgmma.cu's per-weight arithmetic
-//   W[k, n] = fp16((q - 8) s + d)   (fma.rn.f16x2; mul.rn when !HAS_DELTA)
-// and fp32 accumulation. NumPy reference: converter.gpu.reference.marlin_gemm
-// (arith="weight"), bounded by reference.gemm_error_bound.
+// and the activations (A itself through a tensor map up to 32-token chunks, gathered
+// first under act-order; A re-laid out by hopper_activations beyond), in two forms:
+//   GS = false ("hopper_sk"): marlin_wgmma.cu's per-weight arithmetic
+//     W[k, n] = fp16((q - 8) s + d)   (fma.rn.f16x2; mul.rn when !HAS_DELTA);
+//   GS = true ("hopper_skg"): marlin_decode.cu's per-group arithmetic, the offset codes
+//     and the activations' sums multiplied in fp32 and closed per stage (below);
+// fp32 accumulation. NumPy reference: converter.gpu.reference.marlin_gemm (arith
+// "weight" / "group"), bounded by reference.gemm_error_bound.
 //
 // Why another Hopper kernel. marlin_wgmma.cu has every warp issue its share of a
 // stage's copies, wait for the whole stage and meet at a block barrier before it
@@ -19,7 +22,12 @@
 //   * a producer warpgroup that only copies, NS stages ahead of the consumers: per
 //     stage its 128 threads copy the U weight rows (2 KB each, 4 Marlin column blocks)
 //     and the scales / deltas of the groups that start in it by 16-byte cp.async, and
-//     thread 0 the stage's activations (U T 32 bytes) by one bulk copy; the stage's
+//     thread 0 the stage's activations (U T 32 bytes) by one bulk copy: up to 32 tokens
+//     a tensor copy from A itself, which lays A's rows out as wgmma's operand on the
+//     way and zero-fills the tokens past M (no re-layout kernel first: 3-11 % faster at
+//     8-24 tokens on an H200); from 48 tokens, whose boxes have 768+ 16-byte rows and
+//     were 5-13 % slower so, a 1-D copy of `At`, A re-laid out by hopper_activations
+//     (marlin_wgmma.cu) before this kernel; the stage's
 //     `full` mbarrier completes when every thread's copies have landed
 //     (cp.async.mbarrier.arrive.noinc) and the bulk copy's bytes have arrived; a slot
 //     is refilled when its `empty` mbarrier says all 8 consumer warps are done with it.
@@ -44,19 +52,23 @@
 //   W  U x 2048 B       the 4 column blocks' B words of each k-tile, as in global memory
 //   X  U x T x 32 B     the stage's activations as wgmma's no-swizzle K-major core
 //                       matrices: chunk c (k 8 c .. 8 c + 7) of token r at c T 16 + r 16
-//                       (leading byte offset T 16, stride byte offset 128)
+//                       (leading byte offset T 16, stride byte offset 128): the box of
+//                       `xmap`, A viewed as [K / 8][M][8] (dimension 0 the 8 values of a
+//                       chunk, 1 the token at a row stride of K values, 2 the chunk at 16
+//                       bytes), coordinates (0, T x chunk, 2 k-tile), box (8, T, 2 U)
 //   S  GPI x 512 B      the 4 blocks' 64 permuted scales of each group slot
 //   D  GPI x 512 B      the same for fp16(delta) (HAS_DELTA)
 // Only the live column blocks are copied when N is ragged (N / 64 not a multiple of 4):
 // the warps past them compute on whatever their slot holds and store nothing.
 // The consumers read W, S and D with ordinary loads, which the cp.async (generic proxy)
-// writes, and wgmma reads X through the async proxy, which the bulk copy writes: no
+// writes, and wgmma reads X through the async proxy, which the bulk copies write: no
 // proxy fence is needed.
 //
-// Launch geometry (converter/gpu plans it): hopper_activations with tok = T first; then
-// block = 384 threads (consumer warpgroups 0-1, producer warpgroup 2), grid =
-// ceil(units x K / (16 U) / iters) blocks (at most one per multiprocessor), dynamic shared memory
-// StreamkLayout::RING; `ws` holds 2 x grid x T x 256 floats (two piece slots a block),
+// Launch geometry (converter/gpu plans it): `xmap` encoded by converter/gpu/tensormap.py
+// (after gather_columns under act-order) and At null, or hopper_activations with tok = T
+// first and `xmap` unused; block = 384 threads (consumer warpgroups 0-1, producer
+// warpgroup 2), grid = ceil(units x K / (16 U) / iters) blocks (at most one per
+// multiprocessor), dynamic shared memory StreamkLayout::RING; `ws` holds 2 x grid x T x 256 floats (two piece slots a block),
 // `flags` grid ints (the counter of the cut unit that starts in block b is flags[b]),
 // zero before the first launch and zero again after each (the last arriver resets it).
 // Constraints: K % (16 U) == 0, N % 64 == 0, group size a multiple of 16 dividing K
@@ -107,9 +119,95 @@ struct Piece {
     int unit, s0, n;
 };
 
-template <int T, int U, int GPI, int NS, bool HAS_DELTA>
+// ---- the GS form (per-group arithmetic, as marlin_decode.cu's) ----
+// Per stage (U k-tiles, all in one group: the planner's rule) each consumer warpgroup
+// multiplies the offset codes (marlin_common.cuh) into fp32 sums P of its 128 features
+// x T tokens, and the constant OFFSET_SUMS_A into Y (rows g) and X (rows g + 8) of the
+// stage's tokens, one wgmma each per k-tile, the stage's first starting from zero
+// (scale-d). The stage is then closed into the accumulators in fp32:
+//   acc += s (P + Y) + d X
+// with the stage's group's scale s and fp16 delta d, so a weight costs 5 instructions
+// per 8 codes instead of 13. The close reads wgmma accumulators, which ptxas allows only
+// outside a run of in-flight products (else it serializes every wgmma: C7514, even
+// after a wait_group 0 in the middle of the run); so a stage first dequantizes its first
+// k-tile while the stage before still multiplies, then drains (wait_group 0), closes
+// the stage before and starts its own products.
+template <int T, bool HAS_DELTA>
+__device__ __forceinline__ void gs_close(float (&acc)[2][T / 2], const float (&gp)[2][T / 2], const float (&gx)[T / 2],
+                                         const float (&sf)[4], const float (&df)[4]) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < T / 2; ++e) {
+            // element e: token 8 (e / 4) + 2 t + e % 2, feature row g + 8 ((e / 2) % 2)
+            const int r = e & 3, i4 = e & ~3, v = 2 * j + (r >> 1);
+            float t = fmaf(sf[v], gp[j][e] + gx[i4 + (r & 1)], acc[j][e]);
+            if (HAS_DELTA) t = fmaf(df[v], gx[i4 + 2 + (r & 1)], t);
+            acc[j][e] = t;
+        }
+}
+
+// The A fragments of one k-tile's two wgmma: the offset codes of the lane's two words.
+__device__ __forceinline__ void gs_fragments(u32 sb_w, u32 (&af)[2][4]) {
+    u32 bw[2];
+    lds_words<2>(sb_w, bw);
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj) {
+        u32 m[4];
+        offset_codes(bw[jj], m);
+        af[jj][0] = m[0];
+        af[jj][1] = m[2];
+        af[jj][2] = m[1];
+        af[jj][3] = m[3];
+    }
+}
+
+// One ring stage of the GS form (stage `st` of its piece): the stage before it is closed
+// here (at a piece's start the sums and scales are zero, so that close adds nothing).
+// Per-channel (`pc_s`, `pc_d`: the layer's one scale and delta pair per tile, read by
+// the caller) every stage takes those; the producer copies no scale rows then.
+template <int T, int U, int NS, bool HAS_DELTA, int STAGE, int X_OFF, int S_OFF, int D_OFF, int W_TILE>
+__device__ __forceinline__ void gs_stage(u32& q, int st, u32 ring, u32 full0, u32 empty0, u32 w_lane, u32 s_lane,
+                                         int lane, bool per_channel, const u32 (&pc_s)[2], const u32 (&pc_d)[2],
+                                         float (&acc)[2][T / 2], float (&gp)[2][T / 2], float (&gx)[T / 2],
+                                         float (&sf)[4], float (&df)[4], u32 (&af)[WG_DEPTH][2][4]) {
+    const u32 slot = q % NS;
+    mbar_wait(full0 + 8 * slot, (q / NS) & 1u);
+    const u32 sb = ring + slot * STAGE;
+    const unsigned long long desc0 = wg_desc(sb + X_OFF, T * 16);
+    u32 ns2[2], nd2[2];
+    lds_words<2>(sb + S_OFF + s_lane, ns2);
+    if (HAS_DELTA) lds_words<2>(sb + D_OFF + s_lane, nd2);
+    gs_fragments(sb + w_lane, af[0]);
+    wgmma_wait<0>();
+    // the stage before is multiplied: its slot is free and its sums are closed
+    __syncwarp();
+    mbar_arrive_if(empty0 + 8 * ((q + NS - 1) % NS), lane == 0 && st > 0);
+    gs_close<T, HAS_DELTA>(acc, gp, gx, sf, df);
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+        const u32 sp = per_channel ? pc_s[v >> 1] : ns2[v >> 1], dp = per_channel ? pc_d[v >> 1] : nd2[v >> 1];
+        sf[v] = h_to_f32((u16)(sp >> (16 * (v & 1))));
+        df[v] = HAS_DELTA ? h_to_f32((u16)(dp >> (16 * (v & 1)))) : 0.f;
+    }
+    const u32 cf[4] = OFFSET_SUMS_A;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        if (u > 0) gs_fragments(sb + w_lane + u * W_TILE, af[u % WG_DEPTH]);
+        wgmma_fence();
+        const unsigned long long desc = wg_desc_at(desc0, 2 * u * T * 16);
+        Wgmma<T>::mma(gp[0], af[u % WG_DEPTH][0], desc, u > 0);
+        Wgmma<T>::mma(gp[1], af[u % WG_DEPTH][1], desc, u > 0);
+        Wgmma<T>::mma(gx, cf, desc, u > 0);
+        wgmma_commit();
+        wgmma_wait<WG_DEPTH - 1>();
+    }
+    ++q;
+}
+
+template <int T, int U, int GPI, int NS, bool HAS_DELTA, bool GS = false>
 __global__ void __launch_bounds__(384, 1)
-marlin_streamk(const u16* __restrict__ At, const int4* __restrict__ B, const u16* __restrict__ S,
+marlin_streamk(const __grid_constant__ TensorMap xmap, const u16* __restrict__ At, const int4* __restrict__ B, const u16* __restrict__ S,
                const u16* __restrict__ D, const u16* __restrict__ bias, u16* __restrict__ C,
                float* __restrict__ ws, int* __restrict__ flags, int M, int K, int N, int n_out, int group_tiles,
                int per_channel, int iters) {
@@ -163,11 +261,11 @@ marlin_streamk(const u16* __restrict__ At, const int4* __restrict__ B, const u16
             const int live = min(4, nblk - 4 * nb4);
             const bool w_live = pt < 32 * live;
             const int4* wsrc = B + (size_t)p.s0 * U * brow + 128 * nb4 + (w_live ? pt : 0);
-            const u16* xsrc = At + ((size_t)mc * k8 + (size_t)2 * p.s0 * U) * T * 8;
             // scales (threads 0..31) and deltas (32..63): 8 pieces of 16 bytes per live block
             const bool s_live = (pt & 31) < 8 * live && (pt < 32 || (HAS_DELTA && pt < 64));
             const u16* ssrc = (pt < 32 ? S : D) + 256 * nb4 + 8 * (pt & 31);
             const u32 s_dst = (pt < 32 ? L::S_OFF : L::D_OFF) + 16 * (pt & 31);
+            const u16* xsrc = At + ((size_t)mc * k8 + (size_t)2 * p.s0 * U) * T * 8;  // (At only)
             GroupWalk walk;
             walk.init(p.s0 * U, group_tiles);
             for (int st = 0; st < p.n; ++st, ++q) {
@@ -178,7 +276,10 @@ marlin_streamk(const u16* __restrict__ At, const int4* __restrict__ B, const u16
                 const int kt = (p.s0 + st) * U;
                 if (pt == 0) {  // the activations, read by wgmma through the async proxy
                     mbar_expect_tx(bar, L::X_BYTES);
-                    bulk_load(sb + L::X_OFF, xsrc, L::X_BYTES, bar);
+                    if (At)  // one contiguous run of the re-laid-out activations
+                        bulk_load(sb + L::X_OFF, xsrc, L::X_BYTES, bar);
+                    else  // the box: 8 values x T tokens x 2 U chunks of K, tokens past M zero
+                        tensor_load_3d(sb + L::X_OFF, &xmap, 0, mc * T, 2 * kt, bar);
                 }
                 if (w_live) {
 #pragma unroll
@@ -186,7 +287,10 @@ marlin_streamk(const u16* __restrict__ At, const int4* __restrict__ B, const u16
                 }
 #pragma unroll
                 for (int gi = 0; gi < GPI; ++gi) {
-                    if (!per_channel && walk.step(kt + gi * SUB, group_tiles) && s_live)
+                    // GS: every stage's group (it is closed per stage); else a group's at its
+                    // start. Per-channel scales are read once, by the consumers.
+                    const bool opens = !per_channel && walk.step(kt + gi * SUB, group_tiles);
+                    if ((GS ? !per_channel : opens) && s_live)
                         cp_async16(sb + s_dst + gi * 512, ssrc + (size_t)walk.g * N);
                 }
                 // this thread's copies of the stage arrive on its barrier when they land
@@ -207,6 +311,7 @@ marlin_streamk(const u16* __restrict__ At, const int4* __restrict__ B, const u16
     float acc[2][T / 2];
     u32 s2[2], d2[2];  // the open group's scales / deltas of this lane's 4 features, as fp16 pairs
     u32 af[WG_DEPTH][2][4];  // register sets of the two wgmma's weight fragments, one per group in flight
+    float gp[2][T / 2], gx[T / 2], sf[4], df[4];  // GS: the last stage's sums, scales and deltas
     const u32 w_lane = L::W_OFF + warp * 512 + lane * 16 + 4 * j0;
     const u32 s_lane = (u32)(warp * 128 + 16 * g4 + 4 * j0);
     u32 q = 0;  // stages consumed by this block (unsigned: q % NS is a mask)
@@ -230,51 +335,63 @@ marlin_streamk(const u16* __restrict__ At, const int4* __restrict__ B, const u16
                 if (HAS_DELTA) d2[v >> 1] |= (u32)ldg_u16(D + pos) << (16 * (v & 1));
             }
         }
-        GroupWalk walk;
-        walk.init(p.s0 * U, group_tiles);
-        for (int st = 0; st < p.n; ++st, ++q) {
-            const u32 slot = q % NS;
-            mbar_wait(full0 + 8 * slot, (q / NS) & 1u);
-            const u32 sb = ring + slot * L::STAGE;
-            const unsigned long long desc0 = wg_desc(sb + L::X_OFF, T * 16);
-            const int kt = (p.s0 + st) * U;
+        if constexpr (GS) {
 #pragma unroll
-            for (int gi = 0; gi < GPI; ++gi) {
-                // A group opens at the run's first slot and wherever a boundary is reached.
-                // Without a branch: a branch between two wgmma makes ptxas serialize them
-                // all (C7513) once more than two groups are in flight. A slot where no group
-                // opens holds stale values, loaded and dropped.
-                const int t = kt + gi * SUB;
-                const bool hit = t >= walk.next;
-                walk.next += hit ? group_tiles : 0;
-                const bool open = !per_channel && (hit || t == walk.first);
-                u32 ns2[2], nd2[2];
-                lds_words<2>(sb + L::S_OFF + gi * 512 + s_lane, ns2);
-                if (HAS_DELTA) lds_words<2>(sb + L::D_OFF + gi * 512 + s_lane, nd2);
+            for (int e = 0; e < T / 2; ++e) gp[0][e] = gp[1][e] = gx[e] = 0.f;
 #pragma unroll
-                for (int v = 0; v < 2; ++v) {
-                    s2[v] = open ? ns2[v] : s2[v];
-                    if (HAS_DELTA) d2[v] = open ? nd2[v] : d2[v];
-                }
+            for (int v = 0; v < 4; ++v) sf[v] = df[v] = 0.f;
+            for (int st = 0; st < p.n; ++st)
+                gs_stage<T, U, NS, HAS_DELTA, L::STAGE, L::X_OFF, L::S_OFF, L::D_OFF, L::W_TILE>(
+                    q, st, ring, full0, empty0, w_lane, s_lane, lane, per_channel, s2, d2, acc, gp, gx, sf, df, af);
+            wgmma_wait<0>();
+            gs_close<T, HAS_DELTA>(acc, gp, gx, sf, df);
+        } else {
+            GroupWalk walk;
+            walk.init(p.s0 * U, group_tiles);
+            for (int st = 0; st < p.n; ++st, ++q) {
+                const u32 slot = q % NS;
+                mbar_wait(full0 + 8 * slot, (q / NS) & 1u);
+                const u32 sb = ring + slot * L::STAGE;
+                const unsigned long long desc0 = wg_desc(sb + L::X_OFF, T * 16);
+                const int kt = (p.s0 + st) * U;
 #pragma unroll
-                for (int uu = 0; uu < SUB; ++uu) {
-                    const int u = gi * SUB + uu;
-                    u32 bw[2];
-                    lds_words<2>(sb + w_lane + u * L::W_TILE, bw);
-                    weight_fragments_pairs<HAS_DELTA, 2>(bw, s2, d2, af[u % WG_DEPTH]);
-                    wgmma_fence();
-                    const unsigned long long desc = wg_desc_at(desc0, 2 * u * T * 16);
-                    Wgmma<T>::mma(acc[0], af[u % WG_DEPTH][0], desc);
-                    Wgmma<T>::mma(acc[1], af[u % WG_DEPTH][1], desc);
-                    wgmma_commit();
-                    // the k-tile WG_DEPTH - 1 before is done: its register set may be refilled
-                    wgmma_wait<WG_DEPTH - 1>();
-                    if (u == WG_DEPTH - 2) {
-                        // ... and that was the last k-tile of the stage before: its slot is
-                        // free. Predicated, not branched: a branch between two wgmma makes
-                        // ptxas serialize every wgmma of the kernel (warning C7513).
-                        __syncwarp();
-                        mbar_arrive_if(empty0 + 8 * ((q + NS - 1) % NS), lane == 0 && st > 0);
+                for (int gi = 0; gi < GPI; ++gi) {
+                    // A group opens at the run's first slot and wherever a boundary is reached.
+                    // Without a branch: a branch between two wgmma makes ptxas serialize them
+                    // all (C7513) once more than two groups are in flight. A slot where no group
+                    // opens holds stale values, loaded and dropped.
+                    const int t = kt + gi * SUB;
+                    const bool hit = t >= walk.next;
+                    walk.next += hit ? group_tiles : 0;
+                    const bool open = !per_channel && (hit || t == walk.first);
+                    u32 ns2[2], nd2[2];
+                    lds_words<2>(sb + L::S_OFF + gi * 512 + s_lane, ns2);
+                    if (HAS_DELTA) lds_words<2>(sb + L::D_OFF + gi * 512 + s_lane, nd2);
+#pragma unroll
+                    for (int v = 0; v < 2; ++v) {
+                        s2[v] = open ? ns2[v] : s2[v];
+                        if (HAS_DELTA) d2[v] = open ? nd2[v] : d2[v];
+                    }
+#pragma unroll
+                    for (int uu = 0; uu < SUB; ++uu) {
+                        const int u = gi * SUB + uu;
+                        u32 bw[2];
+                        lds_words<2>(sb + w_lane + u * L::W_TILE, bw);
+                        weight_fragments_pairs<HAS_DELTA, 2>(bw, s2, d2, af[u % WG_DEPTH]);
+                        wgmma_fence();
+                        const unsigned long long desc = wg_desc_at(desc0, 2 * u * T * 16);
+                        Wgmma<T>::mma(acc[0], af[u % WG_DEPTH][0], desc);
+                        Wgmma<T>::mma(acc[1], af[u % WG_DEPTH][1], desc);
+                        wgmma_commit();
+                        // the k-tile WG_DEPTH - 1 before is done: its register set may be refilled
+                        wgmma_wait<WG_DEPTH - 1>();
+                        if (u == WG_DEPTH - 2) {
+                            // ... and that was the last k-tile of the stage before: its slot is
+                            // free. Predicated, not branched: a branch between two wgmma makes
+                            // ptxas serialize every wgmma of the kernel (warning C7513).
+                            __syncwarp();
+                            mbar_arrive_if(empty0 + 8 * ((q + NS - 1) % NS), lane == 0 && st > 0);
+                        }
                     }
                 }
             }

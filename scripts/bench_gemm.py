@@ -252,7 +252,8 @@ def main() -> int:
         help="extra our-kernel variants to time, e.g. d1x4x3w1,t1x4x3w1 (d = decode kernel with NT "
         "8-row tiles, w = the same with per-weight scaling, t = tile kernel with MT "
         "16-row tiles, h = Hopper kernel with R 8-token tiles, f = the same with its warpgroups "
-        "splitting the features, p = the persistent Hopper kernel, R 0 = the tiles that hold M; "
+        "splitting the features, p = the persistent Hopper kernel, g = the same with per-group scaling, "
+        "R 0 = the tiles that hold M; "
         "x U x NS; w = waves target)",
     )
     ap.add_argument(
@@ -337,9 +338,15 @@ def main() -> int:
                 pipe_s, w = spec.rsplit("w", 1)
                 w, _, occ = w.partition("o")
                 kind = KernelKind(
-                    {"d": "decode", "w": "decode_w", "t": "tile", "h": "hopper", "f": "hopper_fs", "p": "hopper_sk"}[
-                        pipe_s[0]
-                    ]
+                    {
+                        "d": "decode",
+                        "w": "decode_w",
+                        "t": "tile",
+                        "h": "hopper",
+                        "f": "hopper_fs",
+                        "p": "hopper_sk",
+                        "g": "hopper_skg",
+                    }[pipe_s[0]]
                 )
                 pipe = (kind,) + tuple(int(v) for v in pipe_s[1:].split("x"))
                 if pipe[1] == 0:  # R 0: the fewest 8-token tiles that hold M (128-token chunks beyond)

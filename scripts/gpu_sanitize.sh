@@ -54,10 +54,14 @@ if hopper:  # every Hopper variant: full/ragged chunks, several chunks, ragged N
           (40, 768, 768, 48, False, 2, ("hopper_sk", 6, 4, 8), None),
           (64, 4096, 256, -1, True, 5, ("hopper_sk", 8, 4, 8), None),
           (200, 512, 1280, 16, True, 7, ("hopper_sk", 16, 4, 8), 1200),
-          (90, 1024, 4096, 128, False, None, ("hopper_sk", 12, 4, 8), None)]
+          (90, 1024, 4096, 128, False, None, ("hopper_sk", 12, 4, 8), None),
+          (1, 2048, 320, 128, False, 1, ("hopper_skg", 1, 8, 6), None),
+          (13, 1024, 512, 256, True, 3, ("hopper_skg", 2, 8, 6), 509),
+          (20, 4096, 256, -1, True, 2, ("hopper_skg", 3, 8, 6), None),
+          (40, 1024, 1280, 128, False, None, ("hopper_skg", 4, 8, 6), 1200)]
     cases = [c + (None,) for c in cases] + [c[:5] + (None,) + c[6:] + (c[5],) for c in sk]
-    if os.environ.get("SANITIZE_ONLY"):  # e.g. hopper_sk: only the cases of that kind
-        cases = [c for c in cases if c[6] and c[6][0] == os.environ["SANITIZE_ONLY"]]
+    if os.environ.get("SANITIZE_ONLY"):  # e.g. hopper_sk,hopper_skg: only the cases of those kinds
+        cases = [c for c in cases if c[6] and c[6][0] in os.environ["SANITIZE_ONLY"].split(",")]
 else:
     cases = [c + (None,) for c in cases]
 for (m, k, n, gs, act, wk, pipe, n_out, iters) in cases:
@@ -80,8 +84,15 @@ for (m, k, n, gs, act, wk, pipe, n_out, iters) in cases:
 print("sanitize cases done")
 PY
 python3 /tmp/sanitize_cases.py >/dev/null || { echo "cases fail outside the sanitizer"; exit 1; }
-for tool in memcheck racecheck synccheck; do
-  compute-sanitizer --tool "$tool" --print-limit 50 --error-exitcode 9 python3 /tmp/sanitize_cases.py \
+# memcheck's API-error report is off: NVIDIA's cuda-bindings (the persistent kernel's
+# tensor maps) resolves every driver entry point through cuGetProcAddress on first use,
+# and the ones this driver lacks come back as "invalid argument" (34 such host-side
+# reports, no kernel error, on the H200 on 2026-12-03). Kernel memory errors are reported
+# as before; a failed launch raises in the cases script. SANITIZE_TOOLS picks the tools.
+for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
+  extra=""
+  [ "$tool" = memcheck ] && extra="--report-api-errors no"
+  compute-sanitizer --tool "$tool" $extra --print-limit 50 --error-exitcode 9 python3 /tmp/sanitize_cases.py \
      > "$out/sanitizer_$tool.log" 2>&1
   rc=$?
   echo "== $tool rc=$rc: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|hazard' "$out/sanitizer_$tool.log" | tail -2 | tr '\n' ' ')"

@@ -22,7 +22,7 @@ from ..constants import KERNEL_N_MULTIPLE, MARLIN_TILE
 from ..errors import GpuUnavailableError, KernelError
 from ..marlin.layout import permute_scales
 from ..marlin.shapes import kernel_layer_sizes, resolve_group_size
-from . import build, runtime
+from . import build, runtime, tensormap
 from .plan import DEFAULT_TUNING, GemmPlan, Pipe, Tuning, default_pipe, kernel_variant, plan_gemm
 
 #: Threads per block of every kernel but the gather (4 warps; ``kernels/*.cu`` launch geometry).
@@ -247,14 +247,17 @@ def marlin_gemm(
     work (:func:`converter.gpu.plan.gemm_path` picks by M, N and the device): for small
     M the decode kernel (``kernels/marlin_decode.cu``) sums ``A (q - 8)`` and A per
     group in fp32 and applies ``s`` and ``d`` once per group; on sm_90 the persistent
-    Hopper kernel (``kernels/marlin_streamk.cu``, ``hopper_sk``, after
-    ``hopper_activations`` re-lays A out, the act-order gather included) serves M >= 17
-    on every layer of N >= 4096 and at least 4096 x 4096 weights (M >= 9 above 4096 x
-    4096 and up to 8192 x 8192 weights), and the other Hopper
+    Hopper kernel (``kernels/marlin_streamk.cu``) serves 8-32 rows in its per-group form
+    (``hopper_skg``, the decode kernel's arithmetic) on every layer of N >= 4096 above
+    4096 x 4096 weights whose groups allow, and M >= 17 in its per-weight form
+    (``hopper_sk``) on every layer of N >= 4096 and at least 4096 x 4096 weights (M >= 9
+    above 4096 x 4096 and up to 8192 x 8192 weights), reading A in place through a tensor
+    map up to 32-token chunks (``converter.gpu.tensormap``) and re-laid out by
+    ``hopper_activations`` beyond; the other Hopper
     kinds (``kernels/marlin_wgmma.cu``) the larger M of smaller and thin layers; the
     decode kernel's "decode_w" variant and the tile kernel (``kernels/marlin_gemm.cu``)
-    serve the rest, and everything on sm_80..89. Every kernel but the decode kernel
-    multiplies by the fp16 weight ``fp16((q - 8) * s (+ d))``. No kernel's blocks wait
+    serve the rest, and everything on sm_80..89. Every kernel but the decode kernel and
+    ``hopper_skg`` multiplies by the fp16 weight ``fp16((q - 8) * s (+ d))``. No kernel's blocks wait
     for each other (split and stream-K sums are added by the last block to arrive), so
     calls may run concurrently on several streams; each (device, stream) has its own
     workspace. Twin: ``reference.marlin_gemm`` with the plan's ``arith``.
@@ -285,7 +288,8 @@ def marlin_gemm(
 
     Raises:
         KernelError: wrong dtype/shape/contiguity/alignment, unsupported sizes, or NVRTC
-            failure. GpuUnavailableError: no CuPy / GPU / sm_80+.
+            failure. GpuUnavailableError: no CuPy / GPU / sm_80+, or on sm_90 no
+            cuda-bindings for the persistent kernel's tensor maps.
     """
     cp = runtime.cupy_module()
     gs, g, per_channel = _layer_sizes(size_k, size_n, group_size)
@@ -312,63 +316,54 @@ def marlin_gemm(
         # Opt in above the default (48 KB less the kernel's static shared memory).
         fn.max_dynamic_shared_size_bytes = plan.smem
     gt = size_k // MARLIN_TILE if per_channel else gs // MARLIN_TILE
-    tail = (
-        np.int32(gt),
-        np.int32(1 if per_channel else 0),
-        np.int32(plan.splits),
-        np.int32(plan.tiles_per_split),
-    )
-    if plan.pipe.spec.wgmma:
-        m_pad = plan.m_chunks * plan.rows
-        if plan.pipe.spec.persistent:
-            # Stream-K over the multiprocessors: two slots of T x 256 partial sums per
-            # block (the piece that starts its run, the one that ends it), one counter
-            # per block (the cut unit starting there); A in blocks of T tokens.
-            tok, n_locks = plan.rows, plan.blocks
-            ws_floats = 2 * plan.blocks * plan.rows * 256 if plan.splits > 1 else 0
-            scalars = (size_k, size_n, n_out, gt, int(per_channel), plan.tiles_per_split // plan.u)
+    # Every GEMM kernel: (activation operands..., B, S, D, bias, C, ws, locks, M, scalars...).
+    if plan.pipe.spec.persistent:
+        # Stream-K over the multiprocessors: two slots of T x 256 partial sums per block
+        # (the piece that starts its run, the one that ends it), one counter per block
+        # (the cut unit starting there). A read in place through a tensor map, or for
+        # large token chunks re-laid out first (Tuning.hopper_xmap_max_tok).
+        ws_floats = 2 * plan.blocks * plan.rows * 256 if plan.splits > 1 else 0
+        if plan.rows <= tuning.hopper_xmap_max_tok:
+            if perm is not None:
+                A = gather_columns(A, perm)
+            xmap, at = tensormap.activation_map(A, plan.rows, plan.u), None
+            ws, locks, _ = _workspace(ws_floats, plan.blocks)
         else:
-            # The unit is 256 columns x one m-chunk; partials are kept in register order.
-            tok = m_pad
-            n_locks = plan.m_chunks * -(-(size_n // KERNEL_N_MULTIPLE) // 4)
-            ws_floats = plan.splits * n_locks * plan.rows * 256 if plan.splits > 1 else 0
-            scalars = (m_pad, size_k, size_n, n_out, gt, int(per_channel), plan.splits, plan.tiles_per_split)
+            m_pad = plan.m_chunks * plan.rows
+            xmap = tensormap.unused()
+            ws, locks, at = _workspace(ws_floats, plan.blocks, m_pad * size_k)
+            _activations(A, perm, at, m, size_k, m_pad, plan.rows)
+        lead = (xmap.arg, _ptr_or_null(at))
+        scalars = (size_k, size_n, n_out, gt, int(per_channel), plan.tiles_per_split // plan.u)
+    elif plan.pipe.spec.wgmma:
+        # The unit is 256 columns x one m-chunk; partials are kept in register order.
+        m_pad = plan.m_chunks * plan.rows
+        n_locks = plan.m_chunks * -(-(size_n // KERNEL_N_MULTIPLE) // 4)
+        ws_floats = plan.splits * n_locks * plan.rows * 256 if plan.splits > 1 else 0
         ws, locks, at = _workspace(ws_floats, n_locks, m_pad * size_k)
-        _activations(A, perm, at, m, size_k, m_pad, tok)
-        args = (
-            at,
-            B,
-            scales,
-            _ptr_or_null(delta),
-            _ptr_or_null(bias),
-            out,
-            ws,
-            locks,
-            np.int32(m),
-            *(np.int32(v) for v in scalars),
-        )
+        _activations(A, perm, at, m, size_k, m_pad, m_pad)
+        lead = (at,)
+        scalars = (m_pad, size_k, size_n, n_out, gt, int(per_channel), plan.splits, plan.tiles_per_split)
     else:
         if perm is not None:
             A = gather_columns(A, perm)
         ws, locks, _ = _workspace(
             plan.splits * m * size_n if plan.splits > 1 else 0, plan.m_chunks * (size_n // KERNEL_N_MULTIPLE)
         )
-        args = (
-            A,
-            B,
-            scales,
-            _ptr_or_null(delta),
-            _ptr_or_null(bias),
-            out,
-            ws,
-            locks,
-            np.int32(m),
-            np.int32(size_k),
-            np.int32(size_n),
-            np.int32(n_out),
-            *tail,
-            np.int32(plan.wk),
-        )
+        lead = (A,)
+        scalars = (size_k, size_n, n_out, gt, int(per_channel), plan.splits, plan.tiles_per_split, plan.wk)
+    args = (
+        *lead,
+        B,
+        scales,
+        _ptr_or_null(delta),
+        _ptr_or_null(bias),
+        out,
+        ws,
+        locks,
+        np.int32(m),
+        *(np.int32(v) for v in scalars),
+    )
     fn((plan.blocks,), (plan.threads,), args, shared_mem=plan.smem)
     return out
 

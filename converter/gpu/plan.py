@@ -56,6 +56,12 @@ class KernelKind(str, enum.Enum):
     producer warpgroup streams the weights by ``cp.async`` and the activations by bulk
     copy, two consumer warpgroups dequantize and multiply (``J = 2``), per-weight fp16
     scaling."""
+    HOPPER_SKG = "hopper_skg"
+    """The persistent kernel with the decode kernel's per-group fp32 scale and delta
+    (offset codes: 5 instructions per 8 codes instead of 13), 8 k-tiles a stage, each
+    stage's sums closed into the accumulators; up to 32 tokens (its two stage sums
+    and accumulators: 2.5 T registers a thread). Serves group sizes that are multiples
+    of 128 (a stage within one group) and per-channel."""
 
 
 class Arith(str, enum.Enum):
@@ -122,6 +128,10 @@ STREAMK_THREADS = 384
 #: The persistent kind's token chunks, in 8-token tiles: 8 .. 128 tokens (wgmma n8 ..
 #: n128; M beyond 128 in 128-token chunks).
 HOPPER_SK_RS = (1, 2, 3, 4, 6, 8, 12, 16)
+#: The same for its per-group form (``hopper_skg``): 8 .. 32 tokens.
+HOPPER_SKG_RS = (1, 2, 3, 4)
+#: The persistent kind's chunks that also have 8-tile stages (NS = 6): 24 .. 64 tokens.
+HOPPER_SK8_RS = (3, 4, 6, 8)
 
 #: Tokens one warpgroup of the token-split Hopper kind (``hopper``) takes at most (its
 #: accumulators: 2 T registers per thread, 128 at T = 64; ``hopper_fs`` needs T / 2).
@@ -248,6 +258,24 @@ def _hopper_spec(j: int) -> KindSpec:
     )
 
 
+def _streamk_spec(gs: str, arith: Arith) -> KindSpec:
+    """The persistent kernel (marlin_streamk.cu): its per-weight form, or (``gs`` =
+    ", true") its per-group form."""
+    return KindSpec(
+        "marlin_streamk.cu",
+        "marlin_streamk<{t}, {u}, {gpi}, {ns}, {delta}" + gs + ">",
+        arith,
+        tile_rows=8,
+        sums_bytes=0,
+        shares_a=True,
+        smem=hopper_smem,
+        threads=lambda pipe: STREAMK_THREADS,
+        block_shapes=(1,),
+        wg_tiles=2,
+        persistent=True,
+    )
+
+
 KINDS: MappingProxyType[KernelKind, KindSpec] = MappingProxyType(
     {
         KernelKind.TILE: KindSpec(
@@ -276,19 +304,8 @@ KINDS: MappingProxyType[KernelKind, KindSpec] = MappingProxyType(
         ),
         KernelKind.HOPPER: _hopper_spec(4),
         KernelKind.HOPPER_FS: _hopper_spec(1),
-        KernelKind.HOPPER_SK: KindSpec(
-            "marlin_streamk.cu",
-            "marlin_streamk<{t}, {u}, {gpi}, {ns}, {delta}>",
-            Arith.WEIGHT,
-            tile_rows=8,
-            sums_bytes=0,
-            shares_a=True,
-            smem=hopper_smem,
-            threads=lambda pipe: STREAMK_THREADS,
-            block_shapes=(1,),
-            wg_tiles=2,
-            persistent=True,
-        ),
+        KernelKind.HOPPER_SK: _streamk_spec("", Arith.WEIGHT),
+        KernelKind.HOPPER_SKG: _streamk_spec(", true", Arith.GROUP),
     }
 )
 #: The arithmetic of each kind (``KINDS[kind].arith``), keyed by kind.
@@ -324,6 +341,8 @@ GEMM_PIPES: tuple[Pipe, ...] = tuple(
         ("hopper_fs", 12, 4, 4),
         ("hopper_fs", 16, 4, 4),
         *(("hopper_sk", r, 4, 8) for r in HOPPER_SK_RS),
+        *(("hopper_sk", r, 8, 6) for r in HOPPER_SK8_RS),
+        *(("hopper_skg", r, 8, 6) for r in HOPPER_SKG_RS),
     )
 )
 GEMM_GPIS: MappingProxyType[int, tuple[int, ...]] = MappingProxyType({8: (1,), 4: (1, 2, 4), 2: (1, 2)})
@@ -420,6 +439,24 @@ class Tuning:
             faster at 8 rows on every layer (0.83-0.99x) and at 16 on the 70B layers
             (89.9 / 98.8, 52.2 / 54.4 us), and 4096 x 4096 was even (11.9 / 11.6).
             9-15 rows were not timed: both kernels run the same 16-row chunk there.
+        hopper_skg_min_m, hopper_skg_max_m: the persistent kernel's per-group form
+            (``hopper_skg``) serves hopper_skg_min_m..hopper_skg_max_m rows on every
+            layer of N >= 4096 and more than hopper_small_kn weights whose group size
+            it serves (multiples of 128, per-channel; K a multiple of 128), ahead of the
+            decode kernel and ``hopper_sk``. On an H200 (scripts/perf_notes.md, fused
+            us) at 8 rows: 8192 x 57344 74.9 against the decode kernel's 77.8,
+            28672 x 8192 42.7 / 45.8, 14336 x 4096 16.2 / 18.9, 8192² 17.4 / 18.9,
+            4096 x 14336 17.2 / 18.3; at 16 rows 81.7 / 91.2 (decode), 46.0 / 52.2, and
+            18.3-18.7 against hopper_sk's 20.3-21.4; at 24-32 rows 3-9 % faster than
+            hopper_sk. The decode kernel stays faster at 1 row (68.3 / 74.7 on
+            8192 x 57344) and on 4096² at 8 rows (9.5 / 10.1); 2-7 rows were not timed.
+        hopper_xmap_max_tok: the persistent kinds read A in place through a tensor map
+            (converter/gpu/tensormap.py) when their token chunk is at most this many
+            tokens, and A re-laid out by ``hopper_activations`` beyond. On an H200
+            (scripts/perf_notes.md, fused us, one run each): 3-11 % faster at 8-24 tokens
+            (8192 x 57344 M = 8 75.3 -> 73.0, 4096 x 14336 M = 8 17.7 -> 15.9), even at
+            32, 5-13 % slower from 48 tokens (8192² M = 48 25.3 -> 28.4), where a box
+            holds 768 or more 16-byte rows.
         streamk_fix: the persistent kind's cost of adding one more
             block's piece of a unit, in stage times per 32 tokens of the chunk
             (:func:`plan_streamk`).
@@ -464,6 +501,9 @@ class Tuning:
     hopper_sk_min_m: int = 17
     hopper_sk_small_min_m: int = 9
     hopper_sk_small_kn: int = 8192 * 8192
+    hopper_skg_min_m: int = 8
+    hopper_skg_max_m: int = 32
+    hopper_xmap_max_tok: int = 32
     streamk_fix: float = 1.0
     streamk_iters: int | None = None
 
@@ -564,6 +604,8 @@ def gemm_path(
     """
     if hopper and tuning.hopper:
         kn = size_k * size_n
+        if size_n >= 4096 and kn > tuning.hopper_small_kn and tuning.hopper_skg_min_m <= m <= tuning.hopper_skg_max_m:
+            return KernelKind.HOPPER_SKG
         if size_n >= 4096 and kn >= tuning.hopper_small_kn and m >= tuning.hopper_sk_min_m:
             return KernelKind.HOPPER_SK
         if size_n >= 4096 and tuning.hopper_small_kn < kn <= tuning.hopper_sk_small_kn:
@@ -631,15 +673,28 @@ def default_pipe(
 
     Returns:
         One of GEMM_PIPES. The persistent Hopper kernel's chunk is the fewest 8-token
-        tiles of :data:`HOPPER_SK_RS` that hold M (128 tokens beyond), 8 stages. The
+        tiles of :data:`HOPPER_SK_RS` that hold M (128 tokens beyond): 8-tile stages,
+        6 of them, where they hold one group slot and the chunk is one of
+        :data:`HOPPER_SK8_RS` (at 48-64 rows 1-8 % faster than 4-tile stages on an
+        H200), else 4-tile stages, 8 of them; its per-group form (``hopper_skg``,
+        8-tile stages only; where they do not fit, the kind the rules give without
+        it) the fewest of :data:`HOPPER_SKG_RS`. The
         other Hopper kernel's block holds the fewest 8-token tiles
         (:data:`HOPPER_RS`, or 16) that hold M; beyond 128 rows, 128-token chunks
         (the feature-split kernel: 48, 64, 96 or 128 tokens; NS = 6 up to 64 tokens,
         4 above; on thin layers 32-token chunks, 64 beyond 128 rows).
     """
     kind = gemm_path(m, size_n, tuning, hopper=hopper, size_k=size_k)
+    # 8-tile stages hold one group slot: group sizes that are multiples of 128, per-channel
+    stage8 = (size_k // MARLIN_TILE) % 8 == 0 and group_tiles % 8 == 0
+    if kind is KernelKind.HOPPER_SKG:
+        if stage8:
+            return Pipe(kind, next(r for r in HOPPER_SKG_RS if 8 * r >= m), 8, 6)
+        no_skg = dataclasses.replace(tuning, hopper_skg_min_m=1 << 30)
+        kind = gemm_path(m, size_n, no_skg, hopper=hopper, size_k=size_k)
     if kind is KernelKind.HOPPER_SK:
-        return Pipe(kind, next(r for r in HOPPER_SK_RS if 8 * r >= min(m, 128)), 4, 8)
+        r = next(r for r in HOPPER_SK_RS if 8 * r >= min(m, 128))
+        return Pipe(kind, r, 8, 6) if stage8 and r in HOPPER_SK8_RS else Pipe(kind, r, 4, 8)
     if kind is KernelKind.HOPPER_FS:
         if _thin_fs(m, size_k, size_n, tuning):
             return Pipe(kind, 4 if m <= 128 else 8, 4, 6)

@@ -249,10 +249,13 @@ def gemm_error_bound(
       last): ``|err| <= (K + splits + 1) * 2**-24 * (|A| @ |W| + |bias|)`` (Higham's
       recursive-summation bound with unit roundoff 2**-24, first order);
     * "group": the same for the per-group sums of ``A (q - 8)`` and of A, plus two
-      fp32 fma per group (scale, delta), so ``K + 2 G + splits + 4`` roundings of at most
+      fp32 fma per close (scale, delta; a kernel closes once per group, or more often:
+      the decode kernel per step when per-channel, the persistent kernel's per-group
+      form every 8 k-tiles; at most every 4, so C = max(G, K / 64) closes), so
+      ``K + 2 C + splits + 4`` roundings of at most
       ``|A| @ (|q - 8| |s| + |fp16(delta)|)``; with a delta the kernel sums ``A (q - 8)``
       as two offset sums that cancel (``A (q + 1024 | 64)`` and ``-A (1032 | 72)``,
-      ``offset_codes`` in kernels/marlin_decode.cu), each rounded at every one of a
+      ``offset_codes`` in kernels/marlin_common.cuh), each rounded at every one of a
       group's ``gs / 16`` mma steps (at most 8 per-channel, where the kernel closes every
       step; counted twice: a tensor core may truncate) at up to ``1040 |A|`` per weight,
       so ``4 (steps + 1) 2**-23 1040 (|A| @ |s|)`` more;
@@ -275,7 +278,7 @@ def gemm_error_bound(
         q8, sc, d = _decode_parts(B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size)
         wmag = np.abs(q8 * sc) + (0.0 if d is None else np.abs(d))
         exact = a64 @ (q8 * sc if d is None else q8 * sc + d)
-        terms = size_k + 2 * g + splits + 4
+        terms = size_k + 2 * max(g, size_k // 64) + splits + 4
         if d is not None:
             steps = 8 if g == 1 else size_k // g // 16
             offset_err = 4 * (steps + 1) * 2.0**-23 * 1040 * (np.abs(a64) @ np.abs(sc))

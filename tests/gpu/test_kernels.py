@@ -369,8 +369,16 @@ def _hopper_or_skip():
         pytest.skip("the Hopper kernel needs sm_90")
 
 
+def _group_for(pipe: Pipe, group_size: int) -> int:
+    """``group_size``, or where a variant with 8-tile stages does not serve it (its stage
+    holds one group slot: group sizes that are multiples of 128) 128, 256 for 32."""
+    if pipe.u == 8 and group_size != -1 and group_size % 128:
+        return 256 if group_size == 32 else 128
+    return group_size
+
+
 HOPPER_CASES = [
-    (p, m, k, n, gs, act, asym)
+    (p, m, k, n, _group_for(p, gs), act, asym)
     for p in GEMM_PIPES
     if p.spec.wgmma
     for (m, k, n, gs, act, asym) in (
@@ -387,15 +395,16 @@ HOPPER_CASES = [
 def test_every_hopper_variant(cp, pipe, m, k, n, group_size, act_order, asym):
     """Every Hopper variant (forced): full and ragged token chunks, several chunks, ragged
     N, every group-slot count, per-channel, act-order (gathered by hopper_activations),
-    K splits of 1 and many; against the per-weight twin, bitwise stable over 3 calls,
-    and the prepared fp16 delta giving the artifact fp32 delta's bits."""
+    K splits of 1 and many; against the twin of its own arithmetic (per-weight, or
+    per-group for ``hopper_skg``), bitwise stable over 3 calls, and the prepared fp16
+    delta giving the artifact fp32 delta's bits."""
     _hopper_or_skip()
     rng = np.random.default_rng([pipe[1], pipe[3], m, k, n, group_size % 97])
     L = make_layer(rng, k, n, group_size, act_order, asym)
     a = rng.standard_normal((m, k), dtype=np.float32).astype(np.float16)
     kw = dict(size_k=k, size_n=n, group_size=group_size)
     plan = kernels.gemm_plan(m, k, n, group_size, delta=asym, pipe=pipe)
-    assert plan.kind == pipe.kind and plan.pipe.spec.wgmma and plan.arith == "weight"
+    assert plan.kind == pipe.kind and plan.pipe.spec.wgmma and plan.arith == pipe.spec.arith
     args = dict(delta=_dev(cp, L["delta"]), perm=_dev(cp, L["perm"]), bias=_dev(cp, L["bias"]), pipe=pipe)
     outs = [
         cp.asnumpy(
@@ -408,7 +417,7 @@ def test_every_hopper_variant(cp, pipe, m, k, n, group_size, act_order, asym):
     assert all(np.array_equal(o.view(np.uint16), outs[0].view(np.uint16)) for o in outs), "not deterministic"
     got = outs[0].astype(np.float64)
     assert np.isfinite(got).all(), "unwritten (NaN) outputs"
-    host = dict(delta=L["delta"], perm=L["perm"], bias=L["bias"], arith="weight")
+    host = dict(delta=L["delta"], perm=L["perm"], bias=L["bias"], arith=plan.arith)
     twin = ref.marlin_gemm(a, L["B"], L["S"], **kw, **host).astype(np.float64)
     bound = ref.gemm_error_bound(a, L["B"], L["S"], **kw, **host, splits=plan.splits)
     bad = np.abs(got - twin) > bound
@@ -485,8 +494,23 @@ STREAMK_CASES = [
 ]
 
 
-@pytest.mark.parametrize("r,m,k,n,group_size,act_order,asym,iters", STREAMK_CASES)
-def test_streamk_pieces_are_summed_exactly_once(cp, r, m, k, n, group_size, act_order, asym, iters):
+# The per-group form (8-tile stages, group sizes that are multiples of 128): cut units,
+# two chunks, per-channel, act-order, symmetric, whole units.
+STREAMK_G_CASES = [
+    (1, 1, 8192, 1024, 128, False, True, 1),
+    (2, 13, 4096, 512, 256, True, True, 3),
+    (4, 29, 1024, 320, -1, True, True, 2),
+    (3, 40, 2048, 1280, 128, False, False, 5),
+    (4, 32, 2048, 256, 128, True, True, 64),
+]
+
+
+@pytest.mark.parametrize(
+    "pipe,r,m,k,n,group_size,act_order,asym,iters",
+    [(("hopper_sk", c[0], 4, 8), *c) for c in STREAMK_CASES]
+    + [(("hopper_skg", c[0], 8, 6), *c) for c in STREAMK_G_CASES],
+)
+def test_streamk_pieces_are_summed_exactly_once(cp, pipe, r, m, k, n, group_size, act_order, asym, iters):
     """The persistent kernel with forced run lengths: every unit's pieces, parked by the
     blocks that hold them and added in block order by the last to arrive, give the
     twin's product within the bound (NaN-poisoned output fully written) and the same bits
@@ -495,15 +519,16 @@ def test_streamk_pieces_are_summed_exactly_once(cp, r, m, k, n, group_size, act_
     rng = np.random.default_rng([r, m, k, n, iters])
     L = make_layer(rng, k, n, group_size, act_order, asym)
     a = rng.standard_normal((m, k), dtype=np.float32).astype(np.float16)
-    kw = dict(size_k=k, size_n=n, group_size=group_size, pipe=("hopper_sk", r, 4, 8))
+    kw = dict(size_k=k, size_n=n, group_size=group_size, pipe=pipe)
     args = dict(delta=_dev(cp, L["delta"]), perm=_dev(cp, L["perm"]), bias=_dev(cp, L["bias"]))
     tuning = Tuning(streamk_iters=iters)
     plan = kernels.gemm_plan(m, k, n, group_size, delta=asym, pipe=kw["pipe"], tuning=tuning)
     from converter.gpu import runtime
 
-    units, stages = plan.m_chunks * -(-(n // 64) // 4), k // 64
+    u = pipe[2]
+    units, stages = plan.m_chunks * -(-(n // 64) // 4), k // (16 * u)
     least = -(-units * stages // runtime.device_info().sm_count)
-    assert plan.tiles_per_split == 4 * min(max(iters, least), units * stages)
+    assert plan.tiles_per_split == u * min(max(iters, least), units * stages)
     assert (plan.splits > 1) == (iters < stages), plan  # the first six cases exercise the parked sums
     outs = [
         cp.asnumpy(
@@ -522,7 +547,7 @@ def test_streamk_pieces_are_summed_exactly_once(cp, r, m, k, n, group_size, act_
     assert all(np.array_equal(o.view(np.uint16), outs[0].view(np.uint16)) for o in outs), "not deterministic"
     got = outs[0].astype(np.float64)
     assert np.isfinite(got).all(), "unwritten (NaN) outputs"
-    host = dict(delta=L["delta"], perm=L["perm"], bias=L["bias"], arith="weight")
+    host = dict(delta=L["delta"], perm=L["perm"], bias=L["bias"], arith=plan.arith)
     twin = ref.marlin_gemm(a, L["B"], L["S"], size_k=k, size_n=n, group_size=group_size, **host).astype(np.float64)
     bound = ref.gemm_error_bound(
         a, L["B"], L["S"], size_k=k, size_n=n, group_size=group_size, **host, splits=plan.splits
@@ -531,6 +556,37 @@ def test_streamk_pieces_are_summed_exactly_once(cp, r, m, k, n, group_size, act_
     assert not bad.any(), (plan, int(bad.sum()), float(np.abs(got - twin).max()))
     rel = np.abs(got - twin).mean() / np.abs(twin).mean()
     assert rel < 5e-4, rel
+
+
+@pytest.mark.parametrize(
+    "pipe,m,k,n,group_size,act_order",
+    [
+        (("hopper_skg", 1, 8, 6), 3, 4096, 512, 128, True),
+        (("hopper_skg", 4, 8, 6), 29, 2048, 1280, -1, False),
+        (("hopper_sk", 3, 8, 6), 20, 1024, 320, 128, True),
+        (("hopper_sk", 8, 8, 6), 64, 2048, 512, 256, False),
+        (("hopper_sk", 16, 4, 8), 130, 1536, 768, 48, True),
+    ],
+)
+def test_streamk_reads_a_in_place_or_relaid_out_to_the_same_bits(cp, pipe, m, k, n, group_size, act_order):
+    """The persistent kernel's two activation paths (a tensor-map box of A itself, or a
+    1-D copy of A re-laid out by hopper_activations; Tuning.hopper_xmap_max_tok picks)
+    fill the same shared memory: the same bits, tokens past M (zero-filled by the one,
+    zero-padded by the other) and act-order included."""
+    _hopper_or_skip()
+    rng = np.random.default_rng([m, k, n])
+    L = make_layer(rng, k, n, group_size, act_order, True)
+    a = cp.asarray(rng.standard_normal((m, k), dtype=np.float32).astype(np.float16))
+    kw = dict(
+        size_k=k, size_n=n, group_size=group_size, pipe=pipe, delta=_dev(cp, L["delta"]), perm=_dev(cp, L["perm"])
+    )
+    outs = [
+        cp.asnumpy(
+            kernels.marlin_gemm(a, cp.asarray(L["B"]), cp.asarray(L["S"]), tuning=Tuning(hopper_xmap_max_tok=tok), **kw)
+        ).view(np.uint16)
+        for tok in (0, 128)
+    ]
+    assert np.array_equal(outs[0], outs[1]), int((outs[0] != outs[1]).sum())
 
 
 # Test-only kernels that take multiprocessors away from a GEMM: `hold` keeps one block
@@ -608,6 +664,8 @@ PADDED_PIPES = [
     ("hopper_fs", 16, 4, 4),
     ("hopper_sk", 1, 4, 8),
     ("hopper_sk", 16, 4, 8),
+    ("hopper_skg", 1, 8, 6),
+    ("hopper_skg", 4, 8, 6),
 ]
 
 

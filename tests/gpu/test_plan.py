@@ -30,7 +30,7 @@ from converter.gpu.plan import (
 
 #: The persistent Hopper kind switched off: the routes it took over from 17 rows (9 on
 #: the mid-sized layers).
-NO_SK = Tuning(hopper_sk_min_m=10**9, hopper_sk_small_min_m=10**9)
+NO_SK = Tuning(hopper_sk_min_m=10**9, hopper_sk_small_min_m=10**9, hopper_skg_min_m=10**9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +193,7 @@ def test_kind_table() -> None:
         KernelKind.HOPPER: Arith.WEIGHT,
         KernelKind.HOPPER_FS: Arith.WEIGHT,
         KernelKind.HOPPER_SK: Arith.WEIGHT,
+        KernelKind.HOPPER_SKG: Arith.GROUP,
     }
     assert Pipe.of(("tile", 1, 4, 3)) == ("tile", 1, 4, 3) and repr(Pipe.of(("tile", 1, 4, 3))) == "('tile', 1, 4, 3)"
     assert Pipe.of(("decode", 2, 8, 3)).name(1, True) == "marlin_decode<2, 8, 1, 3, true, true>"
@@ -210,6 +211,8 @@ def test_kind_table() -> None:
     assert [Pipe.of(("hopper_fs", r, 4, 6)).threads for r in (4, 8)] == [512, 512]
     assert Pipe.of(("hopper_sk", 16, 4, 8)).name(4, True) == "marlin_streamk<128, 4, 4, 8, true>"
     assert Pipe.of(("hopper_sk", 1, 4, 8)).threads == 384 and KINDS[KernelKind.HOPPER_SK].persistent
+    assert Pipe.of(("hopper_skg", 4, 8, 6)).name(1, False) == "marlin_streamk<32, 8, 1, 6, false, true>"
+    assert Pipe.of(("hopper_skg", 1, 8, 6)).threads == 384 and KINDS[KernelKind.HOPPER_SKG].persistent
     # 4 stages of 4 x 2 KB weights, 4 x 128 x 32 B activations, 2 x 512 B scale/delta rows
     assert Pipe.of(("hopper_fs", 16, 4, 4)).smem(1) == 4 * (4 * 2048 + 4 * 128 * 32 + 2 * 512)
 
@@ -266,13 +269,13 @@ def test_thin_layers_take_feature_split_chunks(m: int, k: int, n: int, pipe) -> 
         (8, 4096, 4096, ("decode", 1, 4, 3)),
         (9, 4096, 4096, ("decode", 1, 4, 3)),
         (16, 4096, 4096, ("decode", 1, 4, 3)),
-        (17, 4096, 4096, ("hopper_sk", 3, 4, 8)),  # the persistent kernel from 17 rows
+        (17, 4096, 4096, ("hopper_sk", 3, 8, 6)),  # the persistent kernel from 17 rows
         (16, 8192, 1024, ("decode", 1, 4, 3)),
         (12, 8192, 2048, ("decode", 1, 4, 3)),
-        # more weights than 4096² (up to 8192²): the persistent kernel from 9 rows
-        # (14336 x 4096 at 16 rows: 20.2 against the tile kernel's 22.0, fused, 16:54Z)
-        (16, 8192, 4096, ("hopper_sk", 2, 4, 8)),
-        (16, 14336, 4096, ("hopper_sk", 2, 4, 8)),
+        # more weights than 4096²: the persistent kernel's per-group form from 8 rows
+        # (14336 x 4096 at 16 rows: 18.3 against hopper_sk's 20.3, fused, 2026-12-02)
+        (16, 8192, 4096, ("hopper_skg", 2, 8, 6)),
+        (16, 14336, 4096, ("hopper_skg", 2, 8, 6)),
         (16, 2048, 8192, ("decode", 2, 8, 3)),  # N > 4096: the wide rule's 16-row chunks
     ],
 )
@@ -495,36 +498,56 @@ def test_streamk_plan_trades_run_length_for_fewer_pieces() -> None:
 
 
 def test_persistent_kernel_routing() -> None:
-    """sm_90: the persistent kernel from 17 rows on every layer of N >= 4096 and at least
-    4096 x 4096 weights, from 9 rows on those above 4096 x 4096 and up to 8192 x 8192
-    weights, in the fewest 8-token tiles that hold M (128-token chunks beyond); the
-    decode (or tile) kernel below; thin, narrow and small layers and sm_80..89 keep
-    their kernels."""
-    sk = KernelKind.HOPPER_SK
+    """sm_90: the persistent kernel's per-group form at 8-32 rows on every layer of
+    N >= 4096 and more than 4096 x 4096 weights whose groups its 8-tile stages serve;
+    the per-weight form from 17 rows on every layer of N >= 4096 and at least
+    4096 x 4096 weights (from 9 up to 8192 x 8192 weights where the per-group form
+    cannot serve); the decode (or tile) kernel below; thin, narrow and small layers and
+    sm_80..89 keep their kernels."""
+    sk, skg = KernelKind.HOPPER_SK, KernelKind.HOPPER_SKG
     decode, tile, decode_w = KernelKind.DECODE, KernelKind.TILE, KernelKind.DECODE_W
-    for k, n, at_16 in (
-        (8192, 57344, decode),
-        (28672, 8192, decode),
-        (4096, 14336, sk),
-        (8192, 8192, sk),
-        (14336, 4096, sk),
-        (4096, 4096, decode),  # the small layers' 8-row chunks
-        (28672, 4096, tile),  # above 8192 x 8192 weights
-    ):
-        assert gemm_path(16, n, hopper=True, size_k=k) is at_16
-        assert gemm_path(9, n, hopper=True, size_k=k) is at_16
-        assert gemm_path(8, n, hopper=True, size_k=k) is decode
+    limit = H200.smem_per_block_optin
+    for k, n in ((8192, 57344), (28672, 8192), (4096, 14336), (8192, 8192), (14336, 4096), (28672, 4096), (4096, 4096)):
+        small = k * n <= 4096 * 4096
+        for m in (8, 9, 16, 17, 32):
+            want = (decode if m <= 16 else sk) if small else skg
+            assert gemm_path(m, n, hopper=True, size_k=k) is want, (k, n, m)
+        assert gemm_path(7, n, hopper=True, size_k=k) is decode
         assert gemm_path(16, n, NO_SK, hopper=True, size_k=k) is (tile if n == 4096 and k > 4096 else decode)
-        for m in (17, 64, 128, 300):
+        for m in (33, 64, 128, 300):
             assert gemm_path(m, n, hopper=True, size_k=k) is sk
             # sm_80..89: the decode kernel's per-weight variant up to 32 rows on N > 8192, else the tile kernel
             assert gemm_path(m, n, size_k=k) is (decode_w if m <= 32 and n > 8192 else tile)
+        # group 64: no 8-tile stage holds one group; the rules without the per-group form
+        no_skg = Tuning(hopper_skg_min_m=10**9)
+        for m in (8, 16, 24):
+            want = default_pipe(m, k, n, 4, limit, no_skg, hopper=True)
+            assert default_pipe(m, k, n, 4, limit, hopper=True) == want and want.kind is not skg
+            assert want.u == 4 or want.kind is not sk
     assert gemm_path(64, 8192, hopper=True, size_k=1024) is KernelKind.HOPPER  # below 4096 x 4096
     assert gemm_path(64, 1024, hopper=True, size_k=8192) is KernelKind.HOPPER_FS  # thin
-    limit = H200.smem_per_block_optin
-    pipes = [default_pipe(m, 8192, 57344, 8, limit, hopper=True) for m in (17, 24, 25, 40, 64, 65, 100, 128, 129, 999)]
-    assert [p.r for p in pipes] == [3, 3, 4, 6, 8, 12, 16, 16, 16, 16]
-    assert all(p.kind is sk and (p.u, p.ns) == (4, 8) and p in GEMM_PIPES for p in pipes)
+    ms = (8, 16, 17, 24, 25, 32, 33, 40, 64, 65, 100, 128, 129, 999)
+    pipes = [default_pipe(m, 8192, 57344, 8, limit, hopper=True) for m in ms]
+    assert [(p.kind, p.r, p.u, p.ns) for p in pipes] == [
+        (skg, 1, 8, 6),
+        (skg, 2, 8, 6),
+        (skg, 3, 8, 6),
+        (skg, 3, 8, 6),
+        (skg, 4, 8, 6),
+        (skg, 4, 8, 6),
+        (sk, 6, 8, 6),
+        (sk, 6, 8, 6),
+        (sk, 8, 8, 6),
+        (sk, 12, 4, 8),
+        (sk, 16, 4, 8),
+        (sk, 16, 4, 8),
+        (sk, 16, 4, 8),
+        (sk, 16, 4, 8),
+    ]
+    assert all(p in GEMM_PIPES for p in pipes)
+    # per-channel (group tiles = K / 16) takes 8-tile stages too; K % 128 != 0 does not
+    assert default_pipe(24, 8192, 57344, 512, limit, hopper=True) == ("hopper_skg", 3, 8, 6)
+    assert default_pipe(24, 8256, 57344, 516, limit, hopper=True)[0] == "hopper_sk"
 
 
 def test_streamk_pieces_closed_form_matches_counting() -> None:
