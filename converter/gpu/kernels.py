@@ -247,7 +247,7 @@ def marlin_gemm(
     work (:func:`converter.gpu.plan.gemm_path` picks by M, N and the device): for small
     M the decode kernel (``kernels/marlin_decode.cu``) sums ``A (q - 8)`` and A per
     group in fp32 and applies ``s`` and ``d`` once per group; on sm_90 the persistent
-    Hopper kernel (``kernels/marlin_streamk.cu``) serves 8-32 rows in its per-group form
+    Hopper kernel (``kernels/marlin_streamk.cu``) serves 8-16 rows in its per-group form
     (``hopper_skg``, the decode kernel's arithmetic) on every layer of N >= 4096 above
     4096 x 4096 weights whose groups allow, and M >= 17 in its per-weight form
     (``hopper_sk``) on every layer of N >= 4096 and at least 4096 x 4096 weights (M >= 9

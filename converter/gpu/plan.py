@@ -447,9 +447,12 @@ class Tuning:
             us) at 8 rows: 8192 x 57344 74.9 against the decode kernel's 77.8,
             28672 x 8192 42.7 / 45.8, 14336 x 4096 16.2 / 18.9, 8192² 17.4 / 18.9,
             4096 x 14336 17.2 / 18.3; at 16 rows 81.7 / 91.2 (decode), 46.0 / 52.2, and
-            18.3-18.7 against hopper_sk's 20.3-21.4; at 24-32 rows 3-9 % faster than
-            hopper_sk. The decode kernel stays faster at 1 row (68.3 / 74.7 on
-            8192 x 57344) and on 4096² at 8 rows (9.5 / 10.1); 2-7 rows were not timed.
+            18.3-18.7 against hopper_sk's 20.3-21.4. The decode kernel stays faster at 1
+            row (68.3 / 74.7 on 8192 x 57344) and on 4096² at 8 rows (9.5 / 10.1); 2-7
+            rows were not timed. At 24-32 rows ``hopper_sk`` with 8-tile stages and the
+            tensor-map activations is faster (scripts/bench_gemm_h200_skg_sweep.json,
+            one run: 8192 x 57344 M = 24 96.7 / 102.5, M = 32 107.4 / 109.5;
+            28672 x 8192 52.7 / 55.4, 54.9 / 58.3; the 7B shapes not compared there).
         hopper_xmap_max_tok: the persistent kinds read A in place through a tensor map
             (converter/gpu/tensormap.py) when their token chunk is at most this many
             tokens, and A re-laid out by ``hopper_activations`` beyond. On an H200
@@ -502,7 +505,7 @@ class Tuning:
     hopper_sk_small_min_m: int = 9
     hopper_sk_small_kn: int = 8192 * 8192
     hopper_skg_min_m: int = 8
-    hopper_skg_max_m: int = 32
+    hopper_skg_max_m: int = 16
     hopper_xmap_max_tok: int = 32
     streamk_fix: float = 1.0
     streamk_iters: int | None = None

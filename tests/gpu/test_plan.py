@@ -498,7 +498,7 @@ def test_streamk_plan_trades_run_length_for_fewer_pieces() -> None:
 
 
 def test_persistent_kernel_routing() -> None:
-    """sm_90: the persistent kernel's per-group form at 8-32 rows on every layer of
+    """sm_90: the persistent kernel's per-group form at 8-16 rows on every layer of
     N >= 4096 and more than 4096 x 4096 weights whose groups its 8-tile stages serve;
     the per-weight form from 17 rows on every layer of N >= 4096 and at least
     4096 x 4096 weights (from 9 up to 8192 x 8192 weights where the per-group form
@@ -510,7 +510,7 @@ def test_persistent_kernel_routing() -> None:
     for k, n in ((8192, 57344), (28672, 8192), (4096, 14336), (8192, 8192), (14336, 4096), (28672, 4096), (4096, 4096)):
         small = k * n <= 4096 * 4096
         for m in (8, 9, 16, 17, 32):
-            want = (decode if m <= 16 else sk) if small else skg
+            want = sk if m > 16 else decode if small else skg
             assert gemm_path(m, n, hopper=True, size_k=k) is want, (k, n, m)
         assert gemm_path(7, n, hopper=True, size_k=k) is decode
         assert gemm_path(16, n, NO_SK, hopper=True, size_k=k) is (tile if n == 4096 and k > 4096 else decode)
@@ -531,10 +531,10 @@ def test_persistent_kernel_routing() -> None:
     assert [(p.kind, p.r, p.u, p.ns) for p in pipes] == [
         (skg, 1, 8, 6),
         (skg, 2, 8, 6),
-        (skg, 3, 8, 6),
-        (skg, 3, 8, 6),
-        (skg, 4, 8, 6),
-        (skg, 4, 8, 6),
+        (sk, 3, 8, 6),
+        (sk, 3, 8, 6),
+        (sk, 4, 8, 6),
+        (sk, 4, 8, 6),
         (sk, 6, 8, 6),
         (sk, 6, 8, 6),
         (sk, 8, 8, 6),
@@ -546,8 +546,10 @@ def test_persistent_kernel_routing() -> None:
     ]
     assert all(p in GEMM_PIPES for p in pipes)
     # per-channel (group tiles = K / 16) takes 8-tile stages too; K % 128 != 0 does not
-    assert default_pipe(24, 8192, 57344, 512, limit, hopper=True) == ("hopper_skg", 3, 8, 6)
-    assert default_pipe(24, 8256, 57344, 516, limit, hopper=True)[0] == "hopper_sk"
+    assert default_pipe(16, 8192, 57344, 512, limit, hopper=True) == ("hopper_skg", 2, 8, 6)
+    assert default_pipe(24, 8192, 57344, 512, limit, hopper=True) == ("hopper_sk", 3, 8, 6)
+    assert default_pipe(16, 8256, 57344, 516, limit, hopper=True)[0] != "hopper_skg"
+    assert default_pipe(24, 8256, 57344, 516, limit, hopper=True) == ("hopper_sk", 3, 4, 8)
 
 
 def test_streamk_pieces_closed_form_matches_counting() -> None:
