@@ -21,7 +21,8 @@
 //     k-tiles), numbered unit-major; block b takes stages [b L, b L + L);
 //   * a producer warpgroup that only copies, NS stages ahead of the consumers: per
 //     stage its 128 threads copy the U weight rows (2 KB each, 4 Marlin column blocks)
-//     and the scales / deltas of the groups that start in it by 16-byte cp.async, and
+//     and the scales / deltas of the groups that start in it (GS: of every stage) by
+//     16-byte cp.async, and
 //     thread 0 the stage's activations (U T 32 bytes) by one bulk copy: up to 32 tokens
 //     a tensor copy from A itself, which lays A's rows out as wgmma's operand on the
 //     way and zero-fills the tokens past M (no re-layout kernel first: 3-11 % faster at
@@ -72,8 +73,8 @@
 // `flags` grid ints (the counter of the cut unit that starts in block b is flags[b]),
 // zero before the first launch and zero again after each (the last arriver resets it).
 // Constraints: K % (16 U) == 0, N % 64 == 0, group size a multiple of 16 dividing K
-// or per-channel, GPI = U / gcd(group tiles, U) (1 for per-channel), 16-byte aligned
-// operands; `ws` and `flags` never shared by two launches in flight. Needs sm_90a
+// or per-channel, GPI = U / gcd(group tiles, U) (1 for per-channel; GS: group tiles a
+// multiple of U, so GPI = 1 and a stage lies in one group), 16-byte aligned operands; `ws` and `flags` never shared by two launches in flight. Needs sm_90a
 // (wgmma); no L2 cache-policy hint.
 
 #include "marlin_stream.cuh"
@@ -314,7 +315,7 @@ marlin_streamk(const __grid_constant__ TensorMap xmap, const u16* __restrict__ A
     float gp[2][T / 2], gx[T / 2], sf[4], df[4];  // GS: the last stage's sums, scales and deltas
     const u32 w_lane = L::W_OFF + warp * 512 + lane * 16 + 4 * j0;
     const u32 s_lane = (u32)(warp * 128 + 16 * g4 + 4 * j0);
-    u32 q = 0;  // stages consumed by this block (unsigned: q % NS is a mask)
+    u32 q = 0;  // stages consumed by this block (unsigned: q % NS a cheap remainder)
     for (int i = i0; i < i1;) {
         const Piece p = piece_at(i);
         i += p.n;

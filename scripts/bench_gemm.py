@@ -280,7 +280,7 @@ def main() -> int:
         return 2
 
     from converter.gpu import kernels, runtime
-    from converter.gpu.plan import HOPPER_SK_RS, KernelKind, Tuning
+    from converter.gpu.plan import HOPPER_SK_RS, HOPPER_SKG_RS, KernelKind, Tuning
 
     info = runtime.require_gpu()
     base = Tuning(force_wk=args.force_wk)
@@ -349,8 +349,9 @@ def main() -> int:
                     }[pipe_s[0]]
                 )
                 pipe = (kind,) + tuple(int(v) for v in pipe_s[1:].split("x"))
-                if pipe[1] == 0:  # R 0: the fewest 8-token tiles that hold M (128-token chunks beyond)
-                    pipe = (kind, next(r for r in HOPPER_SK_RS if 8 * r >= min(m, 128)), *pipe[2:])
+                if pipe[1] == 0:  # R 0: the fewest 8-token tiles that hold M (the kind's largest chunk beyond)
+                    rs = HOPPER_SKG_RS if kind is KernelKind.HOPPER_SKG else HOPPER_SK_RS
+                    pipe = (kind, next((r for r in rs if 8 * r >= m), rs[-1]), *pipe[2:])
                 cap = ((kind, int(occ)),) if occ else base.occupancy_cap
                 swept = dataclasses.replace(base, waves=int(w), occupancy_cap=cap)
                 row[f"sym_{spec}"] = ours(kernels.marlin_gemm, None, pipe=pipe, tuning=swept)

@@ -55,6 +55,8 @@ if hopper:  # every Hopper variant: full/ragged chunks, several chunks, ragged N
           (64, 4096, 256, -1, True, 5, ("hopper_sk", 8, 4, 8), None),
           (200, 512, 1280, 16, True, 7, ("hopper_sk", 16, 4, 8), 1200),
           (90, 1024, 4096, 128, False, None, ("hopper_sk", 12, 4, 8), None),
+          (24, 2048, 512, 128, True, 3, ("hopper_sk", 3, 8, 6), 509),
+          (48, 1024, 1280, -1, False, 2, ("hopper_sk", 6, 8, 6), 1200),
           (1, 2048, 320, 128, False, 1, ("hopper_skg", 1, 8, 6), None),
           (13, 1024, 512, 256, True, 3, ("hopper_skg", 2, 8, 6), 509),
           (20, 4096, 256, -1, True, 2, ("hopper_skg", 3, 8, 6), None),

@@ -288,8 +288,8 @@ def marlin_gemm(
 
     Raises:
         KernelError: wrong dtype/shape/contiguity/alignment, unsupported sizes, or NVRTC
-            failure. GpuUnavailableError: no CuPy / GPU / sm_80+, or on sm_90 no
-            cuda-bindings for the persistent kernel's tensor maps.
+            failure. GpuUnavailableError: no CuPy / GPU / sm_80+ (without cuda-bindings
+            the persistent kernel re-lays A out instead: converter.gpu.tensormap.available).
     """
     cp = runtime.cupy_module()
     gs, g, per_channel = _layer_sizes(size_k, size_n, group_size)
@@ -323,7 +323,7 @@ def marlin_gemm(
         # (the cut unit starting there). A read in place through a tensor map, or for
         # large token chunks re-laid out first (Tuning.hopper_xmap_max_tok).
         ws_floats = 2 * plan.blocks * plan.rows * 256 if plan.splits > 1 else 0
-        if plan.rows <= tuning.hopper_xmap_max_tok:
+        if plan.rows <= tuning.hopper_xmap_max_tok and tensormap.available():
             if perm is not None:
                 A = gather_columns(A, perm)
             xmap, at = tensormap.activation_map(A, plan.rows, plan.u), None

@@ -199,7 +199,8 @@ class KindSpec:
         sums_bytes: bytes of fp32 sums a warp parks in shared memory, per unit of R.
         shares_a: with one output unit per block (``wk == 1``) its 4 warps stage A once.
         wg_tiles: for a kind of the Hopper kernel (sm_90 only; its activations re-laid
-            out by ``hopper_activations`` first, its unit 256 columns of one token
+            out by ``hopper_activations`` first, or for the persistent kinds' chunks of
+            up to 32 tokens read through a tensor map; its unit 256 columns of one token
             chunk), the 16-column tiles of each warp's Marlin block one warpgroup takes
             (the kernel's J: 4 splits the tokens, 1 the features); 0 for the others.
         smem: shared memory of a block, ``smem(pipe, gpi, wk)`` bytes.
@@ -444,10 +445,10 @@ class Tuning:
             layer of N >= 4096 and more than hopper_small_kn weights whose group size
             it serves (multiples of 128, per-channel; K a multiple of 128), ahead of the
             decode kernel and ``hopper_sk``. On an H200 (scripts/perf_notes.md, fused
-            us) at 8 rows: 8192 x 57344 74.9 against the decode kernel's 77.8,
-            28672 x 8192 42.7 / 45.8, 14336 x 4096 16.2 / 18.9, 8192² 17.4 / 18.9,
-            4096 x 14336 17.2 / 18.3; at 16 rows 81.7 / 91.2 (decode), 46.0 / 52.2, and
-            18.3-18.7 against hopper_sk's 20.3-21.4. The decode kernel stays faster at 1
+            us, same-process probes) at 8 rows: 8192 x 57344 74.9 against the decode
+            kernel's 77.8, 28672 x 8192 42.7 / 45.8, 14336 x 4096 16.2 / 18.9; at 16
+            rows 81.7 / 91.2 (decode), 46.0 / 52.2, and 18.3-18.7 against hopper_sk's
+            20.3-21.4 (14336 x 4096, 4096 x 14336, 8192²). The decode kernel stays faster at 1
             row (68.3 / 74.7 on 8192 x 57344) and on 4096² at 8 rows (9.5 / 10.1); 2-7
             rows were not timed. At 24-32 rows ``hopper_sk`` with 8-tile stages and the
             tensor-map activations is faster (scripts/bench_gemm_h200_skg_sweep.json,
@@ -595,7 +596,13 @@ class GemmPlan:
 
 
 def gemm_path(
-    m: int, size_n: int, tuning: Tuning = DEFAULT_TUNING, *, hopper: bool = False, size_k: int = 0
+    m: int,
+    size_n: int,
+    tuning: Tuning = DEFAULT_TUNING,
+    *,
+    hopper: bool = False,
+    size_k: int = 0,
+    group_tiles: int | None = None,
 ) -> KernelKind:
     """The kernel kind that serves an (M, N) call (see :class:`Tuning`).
 
@@ -604,10 +611,17 @@ def gemm_path(
         tuning: the knobs.
         hopper: the device can run the Hopper kernel (sm_90); False gives the sm_80..89 rule.
         size_k: K (only the Hopper rules use it: small and thin layers).
+        group_tiles: group size / 16 (K / 16 per-channel), or None (the Hopper rules
+            then assume a group the per-group persistent form serves).
     """
     if hopper and tuning.hopper:
         kn = size_k * size_n
-        if size_n >= 4096 and kn > tuning.hopper_small_kn and tuning.hopper_skg_min_m <= m <= tuning.hopper_skg_max_m:
+        if (
+            size_n >= 4096
+            and kn > tuning.hopper_small_kn
+            and tuning.hopper_skg_min_m <= m <= min(tuning.hopper_skg_max_m, 8 * HOPPER_SKG_RS[-1])
+            and (group_tiles is None or _stage8(size_k, group_tiles))
+        ):
             return KernelKind.HOPPER_SKG
         if size_n >= 4096 and kn >= tuning.hopper_small_kn and m >= tuning.hopper_sk_min_m:
             return KernelKind.HOPPER_SK
@@ -647,9 +661,23 @@ def _thin_fs(m: int, size_k: int, size_n: int, tuning: Tuning) -> bool:
     return 1024 <= size_n < 4096 and size_k * size_n >= tuning.hopper_fs_thin_kn and m >= tuning.hopper_fs_thin_min_m
 
 
-def gemm_arith(m: int, size_n: int, tuning: Tuning = DEFAULT_TUNING, *, hopper: bool = False, size_k: int = 0) -> Arith:
+def _stage8(size_k: int, group_tiles: int) -> bool:
+    """8-tile stages hold one group slot: K a multiple of 128 and group sizes that are
+    multiples of 128, or per-channel."""
+    return (size_k // MARLIN_TILE) % 8 == 0 and group_tiles % 8 == 0
+
+
+def gemm_arith(
+    m: int,
+    size_n: int,
+    tuning: Tuning = DEFAULT_TUNING,
+    *,
+    hopper: bool = False,
+    size_k: int = 0,
+    group_tiles: int | None = None,
+) -> Arith:
     """The arithmetic of the kernel that serves (M, N) (arguments as :func:`gemm_path`)."""
-    return ARITH[gemm_path(m, size_n, tuning, hopper=hopper, size_k=size_k)]
+    return ARITH[gemm_path(m, size_n, tuning, hopper=hopper, size_k=size_k, group_tiles=group_tiles)]
 
 
 def default_pipe(
@@ -678,23 +706,19 @@ def default_pipe(
         One of GEMM_PIPES. The persistent Hopper kernel's chunk is the fewest 8-token
         tiles of :data:`HOPPER_SK_RS` that hold M (128 tokens beyond): 8-tile stages,
         6 of them, where they hold one group slot and the chunk is one of
-        :data:`HOPPER_SK8_RS` (at 48-64 rows 1-8 % faster than 4-tile stages on an
+        :data:`HOPPER_SK8_RS` (at 24-64 rows 1-8 % faster than 4-tile stages on an
         H200), else 4-tile stages, 8 of them; its per-group form (``hopper_skg``,
-        8-tile stages only; where they do not fit, the kind the rules give without
-        it) the fewest of :data:`HOPPER_SKG_RS`. The
+        8-tile stages only: :func:`gemm_path` does not give it where they do not fit)
+        the fewest of :data:`HOPPER_SKG_RS`. The
         other Hopper kernel's block holds the fewest 8-token tiles
         (:data:`HOPPER_RS`, or 16) that hold M; beyond 128 rows, 128-token chunks
         (the feature-split kernel: 48, 64, 96 or 128 tokens; NS = 6 up to 64 tokens,
         4 above; on thin layers 32-token chunks, 64 beyond 128 rows).
     """
-    kind = gemm_path(m, size_n, tuning, hopper=hopper, size_k=size_k)
-    # 8-tile stages hold one group slot: group sizes that are multiples of 128, per-channel
-    stage8 = (size_k // MARLIN_TILE) % 8 == 0 and group_tiles % 8 == 0
+    kind = gemm_path(m, size_n, tuning, hopper=hopper, size_k=size_k, group_tiles=group_tiles)
+    stage8 = _stage8(size_k, group_tiles)
     if kind is KernelKind.HOPPER_SKG:
-        if stage8:
-            return Pipe(kind, next(r for r in HOPPER_SKG_RS if 8 * r >= m), 8, 6)
-        no_skg = dataclasses.replace(tuning, hopper_skg_min_m=1 << 30)
-        kind = gemm_path(m, size_n, no_skg, hopper=hopper, size_k=size_k)
+        return Pipe(kind, next(r for r in HOPPER_SKG_RS if 8 * r >= m), 8, 6)
     if kind is KernelKind.HOPPER_SK:
         r = next(r for r in HOPPER_SK_RS if 8 * r >= min(m, 128))
         return Pipe(kind, r, 8, 6) if stage8 and r in HOPPER_SK8_RS else Pipe(kind, r, 4, 8)
@@ -713,7 +737,7 @@ def default_pipe(
     if m <= 8 or (hopper and tuning.hopper and _small_decode(m, size_k, size_n, tuning)):
         return Pipe(kind, 1, 4, 3)
     # 8-tile steps when every step holds one group slot (group size >= 128, per-channel)
-    u8 = (size_k // MARLIN_TILE) % 8 == 0 and group_tiles % 8 == 0 and Pipe(kind, 2, 8, 3).smem(1) <= smem_limit
+    u8 = stage8 and Pipe(kind, 2, 8, 3).smem(1) <= smem_limit
     return Pipe(kind, 2, 8 if u8 else 4, 3)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any
 
 import numpy as np
@@ -66,8 +67,17 @@ def activation_box(m: int, size_k: int, tok: int, u: int) -> ActivationBox:
     Raises:
         KernelError: a size the hardware's box rules exclude.
     """
-    if m < 1 or size_k % (16 * u) or tok % 8 or not 0 < tok <= MAX_BOX or not 0 < 2 * u <= MAX_BOX:
-        raise KernelError(f"no activation box for M={m}, K={size_k}, T={tok}, U={u}", tensor="A")
+    rules = [
+        (m >= 1, "M >= 1"),
+        (u >= 1 and size_k % (16 * u) == 0, f"K a multiple of 16 U = {16 * u}"),
+        (tok % 8 == 0 and 0 < tok <= MAX_BOX, f"T a multiple of 8 up to {MAX_BOX} (a box extent)"),
+        (0 < 2 * u <= MAX_BOX, f"2 U at most {MAX_BOX} (a box extent)"),
+    ]
+    broken = [rule for ok, rule in rules if not ok]
+    if broken:
+        raise KernelError(
+            f"no activation box for M={m}, K={size_k}, T={tok}, U={u}: needs {'; '.join(broken)}", tensor="A"
+        )
     return ActivationBox(
         dims=(CHUNK_VALUES, m, size_k // CHUNK_VALUES),
         strides=(2 * size_k, 2 * CHUNK_VALUES),
@@ -99,12 +109,26 @@ def unused() -> TensorMapArg:
     return TensorMapArg(raw=raw, arg=CPointer(raw.ctypes.data))
 
 
+@functools.cache
+def available() -> bool:
+    """NVIDIA's cuda-bindings imports, so :func:`activation_map` can encode maps. Without
+    it the persistent kernel reads A re-laid out by ``hopper_activations``, as it does
+    for chunks over 32 tokens (same bits; 3-11 % slower at 8-24 rows on an H200), and
+    this warns once."""
+    try:
+        _driver()
+    except GpuUnavailableError as exc:
+        warnings.warn(f"{exc}; the Hopper GEMM re-lays A out first instead", RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
 def _driver() -> Any:
     try:
         from cuda.bindings import driver
     except ImportError as exc:
         raise GpuUnavailableError(
-            "the Hopper GEMM needs NVIDIA's cuda-bindings for its tensor maps: pip install "
+            "the Hopper GEMM's tensor maps need NVIDIA's cuda-bindings: pip install "
             f"-e '.[cuda13]' (or '.[cuda12]') from the checkout ({type(exc).__name__}: {exc})"
         ) from exc
     return driver

@@ -394,7 +394,8 @@ HOPPER_CASES = [
 @pytest.mark.parametrize("pipe,m,k,n,group_size,act_order,asym", HOPPER_CASES)
 def test_every_hopper_variant(cp, pipe, m, k, n, group_size, act_order, asym):
     """Every Hopper variant (forced): full and ragged token chunks, several chunks, ragged
-    N, every group-slot count, per-channel, act-order (gathered by hopper_activations),
+    N, every group-slot count, per-channel, act-order (gathered by hopper_activations, or
+    by gather_columns before a tensor-map read),
     K splits of 1 and many; against the twin of its own arithmetic (per-weight, or
     per-group for ``hopper_skg``), bitwise stable over 3 calls, and the prepared fp16
     delta giving the artifact fp32 delta's bits."""

@@ -21,6 +21,7 @@ from converter.gpu.plan import (
     Pipe,
     Tuning,
     default_pipe,
+    gemm_arith,
     gemm_path,
     kernel_variant,
     plan_gemm,
@@ -550,6 +551,15 @@ def test_persistent_kernel_routing() -> None:
     assert default_pipe(24, 8192, 57344, 512, limit, hopper=True) == ("hopper_sk", 3, 8, 6)
     assert default_pipe(16, 8256, 57344, 516, limit, hopper=True)[0] != "hopper_skg"
     assert default_pipe(24, 8256, 57344, 516, limit, hopper=True) == ("hopper_sk", 3, 4, 8)
+    # the group decides the form, in gemm_path and gemm_arith too (group 64: per-weight)
+    assert gemm_path(12, 4096, hopper=True, size_k=14336, group_tiles=8) is skg
+    assert gemm_path(12, 4096, hopper=True, size_k=14336, group_tiles=4) is sk
+    assert gemm_arith(12, 4096, hopper=True, size_k=14336, group_tiles=4) == "weight"
+    assert gemm_arith(12, 4096, hopper=True, size_k=14336, group_tiles=896) == "group"
+    # a per-group range past its largest chunk (32 tokens) ends there
+    wide = Tuning(hopper_skg_max_m=64)
+    assert default_pipe(32, 8192, 57344, 8, limit, wide, hopper=True) == ("hopper_skg", 4, 8, 6)
+    assert default_pipe(48, 8192, 57344, 8, limit, wide, hopper=True) == ("hopper_sk", 6, 8, 6)
 
 
 def test_streamk_pieces_closed_form_matches_counting() -> None:

@@ -8,11 +8,15 @@ of A, zero where the token is past M), and must give the slot layout that
 
 from __future__ import annotations
 
+import sys
+import warnings
+
 import numpy as np
 import pytest
 
-from converter.errors import KernelError
+from converter.errors import GpuUnavailableError, KernelError
 from converter.gpu import reference as ref
+from converter.gpu import tensormap
 from converter.gpu.tensormap import activation_box
 
 
@@ -48,8 +52,32 @@ def test_activation_box_is_the_wgmma_slot_layout(m: int, k: int, tok: int, u: in
 
 
 @pytest.mark.parametrize(
-    ("m", "k", "tok", "u"), [(0, 256, 8, 8), (4, 200, 8, 8), (4, 256, 12, 8), (4, 256, 264, 8), (4, 8192, 8, 256)]
+    ("m", "k", "tok", "u", "rule"),
+    [
+        (0, 256, 8, 8, "M >= 1"),
+        (4, 200, 8, 8, "K a multiple of 16 U = 128"),
+        (4, 256, 12, 8, "T a multiple of 8 up to 256"),
+        (4, 256, 264, 8, "T a multiple of 8 up to 256"),
+        (4, 8192, 8, 256, "2 U at most 256"),
+    ],
 )
-def test_activation_box_rejects_what_the_copy_cannot_do(m: int, k: int, tok: int, u: int) -> None:
-    with pytest.raises(KernelError, match=f"no activation box for M={m}, K={k}, T={tok}, U={u}"):
+def test_activation_box_rejects_what_the_copy_cannot_do(m: int, k: int, tok: int, u: int, rule: str) -> None:
+    with pytest.raises(KernelError, match=f"no activation box for M={m}, K={k}, T={tok}, U={u}: needs .*{rule}"):
         activation_box(m, k, tok, u)
+
+
+def test_without_cuda_bindings_the_kernel_takes_the_relayout_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No cuda-bindings: available() says so once (a warning naming the install), and
+    activation_map's driver lookup raises GpuUnavailableError with the same advice."""
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # makes the import fail
+    tensormap.available.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match=r"tensor maps need NVIDIA's cuda-bindings: pip install"):
+            assert tensormap.available() is False
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # cached: no second warning
+            assert tensormap.available() is False
+        with pytest.raises(GpuUnavailableError, match=r"tensor maps need NVIDIA's cuda-bindings: pip install"):
+            tensormap._driver()
+    finally:
+        tensormap.available.cache_clear()
