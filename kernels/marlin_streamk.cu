@@ -208,7 +208,8 @@ __device__ __forceinline__ void gs_stage(u32& q, int st, u32 ring, u32 full0, u3
 
 template <int T, int U, int GPI, int NS, bool HAS_DELTA, bool GS = false>
 __global__ void __launch_bounds__(384, 1)
-marlin_streamk(const __grid_constant__ TensorMap xmap, const u16* __restrict__ At, const int4* __restrict__ B, const u16* __restrict__ S,
+marlin_streamk(const __grid_constant__ TensorMap xmap, const u16* __restrict__ At, const int4* __restrict__ B,
+               const u16* __restrict__ S,
                const u16* __restrict__ D, const u16* __restrict__ bias, u16* __restrict__ C,
                float* __restrict__ ws, int* __restrict__ flags, int M, int K, int N, int n_out, int group_tiles,
                int per_channel, int iters) {

@@ -103,9 +103,12 @@ class TensorMapArg:
 def unused() -> TensorMapArg:
     """128 zero bytes: the map argument of a launch that reads re-laid-out ``At`` instead
     (kept for the process: a launch's argument must outlive the call)."""
+    return _as_arg(np.zeros(TENSOR_MAP_BYTES, dtype=np.uint8))
+
+
+def _as_arg(raw: np.ndarray) -> TensorMapArg:
     from cupy.cuda.function import CPointer
 
-    raw = np.zeros(TENSOR_MAP_BYTES, dtype=np.uint8)
     return TensorMapArg(raw=raw, arg=CPointer(raw.ctypes.data))
 
 
@@ -149,8 +152,6 @@ def activation_map(a: Any, tok: int, u: int) -> TensorMapArg:
         KernelError: a size the box rules exclude, or the driver refuses the map.
         GpuUnavailableError: cuda-bindings is not installed.
     """
-    from cupy.cuda.function import CPointer
-
     drv = _driver()
     m, size_k = (int(v) for v in a.shape)
     geo = activation_box(m, size_k, tok, u)
@@ -170,5 +171,4 @@ def activation_map(a: Any, tok: int, u: int) -> TensorMapArg:
     )
     if err != drv.CUresult.CUDA_SUCCESS:
         raise KernelError(f"cuTensorMapEncodeTiled refused A's map {geo}: {err}", tensor="A")
-    raw = np.array([int(w) for w in tmap.opaque], dtype=np.uint64).view(np.uint8)
-    return TensorMapArg(raw=raw, arg=CPointer(raw.ctypes.data))
+    return _as_arg(np.array([int(w) for w in tmap.opaque], dtype=np.uint64).view(np.uint8))

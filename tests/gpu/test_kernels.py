@@ -395,10 +395,10 @@ HOPPER_CASES = [
 def test_every_hopper_variant(cp, pipe, m, k, n, group_size, act_order, asym):
     """Every Hopper variant (forced): full and ragged token chunks, several chunks, ragged
     N, every group-slot count, per-channel, act-order (gathered by hopper_activations, or
-    by gather_columns before a tensor-map read),
-    K splits of 1 and many; against the twin of its own arithmetic (per-weight, or
-    per-group for ``hopper_skg``), bitwise stable over 3 calls, and the prepared fp16
-    delta giving the artifact fp32 delta's bits."""
+    by gather_columns before a tensor-map read), K splits of 1 and many; against the
+    twin of its own arithmetic (per-weight, or per-group for ``hopper_skg``), bitwise
+    stable over 3 calls, and the prepared fp16 delta giving the artifact fp32 delta's
+    bits."""
     _hopper_or_skip()
     rng = np.random.default_rng([pipe[1], pipe[3], m, k, n, group_size % 97])
     L = make_layer(rng, k, n, group_size, act_order, asym)
