@@ -18,6 +18,19 @@ __device__ __forceinline__ unsigned long long wg_desc(u32 addr, u32 k_step) {
            ((unsigned long long)(128 >> 4) << 32);
 }
 
+// The 128-byte-swizzled K-major descriptor (PTX ISA, "Matrix Descriptor", swizzle mode
+// 1): rows of 64 fp16 values (128 bytes), 8 rows a 1024-byte atom whose 16-byte chunk
+// j of row r sits at chunk j ^ r (the bulk tensor copy's CU_TENSOR_MAP_SWIZZLE_128B
+// writes exactly this), atoms 1024 bytes apart along the tokens (stride byte offset);
+// the leading byte offset is unused for a K-major swizzled operand whose 16 K-values
+// lie in one row, and is set to 1 as the ISA suggests. The atom must start 1024-byte
+// aligned (base offset 0); the k-th 16-value step within a row is the start address
+// moved on by 32 k bytes, the hardware applying the XOR to the address it forms.
+__device__ __forceinline__ unsigned long long wg_desc_sw128(u32 addr) {
+    return (unsigned long long)((addr & 0x3FFFFu) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+           (1ull << 62);
+}
+
 // J consecutive 32-bit words of shared memory (4 J bytes, 4 J-byte aligned): the B
 // words of a lane's J tiles, or the fp16 pairs of its 2 J scales.
 template <int J>
@@ -131,14 +144,14 @@ __device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u
 struct alignas(64) TensorMap {
     unsigned long long opaque[16];
 };
-// One box of a 3-D tensor map at coordinates (c0, c1, c2), innermost first, into this
-// block's shared memory (box order: dimension 0 fastest); completes on `bar` as the
-// box's bytes, out-of-range elements included (they arrive as zeros).
-__device__ __forceinline__ void tensor_load_3d(u32 dst, const TensorMap* map, int c0, int c1, int c2, u32 bar) {
+// One box of a 2-D tensor map at coordinates (c0, c1), innermost first, into this
+// block's shared memory, laid out as the map says (its swizzle included); completes on
+// `bar` as the box's bytes, out-of-range elements included (they arrive as zeros).
+__device__ __forceinline__ void tensor_load_2d(u32 dst, const TensorMap* map, int c0, int c1, u32 bar) {
     asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
-        "[%5];" ::"r"(dst),
-        "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
+        "[%4];" ::"r"(dst),
+        "l"(map), "r"(c0), "r"(c1), "r"(bar)
         : "memory");
 }
 // An arrival on `bar` when every cp.async this thread issued before has landed; the

@@ -1,8 +1,9 @@
 // marlin_streamk.cu, the persistent Hopper GEMM (sm_90a only):
 // C[M, N] (fp16) = A[M, K] (fp16) @ W (+ optional bias) on the operands of
 // marlin_stream.cuh (B in Marlin tile order, permuted scales S, permuted fp16 deltas D)
-// and the activations (A itself through a tensor map up to 32-token chunks, gathered
-// first under act-order; A re-laid out by hopper_activations beyond), in two forms:
+// and the activations (A itself through a tensor map, gathered first under act-order; or
+// A re-laid out by hopper_activations, the path without NVIDIA's cuda-bindings), in two
+// forms:
 //   GS = false ("hopper_sk"): marlin_wgmma.cu's per-weight arithmetic
 //     W[k, n] = fp16((q - 8) s + d)   (fma.rn.f16x2; mul.rn when !HAS_DELTA);
 //   GS = true ("hopper_skg"): marlin_decode.cu's per-group arithmetic, the offset codes
@@ -23,12 +24,14 @@
 //     stage its 128 threads copy the U weight rows (2 KB each, 4 Marlin column blocks)
 //     and the scales / deltas of the groups that start in it (GS: of every stage) by
 //     16-byte cp.async, and
-//     thread 0 the stage's activations (U T 32 bytes) by one bulk copy: up to 32 tokens
-//     a tensor copy from A itself, which lays A's rows out as wgmma's operand on the
-//     way and zero-fills the tokens past M (no re-layout kernel first: 3-11 % faster at
-//     8-24 tokens on an H200); from 48 tokens, whose boxes have 768+ 16-byte rows and
-//     were 5-13 % slower so, a 1-D copy of `At`, A re-laid out by hopper_activations
-//     (marlin_wgmma.cu) before this kernel; the stage's
+//     thread 0 the stage's activations (U T 32 bytes): U / 4 tensor copies from A
+//     itself, each a box of 64 values of K x T tokens (T rows of 128 bytes), which the
+//     copy engine writes 128-byte swizzled, wgmma's swizzled K-major operand, and
+//     zero-fills past M (no re-layout kernel first); or, without a map, one 1-D copy of
+//     `At`, A laid out the same way by hopper_activations (marlin_wgmma.cu) before this
+//     kernel.
+//     (A first map of 16-byte rows, box (8, T, 2 U), beat the re-layout by 3-11 % at
+//     8-24 tokens but lost 5-13 % from 48, its boxes 768+ rows long.) The stage's
 //     `full` mbarrier completes when every thread's copies have landed
 //     (cp.async.mbarrier.arrive.noinc) and the bulk copy's bytes have arrived; a slot
 //     is refilled when its `empty` mbarrier says all 8 consumer warps are done with it.
@@ -38,8 +41,8 @@
 //   * two consumer warpgroups that only dequantize and multiply: warpgroup c takes the
 //     16-column tiles 2c, 2c + 1 of each warp's Marlin block (128 features, two
 //     `wgmma m64nTk16` per k-tile, weights as the register operand exactly as in
-//     marlin_wgmma.cu), one wgmma group per k-tile, WG_DEPTH groups in flight, so a
-//     k-tile is dequantized while the ones before it are multiplied.
+//     marlin_wgmma.cu), one wgmma group per pair of k-tiles, one pair multiplied while
+//     the next is dequantized, a lane's B words of a whole stage loaded at its start.
 // Units cut by block boundaries: every block that holds a piece of one parks its fp32
 // sums in `ws` and bumps the unit's counter; the last to arrive adds the pieces in piece
 // (= block) order, whoever it is, so the result depends on the problem and the grid
@@ -51,14 +54,14 @@
 //
 // Shared memory: NS stages (StreamkLayout), each
 //   W  U x 2048 B       the 4 column blocks' B words of each k-tile, as in global memory
-//   X  U x T x 32 B     the stage's activations as wgmma's no-swizzle K-major core
-//                       matrices: chunk c (k 8 c .. 8 c + 7) of token r at c T 16 + r 16
-//                       (leading byte offset T 16, stride byte offset 128): the box of
-//                       `xmap`, A viewed as [K / 8][M][8] (dimension 0 the 8 values of a
-//                       chunk, 1 the token at a row stride of K values, 2 the chunk at 16
-//                       bytes), coordinates (0, T x chunk, 2 k-tile), box (8, T, 2 U)
+//   X  U x T x 32 B     the stage's activations, 1024-byte aligned. From `xmap` (A as the
+//                       2-D [M][K], box (64, T) at (16 k-tile + 64 b, T x chunk)):
+//                       box b at b T 128, token r's 16-byte chunk j (k 64 b + 8 j ..) at
+//                       r 128 + 16 (j ^ r % 8) (wg_desc_sw128); `At` holds the same bytes
+//                       (hopper_activations with swizzle = 1), a stage's run contiguous
 //   S  GPI x 512 B      the 4 blocks' 64 permuted scales of each group slot
-//   D  GPI x 512 B      the same for fp16(delta) (HAS_DELTA)
+//   D  GPI x 512 B      the same for fp16(delta) (reserved without HAS_DELTA too: stages
+//                       stay whole 1024-byte atoms)
 // Only the live column blocks are copied when N is ragged (N / 64 not a multiple of 4):
 // the warps past them compute on whatever their slot holds and store nothing.
 // The consumers read W, S and D with ordinary loads, which the cp.async (generic proxy)
@@ -67,9 +70,10 @@
 //
 // Launch geometry (converter/gpu plans it): `xmap` encoded by converter/gpu/tensormap.py
 // (after gather_columns under act-order) and At null, or hopper_activations with tok = T
-// first and `xmap` unused; block = 384 threads (consumer warpgroups 0-1, producer
+// and swizzle = 1 first and `xmap` unused; block = 384 threads (consumer warpgroups 0-1, producer
 // warpgroup 2), grid = ceil(units x K / (16 U) / iters) blocks (at most one per
-// multiprocessor), dynamic shared memory StreamkLayout::RING; `ws` holds 2 x grid x T x 256 floats (two piece slots a block),
+// multiprocessor), dynamic shared memory StreamkLayout::RING (the ring and 1024 bytes
+// that align it); `ws` holds 2 x grid x T x 256 floats (two piece slots a block),
 // `flags` grid ints (the counter of the cut unit that starts in block b is flags[b]),
 // zero before the first launch and zero again after each (the last arriver resets it).
 // Constraints: K % (16 U) == 0, N % 64 == 0, group size a multiple of 16 dividing K
@@ -89,11 +93,10 @@
 // of the multiprocessor's 65536.
 constexpr int PRODUCER_REGS = 56;
 constexpr int CONSUMER_REGS = 224;
-// wgmma groups (one per k-tile) a consumer warpgroup keeps in flight: it dequantizes
-// k-tile i while the products of i - 1 .. i - WG_DEPTH + 1 run. Against 2, measured only
-// with the first, bulk-copy producer, in two runs (scripts/perf_notes.md): 3 % faster at
-// 128 tokens, 5-10 % slower at 16-64, where that producer set the pace; not yet timed with
-// the cp.async producer.
+// Register sets of A fragments a consumer warpgroup cycles through, one per k-tile: a
+// wgmma group holds a pair of k-tiles (one fence, commit and wait per two, and
+// two independent dequantizations for the scheduler to interleave), and while one pair
+// is multiplied the next is dequantized into the other two sets (wait_group 1).
 constexpr int WG_DEPTH = 4;
 
 template <int T, int U, int GPI, int NS, bool HAS_DELTA>
@@ -102,16 +105,30 @@ struct StreamkLayout {
     static constexpr int W_TILE = 2048;
     static constexpr int X_OFF = U * W_TILE;
     static constexpr int X_BYTES = U * T * 32;
+    static constexpr int X_BOX = T * 128;  // one swizzled box: 64 values of K x T tokens
     static constexpr int S_OFF = X_OFF + X_BYTES;
     static constexpr int D_OFF = S_OFF + GPI * 512;
-    static constexpr int STAGE = D_OFF + (HAS_DELTA ? GPI * 512 : 0);
-    static constexpr int RING = NS * STAGE;
+    // The delta rows are reserved in the symmetric variant too: every stage, and so every
+    // X slot, stays a multiple of the swizzle atom (1024 bytes) from the aligned ring.
+    static constexpr int STAGE = D_OFF + GPI * 512;
+    static constexpr int ALIGN = 1024;
+    static constexpr int RING = NS * STAGE + ALIGN;  // + the slack that aligns the ring
+    static_assert(STAGE % ALIGN == 0 && X_OFF % ALIGN == 0, "swizzle atoms 1024-byte aligned");
+    static_assert(U % 4 == 0, "a stage's activations are whole 64-value boxes");
     static constexpr int CONSUMERS = 256;  // two warpgroups
     static constexpr int THREADS = CONSUMERS + 128;  // + the producer warpgroup
     static constexpr int NACC = T;  // fp32 accumulators per consumer thread: 2 wgmma x T / 2
-    static_assert(U % WG_DEPTH == 0 && WG_DEPTH >= 2, "k-tiles cycle through the register sets, each stage from set 0");
+    static_assert(U % WG_DEPTH == 0 && WG_DEPTH == 4, "pairs of k-tiles cycle through the register sets, each stage from set 0");
     static_assert(T % 8 == 0 && T <= 128, "wgmma n8 .. n128");
 };
+
+// Where k-tile u of a stage starts in the X slot: box u / 4 (64 values of K x T rows of
+// 128 bytes), then 32 bytes per k-tile along the (swizzled) rows. u is a compile-time
+// constant wherever this is called.
+template <int T>
+__device__ __forceinline__ constexpr u32 x_step(int u) {
+    return (u >> 2) * T * 128 + (u & 3) * 32;
+}
 
 // The stage sequence of one block: its run [i0, i1) of (unit, stage) numbers cut at
 // unit boundaries into pieces, each one unit's stages [s0, s0 + n). The producer and
@@ -148,10 +165,19 @@ __device__ __forceinline__ void gs_close(float (&acc)[2][T / 2], const float (&g
         }
 }
 
+// A lane's two B words of every k-tile of a stage, loaded at once when the stage is
+// ready: a k-tile's dequantization then starts without a shared-memory round trip of
+// its own (every load, fence and wgmma is a volatile asm the compiler keeps in order, so
+// it cannot hoist them itself), which had made each consumer warp's k-tile a serial
+// chain of ~140 cycles on an H200 (scripts/perf_notes.md).
+template <int U, int W_TILE>
+__device__ __forceinline__ void stage_words(u32 sb_w, u32 (&bw)[U][2]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) lds_words<2>(sb_w + u * W_TILE, bw[u]);
+}
+
 // The A fragments of one k-tile's two wgmma: the offset codes of the lane's two words.
-__device__ __forceinline__ void gs_fragments(u32 sb_w, u32 (&af)[2][4]) {
-    u32 bw[2];
-    lds_words<2>(sb_w, bw);
+__device__ __forceinline__ void gs_fragments(const u32 (&bw)[2], u32 (&af)[2][4]) {
 #pragma unroll
     for (int jj = 0; jj < 2; ++jj) {
         u32 m[4];
@@ -175,11 +201,14 @@ __device__ __forceinline__ void gs_stage(u32& q, int st, u32 ring, u32 full0, u3
     const u32 slot = q % NS;
     mbar_wait(full0 + 8 * slot, (q / NS) & 1u);
     const u32 sb = ring + slot * STAGE;
-    const unsigned long long desc0 = wg_desc(sb + X_OFF, T * 16);
+    const unsigned long long desc0 = wg_desc_sw128(sb + X_OFF);
     u32 ns2[2], nd2[2];
     lds_words<2>(sb + S_OFF + s_lane, ns2);
     if (HAS_DELTA) lds_words<2>(sb + D_OFF + s_lane, nd2);
-    gs_fragments(sb + w_lane, af[0]);
+    u32 bw[U][2];
+    stage_words<U, W_TILE>(sb + w_lane, bw);
+    gs_fragments(bw[0], af[0]);
+    gs_fragments(bw[1], af[1]);
     wgmma_wait<0>();
     // the stage before is multiplied: its slot is free and its sums are closed
     __syncwarp();
@@ -193,15 +222,21 @@ __device__ __forceinline__ void gs_stage(u32& q, int st, u32 ring, u32 full0, u3
     }
     const u32 cf[4] = OFFSET_SUMS_A;
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-        if (u > 0) gs_fragments(sb + w_lane + u * W_TILE, af[u % WG_DEPTH]);
+    for (int u = 0; u < U; u += 2) {  // a pair of k-tiles per wgmma group (see WG_DEPTH)
+        if (u > 0) {
+            gs_fragments(bw[u], af[u % WG_DEPTH]);
+            gs_fragments(bw[u + 1], af[(u + 1) % WG_DEPTH]);
+        }
         wgmma_fence();
-        const unsigned long long desc = wg_desc_at(desc0, 2 * u * T * 16);
-        Wgmma<T>::mma(gp[0], af[u % WG_DEPTH][0], desc, u > 0);
-        Wgmma<T>::mma(gp[1], af[u % WG_DEPTH][1], desc, u > 0);
-        Wgmma<T>::mma(gx, cf, desc, u > 0);
+#pragma unroll
+        for (int v = u; v < u + 2; ++v) {
+            const unsigned long long desc = wg_desc_at(desc0, x_step<T>(v));
+            Wgmma<T>::mma(gp[0], af[v % WG_DEPTH][0], desc, v > 0);
+            Wgmma<T>::mma(gp[1], af[v % WG_DEPTH][1], desc, v > 0);
+            Wgmma<T>::mma(gx, cf, desc, v > 0);
+        }
         wgmma_commit();
-        wgmma_wait<WG_DEPTH - 1>();
+        wgmma_wait<WG_DEPTH / 2 - 1>();
     }
     ++q;
 }
@@ -229,7 +264,9 @@ marlin_streamk(const __grid_constant__ TensorMap xmap, const u16* __restrict__ A
     const int KS = (K >> 4) / U;  // stages per unit
     const int total = m_chunks * ((nblk + 3) >> 2) * KS;
     const int i0 = blockIdx.x * iters, i1 = min(i0 + iters, total);
-    const u32 ring = smem_addr(smem), full0 = smem_addr(full), empty0 = smem_addr(empty);
+    // The swizzled boxes need 1024-byte aligned atoms; the dynamic area's start is only
+    // as aligned as the static shared memory before it leaves it, hence L::ALIGN of slack.
+    const u32 ring = (smem_addr(smem) + (L::ALIGN - 1)) & ~(u32)(L::ALIGN - 1), full0 = smem_addr(full), empty0 = smem_addr(empty);
     if (tid == 0) {
         for (int s = 0; s < NS; ++s) {
             // every producer thread's cp.async arrive, and one arrive with the activations' bytes
@@ -278,10 +315,13 @@ marlin_streamk(const __grid_constant__ TensorMap xmap, const u16* __restrict__ A
                 const int kt = (p.s0 + st) * U;
                 if (pt == 0) {  // the activations, read by wgmma through the async proxy
                     mbar_expect_tx(bar, L::X_BYTES);
-                    if (At)  // one contiguous run of the re-laid-out activations
+                    if (At) {  // one contiguous run of the re-laid-out activations
                         bulk_load(sb + L::X_OFF, xsrc, L::X_BYTES, bar);
-                    else  // the box: 8 values x T tokens x 2 U chunks of K, tokens past M zero
-                        tensor_load_3d(sb + L::X_OFF, &xmap, 0, mc * T, 2 * kt, bar);
+                    } else {  // U / 4 boxes of 64 values of K x T tokens, swizzled, tokens past M zero
+#pragma unroll
+                        for (int b = 0; b < U / 4; ++b)
+                            tensor_load_2d(sb + L::X_OFF + b * L::X_BOX, &xmap, 16 * kt + 64 * b, mc * T, bar);
+                    }
                 }
                 if (w_live) {
 #pragma unroll
@@ -354,8 +394,10 @@ marlin_streamk(const __grid_constant__ TensorMap xmap, const u16* __restrict__ A
                 const u32 slot = q % NS;
                 mbar_wait(full0 + 8 * slot, (q / NS) & 1u);
                 const u32 sb = ring + slot * L::STAGE;
-                const unsigned long long desc0 = wg_desc(sb + L::X_OFF, T * 16);
+                const unsigned long long desc0 = wg_desc_sw128(sb + L::X_OFF);
                 const int kt = (p.s0 + st) * U;
+                u32 bw[U][2];
+                stage_words<U, L::W_TILE>(sb + w_lane, bw);
 #pragma unroll
                 for (int gi = 0; gi < GPI; ++gi) {
                     // A group opens at the run's first slot and wherever a boundary is reached.
@@ -377,20 +419,22 @@ marlin_streamk(const __grid_constant__ TensorMap xmap, const u16* __restrict__ A
 #pragma unroll
                     for (int uu = 0; uu < SUB; ++uu) {
                         const int u = gi * SUB + uu;
-                        u32 bw[2];
-                        lds_words<2>(sb + w_lane + u * L::W_TILE, bw);
-                        weight_fragments_pairs<HAS_DELTA, 2>(bw, s2, d2, af[u % WG_DEPTH]);
+                        weight_fragments_pairs<HAS_DELTA, 2>(bw[u], s2, d2, af[u % WG_DEPTH]);
+                        if (u % 2 == 0) continue;  // a pair of k-tiles per wgmma group (see WG_DEPTH)
                         wgmma_fence();
-                        const unsigned long long desc = wg_desc_at(desc0, 2 * u * T * 16);
-                        Wgmma<T>::mma(acc[0], af[u % WG_DEPTH][0], desc);
-                        Wgmma<T>::mma(acc[1], af[u % WG_DEPTH][1], desc);
+#pragma unroll
+                        for (int v = u - 1; v <= u; ++v) {
+                            const unsigned long long desc = wg_desc_at(desc0, x_step<T>(v));
+                            Wgmma<T>::mma(acc[0], af[v % WG_DEPTH][0], desc);
+                            Wgmma<T>::mma(acc[1], af[v % WG_DEPTH][1], desc);
+                        }
                         wgmma_commit();
-                        // the k-tile WG_DEPTH - 1 before is done: its register set may be refilled
-                        wgmma_wait<WG_DEPTH - 1>();
-                        if (u == WG_DEPTH - 2) {
-                            // ... and that was the last k-tile of the stage before: its slot is
-                            // free. Predicated, not branched: a branch between two wgmma makes
-                            // ptxas serialize every wgmma of the kernel (warning C7513).
+                        // the pair before is done: its register sets may be refilled
+                        wgmma_wait<WG_DEPTH / 2 - 1>();
+                        if (u == 1) {
+                            // ... and with it the stage before: its slot is free. Predicated,
+                            // not branched: a branch between two wgmma makes ptxas serialize
+                            // every wgmma of the kernel (warning C7513).
                             __syncwarp();
                             mbar_arrive_if(empty0 + 8 * ((q + NS - 1) % NS), lane == 0 && st > 0);
                         }

@@ -123,11 +123,14 @@ struct WgLayout {
 // shared memory they form wgmma's no-swizzle K-major core matrices with a leading byte
 // offset of tok * 16 (K) and a stride byte offset of 128 (tokens). marlin_wgmma takes
 // tok = m_pad (one block: [c][r], its m-chunks side by side in each chunk row);
-// marlin_streamk takes its token chunk, so that a stage is one bulk copy. Launch: one
-// thread per 16-byte piece, grid.x = ceil(K / 8 * m_pad / 256), block 256; m_pad % tok
-// == 0. NumPy reference: converter.gpu.reference.hopper_activations.
+// marlin_streamk takes its token chunk, so that a stage is one bulk copy, and `swizzle`
+// = 1: each block's rows then go by boxes of 64 values of K (x = c / 8), tok rows of 128
+// bytes, the 16-byte chunk j = c % 8 of row r stored at chunk j ^ r % 8: the slot
+// marlin_streamk's tensor map writes (K % 64 == 0). Launch: one thread per 16-byte
+// piece, grid.x = ceil(K / 8 * m_pad / 256), block 256; m_pad % tok == 0. NumPy
+// reference: converter.gpu.reference.hopper_activations.
 extern "C" __global__ void hopper_activations(const u16* __restrict__ A, const int* __restrict__ perm,
-                                             u16* __restrict__ At, int M, int K, int m_pad, int tok) {
+                                             u16* __restrict__ At, int M, int K, int m_pad, int tok, int swizzle) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long k8 = K >> 3;
     const long long total = k8 * m_pad;
@@ -146,7 +149,9 @@ extern "C" __global__ void hopper_activations(const u16* __restrict__ A, const i
                 v[h] = (u32)row[perm[8 * c + 2 * h]] | ((u32)row[perm[8 * c + 2 * h + 1]] << 16);
         }
     }
-    *reinterpret_cast<int4*>(At + (size_t)i * 8) = make_int4((int)v[0], (int)v[1], (int)v[2], (int)v[3]);
+    // the piece's place: i itself, or swizzled within its box (block b = r / tok)
+    const long long to = swizzle ? (((rest / k8) * (k8 >> 3) + (c >> 3)) * tok + i % tok) * 8 + ((c & 7) ^ (r & 7)) : i;
+    *reinterpret_cast<int4*>(At + (size_t)to * 8) = make_int4((int)v[0], (int)v[1], (int)v[2], (int)v[3]);
 }
 
 template <int T, int WGS, int U, int GPI, int NS, bool HAS_DELTA, int J = 4>

@@ -254,7 +254,8 @@ def main() -> int:
         "16-row tiles, h = Hopper kernel with R 8-token tiles, f = the same with its warpgroups "
         "splitting the features, p = the persistent Hopper kernel, g = the same with per-group scaling, "
         "R 0 = the tiles that hold M; "
-        "x U x NS; w = waves target)",
+        "x U x NS; w = waves target; optional o = blocks per SM cap, m = the persistent kernel's "
+        "tensor-map token cap, m0 re-lays A out first)",
     )
     ap.add_argument(
         "--sweep-splits",
@@ -334,26 +335,33 @@ def main() -> int:
             row["ours_sym"], row["ours_fused"] = (s1 + s2) / 2, (f1 + f2) / 2
             row["ours_2k"] = ours(kernels.marlin_gemm_two_kernel, Ds)
             for spec in args.sweep.split(",") if args.sweep else []:
-                # d|w|t R x U x NS w waves [o blocks per SM], e.g. d1x4x3w1, t1x4x3w1, d1x4x3w1o3
+                # d|w|t R x U x NS w waves [o blocks per SM] [m map cap], e.g. d1x4x3w1,
+                # t1x4x3w1, d1x4x3w1o3, p0x8x6w1m0 (the persistent kernel on re-laid-out A),
+                # w1m0 (whatever the planner picks, A re-laid out where that is persistent)
                 pipe_s, w = spec.rsplit("w", 1)
+                w, _, xcap = w.partition("m")
                 w, _, occ = w.partition("o")
-                kind = KernelKind(
-                    {
-                        "d": "decode",
-                        "w": "decode_w",
-                        "t": "tile",
-                        "h": "hopper",
-                        "f": "hopper_fs",
-                        "p": "hopper_sk",
-                        "g": "hopper_skg",
-                    }[pipe_s[0]]
-                )
-                pipe = (kind,) + tuple(int(v) for v in pipe_s[1:].split("x"))
-                if pipe[1] == 0:  # R 0: the fewest 8-token tiles that hold M (the kind's largest chunk beyond)
-                    rs = HOPPER_SKG_RS if kind is KernelKind.HOPPER_SKG else HOPPER_SK_RS
-                    pipe = (kind, next((r for r in rs if 8 * r >= m), rs[-1]), *pipe[2:])
-                cap = ((kind, int(occ)),) if occ else base.occupancy_cap
+                pipe, kind = None, None  # "w1m0": the planner's own variant, only the knobs changed
+                if pipe_s:
+                    kind = KernelKind(
+                        {
+                            "d": "decode",
+                            "w": "decode_w",
+                            "t": "tile",
+                            "h": "hopper",
+                            "f": "hopper_fs",
+                            "p": "hopper_sk",
+                            "g": "hopper_skg",
+                        }[pipe_s[0]]
+                    )
+                    pipe = (kind,) + tuple(int(v) for v in pipe_s[1:].split("x"))
+                    if pipe[1] == 0:  # R 0: the fewest 8-token tiles that hold M (the kind's largest chunk beyond)
+                        rs = HOPPER_SKG_RS if kind is KernelKind.HOPPER_SKG else HOPPER_SK_RS
+                        pipe = (kind, next((r for r in rs if 8 * r >= m), rs[-1]), *pipe[2:])
+                cap = ((kind, int(occ)),) if occ and kind else base.occupancy_cap
                 swept = dataclasses.replace(base, waves=int(w), occupancy_cap=cap)
+                if xcap:
+                    swept = dataclasses.replace(swept, hopper_xmap_max_tok=int(xcap))
                 row[f"sym_{spec}"] = ours(kernels.marlin_gemm, None, pipe=pipe, tuning=swept)
                 row[f"fused_{spec}"] = ours(kernels.marlin_gemm, Ds16, pipe=pipe, tuning=swept)
             if args.sweep_splits and row["plan"]["kind"] in sweep_kinds:

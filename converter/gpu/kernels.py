@@ -251,9 +251,9 @@ def marlin_gemm(
     (``hopper_skg``, the decode kernel's arithmetic) on every layer of N >= 4096 above
     4096 x 4096 weights whose groups allow, and M >= 17 in its per-weight form
     (``hopper_sk``) on every layer of N >= 4096 and at least 4096 x 4096 weights (M >= 9
-    above 4096 x 4096 and up to 8192 x 8192 weights), reading A in place through a tensor
-    map up to 32-token chunks (``converter.gpu.tensormap``) and re-laid out by
-    ``hopper_activations`` beyond; the other Hopper
+    above 4096 x 4096 and up to 8192 x 8192 weights), reading A in place through a
+    128-byte-swizzled tensor map (``converter.gpu.tensormap``; without cuda-bindings A
+    re-laid out the same way by ``hopper_activations`` first); the other Hopper
     kinds (``kernels/marlin_wgmma.cu``) the larger M of smaller and thin layers; the
     decode kernel's "decode_w" variant and the tile kernel (``kernels/marlin_gemm.cu``)
     serve the rest, and everything on sm_80..89. Every kernel but the decode kernel and
@@ -320,8 +320,8 @@ def marlin_gemm(
     if plan.pipe.spec.persistent:
         # Stream-K over the multiprocessors: two slots of T x 256 partial sums per block
         # (the piece that starts its run, the one that ends it), one counter per block
-        # (the cut unit starting there). A read in place through a tensor map, or for
-        # large token chunks re-laid out first (Tuning.hopper_xmap_max_tok).
+        # (the cut unit starting there). A read in place through a swizzled tensor map,
+        # or re-laid out first (Tuning.hopper_xmap_max_tok; without cuda-bindings).
         ws_floats = 2 * plan.blocks * plan.rows * 256 if plan.splits > 1 else 0
         if plan.rows <= tuning.hopper_xmap_max_tok and tensormap.available():
             if perm is not None:
@@ -332,7 +332,7 @@ def marlin_gemm(
             m_pad = plan.m_chunks * plan.rows
             xmap = tensormap.unused()
             ws, locks, at = _workspace(ws_floats, plan.blocks, m_pad * size_k)
-            _activations(A, perm, at, m, size_k, m_pad, plan.rows)
+            _activations(A, perm, at, m, size_k, m_pad, plan.rows, swizzle=True)
         lead = (xmap.arg, _ptr_or_null(at))
         scalars = (size_k, size_n, n_out, gt, int(per_channel), plan.tiles_per_split // plan.u)
     elif plan.pipe.spec.wgmma:
@@ -368,14 +368,17 @@ def marlin_gemm(
     return out
 
 
-def _activations(A: Any, perm: Any, at: Any, m: int, size_k: int, m_pad: int, tok: int) -> None:
+def _activations(
+    A: Any, perm: Any, at: Any, m: int, size_k: int, m_pad: int, tok: int, *, swizzle: bool = False
+) -> None:
     """``hopper_activations``: A (gathered by ``perm``) into ``at`` in blocks of ``tok``
-    token rows (``kernels/marlin_wgmma.cu``; twin ``reference.hopper_activations``)."""
+    token rows, swizzled as the persistent kernel's slots with ``swizzle``
+    (``kernels/marlin_wgmma.cu``; twin ``reference.hopper_activations``)."""
     pieces = size_k // AT_PIECE * m_pad
     build.function("marlin_wgmma.cu", "hopper_activations")(
         (-(-pieces // GATHER_THREADS),),
         (GATHER_THREADS,),
-        (A, _ptr_or_null(perm), at, np.int32(m), np.int32(size_k), np.int32(m_pad), np.int32(tok)),
+        (A, _ptr_or_null(perm), at, np.int32(m), np.int32(size_k), np.int32(m_pad), np.int32(tok), np.int32(swizzle)),
     )
 
 

@@ -131,6 +131,7 @@ HOPPER_SK_RS = (1, 2, 3, 4, 6, 8, 12, 16)
 #: The same for its per-group form (``hopper_skg``): 8 .. 32 tokens.
 HOPPER_SKG_RS = (1, 2, 3, 4)
 #: The persistent kind's chunks that also have 8-tile stages (NS = 6): 24 .. 64 tokens.
+#: (At 8 and 16 tokens, where ``hopper_skg`` serves, they were no faster than it.)
 HOPPER_SK8_RS = (3, 4, 6, 8)
 
 #: Tokens one warpgroup of the token-split Hopper kind (``hopper``) takes at most (its
@@ -170,6 +171,19 @@ def hopper_smem(pipe: Pipe, gpi: int, wk: int = 1) -> int:
     return pipe.ns * (pipe.u * 2048 + pipe.u * tokens * 32 + 2 * gpi * 512)
 
 
+#: Bytes of a 128-byte-swizzle atom (8 rows of 128 bytes): the persistent kernel's
+#: activation slots start at a multiple of it (``kernels/marlin_streamk.cu``).
+SWIZZLE_ATOM = 1024
+
+
+def streamk_smem(pipe: Pipe, gpi: int, wk: int = 1) -> int:
+    """Dynamic shared memory of the persistent Hopper block (``kernels/marlin_streamk.cu``,
+    StreamkLayout::RING): :func:`hopper_smem`'s stages (the delta rows reserved always,
+    so every stage is whole swizzle atoms) and :data:`SWIZZLE_ATOM` bytes of slack that
+    align the ring's start."""
+    return hopper_smem(pipe, gpi, wk) + SWIZZLE_ATOM
+
+
 def ring_smem(pipe: Pipe, gpi: int, wk: int = BLOCK_WARPS) -> int:
     """Shared memory of one 4-warp block of the ring kernels, run with ``wk`` warps per
     output unit (``kernels/marlin_stream.cuh``: per stage U 512-byte B tiles, U tiles of
@@ -199,10 +213,10 @@ class KindSpec:
         sums_bytes: bytes of fp32 sums a warp parks in shared memory, per unit of R.
         shares_a: with one output unit per block (``wk == 1``) its 4 warps stage A once.
         wg_tiles: for a kind of the Hopper kernel (sm_90 only; its activations re-laid
-            out by ``hopper_activations`` first, or for the persistent kinds' chunks of
-            up to 32 tokens read through a tensor map; its unit 256 columns of one token
-            chunk), the 16-column tiles of each warp's Marlin block one warpgroup takes
-            (the kernel's J: 4 splits the tokens, 1 the features); 0 for the others.
+            out by ``hopper_activations`` first, or for the persistent kinds read through
+            a tensor map; its unit 256 columns of one token chunk), the 16-column tiles of
+            each warp's Marlin block one warpgroup takes (the kernel's J: 4 splits the
+            tokens, 1 the features); 0 for the others.
         smem: shared memory of a block, ``smem(pipe, gpi, wk)`` bytes.
         threads: threads per block, ``threads(pipe)``.
         block_shapes: the ``wk`` values it runs (1: a block takes 4 column blocks
@@ -269,7 +283,7 @@ def _streamk_spec(gs: str, arith: Arith) -> KindSpec:
         tile_rows=8,
         sums_bytes=0,
         shares_a=True,
-        smem=hopper_smem,
+        smem=streamk_smem,
         threads=lambda pipe: STREAMK_THREADS,
         block_shapes=(1,),
         wg_tiles=2,
@@ -455,12 +469,14 @@ class Tuning:
             one run: 8192 x 57344 M = 24 96.7 / 102.5, M = 32 107.4 / 109.5;
             28672 x 8192 52.7 / 55.4, 54.9 / 58.3; the 7B shapes not compared there).
         hopper_xmap_max_tok: the persistent kinds read A in place through a tensor map
-            (converter/gpu/tensormap.py) when their token chunk is at most this many
-            tokens, and A re-laid out by ``hopper_activations`` beyond. On an H200
-            (scripts/perf_notes.md, fused us, one run each): 3-11 % faster at 8-24 tokens
-            (8192 x 57344 M = 8 75.3 -> 73.0, 4096 x 14336 M = 8 17.7 -> 15.9), even at
-            32, 5-13 % slower from 48 tokens (8192² M = 48 25.3 -> 28.4), where a box
-            holds 768 or more 16-byte rows.
+            (converter/gpu/tensormap.py: boxes of 64 values of K x T tokens, 128-byte
+            swizzled) when their token chunk is at most this many tokens, and A re-laid
+            out by ``hopper_activations`` beyond (one more kernel a call; the path
+            without cuda-bindings). At the default every chunk reads the map: on an H200
+            (scripts/bench_gemm_h200_xmap.json, one run, fused us, map / re-laid out)
+            0-5 % faster on the 70B shapes (28672 x 8192 M = 128 103.8 / 110.6, M = 256
+            184.7 / 208.2) and 6-14 % on the 7B shapes, 8192² and 4096² (8192² M = 32
+            20.8 / 23.1); the decode-routed rows even.
         streamk_fix: the persistent kind's cost of adding one more
             block's piece of a unit, in stage times per 32 tokens of the chunk
             (:func:`plan_streamk`).
@@ -507,7 +523,7 @@ class Tuning:
     hopper_sk_small_kn: int = 8192 * 8192
     hopper_skg_min_m: int = 8
     hopper_skg_max_m: int = 16
-    hopper_xmap_max_tok: int = 32
+    hopper_xmap_max_tok: int = 128
     streamk_fix: float = 1.0
     streamk_iters: int | None = None
 

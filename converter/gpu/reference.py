@@ -86,25 +86,34 @@ def gather_columns(A: np.ndarray, perm: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(A)[:, np.asarray(perm, dtype=np.intp)])
 
 
-def hopper_activations(A: np.ndarray, perm: np.ndarray | None, m_pad: int, tok: int | None = None) -> np.ndarray:
+def hopper_activations(
+    A: np.ndarray, perm: np.ndarray | None, m_pad: int, tok: int | None = None, *, swizzle: bool = False
+) -> np.ndarray:
     """Twin of ``hopper_activations`` (``kernels/marlin_wgmma.cu``): A in 16-byte pieces,
     chunk-major in blocks of ``tok`` token rows, exactly.
 
     Args:
-        A: float16 ``(M, K)``, source channel order; K % 8 == 0.
+        A: float16 ``(M, K)``, source channel order; K % 8 == 0 (K % 64 with ``swizzle``).
         perm: int32 ``(K,)`` act-order permutation, or None.
         m_pad: rows of the result (>= M), a whole number of the kernel's token chunks.
         tok: token rows per block (divides ``m_pad``); None: ``m_pad`` (one block, the
             layout of ``marlin_wgmma``).
+        swizzle: each block as ``marlin_streamk``'s swizzled slots instead
+            (:func:`streamk_x_slot`, every box of 64 values of K in order).
 
     Returns:
         float16 ``(m_pad // tok, K // 8, tok, 8)``: ``[b, c, r, :] = A[b tok + r, 8 c : 8 c + 8]``
-        after the gather, zero for rows ``>= M``; with ``tok`` None, ``(K // 8, m_pad, 8)``.
+        after the gather, zero for rows ``>= M``; with ``tok`` None, ``(K // 8, m_pad, 8)``;
+        with ``swizzle``, ``(m_pad // tok, K // 64, tok, 64)``.
     """
     a = np.asarray(A, dtype=np.float16)
     if perm is not None:
         a = gather_columns(a, perm)
     m, k = a.shape
+    if swizzle:
+        if tok is None or m_pad % tok:
+            raise ValueError(f"m_pad={m_pad} is not a whole number of {tok}-token blocks")
+        return np.stack([streamk_x_slot(a, tok, k // 16, b, 0) for b in range(m_pad // tok)])
     rows = np.zeros((m_pad, k // 8, 8), dtype=np.float16)
     rows[:m] = a.reshape(m, k // 8, 8)
     if tok is None:
@@ -112,6 +121,36 @@ def hopper_activations(A: np.ndarray, perm: np.ndarray | None, m_pad: int, tok: 
     if m_pad % tok:
         raise ValueError(f"m_pad={m_pad} is not a whole number of {tok}-token blocks")
     return np.ascontiguousarray(rows.reshape(m_pad // tok, tok, k // 8, 8).transpose(0, 2, 1, 3))
+
+
+def streamk_x_slot(A: np.ndarray, tok: int, u: int, chunk: int, k_tile: int) -> np.ndarray:
+    """Twin of one stage's activation slot of the persistent Hopper kernel
+    (``kernels/marlin_streamk.cu``, slot X, filled from ``converter.gpu.tensormap``'s map):
+    tokens ``chunk tok ..`` and k-tiles ``k_tile .. k_tile + u - 1``, exactly.
+
+    The slot is ``u / 4`` boxes of ``tok`` rows of 128 bytes (64 values of K), each box
+    128-byte swizzled: 16-byte chunk ``j`` of row ``r`` is stored at chunk ``j ^ r % 8``
+    of that row (CUDA's CU_TENSOR_MAP_SWIZZLE_128B, the layout of wgmma's swizzle mode 1).
+
+    Args:
+        A: float16 ``(M, K)`` in Marlin order (gathered under act-order).
+        tok: T, tokens per chunk (a multiple of 8). u: k-tiles per stage (a multiple of 4).
+        chunk: token chunk index. k_tile: the stage's first k-tile.
+
+    Returns:
+        float16 ``(u // 4, tok, 64)``: the slot in shared-memory order, zeros for tokens
+        ``>= M``.
+    """
+    a = np.asarray(A, dtype=np.float16)
+    m = a.shape[0]
+    rows = np.zeros((tok, 16 * u), dtype=np.float16)
+    live = max(0, min(tok, m - chunk * tok))
+    rows[:live] = a[chunk * tok : chunk * tok + live, 16 * k_tile : 16 * (k_tile + u)]
+    boxes = rows.reshape(tok, u // 4, 8, 8).transpose(1, 0, 2, 3)  # (box, row, chunk j, value)
+    out = np.empty_like(boxes)
+    r = np.arange(tok)[:, None]
+    out[:, r, np.arange(8)[None, :] ^ (r % 8)] = boxes
+    return np.ascontiguousarray(out.reshape(u // 4, tok, 64))
 
 
 def _arith(m: int, size_n: int, arith: str | None) -> Arith:

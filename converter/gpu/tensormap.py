@@ -1,19 +1,20 @@
 """Tensor maps for the Hopper bulk tensor copy (``cp.async.bulk.tensor``).
 
 The persistent Hopper kernel (``kernels/marlin_streamk.cu``) reads the activations A
-straight from the caller's row-major fp16 ``(M, K)`` array: one bulk tensor copy a
-pipeline stage lays a box of A out as ``wgmma``'s no-swizzle K-major operand and fills
-the tokens past M with zeros, so no re-layout kernel runs first. The map views A as a
-3-D tensor ``[K / 8][M][8]`` (innermost first: the 8 values of one 16-byte chunk, the
-token at a stride of K values, the chunk at a stride of 16 bytes), and one box is
-``(8, T, 2 U)``: U k-tiles of T tokens, chunk-major, which is the kernel's X slot
-(chunk c of token r at byte ``16 (c T + r)``). Up to 32 tokens a chunk
-(``Tuning.hopper_xmap_max_tok``): larger boxes, of 768 or more 16-byte rows, were slower
-than re-laying A out first and copying it in one run.
+straight from the caller's row-major fp16 ``(M, K)`` array, so no re-layout kernel runs
+first. The map is A as it is, 2-D (innermost first: K values, M tokens at a stride of
+2 K bytes), and one box is 64 values of K x T tokens: T rows of 128 bytes, which the
+copy engine writes with the 128-byte swizzle (16-byte chunk j of row r at chunk
+``j ^ r % 8`` of its row, in atoms of 8 rows) and fills with zeros past M. That is
+``wgmma``'s 128-byte-swizzled K-major operand, read through the kernel's swizzled
+descriptor; a stage of U k-tiles takes U / 4 boxes. (The first map, of 16-byte rows
+laid out as the no-swizzle operand, lost 5-13 % to re-laying A out first from 48
+tokens: its boxes had 768+ rows. See scripts/perf_notes.md.)
 
 The map is encoded on the host by the driver (``cuTensorMapEncodeTiled``, through
 NVIDIA's ``cuda-bindings``) and passed to the kernel by value (128 bytes, a
-``__grid_constant__`` parameter).
+``__grid_constant__`` parameter). The layout's twin is
+``converter.gpu.reference.streamk_x_slot``.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ import numpy as np
 
 from ..errors import GpuUnavailableError, KernelError
 
-#: fp16 values per 16-byte chunk of a row of A (wgmma's core-matrix row).
-CHUNK_VALUES = 8
+#: fp16 values of K per box row: one 128-byte swizzle span.
+BOX_VALUES = 64
+#: k-tiles (16 values of K) per box.
+BOX_TILES = BOX_VALUES // 16
 #: Bytes of the driver's CUtensorMap.
 TENSOR_MAP_BYTES = 128
 #: The hardware's largest box extent in any dimension (cuTensorMapEncodeTiled).
@@ -40,16 +43,19 @@ class ActivationBox:
     """The tensor-map geometry of A for one (M, K, T, U).
 
     Attributes:
-        dims: global extents, innermost first: ``(8, M, K / 8)``.
-        strides: byte strides of dimensions 1 and 2: ``(2 K, 16)``.
-        box: box extents: ``(8, T, 2 U)``.
-        box_bytes: bytes one copy delivers, zero-filled tokens included: ``32 T U``.
+        dims: global extents, innermost first: ``(K, M)``.
+        strides: byte stride of dimension 1: ``(2 K,)``.
+        box: box extents: ``(64, T)``, 128-byte swizzled.
+        boxes: boxes per pipeline stage: ``U / 4`` (at K offsets 0, 64, ...).
+        stage_bytes: bytes one stage's boxes deliver, zero-filled tokens included:
+            ``32 T U``.
     """
 
-    dims: tuple[int, int, int]
-    strides: tuple[int, int]
-    box: tuple[int, int, int]
-    box_bytes: int
+    dims: tuple[int, int]
+    strides: tuple[int]
+    box: tuple[int, int]
+    boxes: int
+    stage_bytes: int
 
 
 def activation_box(m: int, size_k: int, tok: int, u: int) -> ActivationBox:
@@ -59,19 +65,19 @@ def activation_box(m: int, size_k: int, tok: int, u: int) -> ActivationBox:
         m: rows of A (tokens), >= 1.
         size_k: K, a multiple of 16 u.
         tok: T, tokens per chunk of the kernel (8 .. 128, a multiple of 8).
-        u: U, k-tiles (16 values of K) per pipeline stage.
+        u: U, k-tiles (16 values of K) per pipeline stage, a multiple of 4.
 
     Returns:
         The :class:`ActivationBox`.
 
     Raises:
-        KernelError: a size the hardware's box rules exclude.
+        KernelError: a size the kernel's stage or the hardware's box rules exclude.
     """
     rules = [
         (m >= 1, "M >= 1"),
+        (u >= 1 and u % BOX_TILES == 0, f"U a multiple of {BOX_TILES} (whole 64-value boxes)"),
         (u >= 1 and size_k % (16 * u) == 0, f"K a multiple of 16 U = {16 * u}"),
         (tok % 8 == 0 and 0 < tok <= MAX_BOX, f"T a multiple of 8 up to {MAX_BOX} (a box extent)"),
-        (0 < 2 * u <= MAX_BOX, f"2 U at most {MAX_BOX} (a box extent)"),
     ]
     broken = [rule for ok, rule in rules if not ok]
     if broken:
@@ -79,10 +85,11 @@ def activation_box(m: int, size_k: int, tok: int, u: int) -> ActivationBox:
             f"no activation box for M={m}, K={size_k}, T={tok}, U={u}: needs {'; '.join(broken)}", tensor="A"
         )
     return ActivationBox(
-        dims=(CHUNK_VALUES, m, size_k // CHUNK_VALUES),
-        strides=(2 * size_k, 2 * CHUNK_VALUES),
-        box=(CHUNK_VALUES, tok, 2 * u),
-        box_bytes=32 * tok * u,
+        dims=(size_k, m),
+        strides=(2 * size_k,),
+        box=(BOX_VALUES, tok),
+        boxes=u // BOX_TILES,
+        stage_bytes=32 * tok * u,
     )
 
 
@@ -115,9 +122,9 @@ def _as_arg(raw: np.ndarray) -> TensorMapArg:
 @functools.cache
 def available() -> bool:
     """NVIDIA's cuda-bindings imports, so :func:`activation_map` can encode maps. Without
-    it the persistent kernel reads A re-laid out by ``hopper_activations``, as it does
-    for chunks over 32 tokens (same bits; 3-11 % slower at 8-24 rows on an H200), and
-    this warns once."""
+    it the persistent kernel reads A re-laid out by ``hopper_activations`` (the same
+    bits, one more kernel per call; see ``Tuning.hopper_xmap_max_tok``), and this warns
+    once."""
     try:
         _driver()
     except GpuUnavailableError as exc:
@@ -158,14 +165,14 @@ def activation_map(a: Any, tok: int, u: int) -> TensorMapArg:
     u64, u32 = drv.cuuint64_t, drv.cuuint32_t
     err, tmap = drv.cuTensorMapEncodeTiled(
         drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-        3,
+        2,
         int(a.data.ptr),
         [u64(v) for v in geo.dims],
         [u64(v) for v in geo.strides],
         [u32(v) for v in geo.box],
-        [u32(1)] * 3,
+        [u32(1)] * 2,
         drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
+        drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
         drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
         drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
     )

@@ -436,21 +436,26 @@ def test_every_hopper_variant(cp, pipe, m, k, n, group_size, act_order, asym):
 
 
 @pytest.mark.parametrize(
-    "m,k,perm,tok",
+    "m,k,perm,tok,swizzle",
     [
-        (1, 64, False, None),
-        (37, 512, True, None),
-        (128, 8192, False, None),
-        (300, 1024, True, None),
-        (1, 64, False, 8),
-        (37, 512, True, 16),
-        (300, 1024, True, 128),
-        (130, 256, False, 64),
+        (1, 64, False, None, False),
+        (37, 512, True, None, False),
+        (128, 8192, False, None, False),
+        (300, 1024, True, None, False),
+        (1, 64, False, 8, False),
+        (37, 512, True, 16, False),
+        (300, 1024, True, 128, False),
+        (130, 256, False, 64, False),
+        (1, 64, False, 8, True),
+        (37, 512, True, 16, True),
+        (300, 1024, True, 128, True),
+        (130, 256, False, 64, True),
     ],
 )
-def test_hopper_activations_exact(cp, m, k, perm, tok):
+def test_hopper_activations_exact(cp, m, k, perm, tok, swizzle):
     """Chunk-major A in one block of all rows (marlin_wgmma) or in blocks of ``tok``
-    token rows (marlin_streamk), act-order gathered, padding rows zero."""
+    token rows, or those blocks as marlin_streamk's swizzled slots; act-order gathered,
+    padding rows zero."""
     _hopper_or_skip()
     from converter.gpu import build
 
@@ -471,9 +476,10 @@ def test_hopper_activations_exact(cp, m, k, perm, tok):
             np.int32(k),
             np.int32(m_pad),
             np.int32(tok or m_pad),
+            np.int32(swizzle),
         ),
     )
-    want = ref.hopper_activations(a, p, m_pad, tok)
+    want = ref.hopper_activations(a, p, m_pad, tok, swizzle=swizzle)
     got = cp.asnumpy(at).reshape(want.shape)
     assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
 

@@ -1,9 +1,10 @@
 """The persistent Hopper kernel's tensor map of A (``converter.gpu.tensormap``), on the CPU.
 
-The bulk tensor copy is emulated from the map's geometry alone (an element at box
-coordinate (i, r, c) is read at byte ``2 i + strides[0] (t0 + r) + strides[1] (c0 + c)``
-of A, zero where the token is past M), and must give the slot layout that
-``reference.hopper_activations`` defines, exactly.
+The bulk tensor copy is emulated from the map's geometry and the 128-byte swizzle
+rule alone, and must give the slot that ``reference.streamk_x_slot`` defines, exactly;
+read back the way the kernel's swizzled wgmma descriptors address it, that slot must
+give A. (The GPU test that both activation paths give the same bits is in
+test_kernels.py.)
 """
 
 from __future__ import annotations
@@ -20,35 +21,59 @@ from converter.gpu import tensormap
 from converter.gpu.tensormap import activation_box
 
 
-def _tensor_copy(a: np.ndarray, geo, t0: int, c0: int) -> np.ndarray:
-    """One box of ``geo`` at token t0, chunk c0: (2 U, T, 8) in box order (chunk, token, value)."""
+def _tensor_copy(a: np.ndarray, geo, c0: int, t0: int) -> np.ndarray:
+    """One box of ``geo`` at (K offset c0, token t0), emulated from the geometry alone:
+    box element (i, r) is read at byte ``2 (c0 + i) + strides[0] (t0 + r)`` of A (zero
+    where the token is past M) and written at byte ``128 r + 2 i`` of the box, with the
+    128-byte swizzle applied to that address (bits 4-6 XOR bits 7-9). Returns (T, 64)."""
     flat = a.reshape(-1).view(np.uint8)
-    m = geo.dims[1]
-    box = np.zeros(geo.box[::-1], dtype=np.float16)
-    for c in range(geo.box[2]):
-        for r in range(geo.box[1]):
-            if t0 + r >= m:
-                continue  # out of range: the copy delivers zeros
-            at = geo.strides[0] * (t0 + r) + geo.strides[1] * (c0 + c)
-            box[c, r] = flat[at : at + 2 * geo.box[0]].view(np.float16)
-    return box
+    width, rows = geo.box
+    out = np.zeros(rows * 2 * width, dtype=np.uint8)
+    for r in range(rows):
+        if t0 + r >= geo.dims[1]:
+            continue  # out of range: the copy delivers zeros
+        src = geo.strides[0] * (t0 + r) + 2 * c0
+        for i in range(0, width, 8):  # 16-byte pieces
+            dst = 128 * r + 2 * i
+            dst ^= ((dst >> 7) & 7) << 4
+            out[dst : dst + 16] = flat[src + 2 * i : src + 2 * i + 16]
+    return out.view(np.float16).reshape(rows, width)
+
+
+def _wgmma_reads(slot: np.ndarray, tok: int, u: int, r: int, k: int) -> np.float16:
+    """The value wgmma's 128-byte-swizzled K-major operand sees at (token r, value k of
+    the stage), the start address stepped as the kernel's x_step does (box u / 4 at
+    u / 4 T 128, then 32 bytes per k-tile in the row), 8-row atoms 1024 bytes apart
+    (the descriptor's stride byte offset), the swizzle applied to the address."""
+    kt, kk = divmod(k, 16)
+    start = (kt // 4) * tok * 128 + (kt % 4) * 32
+    addr = start + (r // 8) * 1024 + (r % 8) * 128 + 2 * kk
+    addr ^= ((addr >> 7) & 7) << 4
+    return slot.reshape(-1)[addr // 2]
 
 
 @pytest.mark.parametrize(
-    ("m", "k", "tok", "u"), [(1, 256, 8, 8), (13, 512, 16, 8), (40, 256, 32, 4), (130, 128, 128, 4)]
+    ("m", "k", "tok", "u"), [(1, 256, 8, 8), (13, 512, 16, 8), (40, 256, 32, 4), (130, 128, 128, 4), (70, 256, 64, 8)]
 )
-def test_activation_box_is_the_wgmma_slot_layout(m: int, k: int, tok: int, u: int) -> None:
+def test_activation_box_is_the_swizzled_slot_wgmma_reads(m: int, k: int, tok: int, u: int) -> None:
+    """Each stage's boxes, copied as the map's geometry says, are reference.streamk_x_slot
+    exactly; and read back as the kernel's swizzled descriptors address them, they give A
+    (zeros past M)."""
     rng = np.random.default_rng(m)
     a = rng.normal(0, 1, (m, k)).astype(np.float16)
     geo = activation_box(m, k, tok, u)
-    assert geo.dims == (8, m, k // 8) and geo.strides == (2 * k, 16) and geo.box == (8, tok, 2 * u)
-    assert geo.box_bytes == 2 * np.prod(geo.box)
-    m_pad = -(-m // tok) * tok
-    want = ref.hopper_activations(a, None, m_pad, tok)  # (chunks of tokens, K / 8, T, 8)
-    for mc in range(m_pad // tok):
+    assert geo.dims == (k, m) and geo.strides == (2 * k,) and geo.box == (64, tok) and geo.boxes == u // 4
+    assert geo.stage_bytes == geo.boxes * 2 * np.prod(geo.box) == 32 * tok * u
+    for mc in range(-(-m // tok)):
         for kt in range(0, k // 16, u):
-            got = _tensor_copy(a, geo, mc * tok, 2 * kt)
-            assert np.array_equal(got, want[mc, 2 * kt : 2 * kt + 2 * u])
+            got = np.stack([_tensor_copy(a, geo, 16 * kt + 64 * b, mc * tok) for b in range(geo.boxes)])
+            want = ref.streamk_x_slot(a, tok, u, mc, kt)
+            assert np.array_equal(got, want)
+            for r in range(tok):
+                tok_row = mc * tok + r
+                seen = np.array([_wgmma_reads(want, tok, u, r, kk) for kk in range(16 * u)])
+                expect = a[tok_row, 16 * kt : 16 * (kt + u)] if tok_row < m else np.zeros(16 * u, np.float16)
+                assert np.array_equal(seen, expect), (mc, kt, r)
 
 
 @pytest.mark.parametrize(
@@ -56,9 +81,9 @@ def test_activation_box_is_the_wgmma_slot_layout(m: int, k: int, tok: int, u: in
     [
         (0, 256, 8, 8, "M >= 1"),
         (4, 200, 8, 8, "K a multiple of 16 U = 128"),
+        (4, 256, 8, 2, "U a multiple of 4"),
         (4, 256, 12, 8, "T a multiple of 8 up to 256"),
         (4, 256, 264, 8, "T a multiple of 8 up to 256"),
-        (4, 8192, 8, 256, "2 U at most 256"),
     ],
 )
 def test_activation_box_rejects_what_the_copy_cannot_do(m: int, k: int, tok: int, u: int, rule: str) -> None:
@@ -81,3 +106,20 @@ def test_without_cuda_bindings_the_kernel_takes_the_relayout_path(monkeypatch: p
             tensormap._driver()
     finally:
         tensormap.available.cache_clear()
+
+
+@pytest.mark.parametrize(("m", "k", "tok", "u"), [(5, 256, 8, 8), (40, 512, 32, 4), (130, 256, 128, 4)])
+def test_relaid_out_activations_are_the_slots_back_to_back(m: int, k: int, tok: int, u: int) -> None:
+    """hopper_activations with swizzle (the path without a tensor map) holds every
+    stage's slot as one contiguous run: stage s of token block b at values
+    ``(b K + 16 U s) T`` on, equal to reference.streamk_x_slot."""
+    rng = np.random.default_rng(k)
+    a = rng.normal(0, 1, (m, k)).astype(np.float16)
+    m_pad = -(-m // tok) * tok
+    flat = ref.hopper_activations(a, None, m_pad, tok, swizzle=True).reshape(-1)
+    assert flat.size == m_pad * k
+    for b in range(m_pad // tok):
+        for kt in range(0, k // 16, u):
+            at = (b * k + 16 * kt) * tok
+            run = flat[at : at + 16 * u * tok]
+            assert np.array_equal(run, ref.streamk_x_slot(a, tok, u, b, kt).reshape(-1))
