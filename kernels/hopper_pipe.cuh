@@ -1,7 +1,7 @@
 // hopper_pipe.cuh: the pieces both Hopper GEMMs (sm_90a) build on: marlin_wgmma.cu
 // (one block per K split, every warp copies and computes) and marlin_streamk.cu
-// (persistent, a producer warpgroup and two consumer warpgroups). wgmma's no-swizzle
-// descriptor, the weights as its register operand, mbarriers and bulk copies; all from
+// (persistent, a producer warpgroup and two consumer warpgroups). wgmma's no-swizzle and
+// 128-byte-swizzle descriptors, the weights as its register operand, mbarriers and bulk copies; all from
 // the PTX ISA (sections "Asynchronous Warpgroup Level Matrix Multiply-Accumulate",
 // "mbarrier", "cp.async.bulk"), no library code.
 

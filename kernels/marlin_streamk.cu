@@ -148,7 +148,7 @@ struct Piece {
 // per 8 codes instead of 13. The close reads wgmma accumulators, which ptxas allows only
 // outside a run of in-flight products (else it serializes every wgmma: C7514, even
 // after a wait_group 0 in the middle of the run); so a stage first dequantizes its first
-// k-tile while the stage before still multiplies, then drains (wait_group 0), closes
+// pair of k-tiles while the stage before still multiplies, then drains (wait_group 0), closes
 // the stage before and starts its own products.
 template <int T, bool HAS_DELTA>
 __device__ __forceinline__ void gs_close(float (&acc)[2][T / 2], const float (&gp)[2][T / 2], const float (&gx)[T / 2],
@@ -352,7 +352,7 @@ marlin_streamk(const __grid_constant__ TensorMap xmap, const u16* __restrict__ A
     const int g4 = lane >> 2, t4 = lane & 3;
     float acc[2][T / 2];
     u32 s2[2], d2[2];  // the open group's scales / deltas of this lane's 4 features, as fp16 pairs
-    u32 af[WG_DEPTH][2][4];  // register sets of the two wgmma's weight fragments, one per group in flight
+    u32 af[WG_DEPTH][2][4];  // register sets of the two wgmma's weight fragments, one per k-tile (two a group)
     float gp[2][T / 2], gx[T / 2], sf[4], df[4];  // GS: the last stage's sums, scales and deltas
     const u32 w_lane = L::W_OFF + warp * 512 + lane * 16 + 4 * j0;
     const u32 s_lane = (u32)(warp * 128 + 16 * g4 + 4 * j0);

@@ -474,9 +474,9 @@ class Tuning:
             out by ``hopper_activations`` beyond (one more kernel a call; the path
             without cuda-bindings). At the default every chunk reads the map: on an H200
             (scripts/bench_gemm_h200_xmap.json, one run, fused us, map / re-laid out)
-            0-5 % faster on the 70B shapes (28672 x 8192 M = 128 103.8 / 110.6, M = 256
-            184.7 / 208.2) and 6-14 % on the 7B shapes, 8192² and 4096² (8192² M = 32
-            20.8 / 23.1); the decode-routed rows even.
+            0-3 % faster on 8192 x 57344, 6-13 % on 28672 x 8192 (M = 128 103.8 / 110.6,
+            M = 256 184.7 / 208.2) and 6-14 % on the 7B shapes, 8192² and 4096² (8192²
+            M = 32 20.8 / 23.1); the decode-routed rows even.
         streamk_fix: the persistent kind's cost of adding one more
             block's piece of a unit, in stage times per 32 tokens of the chunk
             (:func:`plan_streamk`).

@@ -47,6 +47,8 @@ class ActivationBox:
         strides: byte stride of dimension 1: ``(2 K,)``.
         box: box extents: ``(64, T)``, 128-byte swizzled.
         boxes: boxes per pipeline stage: ``U / 4`` (at K offsets 0, 64, ...).
+        swizzle: bytes of the shared-memory swizzle span the copy writes: 128
+            (``CU_TENSOR_MAP_SWIZZLE_128B``; the kernel's descriptor says the same).
         stage_bytes: bytes one stage's boxes deliver, zero-filled tokens included:
             ``32 T U``.
     """
@@ -56,6 +58,7 @@ class ActivationBox:
     box: tuple[int, int]
     boxes: int
     stage_bytes: int
+    swizzle: int = BOX_VALUES * 2
 
 
 def activation_box(m: int, size_k: int, tok: int, u: int) -> ActivationBox:
@@ -172,7 +175,7 @@ def activation_map(a: Any, tok: int, u: int) -> TensorMapArg:
         [u32(v) for v in geo.box],
         [u32(1)] * 2,
         drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        getattr(drv.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{geo.swizzle}B"),
         drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
         drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
     )

@@ -63,6 +63,7 @@ def test_activation_box_is_the_swizzled_slot_wgmma_reads(m: int, k: int, tok: in
     a = rng.normal(0, 1, (m, k)).astype(np.float16)
     geo = activation_box(m, k, tok, u)
     assert geo.dims == (k, m) and geo.strides == (2 * k,) and geo.box == (64, tok) and geo.boxes == u // 4
+    assert geo.swizzle == 128  # the 128-byte pattern _tensor_copy applies
     assert geo.stage_bytes == geo.boxes * 2 * np.prod(geo.box) == 32 * tok * u
     for mc in range(-(-m // tok)):
         for kt in range(0, k // 16, u):
@@ -108,18 +109,63 @@ def test_without_cuda_bindings_the_kernel_takes_the_relayout_path(monkeypatch: p
         tensormap.available.cache_clear()
 
 
-@pytest.mark.parametrize(("m", "k", "tok", "u"), [(5, 256, 8, 8), (40, 512, 32, 4), (130, 256, 128, 4)])
-def test_relaid_out_activations_are_the_slots_back_to_back(m: int, k: int, tok: int, u: int) -> None:
-    """hopper_activations with swizzle (the path without a tensor map) holds every
-    stage's slot as one contiguous run: stage s of token block b at values
-    ``(b K + 16 U s) T`` on, equal to reference.streamk_x_slot."""
+@pytest.mark.parametrize(("m", "k", "tok"), [(5, 256, 8), (40, 512, 32), (130, 256, 128), (3, 192, 24)])
+def test_relaid_out_swizzled_activations_follow_the_kernels_index(m: int, k: int, tok: int) -> None:
+    """reference.hopper_activations(swizzle=True), the twin of the path without a tensor
+    map, against the destination index hopper_activations (kernels/marlin_wgmma.cu)
+    computes for the 16-byte piece of row r, chunk c: ``((r / tok) K / 64 + c / 8) tok +
+    r % tok`` rows of 8 pieces, piece ``c % 8 ^ r % 8``; rows past M zero."""
     rng = np.random.default_rng(k)
     a = rng.normal(0, 1, (m, k)).astype(np.float16)
     m_pad = -(-m // tok) * tok
-    flat = ref.hopper_activations(a, None, m_pad, tok, swizzle=True).reshape(-1)
-    assert flat.size == m_pad * k
-    for b in range(m_pad // tok):
-        for kt in range(0, k // 16, u):
-            at = (b * k + 16 * kt) * tok
-            run = flat[at : at + 16 * u * tok]
-            assert np.array_equal(run, ref.streamk_x_slot(a, tok, u, b, kt).reshape(-1))
+    flat = ref.hopper_activations(a, None, m_pad, tok, swizzle=True).reshape(-1, 8)
+    want = np.zeros_like(flat)
+    for r in range(m):
+        for c in range(k // 8):
+            to = (((r // tok) * (k // 64) + c // 8) * tok + r % tok) * 8 + ((c % 8) ^ (r % 8))
+            want[to] = a[r, 8 * c : 8 * c + 8]
+    assert np.array_equal(flat, want)
+
+
+def test_activation_map_asks_the_driver_for_the_swizzled_2d_box(monkeypatch: pytest.MonkeyPatch) -> None:
+    """activation_map's call of cuTensorMapEncodeTiled, seen through a stand-in driver
+    (no GPU): fp16, rank 2, A's address, dims (K, M), stride 2 K, box (64, T), unit
+    element strides, the 128-byte swizzle, zero fill; a refusal names the map."""
+    import enum
+    import types
+
+    calls = []
+
+    def encode(*args):
+        calls.append(args)
+        return drv.CUresult.CUDA_SUCCESS if len(calls) == 1 else "CUDA_ERROR_INVALID_VALUE", types.SimpleNamespace(
+            opaque=list(range(16))
+        )
+
+    names = ["CU_TENSOR_MAP_SWIZZLE_NONE", "CU_TENSOR_MAP_SWIZZLE_64B", "CU_TENSOR_MAP_SWIZZLE_128B"]
+    drv = types.SimpleNamespace(
+        cuuint64_t=int,
+        cuuint32_t=int,
+        cuTensorMapEncodeTiled=encode,
+        CUresult=enum.Enum("CUresult", ["CUDA_SUCCESS"]),
+        CUtensorMapDataType=enum.Enum("DT", ["CU_TENSOR_MAP_DATA_TYPE_FLOAT16"]),
+        CUtensorMapInterleave=enum.Enum("IL", ["CU_TENSOR_MAP_INTERLEAVE_NONE"]),
+        CUtensorMapSwizzle=enum.Enum("SW", names),
+        CUtensorMapL2promotion=enum.Enum("L2", ["CU_TENSOR_MAP_L2_PROMOTION_L2_128B"]),
+        CUtensorMapFloatOOBfill=enum.Enum("OOB", ["CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE"]),
+    )
+    monkeypatch.setattr(tensormap, "_driver", lambda: drv)
+    monkeypatch.setattr(tensormap, "_as_arg", lambda raw: raw)
+    a = types.SimpleNamespace(shape=(40, 512), data=types.SimpleNamespace(ptr=0x7000))
+    raw = tensormap.activation_map(a, 32, 8)
+    assert raw.dtype == np.uint8 and raw.size == tensormap.TENSOR_MAP_BYTES
+    dtype, rank, ptr, dims, strides, box, elem, interleave, swizzle, _, fill = calls[0]
+    assert (dtype.name, rank, ptr) == ("CU_TENSOR_MAP_DATA_TYPE_FLOAT16", 2, 0x7000)
+    assert (dims, strides, box, elem) == ([512, 40], [1024], [64, 32], [1, 1])
+    assert (interleave.name, swizzle.name, fill.name) == (
+        "CU_TENSOR_MAP_INTERLEAVE_NONE",
+        "CU_TENSOR_MAP_SWIZZLE_128B",
+        "CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE",
+    )
+    with pytest.raises(KernelError, match="cuTensorMapEncodeTiled refused A's map"):
+        tensormap.activation_map(a, 32, 8)
