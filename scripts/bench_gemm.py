@@ -254,8 +254,8 @@ def main() -> int:
         "16-row tiles, h = Hopper kernel with R 8-token tiles, f = the same with its warpgroups "
         "splitting the features, p = the persistent Hopper kernel, g = the same with per-group scaling, "
         "R 0 = the tiles that hold M; "
-        "x U x NS; w = waves target; optional o = blocks per SM cap, m = the persistent kernel's "
-        "tensor-map token cap, m0 re-lays A out first)",
+        "x U x NS; w = waves target; optional i = the persistent kernel's stages per block, "
+        "o = blocks per SM cap, m = its tensor-map token cap, m0 re-lays A out first; in that order)",
     )
     ap.add_argument(
         "--sweep-splits",
@@ -335,12 +335,14 @@ def main() -> int:
             row["ours_sym"], row["ours_fused"] = (s1 + s2) / 2, (f1 + f2) / 2
             row["ours_2k"] = ours(kernels.marlin_gemm_two_kernel, Ds)
             for spec in args.sweep.split(",") if args.sweep else []:
-                # d|w|t R x U x NS w waves [o blocks per SM] [m map cap], e.g. d1x4x3w1,
+                # d|w|t R x U x NS w waves [i stages per persistent block] [o blocks per SM]
+                # [m map cap], e.g. d1x4x3w1,
                 # t1x4x3w1, d1x4x3w1o3, p0x8x6w1m0 (the persistent kernel on re-laid-out A),
                 # w1m0 (whatever the planner picks, A re-laid out where that is persistent)
                 pipe_s, w = spec.rsplit("w", 1)
                 w, _, xcap = w.partition("m")
                 w, _, occ = w.partition("o")
+                w, _, its = w.partition("i")
                 pipe, kind = None, None  # "w1m0": the planner's own variant, only the knobs changed
                 if pipe_s:
                     kind = KernelKind(
@@ -362,6 +364,8 @@ def main() -> int:
                 swept = dataclasses.replace(base, waves=int(w), occupancy_cap=cap)
                 if xcap:
                     swept = dataclasses.replace(swept, hopper_xmap_max_tok=int(xcap))
+                if its:
+                    swept = dataclasses.replace(swept, streamk_iters=int(its))
                 row[f"sym_{spec}"] = ours(kernels.marlin_gemm, None, pipe=pipe, tuning=swept)
                 row[f"fused_{spec}"] = ours(kernels.marlin_gemm, Ds16, pipe=pipe, tuning=swept)
             if args.sweep_splits and row["plan"]["kind"] in sweep_kinds:

@@ -60,7 +60,8 @@ if hopper:  # every Hopper variant: full/ragged chunks, several chunks, ragged N
           (1, 2048, 320, 128, False, 1, ("hopper_skg", 1, 8, 6), None),
           (13, 1024, 512, 256, True, 3, ("hopper_skg", 2, 8, 6), 509),
           (20, 4096, 256, -1, True, 2, ("hopper_skg", 3, 8, 6), None),
-          (40, 1024, 1280, 128, False, None, ("hopper_skg", 4, 8, 6), 1200)]
+          (40, 1024, 1280, 128, False, None, ("hopper_skg", 4, 8, 6), 1200),
+          (100, 1024, 768, 128, True, 3, ("hopper_skg", 4, 8, 6), 700)]  # four chunks, the last ragged
     cases = [c + (None,) for c in cases] + [c[:5] + (None,) + c[6:] + (c[5],) for c in sk]
     if os.environ.get("SANITIZE_ONLY"):  # e.g. hopper_sk,hopper_skg: only the cases of those kinds
         cases = [c for c in cases if c[6] and c[6][0] in os.environ["SANITIZE_ONLY"].split(",")]

@@ -247,11 +247,13 @@ def marlin_gemm(
     work (:func:`converter.gpu.plan.gemm_path` picks by M, N and the device): for small
     M the decode kernel (``kernels/marlin_decode.cu``) sums ``A (q - 8)`` and A per
     group in fp32 and applies ``s`` and ``d`` once per group; on sm_90 the persistent
-    Hopper kernel (``kernels/marlin_streamk.cu``) serves 8-16 rows in its per-group form
+    Hopper kernel (``kernels/marlin_streamk.cu``) serves 1-16 rows in its per-group form
     (``hopper_skg``, the decode kernel's arithmetic) on every layer of N >= 4096 above
     4096 x 4096 weights whose groups allow, and M >= 17 in its per-weight form
     (``hopper_sk``) on every layer of N >= 4096 and at least 4096 x 4096 weights (M >= 9
-    above 4096 x 4096 and up to 8192 x 8192 weights), reading A in place through a
+    above 4096 x 4096 and up to 8192 x 8192 weights); on small layers (1024 <= N <=
+    4096, 2^23 to 4096 x 4096 weights) ``hopper_sk`` at 8-32 rows and ``hopper_skg`` in
+    32-token chunks beyond where the groups allow; reading A in place through a
     128-byte-swizzled tensor map (``converter.gpu.tensormap``; without cuda-bindings A
     re-laid out the same way by ``hopper_activations`` first); the other Hopper
     kinds (``kernels/marlin_wgmma.cu``) the larger M of smaller and thin layers; the

@@ -462,12 +462,19 @@ class Tuning:
             us, same-process probes) at 8 rows: 8192 x 57344 74.9 against the decode
             kernel's 77.8, 28672 x 8192 42.7 / 45.8, 14336 x 4096 16.2 / 18.9; at 16
             rows 81.7 / 91.2 (decode), 46.0 / 52.2, and 18.3-18.7 against hopper_sk's
-            20.3-21.4 (14336 x 4096, 4096 x 14336, 8192²). The decode kernel stays faster at 1
-            row (68.3 / 74.7 on 8192 x 57344) and on 4096² at 8 rows (9.5 / 10.1); 2-7
-            rows were not timed. At 24-32 rows ``hopper_sk`` with 8-tile stages and the
-            tensor-map activations is faster (scripts/bench_gemm_h200_skg_sweep.json,
-            one run: 8192 x 57344 M = 24 96.7 / 102.5, M = 32 107.4 / 109.5;
-            28672 x 8192 52.7 / 55.4, 54.9 / 58.3; the 7B shapes not compared there).
+            20.3-21.4 (14336 x 4096, 4096 x 14336, 8192²). From 1 row since the
+            kernel's 8-tile stages and tensor-map activations (2026-12-03T13:57Z, fused
+            us, its 8-token chunk against the decode kernel at 1 / 2 / 4 / 6 rows,
+            scripts/bench_gemm_h200_skg_small_m.json): 8192 x 57344 63.9 / 64.2 / 64.2 /
+            64.4 against 67.6 / 68.9 / 71.1 / 75.3; 28672 x 8192 35.9 / 36.2 / 36.1 / 36.1
+            against 36.8 / 37.0 / 38.7 / 41.8; 8192² 14.5-14.7 against 14.7-17.8;
+            4096 x 14336 14.3-14.4 against 14.4-17.8; 14336 x 4096 13.7-13.8 against
+            14.5-17.6 (the decode kernel's A copies and mma grow with the rows, the
+            persistent kernel's 8-token chunk costs the same at 1 row as at 8). At 24-32
+            rows ``hopper_sk`` with 8-tile stages and the tensor-map activations is
+            faster (scripts/bench_gemm_h200_skg_sweep.json, one run: 8192 x 57344
+            M = 24 96.7 / 102.5, M = 32 107.4 / 109.5; 28672 x 8192 52.7 / 55.4,
+            54.9 / 58.3; the 7B shapes not compared there).
         hopper_xmap_max_tok: the persistent kinds read A in place through a tensor map
             (converter/gpu/tensormap.py: boxes of 64 values of K x T tokens, 128-byte
             swizzled) when their token chunk is at most this many tokens, and A re-laid
@@ -477,6 +484,28 @@ class Tuning:
             0-3 % faster on 8192 x 57344, 6-13 % on 28672 x 8192 (M = 128 103.8 / 110.6,
             M = 256 184.7 / 208.2) and 6-14 % on the 7B shapes, 8192² and 4096² (8192²
             M = 32 20.8 / 23.1); the decode-routed rows even.
+        hopper_small_lo_kn, hopper_small_sk_min_m, hopper_small_sk_max_m,
+        hopper_small_skg_min_m, hopper_small_skg_n4096_max_m: small layers (1024 <= N <=
+            4096, hopper_small_lo_kn .. hopper_small_kn weights) take the persistent
+            kernel ahead of every other rule: ``hopper_sk`` with 4-tile stages at
+            hopper_small_sk_min_m..hopper_small_sk_max_m rows, and its per-group form
+            (``hopper_skg``) in 32-token chunks from hopper_small_skg_min_m rows where
+            its 8-tile stages hold the group (on layers of N = 4096 up to
+            hopper_small_skg_n4096_max_m rows). More units of fewer tokens means fewer
+            cut pieces per unit for the one block that adds them. On an H200 (fused us;
+            scripts/bench_gemm_h200_small_sweep.json against the kernels then routed,
+            then the routed run of 2026-12-03T13:55Z): 8192 x 1024 at 8 / 16 / 24 / 32
+            rows 8.9 / 10.4 / 11.6 / 12.5 against 10.1 / 10.8 (decode) and 14.0 / 15.5
+            (tile); at 48 / 64 / 96 / 128 / 256 rows 14.2 / 14.3 / 14.6 / 14.6 / 19.8
+            against ``hopper_fs``'s 17.5 / 17.5 / 20.2 / 23.0 / 29.6 (``hopper_sk`` at 48:
+            16.1); 4096² at 8 / 16 / 24 / 32 rows 8.9 / 9.7 / 10.6 / 11.5 against 9.8 /
+            11.9 (decode) and 10.5 / 11.6 (8-tile stages), at 48 / 64 / 96 / 128 rows 13.9
+            / 14.1 / 18.1 / 19.5 against 14.4 / 16.6 / 20.7 / 25.4 (``hopper_sk`` at 48:
+            13.5), at 256 rows 29.6 against ``hopper_sk``'s 26.5 (hence the cap). Only
+            those two layers were measured; the rest of the class is an extrapolation.
+            Group sizes the 8-tile stages do not hold keep the other rules beyond
+            hopper_small_sk_max_m rows. Still slower than cuBLAS fp16 there from 16 rows
+            on 8192 x 1024 and from 64 on 4096² (the fp16 GEMM runs 10-16 us whatever M).
         streamk_fix: the persistent kind's cost of adding one more
             block's piece of a unit, in stage times per 32 tokens of the chunk
             (:func:`plan_streamk`).
@@ -521,9 +550,14 @@ class Tuning:
     hopper_sk_min_m: int = 17
     hopper_sk_small_min_m: int = 9
     hopper_sk_small_kn: int = 8192 * 8192
-    hopper_skg_min_m: int = 8
+    hopper_skg_min_m: int = 1
     hopper_skg_max_m: int = 16
     hopper_xmap_max_tok: int = 128
+    hopper_small_lo_kn: int = 8192 * 1024
+    hopper_small_sk_min_m: int = 8
+    hopper_small_sk_max_m: int = 32
+    hopper_small_skg_min_m: int = 33
+    hopper_small_skg_n4096_max_m: int = 128
     streamk_fix: float = 1.0
     streamk_iters: int | None = None
 
@@ -632,6 +666,13 @@ def gemm_path(
     """
     if hopper and tuning.hopper:
         kn = size_k * size_n
+        if _small_persistent(size_k, size_n, tuning):
+            skg_fits = group_tiles is None or _stage8(size_k, group_tiles)
+            skg_max = tuning.hopper_small_skg_n4096_max_m if size_n >= 4096 else m
+            if skg_fits and tuning.hopper_small_skg_min_m <= m <= skg_max:
+                return KernelKind.HOPPER_SKG
+            if tuning.hopper_small_sk_min_m <= m <= tuning.hopper_small_sk_max_m:
+                return KernelKind.HOPPER_SK
         if (
             size_n >= 4096
             and kn > tuning.hopper_small_kn
@@ -664,6 +705,11 @@ def gemm_path(
     if m <= tuning.decode_max_m and size_n > tuning.wide_n:
         return KernelKind.DECODE_W
     return KernelKind.TILE
+
+
+def _small_persistent(size_k: int, size_n: int, tuning: Tuning) -> bool:
+    """The small layers the persistent kernel serves in small units (see :class:`Tuning`)."""
+    return 1024 <= size_n <= 4096 and tuning.hopper_small_lo_kn <= size_k * size_n <= tuning.hopper_small_kn
 
 
 def _small_decode(m: int, size_k: int, size_n: int, tuning: Tuning) -> bool:
@@ -723,9 +769,10 @@ def default_pipe(
         tiles of :data:`HOPPER_SK_RS` that hold M (128 tokens beyond): 8-tile stages,
         6 of them, where they hold one group slot and the chunk is one of
         :data:`HOPPER_SK8_RS` (at 24-64 rows 1-8 % faster than 4-tile stages on an
-        H200), else 4-tile stages, 8 of them; its per-group form (``hopper_skg``,
-        8-tile stages only: :func:`gemm_path` does not give it where they do not fit)
-        the fewest of :data:`HOPPER_SKG_RS`. The
+        H200) and the layer is not a small one (:class:`Tuning`: hopper_small_*), else
+        4-tile stages, 8 of them; its per-group form (``hopper_skg``, 8-tile stages
+        only: :func:`gemm_path` does not give it where they do not fit) the fewest of
+        :data:`HOPPER_SKG_RS` (32-token chunks beyond). The
         other Hopper kernel's block holds the fewest 8-token tiles
         (:data:`HOPPER_RS`, or 16) that hold M; beyond 128 rows, 128-token chunks
         (the feature-split kernel: 48, 64, 96 or 128 tokens; NS = 6 up to 64 tokens,
@@ -734,10 +781,13 @@ def default_pipe(
     kind = gemm_path(m, size_n, tuning, hopper=hopper, size_k=size_k, group_tiles=group_tiles)
     stage8 = _stage8(size_k, group_tiles)
     if kind is KernelKind.HOPPER_SKG:
-        return Pipe(kind, next(r for r in HOPPER_SKG_RS if 8 * r >= m), 8, 6)
+        return Pipe(kind, next((r for r in HOPPER_SKG_RS if 8 * r >= m), HOPPER_SKG_RS[-1]), 8, 6)
     if kind is KernelKind.HOPPER_SK:
         r = next(r for r in HOPPER_SK_RS if 8 * r >= min(m, 128))
-        return Pipe(kind, r, 8, 6) if stage8 and r in HOPPER_SK8_RS else Pipe(kind, r, 4, 8)
+        small = (
+            hopper and tuning.hopper and _small_persistent(size_k, size_n, tuning) and m >= tuning.hopper_small_sk_min_m
+        )
+        return Pipe(kind, r, 8, 6) if stage8 and r in HOPPER_SK8_RS and not small else Pipe(kind, r, 4, 8)
     if kind is KernelKind.HOPPER_FS:
         if _thin_fs(m, size_k, size_n, tuning):
             return Pipe(kind, 4 if m <= 128 else 8, 4, 6)

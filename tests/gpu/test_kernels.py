@@ -65,6 +65,32 @@ def _dev(cp, x):
 
 @pytest.mark.parametrize("m,k,n,group_size,act_order,asym", CASES)
 def test_gemm_matches_twin(cp, m, k, n, group_size, act_order, asym):
+    _routed_call_matches_twin(cp, m, k, n, group_size, act_order, asym)
+
+
+@pytest.mark.parametrize(
+    "m,k,n,group_size,act_order,asym,kind",
+    [
+        # the small layers' persistent route (plan.Tuning.hopper_small_*): 4-tile stages
+        # at 8-32 rows, the per-group form in 32-token chunks beyond (2, 4 ragged, 8 chunks)
+        (8, 8192, 1024, 128, True, True, "hopper_sk"),
+        (32, 2048, 4096, 64, False, True, "hopper_sk"),
+        (33, 8192, 1024, 128, False, True, "hopper_skg"),
+        (100, 8192, 1024, 256, True, True, "hopper_skg"),
+        (256, 8192, 1024, -1, False, True, "hopper_skg"),
+        (128, 4096, 4096, 128, True, False, "hopper_skg"),
+        (129, 4096, 4096, 128, False, True, "hopper_sk"),
+    ],
+)
+def test_small_layer_routes_match_twin(cp, m, k, n, group_size, act_order, asym, kind):
+    """The planner's own route on a small layer (asserted on sm_90, where it exists) gives
+    the twin's product within the bound, deterministically."""
+    if kernels.hopper_device():
+        assert kernels.gemm_plan(m, k, n, group_size, delta=asym).kind == kind
+    _routed_call_matches_twin(cp, m, k, n, group_size, act_order, asym)
+
+
+def _routed_call_matches_twin(cp, m, k, n, group_size, act_order, asym):
     rng = np.random.default_rng([m, k, n, group_size % 997, act_order, asym])
     L = make_layer(rng, k, n, group_size, act_order, asym)
     a = rng.standard_normal((m, k), dtype=np.float32).astype(np.float16)
@@ -505,6 +531,8 @@ STREAMK_CASES = [
 # two chunks, per-channel, act-order, symmetric, whole units.
 STREAMK_G_CASES = [
     (1, 1, 8192, 1024, 128, False, True, 1),
+    (4, 128, 2048, 1024, 128, False, True, 2),  # four 32-token chunks
+    (4, 100, 4096, 768, 256, True, True, 3),  # four, the last ragged; ragged N
     (2, 13, 4096, 512, 256, True, True, 3),
     (4, 29, 1024, 320, -1, True, True, 2),
     (3, 40, 2048, 1280, 128, False, False, 5),

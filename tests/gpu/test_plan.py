@@ -31,7 +31,15 @@ from converter.gpu.plan import (
 
 #: The persistent Hopper kind switched off: the routes it took over from 17 rows (9 on
 #: the mid-sized layers).
-NO_SK = Tuning(hopper_sk_min_m=10**9, hopper_sk_small_min_m=10**9, hopper_skg_min_m=10**9)
+NO_SK = Tuning(
+    hopper_sk_min_m=10**9,
+    hopper_sk_small_min_m=10**9,
+    hopper_skg_min_m=10**9,
+    hopper_small_sk_min_m=10**9,
+    hopper_small_skg_min_m=10**9,
+)
+#: The rules without the small layers' persistent route (Tuning.hopper_small_*).
+NO_SMALL = Tuning(hopper_small_sk_min_m=10**9, hopper_small_skg_min_m=10**9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,7 +265,8 @@ def test_hopper_routing() -> None:
     ],
 )
 def test_thin_layers_take_feature_split_chunks(m: int, k: int, n: int, pipe) -> None:
-    assert default_pipe(m, k, n, 8, H200.smem_per_block_optin, hopper=True) == pipe
+    """With the small layers' persistent route off (the rule below it)."""
+    assert default_pipe(m, k, n, 8, H200.smem_per_block_optin, NO_SMALL, hopper=True) == pipe
     assert default_pipe(m, k, n, 8, H200.smem_per_block_optin, hopper=False)[0] == "tile"
 
 
@@ -281,12 +290,46 @@ def test_thin_layers_take_feature_split_chunks(m: int, k: int, n: int, pipe) -> 
     ],
 )
 def test_small_layers_take_8_row_decode_chunks_at_9_to_16_rows(m: int, k: int, n: int, pipe) -> None:
-    assert default_pipe(m, k, n, 8, H200.smem_per_block_optin, hopper=True) == pipe
+    """With the small layers' persistent route off (the rule below it)."""
+    assert default_pipe(m, k, n, 8, H200.smem_per_block_optin, NO_SMALL, hopper=True) == pipe
     if 8 < m <= 16 and n <= 4096:  # the sm_80..89 rule is unchanged
         assert default_pipe(m, k, n, 8, H200.smem_per_block_optin, hopper=False)[0] == "tile"
-    off = Tuning(hopper_decode_small_kn=0)
+    off = dataclasses.replace(NO_SMALL, hopper_decode_small_kn=0)
     if pipe == ("decode", 1, 4, 3) and m > 8:
         assert default_pipe(m, k, n, 8, H200.smem_per_block_optin, off, hopper=True)[0] == "tile"
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "n", "group_tiles", "pipe"),
+    [
+        # H200, scripts/bench_gemm_h200_small_sweep.json (Tuning.hopper_small_*)
+        (7, 8192, 1024, 8, ("decode", 1, 4, 3)),
+        (8, 8192, 1024, 8, ("hopper_sk", 1, 4, 8)),
+        (16, 8192, 1024, 8, ("hopper_sk", 2, 4, 8)),
+        (32, 8192, 1024, 8, ("hopper_sk", 4, 4, 8)),
+        (33, 8192, 1024, 8, ("hopper_skg", 4, 8, 6)),  # 32-token chunks, two of them
+        (256, 8192, 1024, 8, ("hopper_skg", 4, 8, 6)),  # N < 4096: no cap
+        (8, 4096, 4096, 8, ("hopper_sk", 1, 4, 8)),
+        (24, 4096, 4096, 8, ("hopper_sk", 3, 4, 8)),  # 4-tile stages, not the large layers' 8
+        (48, 4096, 4096, 8, ("hopper_skg", 4, 8, 6)),
+        (128, 4096, 4096, 8, ("hopper_skg", 4, 8, 6)),
+        (129, 4096, 4096, 8, ("hopper_sk", 16, 4, 8)),  # N = 4096 past 128 rows: hopper_sk
+        (64, 2048, 4096, 8, ("hopper_skg", 4, 8, 6)),  # 2^23 weights: the class's least
+        # group 64 (4 tiles): no 8-tile stage holds it; past 32 rows the other rules
+        (64, 8192, 1024, 4, ("hopper_fs", 4, 4, 6)),
+        (64, 4096, 4096, 4, ("hopper_sk", 8, 4, 8)),
+        (16, 8192, 1024, 4, ("hopper_sk", 2, 4, 8)),
+        # outside the class: too few weights, N < 1024, or more than 4096² weights
+        (16, 2048, 2048, 8, ("decode", 1, 4, 3)),
+        (64, 16384, 512, 8, ("tile", 4, 2, 3)),
+        (8, 8192, 4096, 8, ("hopper_skg", 1, 8, 6)),
+        (48, 8192, 4096, 8, ("hopper_sk", 6, 8, 6)),
+    ],
+)
+def test_small_layers_take_the_persistent_kernel_in_small_units(m: int, k: int, n: int, group_tiles: int, pipe) -> None:
+    limit = H200.smem_per_block_optin
+    assert default_pipe(m, k, n, group_tiles, limit, hopper=True) == pipe
+    assert default_pipe(m, k, n, group_tiles, limit, hopper=False)[0] in ("decode", "tile")
 
 
 @pytest.mark.parametrize(
@@ -499,34 +542,37 @@ def test_streamk_plan_trades_run_length_for_fewer_pieces() -> None:
 
 
 def test_persistent_kernel_routing() -> None:
-    """sm_90: the persistent kernel's per-group form at 8-16 rows on every layer of
+    """sm_90: the persistent kernel's per-group form at 1-16 rows on every layer of
     N >= 4096 and more than 4096 x 4096 weights whose groups its 8-tile stages serve;
     the per-weight form from 17 rows on every layer of N >= 4096 and at least
     4096 x 4096 weights (from 9 up to 8192 x 8192 weights where the per-group form
     cannot serve); the decode (or tile) kernel below; thin, narrow and small layers and
-    sm_80..89 keep their kernels."""
+    sm_80..89 keep their kernels (4096² with the small layers' own route off:
+    test_small_layers_take_the_persistent_kernel_in_small_units has it on)."""
     sk, skg = KernelKind.HOPPER_SK, KernelKind.HOPPER_SKG
     decode, tile, decode_w = KernelKind.DECODE, KernelKind.TILE, KernelKind.DECODE_W
     limit = H200.smem_per_block_optin
     for k, n in ((8192, 57344), (28672, 8192), (4096, 14336), (8192, 8192), (14336, 4096), (28672, 4096), (4096, 4096)):
         small = k * n <= 4096 * 4096
-        for m in (8, 9, 16, 17, 32):
+        on = NO_SMALL if small else Tuning()
+        for m in (1, 2, 7, 8, 9, 16, 17, 32):
             want = sk if m > 16 else decode if small else skg
-            assert gemm_path(m, n, hopper=True, size_k=k) is want, (k, n, m)
-        assert gemm_path(7, n, hopper=True, size_k=k) is decode
+            assert gemm_path(m, n, on, hopper=True, size_k=k) is want, (k, n, m)
+        # group 32: no 8-tile stage holds it, so the decode kernel below 8 rows (9 on small layers)
+        assert gemm_path(7, n, hopper=True, size_k=k, group_tiles=2) is decode
         assert gemm_path(16, n, NO_SK, hopper=True, size_k=k) is (tile if n == 4096 and k > 4096 else decode)
         for m in (33, 64, 128, 300):
-            assert gemm_path(m, n, hopper=True, size_k=k) is sk
+            assert gemm_path(m, n, on, hopper=True, size_k=k) is sk
             # sm_80..89: the decode kernel's per-weight variant up to 32 rows on N > 8192, else the tile kernel
             assert gemm_path(m, n, size_k=k) is (decode_w if m <= 32 and n > 8192 else tile)
         # group 64: no 8-tile stage holds one group; the rules without the per-group form
-        no_skg = Tuning(hopper_skg_min_m=10**9)
+        no_skg = Tuning(hopper_skg_min_m=10**9, hopper_small_skg_min_m=10**9)
         for m in (8, 16, 24):
             want = default_pipe(m, k, n, 4, limit, no_skg, hopper=True)
             assert default_pipe(m, k, n, 4, limit, hopper=True) == want and want.kind is not skg
             assert want.u == 4 or want.kind is not sk
     assert gemm_path(64, 8192, hopper=True, size_k=1024) is KernelKind.HOPPER  # below 4096 x 4096
-    assert gemm_path(64, 1024, hopper=True, size_k=8192) is KernelKind.HOPPER_FS  # thin
+    assert gemm_path(64, 1024, NO_SMALL, hopper=True, size_k=8192) is KernelKind.HOPPER_FS  # thin
     ms = (8, 16, 17, 24, 25, 32, 33, 40, 64, 65, 100, 128, 129, 999)
     pipes = [default_pipe(m, 8192, 57344, 8, limit, hopper=True) for m in ms]
     assert [(p.kind, p.r, p.u, p.ns) for p in pipes] == [
