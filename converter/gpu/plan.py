@@ -128,7 +128,8 @@ STREAMK_THREADS = 384
 #: The persistent kind's token chunks, in 8-token tiles: 8 .. 128 tokens (wgmma n8 ..
 #: n128; M beyond 128 in 128-token chunks).
 HOPPER_SK_RS = (1, 2, 3, 4, 6, 8, 12, 16)
-#: The same for its per-group form (``hopper_skg``): 8 .. 32 tokens.
+#: The same for its per-group form (``hopper_skg``): 8 .. 32 tokens (M beyond 32, on the
+#: small layers only, in 32-token chunks).
 HOPPER_SKG_RS = (1, 2, 3, 4)
 #: The persistent kind's chunks that also have 8-tile stages (NS = 6): 24 .. 64 tokens.
 #: (At 8 and 16 tokens, where ``hopper_skg`` serves, they were no faster than it.)
@@ -146,7 +147,9 @@ HOPPER_MAX_T = 64
 HOPPER_RS = (1, 2, 3, 4, 6, 8, 12)
 #: The same for the feature-split kind (``hopper_fs``), routed from 33 rows: 48, 64, 96
 #: and 128 tokens. Its 32- and 64-token blocks (r = 4, 8) also serve the thin layers
-#: (1024 <= N < 4096 with K N >= 2^23, ``Tuning.hopper_fs_thin_min_m``) in chunks.
+#: (1024 <= N < 4096 with K N >= 2^23, ``Tuning.hopper_fs_thin_min_m``) in chunks where
+#: the small layers' persistent route does not (above 4096² weights, or group sizes its
+#: 8-tile stages cannot hold, ``Tuning.hopper_small_*``).
 HOPPER_FS_RS = (6, 8, 12)
 
 
@@ -436,7 +439,9 @@ class Tuning:
             the tile kernel's few column blocks leave the device idle, and 8192 x 1024
             ran 17.6-23.0 us against its 20.8-24.1 at M = 48-128
             (scripts/bench_gemm_h200_thin_splits.json; the only thin layer measured:
-            the others of the class are an extrapolation).
+            the others of the class are an extrapolation). The small layers' persistent
+            route (hopper_small_*) now takes those of at most 4096² weights first where
+            their groups allow.
         hopper_sk_min_m: the persistent Hopper kernel (``hopper_sk``) serves M >=
             hopper_sk_min_m on every layer of N >= 4096 and at least hopper_small_kn
             weights, ahead of the other Hopper kinds and the tile kernel (which then
@@ -463,14 +468,20 @@ class Tuning:
             kernel's 77.8, 28672 x 8192 42.7 / 45.8, 14336 x 4096 16.2 / 18.9; at 16
             rows 81.7 / 91.2 (decode), 46.0 / 52.2, and 18.3-18.7 against hopper_sk's
             20.3-21.4 (14336 x 4096, 4096 x 14336, 8192²). From 1 row since the
-            kernel's 8-tile stages and tensor-map activations (2026-12-03T13:57Z, fused
+            kernel's 8-tile stages and tensor-map activations (2026-12-03T14:00Z, fused
             us, its 8-token chunk against the decode kernel at 1 / 2 / 4 / 6 rows,
-            scripts/bench_gemm_h200_skg_small_m.json): 8192 x 57344 63.9 / 64.2 / 64.2 /
-            64.4 against 67.6 / 68.9 / 71.1 / 75.3; 28672 x 8192 35.9 / 36.2 / 36.1 / 36.1
-            against 36.8 / 37.0 / 38.7 / 41.8; 8192² 14.5-14.7 against 14.7-17.8;
-            4096 x 14336 14.3-14.4 against 14.4-17.8; 14336 x 4096 13.7-13.8 against
-            14.5-17.6 (the decode kernel's A copies and mma grow with the rows, the
-            persistent kernel's 8-token chunk costs the same at 1 row as at 8). At 24-32
+            scripts/bench_gemm_h200_skg_small_m.json): 8192 x 57344 65.8 / 66.1 / 66.2 /
+            66.1 against 67.6 / 68.9 / 71.1 / 75.3; 14336 x 4096 14.1 / 14.1 / 14.1 / 14.3
+            against 14.5 / 14.6 / 15.3 / 17.6; 28672 x 8192 37.1 / 37.2 / 37.2 / 37.1
+            against 36.8 / 37.0 / 38.7 / 41.8; 8192² 15.1 / 15.1 / 14.9 / 15.1 against
+            14.7 / 15.3 / 15.6 / 17.8; 4096 x 14336 14.7 / 15.0 / 14.8 / 14.8 against
+            14.4 / 15.2 / 16.1 / 17.8. At 1 row a tie (ahead on two layers, 0.8-2.7 %
+            behind on three; in the full run of 14:08Z 0.5-2.7 % behind on 4096 x 14336,
+            8192² and 28672 x 8192 at 1 row); from 4 rows ahead everywhere: the decode
+            kernel's A copies and mma grow with the rows, the persistent kernel's 8-token
+            chunk costs the same at 1 row as at 8. One rule for all: at 1 row it is even
+            over a 70B model's layers (8192 x 57344 + 28672 x 8192 + 8192²: 118.0
+            against 119.1 us). At 24-32
             rows ``hopper_sk`` with 8-tile stages and the tensor-map activations is
             faster (scripts/bench_gemm_h200_skg_sweep.json, one run: 8192 x 57344
             M = 24 96.7 / 102.5, M = 32 107.4 / 109.5; 28672 x 8192 52.7 / 55.4,
@@ -493,22 +504,49 @@ class Tuning:
             its 8-tile stages hold the group (on layers of N = 4096 up to
             hopper_small_skg_n4096_max_m rows). More units of fewer tokens means fewer
             cut pieces per unit for the one block that adds them. On an H200 (fused us;
-            scripts/bench_gemm_h200_small_sweep.json against the kernels then routed,
-            then the routed run of 2026-12-03T13:55Z): 8192 x 1024 at 8 / 16 / 24 / 32
-            rows 8.9 / 10.4 / 11.6 / 12.5 against 10.1 / 10.8 (decode) and 14.0 / 15.5
-            (tile); at 48 / 64 / 96 / 128 / 256 rows 14.2 / 14.3 / 14.6 / 14.6 / 19.8
-            against ``hopper_fs``'s 17.5 / 17.5 / 20.2 / 23.0 / 29.6 (``hopper_sk`` at 48:
-            16.1); 4096² at 8 / 16 / 24 / 32 rows 8.9 / 9.7 / 10.6 / 11.5 against 9.8 /
-            11.9 (decode) and 10.5 / 11.6 (8-tile stages), at 48 / 64 / 96 / 128 rows 13.9
-            / 14.1 / 18.1 / 19.5 against 14.4 / 16.6 / 20.7 / 25.4 (``hopper_sk`` at 48:
-            13.5), at 256 rows 29.6 against ``hopper_sk``'s 26.5 (hence the cap). Only
-            those two layers were measured; the rest of the class is an extrapolation.
-            Group sizes the 8-tile stages do not hold keep the other rules beyond
-            hopper_small_sk_max_m rows. Still slower than cuBLAS fp16 there from 16 rows
+            the sweep columns of scripts/bench_gemm_h200_small_sweep.json against the
+            kernels then routed, then the routed run scripts/bench_gemm_h200.json of
+            2026-12-03T14:08Z): 8192 x 1024 at 8 / 16 / 24 / 32 rows 9.1 / 10.4 / 11.7 /
+            12.7 (routed) against 10.1 / 10.8 (decode) and 14.0 / 15.5 (tile); at 48 / 64 /
+            96 / 128 / 256 rows 14.2 / 14.3 / 14.4 / 14.7 / 19.6 against ``hopper_fs``'s
+            17.5 / 17.5 / 20.2 / 23.0 / 29.6 (``hopper_sk`` at 48: 16.1 in the sweep);
+            4096² at 8 / 16 / 24 / 32 rows 8.7 / 9.7 / 10.7 / 11.3 against 9.8 / 11.9
+            (decode) and 10.5 / 11.6 (8-tile stages), at 48 / 64 / 96 / 128 rows 14.0 /
+            14.0 / 18.0 / 19.2 against 14.4 / 16.6 / 20.7 / 25.4 (``hopper_sk`` at 48:
+            13.5 in the sweep, so 33-48 rows on 4096² are a near tie), at 256 rows the
+            sweep's 29.6 against ``hopper_sk``'s 26.5 (hence the cap; on N = 4096 layers
+            below 4096² weights that leaves the tile kernel past 128 rows, as before).
+            Only those two layers were measured, with group 128; the rest of the class,
+            and groups of 32 or 64 at 8-32 rows (4-tile stages with 2 or 4 group slots),
+            are an extrapolation. Group sizes the 8-tile stages do not hold keep the
+            other rules beyond hopper_small_sk_max_m rows. Still slower than cuBLAS fp16 there from 16 rows
             on 8192 x 1024 and from 64 on 4096² (the fp16 GEMM runs 10-16 us whatever M).
         streamk_fix: the persistent kind's cost of adding one more
             block's piece of a unit, in stage times per 32 tokens of the chunk
             (:func:`plan_streamk`).
+        streamk_misalign: the cost of a run that neither divides nor is a multiple of
+            the unit's stage count, as a fraction of the run, in chunks of up to 64
+            tokens (where the weight stream bounds the kernel): its blocks then start at
+            different stages of their units, and the device's blocks stream B rows far
+            apart at once. A read-only probe of the same bytes (plain 16-byte loads, a
+            .dev probe, scripts/perf_notes.md) streamed 4.3 TB/s with the blocks on
+            neighbouring columns of the same rows and 3.6-3.8 TB/s with each block on its
+            own column strip at its own rows. On an H200 (the aligned run against the
+            planner's shortest; scripts/bench_gemm_h200_streamk_align_1.json, 14:14Z,
+            fused us): 28672 x 8192 runs of 56 stages (128 blocks) against 55 (131) at 1
+            / 8 / 16 / 32 / 64 rows 35.3 / 35.6 / 40.5 / 45.1 / 62.7 against 36.7 / 37.0 /
+            41.8 / 46.3 / 62.6; 4096 x 14336 16 (112 blocks) against 14 (128) at 1 / 8 /
+            16 rows 14.6 / 14.7 / 16.4 against 14.7 / 15.1 / 16.5. After the change
+            (scripts/bench_gemm_h200_streamk_align_2.log, 14:40Z, symmetric us, new /
+            old run forced): 28672 x 8192 at 1 / 8 / 16 / 32 / 64 / 96 / 128 / 256 rows
+            34.5 / 34.6 / 40.0 / 44.6 / 59.5 / 77.0 / 96.9 / 177.4 against 36.1 / 36.4 /
+            40.8 / 46.2 / 61.1 / 78.5 / 102.8 / 177.8; 4096 x 14336 at 1 / 8 / 16 / 24 /
+            32 rows 14.1 / 14.3 / 15.7 / 16.5 / 17.9 against 14.5 / 14.6 / 16.2 / 16.9 /
+            17.8; at 256 rows 14336 x 4096 54.7 / 59.1, 8192² 58.4 / 61.7 (there the piece
+            count alone picks the aligned run, a candidate now). 8192 x 57344 in runs of
+            two whole units (128 stages, 112 blocks) lost (71.6 against 66.5 fused at 1
+            row) and in runs of one (64 stages, 224 blocks) did not gain (66.8 / 66.5):
+            the cost keeps the shortest there (109 + 1 piece + 5 % < 128).
         streamk_iters: forces the persistent kind's stages per block (sweeps); None
             lets :func:`plan_streamk` choose.
         hopper_decode_small_kn: on sm_90, layers of N <= 4096 and at most this many
@@ -520,7 +558,10 @@ class Tuning:
             even at M = 16, so larger layers keep the tile kernel (up to 8192 x 8192
             weights the persistent kernel now takes them first). Only those two
             shapes were measured: narrower or deeper layers of the class (say
-            65536 x 256) are an extrapolation.
+            65536 x 256) are an extrapolation. With the small layers' persistent route
+            (hopper_small_*, from 8 rows) both measured shapes now take ``hopper_sk``
+            there; this rule serves the rest of the class (N < 1024, fewer than 2^23
+            weights).
     """
 
     group_max_m: int = 16
@@ -559,6 +600,7 @@ class Tuning:
     hopper_small_skg_min_m: int = 33
     hopper_small_skg_n4096_max_m: int = 128
     streamk_fix: float = 1.0
+    streamk_misalign: float = 0.05
     streamk_iters: int | None = None
 
     def cap(self, kind: KernelKind) -> int | None:
@@ -785,7 +827,10 @@ def default_pipe(
     if kind is KernelKind.HOPPER_SK:
         r = next(r for r in HOPPER_SK_RS if 8 * r >= min(m, 128))
         small = (
-            hopper and tuning.hopper and _small_persistent(size_k, size_n, tuning) and m >= tuning.hopper_small_sk_min_m
+            hopper
+            and tuning.hopper
+            and _small_persistent(size_k, size_n, tuning)
+            and tuning.hopper_small_sk_min_m <= m <= tuning.hopper_small_sk_max_m
         )
         return Pipe(kind, r, 8, 6) if stage8 and r in HOPPER_SK8_RS and not small else Pipe(kind, r, 4, 8)
     if kind is KernelKind.HOPPER_FS:
@@ -1007,7 +1052,10 @@ def plan_streamk(
     and the last to arrive adds them one after another, so the plan minimises
     ``iters + fix * (pieces - 1)``: the longest run plus the most pieces a unit has,
     each charged ``tuning.streamk_fix`` stage times per 32 tokens (a piece's partial
-    sums are T x 256 floats).
+    sums are T x 256 floats), plus ``tuning.streamk_misalign * iters`` for a run that
+    neither divides nor is a multiple of the unit's stages (chunks of up to 64 tokens).
+    Candidates: the shortest run and up to 4x it, in steps and at every such aligned
+    length.
 
     Returns:
         A :class:`GemmPlan` with ``blocks`` the grid, ``tiles_per_split`` the k-tiles of
@@ -1025,9 +1073,19 @@ def plan_streamk(
         best = min(max(tuning.streamk_iters, least), total)
     else:
         fix = tuning.streamk_fix * max(1.0, tokens / 32)
-        cands = sorted({least, *range(least, min(total, 4 * least) + 1, max(1, least // 16)), stages, total})
+        top = min(total, 4 * least)
+        aligned = {d for d in range(least, min(stages, top) + 1) if stages % d == 0}
+        first = -(-least // stages) * stages
+        aligned |= set(range(first, min(top, first + 16 * stages) + 1, stages))
+        cands = sorted({least, *range(least, top + 1, max(1, least // 16)), *aligned, stages, total})
         cands = [c for c in cands if least <= c <= total]
-        best = min(cands, key=lambda it: (it + fix * (streamk_pieces(units, stages, it) - 1), it))
+
+        def cost(it: int) -> float:
+            aligned = stages % it == 0 or it % stages == 0
+            off = 0.0 if aligned or tokens > 64 else tuning.streamk_misalign * it
+            return it + fix * (streamk_pieces(units, stages, it) - 1) + off
+
+        best = min(cands, key=lambda it: (cost(it), it))
     blocks = -(-total // best)
     warps = pipe.threads // 32
     return GemmPlan(

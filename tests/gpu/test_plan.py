@@ -87,7 +87,16 @@ def test_tuning_defaults_are_the_measured_values() -> None:
         hopper_sk_min_m=17,
         hopper_sk_small_min_m=9,
         hopper_sk_small_kn=8192 * 8192,
+        hopper_skg_min_m=1,
+        hopper_skg_max_m=16,
+        hopper_xmap_max_tok=128,
+        hopper_small_lo_kn=8192 * 1024,
+        hopper_small_sk_min_m=8,
+        hopper_small_sk_max_m=32,
+        hopper_small_skg_min_m=33,
+        hopper_small_skg_n4096_max_m=128,
         streamk_fix=1.0,
+        streamk_misalign=0.05,
         streamk_iters=None,
     )
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -282,7 +291,7 @@ def test_thin_layers_take_feature_split_chunks(m: int, k: int, n: int, pipe) -> 
         (17, 4096, 4096, ("hopper_sk", 3, 8, 6)),  # the persistent kernel from 17 rows
         (16, 8192, 1024, ("decode", 1, 4, 3)),
         (12, 8192, 2048, ("decode", 1, 4, 3)),
-        # more weights than 4096²: the persistent kernel's per-group form from 8 rows
+        # more weights than 4096²: the persistent kernel's per-group form (from 1 row)
         # (14336 x 4096 at 16 rows: 18.3 against hopper_sk's 20.3, fused, 2026-12-02)
         (16, 8192, 4096, ("hopper_skg", 2, 8, 6)),
         (16, 14336, 4096, ("hopper_skg", 2, 8, 6)),
@@ -617,3 +626,41 @@ def test_streamk_pieces_closed_form_matches_counting() -> None:
         units, stages, iters = rnd.randint(1, 300), rnd.randint(1, 200), rnd.randint(1, 2000)
         counted = max((u * stages + stages - 1) // iters - (u * stages) // iters + 1 for u in range(units))
         assert streamk_pieces(units, stages, iters) == counted, (units, stages, iters)
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "n", "blocks", "iters"),
+    [
+        # H200 (Tuning.streamk_misalign): runs that divide the unit's stages keep the
+        # device's blocks on the same rows of B
+        (1, 28672, 8192, 128, 56),  # 224 stages a unit: 4 pieces; the shortest run, 55, cut 6
+        (16, 28672, 8192, 128, 56),
+        (1, 4096, 14336, 112, 16),  # 32 stages; 14 the shortest
+        (1, 8192, 57344, 132, 109),  # 64 stages; 128 (two whole units, 112 blocks) lost
+        (1, 8192, 8192, 128, 16),  # already aligned
+        (128, 28672, 8192, 128, 112),  # beyond 64 tokens the piece count alone picks it
+    ],
+)
+def test_streamk_runs_align_with_the_units_stages(m: int, k: int, n: int, blocks: int, iters: int) -> None:
+    plan = _plan(m, k, n, 128, regs=168, hopper=True)
+    assert plan.kind in (KernelKind.HOPPER_SK, KernelKind.HOPPER_SKG)
+    assert (plan.blocks, plan.tiles_per_split // plan.u) == (blocks, iters)
+    if (k, n) == (4096, 14336):  # 14 + 3 pieces ties 16 + 1 piece: the misalignment cost decides
+        free = _plan(m, k, n, 128, regs=168, hopper=True, tuning=Tuning(streamk_misalign=0.0))
+        assert free.tiles_per_split // free.u == 14
+
+
+def test_small_layer_stages_follow_the_route_that_serves() -> None:
+    """4-tile stages only on the rows the small layers' hopper_sk route serves: with its
+    per-group chunks switched off, 48 rows of 4096² fall to the large layers' rule and
+    its 8-tile stages."""
+    limit = H200.smem_per_block_optin
+    off = Tuning(hopper_small_skg_min_m=10**9)
+    assert default_pipe(48, 4096, 4096, 8, limit, off, hopper=True) == ("hopper_sk", 6, 8, 6)
+    assert default_pipe(24, 4096, 4096, 8, limit, Tuning(hopper_small_sk_max_m=16), hopper=True) == (
+        "hopper_sk",
+        3,
+        8,
+        6,
+    )
+    assert default_pipe(24, 4096, 4096, 8, limit, hopper=True) == ("hopper_sk", 3, 4, 8)
