@@ -519,8 +519,9 @@ class Tuning:
             Only those two layers were measured, with group 128; the rest of the class,
             and groups of 32 or 64 at 8-32 rows (4-tile stages with 2 or 4 group slots),
             are an extrapolation. Group sizes the 8-tile stages do not hold keep the
-            other rules beyond hopper_small_sk_max_m rows. Still slower than cuBLAS fp16 there from 16 rows
-            on 8192 x 1024 and from 64 on 4096² (the fp16 GEMM runs 10-16 us whatever M).
+            other rules beyond hopper_small_sk_max_m rows. Still slower than cuBLAS fp16
+            there from 16 rows on 8192 x 1024 and from 64 on 4096² (the fp16 GEMM runs
+            10-17 us whatever M).
         streamk_fix: the persistent kind's cost of adding one more
             block's piece of a unit, in stage times per 32 tokens of the chunk
             (:func:`plan_streamk`).
@@ -1081,8 +1082,8 @@ def plan_streamk(
         cands = [c for c in cands if least <= c <= total]
 
         def cost(it: int) -> float:
-            aligned = stages % it == 0 or it % stages == 0
-            off = 0.0 if aligned or tokens > 64 else tuning.streamk_misalign * it
+            in_step = stages % it == 0 or it % stages == 0
+            off = 0.0 if in_step or tokens > 64 else tuning.streamk_misalign * it
             return it + fix * (streamk_pieces(units, stages, it) - 1) + off
 
         best = min(cands, key=lambda it: (cost(it), it))
