@@ -496,14 +496,16 @@ class Tuning:
             M = 256 184.7 / 208.2) and 6-14 % on the 7B shapes, 8192² and 4096² (8192²
             M = 32 20.8 / 23.1); the decode-routed rows even.
         hopper_small_lo_kn, hopper_small_sk_min_m, hopper_small_sk_max_m,
-        hopper_small_skg_min_m, hopper_small_skg_n4096_max_m: small layers (1024 <= N <=
-            4096, hopper_small_lo_kn .. hopper_small_kn weights) take the persistent
-            kernel ahead of every other rule: ``hopper_sk`` with 4-tile stages at
-            hopper_small_sk_min_m..hopper_small_sk_max_m rows, and its per-group form
-            (``hopper_skg``) in 32-token chunks from hopper_small_skg_min_m rows where
-            its 8-tile stages hold the group (on layers of N = 4096 up to
-            hopper_small_skg_n4096_max_m rows). More units of fewer tokens means fewer
-            cut pieces per unit for the one block that adds them. On an H200 (fused us;
+        hopper_small_skg_min_m, hopper_small_skg_n4096_max_m, hopper_small_skg_max_m:
+            small layers (1024 <= N <= 4096, hopper_small_lo_kn .. hopper_small_kn
+            weights) take the persistent kernel ahead of every other rule:
+            ``hopper_sk`` with 4-tile stages at hopper_small_sk_min_m..
+            hopper_small_sk_max_m rows, and its per-group form (``hopper_skg``) in
+            32-token chunks from hopper_small_skg_min_m rows where its 8-tile stages
+            hold the group, up to hopper_small_skg_max_m rows (the most measured; each
+            32-token chunk dequantizes the layer again) and on layers of N = 4096 up to
+            hopper_small_skg_n4096_max_m. More units of fewer tokens means fewer cut
+            pieces per unit for the one block that adds them. On an H200 (fused us;
             the sweep columns of scripts/bench_gemm_h200_small_sweep.json against the
             kernels then routed, then the routed run scripts/bench_gemm_h200.json of
             2026-12-03T14:08Z): 8192 x 1024 at 8 / 16 / 24 / 32 rows 9.1 / 10.4 / 11.7 /
@@ -600,6 +602,7 @@ class Tuning:
     hopper_small_sk_max_m: int = 32
     hopper_small_skg_min_m: int = 33
     hopper_small_skg_n4096_max_m: int = 128
+    hopper_small_skg_max_m: int = 256
     streamk_fix: float = 1.0
     streamk_misalign: float = 0.05
     streamk_iters: int | None = None
@@ -711,7 +714,7 @@ def gemm_path(
         kn = size_k * size_n
         if _small_persistent(size_k, size_n, tuning):
             skg_fits = group_tiles is None or _stage8(size_k, group_tiles)
-            skg_max = tuning.hopper_small_skg_n4096_max_m if size_n >= 4096 else m
+            skg_max = tuning.hopper_small_skg_n4096_max_m if size_n >= 4096 else tuning.hopper_small_skg_max_m
             if skg_fits and tuning.hopper_small_skg_min_m <= m <= skg_max:
                 return KernelKind.HOPPER_SKG
             if tuning.hopper_small_sk_min_m <= m <= tuning.hopper_small_sk_max_m:
@@ -1022,17 +1025,42 @@ def streamk_pieces(units: int, stages: int, iters: int) -> int:
     stages, numbered unit-major, is dealt out in runs of ``iters`` stages.
 
     Unit u starts ``r = u stages mod iters`` stages into a run and is cut into
-    ``(r + stages - 1) // iters + 1`` pieces, so the largest such offset decides. The
-    offsets are the multiples of ``g = gcd(stages, iters)`` below ``iters``, all of them
-    once ``units`` reaches ``iters / g`` (closed form, constant time for any M);
-    otherwise the first ``units`` of them are checked.
+    ``(r + stages - 1) // iters + 1`` pieces: ``p0 = ceil(stages / iters)`` when r is
+    below ``t = p0 iters - stages + 1``, one more from t. Once ``units`` reaches
+    ``iters / gcd(stages, iters)`` every multiple of the gcd below ``iters`` is an
+    offset; otherwise the units whose offset reaches t are counted without listing them
+    (:func:`_floor_sum`): constant or logarithmic time for any M (listing them took 0.4 s
+    per plan at M = 65536).
     """
     g = math.gcd(stages, iters)
+    p0 = -(-stages // iters)
+    t = p0 * iters - stages + 1  # 1 <= t <= iters
+    if t >= iters:
+        return p0
     if units >= iters // g:
-        worst = iters - g
-    else:
-        worst = max(u * stages % iters for u in range(units))
-    return (worst + stages - 1) // iters + 1
+        return p0 + (iters - g >= t)
+    # u stages mod iters >= t exactly when floor((u stages + iters - t) / iters) steps
+    # past floor(u stages / iters)
+    reach = _floor_sum(units, iters, stages, iters - t) - _floor_sum(units, iters, stages, 0)
+    return p0 + (reach > 0)
+
+
+def _floor_sum(n: int, m: int, a: int, b: int) -> int:
+    """``sum(floor((a i + b) / m) for i in range(n))`` for n, m >= 1 and a, b >= 0, by the
+    Euclid-like reduction (swap the roles of a and m while the line stays under m)."""
+    total = 0
+    while True:
+        if a >= m:
+            total += (n - 1) * n // 2 * (a // m)
+            a %= m
+        if b >= m:
+            total += n * (b // m)
+            b %= m
+        y_max = a * n + b
+        if y_max < m:
+            return total
+        n, b = divmod(y_max, m)
+        m, a = a, m
 
 
 def plan_streamk(

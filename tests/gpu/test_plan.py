@@ -95,6 +95,7 @@ def test_tuning_defaults_are_the_measured_values() -> None:
         hopper_small_sk_max_m=32,
         hopper_small_skg_min_m=33,
         hopper_small_skg_n4096_max_m=128,
+        hopper_small_skg_max_m=256,
         streamk_fix=1.0,
         streamk_misalign=0.05,
         streamk_iters=None,
@@ -317,7 +318,8 @@ def test_small_layers_take_8_row_decode_chunks_at_9_to_16_rows(m: int, k: int, n
         (16, 8192, 1024, 8, ("hopper_sk", 2, 4, 8)),
         (32, 8192, 1024, 8, ("hopper_sk", 4, 4, 8)),
         (33, 8192, 1024, 8, ("hopper_skg", 4, 8, 6)),  # 32-token chunks, two of them
-        (256, 8192, 1024, 8, ("hopper_skg", 4, 8, 6)),  # N < 4096: no cap
+        (256, 8192, 1024, 8, ("hopper_skg", 4, 8, 6)),  # N < 4096: up to 256 rows
+        (257, 8192, 1024, 8, ("hopper_fs", 8, 4, 6)),  # beyond, the thin layers' 64-token chunks
         (8, 4096, 4096, 8, ("hopper_sk", 1, 4, 8)),
         (24, 4096, 4096, 8, ("hopper_sk", 3, 4, 8)),  # 4-tile stages, not the large layers' 8
         (48, 4096, 4096, 8, ("hopper_skg", 4, 8, 6)),
@@ -626,6 +628,23 @@ def test_streamk_pieces_closed_form_matches_counting() -> None:
         units, stages, iters = rnd.randint(1, 300), rnd.randint(1, 200), rnd.randint(1, 2000)
         counted = max((u * stages + stages - 1) // iters - (u * stages) // iters + 1 for u in range(units))
         assert streamk_pieces(units, stages, iters) == counted, (units, stages, iters)
+    # large M: many units, runs far longer than a unit (the counting path of the closed form)
+    for _ in range(200):
+        units, stages = rnd.randint(1000, 20000), rnd.randint(8, 256)
+        iters = rnd.randint(stages, units * stages // 100 + stages)
+        counted = max((u * stages + stages - 1) // iters - (u * stages) // iters + 1 for u in range(units))
+        assert streamk_pieces(units, stages, iters) == counted, (units, stages, iters)
+
+
+def test_floor_sum_matches_the_sum() -> None:
+    import random
+
+    from converter.gpu.plan import _floor_sum
+
+    rnd = random.Random(11)
+    for _ in range(2000):
+        n, m, a, b = rnd.randint(1, 200), rnd.randint(1, 500), rnd.randint(0, 1000), rnd.randint(0, 1000)
+        assert _floor_sum(n, m, a, b) == sum((a * i + b) // m for i in range(n)), (n, m, a, b)
 
 
 @pytest.mark.parametrize(
