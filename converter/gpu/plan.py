@@ -531,8 +531,8 @@ class Tuning:
             the unit's stage count, as a fraction of the run, in chunks of up to 64
             tokens (where the weight stream bounds the kernel): its blocks then start at
             different stages of their units, and the device's blocks stream B rows far
-            apart at once. A read-only probe of the same bytes (plain 16-byte loads, a
-            .dev probe, scripts/perf_notes.md) streamed 4.3 TB/s with the blocks on
+            apart at once. A read-only probe of the same bytes (plain 16-byte loads,
+            scripts/bench_stream_patterns.py) streamed 4.3 TB/s with the blocks on
             neighbouring columns of the same rows and 3.6-3.8 TB/s with each block on its
             own column strip at its own rows. On an H200 (the aligned run against the
             planner's shortest; scripts/bench_gemm_h200_streamk_align_1.json, 14:14Z,
