@@ -528,11 +528,11 @@ STREAMK_CASES = [
 
 
 # The per-group form (8-tile stages, group sizes that are multiples of 128): cut units,
-# two chunks, per-channel, act-order, symmetric, whole units.
+# two and four chunks, per-channel, act-order, symmetric, whole units.
 STREAMK_G_CASES = [
     (1, 1, 8192, 1024, 128, False, True, 1),
     (4, 128, 2048, 1024, 128, False, True, 2),  # four 32-token chunks
-    (4, 100, 4096, 768, 256, True, True, 3),  # four, the last ragged; ragged N
+    (4, 100, 4096, 768, 256, True, True, 3),  # four, the last ragged (4 of 32 tokens)
     (2, 13, 4096, 512, 256, True, True, 3),
     (4, 29, 1024, 320, -1, True, True, 2),
     (3, 40, 2048, 1280, 128, False, False, 5),
