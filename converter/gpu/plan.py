@@ -717,7 +717,7 @@ def gemm_path(
             skg_max = tuning.hopper_small_skg_n4096_max_m if size_n >= 4096 else tuning.hopper_small_skg_max_m
             if skg_fits and tuning.hopper_small_skg_min_m <= m <= skg_max:
                 return KernelKind.HOPPER_SKG
-            if tuning.hopper_small_sk_min_m <= m <= tuning.hopper_small_sk_max_m:
+            if _small_sk_rows(m, size_k, size_n, tuning):
                 return KernelKind.HOPPER_SK
         if (
             size_n >= 4096
@@ -756,6 +756,12 @@ def gemm_path(
 def _small_persistent(size_k: int, size_n: int, tuning: Tuning) -> bool:
     """The small layers the persistent kernel serves in small units (see :class:`Tuning`)."""
     return 1024 <= size_n <= 4096 and tuning.hopper_small_lo_kn <= size_k * size_n <= tuning.hopper_small_kn
+
+
+def _small_sk_rows(m: int, size_k: int, size_n: int, tuning: Tuning) -> bool:
+    """The rows of a small layer that ``hopper_sk`` serves in 4-tile stages."""
+    rows = tuning.hopper_small_sk_min_m <= m <= tuning.hopper_small_sk_max_m
+    return rows and _small_persistent(size_k, size_n, tuning)
 
 
 def _small_decode(m: int, size_k: int, size_n: int, tuning: Tuning) -> bool:
@@ -830,12 +836,7 @@ def default_pipe(
         return Pipe(kind, next((r for r in HOPPER_SKG_RS if 8 * r >= m), HOPPER_SKG_RS[-1]), 8, 6)
     if kind is KernelKind.HOPPER_SK:
         r = next(r for r in HOPPER_SK_RS if 8 * r >= min(m, 128))
-        small = (
-            hopper
-            and tuning.hopper
-            and _small_persistent(size_k, size_n, tuning)
-            and tuning.hopper_small_sk_min_m <= m <= tuning.hopper_small_sk_max_m
-        )
+        small = hopper and tuning.hopper and _small_sk_rows(m, size_k, size_n, tuning)
         return Pipe(kind, r, 8, 6) if stage8 and r in HOPPER_SK8_RS and not small else Pipe(kind, r, 4, 8)
     if kind is KernelKind.HOPPER_FS:
         if _thin_fs(m, size_k, size_n, tuning):
@@ -1026,19 +1027,12 @@ def streamk_pieces(units: int, stages: int, iters: int) -> int:
 
     Unit u starts ``r = u stages mod iters`` stages into a run and is cut into
     ``(r + stages - 1) // iters + 1`` pieces: ``p0 = ceil(stages / iters)`` when r is
-    below ``t = p0 iters - stages + 1``, one more from t. Once ``units`` reaches
-    ``iters / gcd(stages, iters)`` every multiple of the gcd below ``iters`` is an
-    offset; otherwise the units whose offset reaches t are counted without listing them
-    (:func:`_floor_sum`): constant or logarithmic time for any M (listing them took 0.4 s
-    per plan at M = 65536).
+    below ``t = p0 iters - stages + 1``, one more from t. The units whose offset reaches
+    t are counted without listing them (:func:`_floor_sum`), in logarithmic time for any
+    M (listing them took 0.4 s per plan at M = 65536).
     """
-    g = math.gcd(stages, iters)
     p0 = -(-stages // iters)
     t = p0 * iters - stages + 1  # 1 <= t <= iters
-    if t >= iters:
-        return p0
-    if units >= iters // g:
-        return p0 + (iters - g >= t)
     # u stages mod iters >= t exactly when floor((u stages + iters - t) / iters) steps
     # past floor(u stages / iters)
     reach = _floor_sum(units, iters, stages, iters - t) - _floor_sum(units, iters, stages, 0)
