@@ -236,6 +236,7 @@ def main() -> int:
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--shapes", default=None, help="e.g. 4096x4096,8192x57344")
     ap.add_argument("--ms", default=None, help="e.g. 1,16,64")
+    ap.add_argument("--group", type=int, default=GROUP, help="group size of every layer (default 128, the targets')")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--calls", type=int, default=24, help="launches per graph (at least the copy count)")
     ap.add_argument(
@@ -272,6 +273,7 @@ def main() -> int:
         help="the kernel kinds --sweep-splits sweeps, e.g. hopper,decode (default hopper)",
     )
     args = ap.parse_args()
+    group = args.group
 
     try:
         import cupy as cp
@@ -299,7 +301,7 @@ def main() -> int:
     results = []
     cp.random.seed(0)
     for k, n in shapes:
-        g = k // GROUP
+        g = k // group
         int4_bytes = k * n // 2 + g * n * 2
         delta_bytes = g * n * 2  # the fused GEMM reads fp16(delta) (kernels.prepare_delta)
         copies = max(2, math.ceil(2 * L2_BYTES / int4_bytes))
@@ -322,9 +324,9 @@ def main() -> int:
         for m in ms:
             a = (cp.random.standard_normal((m, k), dtype=cp.float32)).astype(cp.float16)
             out = cp.empty((m, n), dtype=cp.float16)
-            kw = dict(size_k=k, size_n=n, group_size=GROUP, tuning=base)
+            kw = dict(size_k=k, size_n=n, group_size=group, tuning=base)
             calls = max(args.calls, copies)
-            row = {"K": k, "N": n, "M": m, "plan": dataclasses.asdict(kernels.gemm_plan(m, k, n, GROUP, tuning=base))}
+            row = {"K": k, "N": n, "M": m, "plan": dataclasses.asdict(kernels.gemm_plan(m, k, n, group, tuning=base))}
             weights = (a, Bs, Ss, out, calls, args.reps)
             ours = partial(time_ours, cp, row, weights, kw)
             # ABBA: under sustained load the H200 caps its power (clocks 1980 -> ~1550 MHz
@@ -372,7 +374,7 @@ def main() -> int:
                 row["fused_by_splits"] = {}
                 for sp in range(1, args.sweep_splits + 1):
                     forced = dataclasses.replace(base, force_splits=sp)
-                    plan = kernels.gemm_plan(m, k, n, GROUP, tuning=forced)
+                    plan = kernels.gemm_plan(m, k, n, group, tuning=forced)
                     if plan.splits != sp:  # not a feasible count for this K
                         continue
                     us = ours(kernels.marlin_gemm, Ds16, tuning=forced)
@@ -393,7 +395,7 @@ def main() -> int:
                     row["int4pack"] = timed_torch_graph(
                         torch,
                         [
-                            partial(torch.ops.aten._weight_int4pack_mm, ab, packed[i % copies], GROUP, sz[i % copies])
+                            partial(torch.ops.aten._weight_int4pack_mm, ab, packed[i % copies], group, sz[i % copies])
                             for i in range(calls)
                         ],
                         args.reps,
@@ -403,7 +405,7 @@ def main() -> int:
                     row["int4pack"] = None
             else:
                 row["int4pack"] = None
-            if peer is not None and peer_runs(k, n, m):
+            if peer is not None and group == GROUP and peer_runs(k, n, m):
                 bt = [torch.from_dlpack(b) for b in Bs]
                 st = [torch.from_dlpack(x) for x in Ss]
                 dt = [torch.from_dlpack(d).half() for d in Ds]
@@ -493,7 +495,7 @@ def main() -> int:
             "sm_count": info.sm_count,
             "copy_bw_TBps": bw / 1e12,
             "fp16_matmul_TFLOPs": rate / 1e12,
-            "group_size": GROUP,
+            "group_size": group,
             "torch": torch.__version__,
             "cupy": cp.__version__,
             "int4pack_note": int4_note,

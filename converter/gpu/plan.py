@@ -594,15 +594,20 @@ class Tuning:
     hopper_sk_min_m: int = 17
     hopper_sk_small_min_m: int = 9
     hopper_sk_small_kn: int = 8192 * 8192
+    hopper_sk_mid_tok: int = 64
+    hopper_sk_mid_min_m: int = 97
+    hopper_sk_mid_max_m: int = 128
     hopper_skg_min_m: int = 1
     hopper_skg_max_m: int = 16
     hopper_xmap_max_tok: int = 128
     hopper_small_lo_kn: int = 8192 * 1024
-    hopper_small_sk_min_m: int = 8
-    hopper_small_sk_max_m: int = 32
-    hopper_small_skg_min_m: int = 33
-    hopper_small_skg_n4096_max_m: int = 128
-    hopper_small_skg_max_m: int = 256
+    hopper_small_min_m: int = 8
+    hopper_small_max_m: int = 256
+    hopper_small_n4096_max_m: int = 128
+    hopper_small_units: int = 16
+    hopper_small_max_tok: int = 32
+    hopper_small_skg_min_m: int = 17
+    hopper_small_skg_max_tok: int = 16
     streamk_fix: float = 1.0
     streamk_misalign: float = 0.05
     streamk_iters: int | None = None
@@ -712,13 +717,12 @@ def gemm_path(
     """
     if hopper and tuning.hopper:
         kn = size_k * size_n
-        if _small_persistent(size_k, size_n, tuning):
+        if _small_route(m, size_k, size_n, tuning):
             skg_fits = group_tiles is None or _stage8(size_k, group_tiles)
-            skg_max = tuning.hopper_small_skg_n4096_max_m if size_n >= 4096 else tuning.hopper_small_skg_max_m
-            if skg_fits and tuning.hopper_small_skg_min_m <= m <= skg_max:
+            tokens = small_chunk(m, size_n, tuning)
+            if skg_fits and m >= tuning.hopper_small_skg_min_m and tokens <= tuning.hopper_small_skg_max_tok:
                 return KernelKind.HOPPER_SKG
-            if _small_sk_rows(m, size_k, size_n, tuning):
-                return KernelKind.HOPPER_SK
+            return KernelKind.HOPPER_SK
         if (
             size_n >= 4096
             and kn > tuning.hopper_small_kn
@@ -758,10 +762,40 @@ def _small_persistent(size_k: int, size_n: int, tuning: Tuning) -> bool:
     return 1024 <= size_n <= 4096 and tuning.hopper_small_lo_kn <= size_k * size_n <= tuning.hopper_small_kn
 
 
-def _small_sk_rows(m: int, size_k: int, size_n: int, tuning: Tuning) -> bool:
-    """The rows of a small layer that ``hopper_sk`` serves in 4-tile stages."""
-    rows = tuning.hopper_small_sk_min_m <= m <= tuning.hopper_small_sk_max_m
-    return rows and _small_persistent(size_k, size_n, tuning)
+def _small_route(m: int, size_k: int, size_n: int, tuning: Tuning) -> bool:
+    """The rows of a small layer that its own persistent route serves (see :class:`Tuning`)."""
+    top = tuning.hopper_small_n4096_max_m if size_n >= 4096 else tuning.hopper_small_max_m
+    return tuning.hopper_small_min_m <= m <= top and _small_persistent(size_k, size_n, tuning)
+
+
+def small_chunk(m: int, size_n: int, tuning: Tuning = DEFAULT_TUNING) -> int:
+    """Tokens per chunk of the small layers' persistent route: M cut into even chunks of
+    at most the fewest tokens (8-token tiles of :data:`HOPPER_SK_RS`, at most
+    ``tuning.hopper_small_max_tok``) that make ``tuning.hopper_small_units`` units of
+    256 features x one chunk.
+
+    A unit's stages are shared by the blocks that cut it, and the one that arrives last
+    adds every piece alone (T x 256 floats each): a layer of few 256-feature column
+    blocks needs more, shorter chunks to keep that serial sum short, at the price of
+    dequantizing the (L2-resident) weights once per chunk.
+
+    Args:
+        m: rows of A. size_n: N.
+
+    Returns:
+        Tokens per chunk, a multiple of 8 (8 .. ``hopper_small_max_tok``).
+    """
+    cols = -(-size_n // 256)
+    want = -(-m * cols // tuning.hopper_small_units)
+    fits = [8 * r for r in HOPPER_SK_RS if 8 * r <= tuning.hopper_small_max_tok]
+    return _even_chunk(m, next((t for t in fits if t >= want), fits[-1]))
+
+
+def _even_chunk(m: int, top: int) -> int:
+    """The fewest tokens of :data:`HOPPER_SK_RS` that hold m rows cut into as few chunks
+    of at most ``top`` tokens as there can be, evenly (40 rows under 32: 24, not 32)."""
+    rows = -(-m // -(-m // top))
+    return 8 * next(r for r in HOPPER_SK_RS if 8 * r >= rows)
 
 
 def _small_decode(m: int, size_k: int, size_n: int, tuning: Tuning) -> bool:
@@ -832,12 +866,22 @@ def default_pipe(
     """
     kind = gemm_path(m, size_n, tuning, hopper=hopper, size_k=size_k, group_tiles=group_tiles)
     stage8 = _stage8(size_k, group_tiles)
+    small = hopper and tuning.hopper and _small_route(m, size_k, size_n, tuning)
     if kind is KernelKind.HOPPER_SKG:
-        return Pipe(kind, next((r for r in HOPPER_SKG_RS if 8 * r >= m), HOPPER_SKG_RS[-1]), 8, 6)
+        r = (
+            small_chunk(m, size_n, tuning) // 8
+            if small
+            else next((r for r in HOPPER_SKG_RS if 8 * r >= m), HOPPER_SKG_RS[-1])
+        )
+        return Pipe(kind, r, 8, 6)
     if kind is KernelKind.HOPPER_SK:
+        if small:
+            return Pipe(kind, small_chunk(m, size_n, tuning) // 8, 4, 8)
         r = next(r for r in HOPPER_SK_RS if 8 * r >= min(m, 128))
-        small = hopper and tuning.hopper and _small_sk_rows(m, size_k, size_n, tuning)
-        return Pipe(kind, r, 8, 6) if stage8 and r in HOPPER_SK8_RS and not small else Pipe(kind, r, 4, 8)
+        mid = hopper and size_n >= 4096 and tuning.hopper_small_kn < size_k * size_n <= tuning.hopper_sk_small_kn
+        if mid and tuning.hopper_sk_mid_min_m <= m <= tuning.hopper_sk_mid_max_m:
+            r = _even_chunk(m, tuning.hopper_sk_mid_tok) // 8
+        return Pipe(kind, r, 8, 6) if stage8 and r in HOPPER_SK8_RS else Pipe(kind, r, 4, 8)
     if kind is KernelKind.HOPPER_FS:
         if _thin_fs(m, size_k, size_n, tuning):
             return Pipe(kind, 4 if m <= 128 else 8, 4, 6)

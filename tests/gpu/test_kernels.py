@@ -71,15 +71,19 @@ def test_gemm_matches_twin(cp, m, k, n, group_size, act_order, asym):
 @pytest.mark.parametrize(
     "m,k,n,group_size,act_order,asym,kind",
     [
-        # the small layers' persistent route (plan.Tuning.hopper_small_*): 4-tile stages
-        # at 8-32 rows, the per-group form in 32-token chunks beyond (2, 4 ragged, 8 chunks)
+        # the small layers' persistent route (plan.Tuning.hopper_small_*, plan.small_chunk):
+        # 4-tile stages in even chunks of 8-32 tokens, the per-group form at 17+ rows in
+        # chunks of <= 16 (three chunks, the last ragged; two)
         (8, 8192, 1024, 128, True, True, "hopper_sk"),
         (32, 2048, 4096, 64, False, True, "hopper_sk"),
-        (33, 8192, 1024, 128, False, True, "hopper_skg"),
-        (100, 8192, 1024, 256, True, True, "hopper_skg"),
-        (256, 8192, 1024, -1, False, True, "hopper_skg"),
-        (128, 4096, 4096, 128, True, False, "hopper_skg"),
+        (40, 8192, 1024, 128, False, True, "hopper_skg"),
+        (24, 4096, 2048, 256, True, True, "hopper_skg"),
+        (100, 8192, 1024, 256, True, True, "hopper_sk"),
+        (256, 8192, 1024, -1, False, True, "hopper_sk"),
+        (128, 4096, 4096, 128, True, False, "hopper_sk"),
         (129, 4096, 4096, 128, False, True, "hopper_sk"),
+        # a mid-sized layer at 97-128 rows: two 64-token chunks (the second ragged)
+        (100, 4608, 4096, 128, True, True, "hopper_sk"),
     ],
 )
 def test_small_layer_routes_match_twin(cp, m, k, n, group_size, act_order, asym, kind):

@@ -26,6 +26,7 @@ from converter.gpu.plan import (
     kernel_variant,
     plan_gemm,
     resident_blocks,
+    small_chunk,
     streamk_pieces,
 )
 
@@ -35,11 +36,10 @@ NO_SK = Tuning(
     hopper_sk_min_m=10**9,
     hopper_sk_small_min_m=10**9,
     hopper_skg_min_m=10**9,
-    hopper_small_sk_min_m=10**9,
-    hopper_small_skg_min_m=10**9,
+    hopper_small_min_m=10**9,
 )
 #: The rules without the small layers' persistent route (Tuning.hopper_small_*).
-NO_SMALL = Tuning(hopper_small_sk_min_m=10**9, hopper_small_skg_min_m=10**9)
+NO_SMALL = Tuning(hopper_small_min_m=10**9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,15 +87,20 @@ def test_tuning_defaults_are_the_measured_values() -> None:
         hopper_sk_min_m=17,
         hopper_sk_small_min_m=9,
         hopper_sk_small_kn=8192 * 8192,
+        hopper_sk_mid_tok=64,
+        hopper_sk_mid_min_m=97,
+        hopper_sk_mid_max_m=128,
         hopper_skg_min_m=1,
         hopper_skg_max_m=16,
         hopper_xmap_max_tok=128,
         hopper_small_lo_kn=8192 * 1024,
-        hopper_small_sk_min_m=8,
-        hopper_small_sk_max_m=32,
-        hopper_small_skg_min_m=33,
-        hopper_small_skg_n4096_max_m=128,
-        hopper_small_skg_max_m=256,
+        hopper_small_min_m=8,
+        hopper_small_max_m=256,
+        hopper_small_n4096_max_m=128,
+        hopper_small_units=16,
+        hopper_small_max_tok=32,
+        hopper_small_skg_min_m=17,
+        hopper_small_skg_max_tok=16,
         streamk_fix=1.0,
         streamk_misalign=0.05,
         streamk_iters=None,
@@ -312,24 +317,29 @@ def test_small_layers_take_8_row_decode_chunks_at_9_to_16_rows(m: int, k: int, n
 @pytest.mark.parametrize(
     ("m", "k", "n", "group_tiles", "pipe"),
     [
-        # H200, scripts/bench_gemm_h200_small_sweep.json (Tuning.hopper_small_*)
+        # H200, scripts/bench_gemm_h200_small_chunks.json (Tuning.hopper_small_*,
+        # plan.small_chunk): 16 units of 256 features x one chunk, even chunks of <= 32
         (7, 8192, 1024, 8, ("decode", 1, 4, 3)),
         (8, 8192, 1024, 8, ("hopper_sk", 1, 4, 8)),
-        (16, 8192, 1024, 8, ("hopper_sk", 2, 4, 8)),
-        (32, 8192, 1024, 8, ("hopper_sk", 4, 4, 8)),
-        (33, 8192, 1024, 8, ("hopper_skg", 4, 8, 6)),  # 32-token chunks, two of them
-        (256, 8192, 1024, 8, ("hopper_skg", 4, 8, 6)),  # N < 4096: up to 256 rows
+        (16, 8192, 1024, 8, ("hopper_sk", 1, 4, 8)),  # 4 column blocks: two 8-token chunks
+        (17, 8192, 1024, 8, ("hopper_skg", 1, 8, 6)),  # the per-group form from 17 rows, <= 16 tokens
+        (32, 8192, 1024, 8, ("hopper_skg", 1, 8, 6)),
+        (40, 8192, 1024, 8, ("hopper_skg", 2, 8, 6)),  # 10 tokens wanted: 16, three chunks
+        (64, 8192, 1024, 8, ("hopper_skg", 2, 8, 6)),
+        (80, 8192, 1024, 8, ("hopper_sk", 3, 4, 8)),  # 20 wanted: 24-token chunks, per weight
+        (256, 8192, 1024, 8, ("hopper_sk", 4, 4, 8)),  # N < 4096: up to 256 rows
         (257, 8192, 1024, 8, ("hopper_fs", 8, 4, 6)),  # beyond, the thin layers' 64-token chunks
         (8, 4096, 4096, 8, ("hopper_sk", 1, 4, 8)),
+        (16, 4096, 4096, 8, ("hopper_sk", 2, 4, 8)),  # 16 column blocks: one chunk up to 32
         (24, 4096, 4096, 8, ("hopper_sk", 3, 4, 8)),  # 4-tile stages, not the large layers' 8
-        (48, 4096, 4096, 8, ("hopper_skg", 4, 8, 6)),
-        (128, 4096, 4096, 8, ("hopper_skg", 4, 8, 6)),
-        (129, 4096, 4096, 8, ("hopper_sk", 16, 4, 8)),  # N = 4096 past 128 rows: hopper_sk
-        (64, 2048, 4096, 8, ("hopper_skg", 4, 8, 6)),  # 2^23 weights: the class's least
-        # group 64 (4 tiles): no 8-tile stage holds it; past 32 rows the other rules
-        (64, 8192, 1024, 4, ("hopper_fs", 4, 4, 6)),
-        (64, 4096, 4096, 4, ("hopper_sk", 8, 4, 8)),
-        (16, 8192, 1024, 4, ("hopper_sk", 2, 4, 8)),
+        (40, 4096, 4096, 8, ("hopper_sk", 3, 4, 8)),  # two even chunks of 20: 24 tokens, not 32
+        (128, 4096, 4096, 8, ("hopper_sk", 4, 4, 8)),
+        (129, 4096, 4096, 8, ("hopper_sk", 16, 4, 8)),  # N = 4096 past 128 rows: the large layers' rule
+        (24, 4096, 2048, 8, ("hopper_skg", 2, 8, 6)),  # 8 column blocks: 16 tokens
+        (64, 2048, 4096, 8, ("hopper_sk", 4, 4, 8)),  # 2^23 weights: the class's least
+        # group 64 (4 tiles): no 8-tile stage holds it; hopper_sk at the same chunk
+        (40, 8192, 1024, 4, ("hopper_sk", 2, 4, 8)),
+        (64, 4096, 4096, 4, ("hopper_sk", 4, 4, 8)),
         # outside the class: too few weights, N < 1024, or more than 4096² weights
         (16, 2048, 2048, 8, ("decode", 1, 4, 3)),
         (64, 16384, 512, 8, ("tile", 4, 2, 3)),
@@ -669,17 +679,30 @@ def test_streamk_runs_align_with_the_units_stages(m: int, k: int, n: int, blocks
         assert free.tiles_per_split // free.u == 14
 
 
-def test_small_layer_stages_follow_the_route_that_serves() -> None:
-    """4-tile stages only on the rows the small layers' hopper_sk route serves: with its
-    per-group chunks switched off, 48 rows of 4096² fall to the large layers' rule and
-    its 8-tile stages."""
+def test_small_chunk_makes_sixteen_units_in_even_chunks() -> None:
+    """plan.small_chunk: the fewest tokens (8-token tiles, at most 32) that make 16 units
+    of 256 features x one chunk, then M cut evenly into that many chunks; the knobs move
+    it."""
+    got = [small_chunk(m, 1024) for m in (1, 16, 17, 32, 33, 64, 65, 96, 97, 128, 256)]
+    assert got == [8, 8, 8, 8, 16, 16, 24, 24, 32, 32, 32]
+    got = [small_chunk(m, 4096) for m in (8, 9, 17, 32, 33, 40, 48, 49, 64, 65, 128)]
+    assert got == [8, 16, 24, 32, 24, 24, 24, 32, 32, 24, 32]
+    assert small_chunk(64, 1024, Tuning(hopper_small_units=4)) == 32
+    assert small_chunk(128, 4096, Tuning(hopper_small_max_tok=16)) == 16
+
+
+def test_mid_layers_take_two_64_token_chunks_at_97_to_128_rows() -> None:
+    """hopper_sk on layers above 4096² and up to 8192² weights at 97-128 rows: two even
+    chunks of at most 64 tokens in 8-tile stages (one 96-token chunk below, one 128-token
+    chunk on the larger layers)."""
     limit = H200.smem_per_block_optin
-    off = Tuning(hopper_small_skg_min_m=10**9)
-    assert default_pipe(48, 4096, 4096, 8, limit, off, hopper=True) == ("hopper_sk", 6, 8, 6)
-    assert default_pipe(24, 4096, 4096, 8, limit, Tuning(hopper_small_sk_max_m=16), hopper=True) == (
-        "hopper_sk",
-        3,
-        8,
-        6,
-    )
-    assert default_pipe(24, 4096, 4096, 8, limit, hopper=True) == ("hopper_sk", 3, 4, 8)
+    for k, n in ((4096, 14336), (14336, 4096), (8192, 8192)):
+        assert default_pipe(96, k, n, 8, limit, hopper=True) == ("hopper_sk", 12, 4, 8)
+        assert default_pipe(97, k, n, 8, limit, hopper=True) == ("hopper_sk", 8, 8, 6)
+        assert default_pipe(128, k, n, 8, limit, hopper=True) == ("hopper_sk", 8, 8, 6)
+        assert default_pipe(129, k, n, 8, limit, hopper=True) == ("hopper_sk", 16, 4, 8)
+        assert default_pipe(128, k, n, 4, limit, hopper=True) == ("hopper_sk", 8, 4, 8)  # group 64: 4-tile stages
+        off = Tuning(hopper_sk_mid_min_m=10**9)
+        assert default_pipe(128, k, n, 8, limit, off, hopper=True) == ("hopper_sk", 16, 4, 8)
+    assert default_pipe(128, 28672, 8192, 8, limit, hopper=True) == ("hopper_sk", 16, 4, 8)
+    assert default_pipe(128, 8192, 8192, 8, limit, hopper=False)[0] == "tile"
