@@ -252,8 +252,9 @@ def marlin_gemm(
     4096 x 4096 weights whose groups allow, and M >= 17 in its per-weight form
     (``hopper_sk``) on every layer of N >= 4096 and at least 4096 x 4096 weights (M >= 9
     above 4096 x 4096 and up to 8192 x 8192 weights); on small layers (1024 <= N <=
-    4096, 2^23 to 4096 x 4096 weights) ``hopper_sk`` at 8-32 rows and ``hopper_skg`` in
-    32-token chunks beyond where the groups allow; reading A in place through a
+    4096, 2^23 to 4096 x 4096 weights) from 8 rows in chunks of 8-32 tokens that make 16
+    units (``plan.small_chunk``), ``hopper_skg`` from 17 rows in chunks of up to 16
+    tokens where the groups allow, else ``hopper_sk``; reading A in place through a
     128-byte-swizzled tensor map (``converter.gpu.tensormap``; without cuda-bindings A
     re-laid out the same way by ``hopper_activations`` first); the other Hopper
     kinds (``kernels/marlin_wgmma.cu``) the larger M of smaller and thin layers; the

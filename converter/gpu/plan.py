@@ -128,8 +128,8 @@ STREAMK_THREADS = 384
 #: The persistent kind's token chunks, in 8-token tiles: 8 .. 128 tokens (wgmma n8 ..
 #: n128; M beyond 128 in 128-token chunks).
 HOPPER_SK_RS = (1, 2, 3, 4, 6, 8, 12, 16)
-#: The same for its per-group form (``hopper_skg``): 8 .. 32 tokens (M beyond 32, on the
-#: small layers only, in 32-token chunks).
+#: The same for its per-group form (``hopper_skg``): 8 .. 32 tokens (on the small layers
+#: also in several chunks of 8 or 16, :func:`small_chunk`).
 HOPPER_SKG_RS = (1, 2, 3, 4)
 #: The persistent kind's chunks that also have 8-tile stages (NS = 6): 24 .. 64 tokens.
 #: (At 8 and 16 tokens, where ``hopper_skg`` serves, they were no faster than it.)
@@ -148,8 +148,8 @@ HOPPER_RS = (1, 2, 3, 4, 6, 8, 12)
 #: The same for the feature-split kind (``hopper_fs``), routed from 33 rows: 48, 64, 96
 #: and 128 tokens. Its 32- and 64-token blocks (r = 4, 8) also serve the thin layers
 #: (1024 <= N < 4096 with K N >= 2^23, ``Tuning.hopper_fs_thin_min_m``) in chunks where
-#: the small layers' persistent route does not (above 4096² weights, or group sizes its
-#: 8-tile stages cannot hold, ``Tuning.hopper_small_*``).
+#: the small layers' persistent route does not (above 4096² weights, or beyond its rows,
+#: ``Tuning.hopper_small_*``).
 HOPPER_FS_RS = (6, 8, 12)
 
 
@@ -440,8 +440,8 @@ class Tuning:
             ran 17.6-23.0 us against its 20.8-24.1 at M = 48-128
             (scripts/bench_gemm_h200_thin_splits.json; the only thin layer measured:
             the others of the class are an extrapolation). The small layers' persistent
-            route (hopper_small_*) now takes those of at most 4096² weights first where
-            their groups allow.
+            route (hopper_small_*) now takes those of at most 4096² weights first, up to
+            256 rows.
         hopper_sk_min_m: the persistent Hopper kernel (``hopper_sk``) serves M >=
             hopper_sk_min_m on every layer of N >= 4096 and at least hopper_small_kn
             weights, ahead of the other Hopper kinds and the tile kernel (which then
@@ -459,6 +459,20 @@ class Tuning:
             faster at 8 rows on every layer (0.83-0.99x) and at 16 on the 70B layers
             (89.9 / 98.8, 52.2 / 54.4 us), and 4096 x 4096 was even (11.9 / 11.6).
             9-15 rows were not timed: both kernels run the same 16-row chunk there.
+        hopper_sk_mid_tok, hopper_sk_mid_min_m, hopper_sk_mid_max_m: on those
+            mid-sized layers (N >= 4096, above hopper_small_kn and up to
+            hopper_sk_small_kn weights) at hopper_sk_mid_min_m..hopper_sk_mid_max_m rows
+            ``hopper_sk`` cuts M into even chunks of at most hopper_sk_mid_tok tokens
+            (8-tile stages) instead of one chunk: more units, fewer cut pieces. On an
+            H200 (scripts/bench_gemm_h200_mid_chunks.json, 15:06Z, fused us, the sweep
+            columns p8x8x6w1 / p16x4x8w1) at 112 / 128 rows: 14336 x 4096 34.2 / 34.8
+            against 37.3 / 38.5, 8192² 36.8 / 37.2 against 37.2 / 38.2, 4096 x 14336
+            34.8 / 35.2 against 34.5 / 35.3; at 65-96 rows one 96-token chunk stays
+            faster (p12x4x8w1 against p6x8x6w1: 4096 x 14336 28.4-29.5 against 30.3-30.7,
+            8192² 29.5-31.2 against 32.0-32.5), and on 28672 x 8192 one 128-token chunk
+            (97.9 against 114.2 at 128 rows, scripts/bench_gemm_h200_mid_sweep.json).
+            In the full run of 15:12Z at 128 rows: 14336 x 4096 34.3 (38.2 at 14:08Z),
+            8192² 36.7 (38.1), 4096 x 14336 34.6 (35.4).
         hopper_skg_min_m, hopper_skg_max_m: the persistent kernel's per-group form
             (``hopper_skg``) serves hopper_skg_min_m..hopper_skg_max_m rows on every
             layer of N >= 4096 and more than hopper_small_kn weights whose group size
@@ -495,35 +509,43 @@ class Tuning:
             0-3 % faster on 8192 x 57344, 6-13 % on 28672 x 8192 (M = 128 103.8 / 110.6,
             M = 256 184.7 / 208.2) and 6-14 % on the 7B shapes, 8192² and 4096² (8192²
             M = 32 20.8 / 23.1); the decode-routed rows even.
-        hopper_small_lo_kn, hopper_small_sk_min_m, hopper_small_sk_max_m,
-        hopper_small_skg_min_m, hopper_small_skg_n4096_max_m, hopper_small_skg_max_m:
+        hopper_small_lo_kn, hopper_small_min_m, hopper_small_max_m,
+        hopper_small_n4096_max_m, hopper_small_units, hopper_small_max_tok,
+        hopper_small_skg_min_m, hopper_small_skg_max_tok:
             small layers (1024 <= N <= 4096, hopper_small_lo_kn .. hopper_small_kn
-            weights) take the persistent kernel ahead of every other rule:
-            ``hopper_sk`` with 4-tile stages at hopper_small_sk_min_m..
-            hopper_small_sk_max_m rows, and its per-group form (``hopper_skg``) in
-            32-token chunks from hopper_small_skg_min_m rows where its 8-tile stages
-            hold the group, up to hopper_small_skg_max_m rows (the most measured; each
-            32-token chunk dequantizes the layer again) and on layers of N = 4096 up to
-            hopper_small_skg_n4096_max_m. More units of fewer tokens means fewer cut
-            pieces per unit for the one block that adds them. On an H200 (fused us;
-            the sweep columns of scripts/bench_gemm_h200_small_sweep.json against the
-            kernels then routed, then the routed run scripts/bench_gemm_h200.json of
-            2026-12-03T14:08Z): 8192 x 1024 at 8 / 16 / 24 / 32 rows 9.1 / 10.4 / 11.7 /
-            12.7 (routed) against 10.1 / 10.8 (decode) and 14.0 / 15.5 (tile); at 48 / 64 /
-            96 / 128 / 256 rows 14.2 / 14.3 / 14.4 / 14.7 / 19.6 against ``hopper_fs``'s
-            17.5 / 17.5 / 20.2 / 23.0 / 29.6 (``hopper_sk`` at 48: 16.1 in the sweep);
-            4096² at 8 / 16 / 24 / 32 rows 8.7 / 9.7 / 10.7 / 11.3 against 9.8 / 11.9
-            (decode) and 10.5 / 11.6 (8-tile stages), at 48 / 64 / 96 / 128 rows 14.0 /
-            14.0 / 18.0 / 19.2 against 14.4 / 16.6 / 20.7 / 25.4 (``hopper_sk`` at 48:
-            13.5 in the sweep, so 33-48 rows on 4096² are a near tie), at 256 rows the
-            sweep's 29.6 against ``hopper_sk``'s 26.5 (hence the cap; on N = 4096 layers
-            below 4096² weights that leaves the tile kernel past 128 rows, as before).
-            Only those two layers were measured, with group 128; the rest of the class,
-            and groups of 32 or 64 at 8-32 rows (4-tile stages with 2 or 4 group slots),
-            are an extrapolation. Group sizes the 8-tile stages do not hold keep the
-            other rules beyond hopper_small_sk_max_m rows. Still slower than cuBLAS fp16
-            there from 16 rows on 8192 x 1024 and from 64 on 4096² (the fp16 GEMM runs
-            10-17 us whatever M).
+            weights) take the persistent kernel ahead of every other rule at
+            hopper_small_min_m .. hopper_small_max_m rows (hopper_small_n4096_max_m
+            on N = 4096, where the large layers' 128-token chunks win beyond), in the
+            chunks of :func:`small_chunk`: the fewest tokens that make
+            hopper_small_units units of 256 features x one chunk, at most
+            hopper_small_max_tok, M then cut evenly. A unit cut by many blocks is
+            added up by the last of them alone (T x 256 floats a piece), so a layer
+            of few column blocks wants more, shorter chunks (each dequantizes the
+            L2-resident layer again). The per-group form (``hopper_skg``, 8-tile
+            stages) serves from hopper_small_skg_min_m rows in chunks of at most
+            hopper_small_skg_max_tok tokens where its stages hold the group;
+            ``hopper_sk`` in 4-tile stages the rest (any group). On an H200 (fused
+            us, routed, the full run scripts/bench_gemm_h200.json of
+            2026-12-03T15:12Z, against the routing before in the run of 14:08Z):
+            8192 x 1024 at 16 / 24 / 32 / 48 / 64 / 96 / 128 / 256 rows 9.2 / 9.9 / 9.8
+            / 11.5 / 11.4 / 13.2 / 14.1 / 19.2 against 10.4 / 11.7 / 12.7 / 14.2 / 14.3
+            / 14.4 / 14.7 / 19.6 (cuBLAS fp16 9.9-10.3 up to 64 rows); 4096² at 48 / 64
+            / 96 / 128 rows 12.6 / 13.2 / 17.0 / 18.8 against 14.0 / 14.0 / 18.0 / 19.2,
+            8-32 rows unchanged. 4096 x 2048, not routed here before, ran 8.2-8.4 at 8-16
+            rows and 9.3-9.4 at 17-32 (fp16 9.6-9.7; scripts/bench_gemm_h200_small_chunks.json,
+            15:06Z, where the columns p3x4x8w1 and p4x4x8w1 show the even cut: at 40-48
+            rows of 4096² two 24-token chunks 12.6-12.7 against 13.2-13.3 for two of 32,
+            at 80-96 rows of 8192 x 1024 24-token chunks 13.2-13.3 against 13.7-13.9).
+            The per-group form at 8 tokens ran 9.8-9.9 against ``hopper_sk``'s 10.9 at
+            24-32 rows of 8192 x 1024 but 9.8 against 9.1 at 16
+            (scripts/bench_gemm_h200_small_units_sweep.json). Group 64
+            (scripts/bench_gemm_h200_small_g64.json, the route against the ones before):
+            8192 x 1024 at 40 / 64 / 128 / 256 rows 12.3 / 12.2 / 14.1 / 19.8 against
+            ``hopper_fs``'s 18.2 / 18.4 / 24.1 / 39.0; 4096² at 64 / 128 rows 13.4 /
+            19.3 against 15.5 / 24.8. Three layers measured; the rest of the class is an
+            extrapolation. Still slower than cuBLAS fp16 from 48 rows on 8192 x 1024
+            (even at 24) and from 64 on 4096² (the fp16 GEMM runs 10-17 us whatever M):
+            there the kernel's fixed cost and the serial sum of the cut units bound it.
         streamk_fix: the persistent kind's cost of adding one more
             block's piece of a unit, in stage times per 32 tokens of the chunk
             (:func:`plan_streamk`).
@@ -855,10 +877,12 @@ def default_pipe(
         tiles of :data:`HOPPER_SK_RS` that hold M (128 tokens beyond): 8-tile stages,
         6 of them, where they hold one group slot and the chunk is one of
         :data:`HOPPER_SK8_RS` (at 24-64 rows 1-8 % faster than 4-tile stages on an
-        H200) and the layer is not a small one (:class:`Tuning`: hopper_small_*), else
-        4-tile stages, 8 of them; its per-group form (``hopper_skg``, 8-tile stages
-        only: :func:`gemm_path` does not give it where they do not fit) the fewest of
-        :data:`HOPPER_SKG_RS` (32-token chunks beyond). The
+        H200), else 4-tile stages, 8 of them; on mid-sized layers at 97-128 rows two
+        even chunks of up to 64 tokens (:class:`Tuning`: hopper_sk_mid_*); its
+        per-group form (``hopper_skg``, 8-tile stages only: :func:`gemm_path` does not
+        give it where they do not fit) the fewest of :data:`HOPPER_SKG_RS`. On the
+        small layers (:class:`Tuning`: hopper_small_*) both take the chunks of
+        :func:`small_chunk`, ``hopper_sk`` in 4-tile stages. The
         other Hopper kernel's block holds the fewest 8-token tiles
         (:data:`HOPPER_RS`, or 16) that hold M; beyond 128 rows, 128-token chunks
         (the feature-split kernel: 48, 64, 96 or 128 tokens; NS = 6 up to 64 tokens,
