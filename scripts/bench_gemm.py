@@ -6,7 +6,7 @@ Measures, in one run, for each shape (K, N) and batch M:
   ours_fused   our GEMM with the asymmetric delta folded in (no extra launch)
   ours_2k      two-kernel correction path (symmetric GEMM + group_sums + add_correction)
   fp16         torch.matmul fp16 (cuBLAS), W [K, N]
-  int4pack     torch.ops.aten._weight_int4pack_mm, bf16 activations, group 128
+  int4pack     torch.ops.aten._weight_int4pack_mm, bf16 activations, the same group size
   upstream     upstream IST-DASLab Marlin (the prebuilt peer binary of ../shared/peers,
                copied to .peers/upstream-marlin; symmetric only), when present
   upstream_corr  the same plus the two-launch asymmetric correction (group sums of A,
@@ -274,6 +274,8 @@ def main() -> int:
     )
     args = ap.parse_args()
     group = args.group
+    if group <= 0 or group % 16:
+        ap.error(f"--group {group}: a positive multiple of 16 that divides every K (per-channel is not timed)")
 
     try:
         import cupy as cp
@@ -289,6 +291,8 @@ def main() -> int:
     base = Tuning(force_wk=args.force_wk)
     sweep_kinds = {KernelKind(v).value for v in args.sweep_kinds.split(",")}
     shapes = SHAPES if not args.shapes else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    if any(k % group for k, _ in shapes):
+        ap.error(f"--group {group} does not divide K of every shape: {shapes}")
     ms = MS if not args.ms else [int(v) for v in args.ms.split(",")]
     bw, rate = ceilings(cp, torch)
     print(

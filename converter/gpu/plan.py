@@ -128,11 +128,13 @@ STREAMK_THREADS = 384
 #: The persistent kind's token chunks, in 8-token tiles: 8 .. 128 tokens (wgmma n8 ..
 #: n128; M beyond 128 in 128-token chunks).
 HOPPER_SK_RS = (1, 2, 3, 4, 6, 8, 12, 16)
-#: The same for its per-group form (``hopper_skg``): 8 .. 32 tokens (on the small layers
-#: also in several chunks of 8 or 16, :func:`small_chunk`).
+#: The same for its per-group form (``hopper_skg``): 8 .. 32 tokens. The default routing
+#: takes 8 and 16 (1-16 rows, and the small layers' chunks of :func:`small_chunk`); 24 and
+#: 32 are built for forced calls and sweeps.
 HOPPER_SKG_RS = (1, 2, 3, 4)
 #: The persistent kind's chunks that also have 8-tile stages (NS = 6): 24 .. 64 tokens.
-#: (At 8 and 16 tokens, where ``hopper_skg`` serves, they were no faster than it.)
+#: (At 8 and 16 tokens on the large layers, where ``hopper_skg`` serves, they were no
+#: faster than it.)
 HOPPER_SK8_RS = (3, 4, 6, 8)
 
 #: Tokens one warpgroup of the token-split Hopper kind (``hopper``) takes at most (its
@@ -463,13 +465,16 @@ class Tuning:
             mid-sized layers (N >= 4096, above hopper_small_kn and up to
             hopper_sk_small_kn weights) at hopper_sk_mid_min_m..hopper_sk_mid_max_m rows
             ``hopper_sk`` cuts M into even chunks of at most hopper_sk_mid_tok tokens
-            (8-tile stages) instead of one chunk: more units, fewer cut pieces. On an
+            instead of one chunk, where 8-tile stages hold the group (in 4-tile stages
+            two 64-token chunks ran slower than one of 128: 36.6 / 39.4 against 35.5 /
+            38.3 on 4096 x 14336 / 8192² at 128 rows): more units, fewer cut pieces. On an
             H200 (scripts/bench_gemm_h200_mid_chunks.json, 15:06Z, fused us, the sweep
             columns p8x8x6w1 / p16x4x8w1) at 112 / 128 rows: 14336 x 4096 34.2 / 34.8
             against 37.3 / 38.5, 8192² 36.8 / 37.2 against 37.2 / 38.2, 4096 x 14336
             34.8 / 35.2 against 34.5 / 35.3; at 65-96 rows one 96-token chunk stays
             faster (p12x4x8w1 against p6x8x6w1: 4096 x 14336 28.4-29.5 against 30.3-30.7,
-            8192² 29.5-31.2 against 32.0-32.5), and on 28672 x 8192 one 128-token chunk
+            8192² 29.5-31.2 against 32.0-32.5; on 14336 x 4096 two of 48 were even to 1 us
+            faster, 29.5-30.1 against 29.6-31.1), and on 28672 x 8192 one 128-token chunk
             (97.9 against 114.2 at 128 rows, scripts/bench_gemm_h200_mid_sweep.json).
             In the full run of 15:12Z at 128 rows: 14336 x 4096 34.3 (38.2 at 14:08Z),
             8192² 36.7 (38.1), 4096 x 14336 34.6 (35.4).
@@ -524,7 +529,8 @@ class Tuning:
             L2-resident layer again). The per-group form (``hopper_skg``, 8-tile
             stages) serves from hopper_small_skg_min_m rows in chunks of at most
             hopper_small_skg_max_tok tokens where its stages hold the group;
-            ``hopper_sk`` in 4-tile stages the rest (any group). On an H200 (fused
+            ``hopper_sk`` in 4-tile stages the rest (any group; only groups 128 and 64
+            were timed). On an H200 (fused
             us, routed, the full run scripts/bench_gemm_h200.json of
             2026-12-03T15:12Z, against the routing before in the run of 14:08Z):
             8192 x 1024 at 16 / 24 / 32 / 48 / 64 / 96 / 128 / 256 rows 9.2 / 9.9 / 9.8
@@ -532,7 +538,7 @@ class Tuning:
             / 14.4 / 14.7 / 19.6 (cuBLAS fp16 9.9-10.3 up to 64 rows); 4096² at 48 / 64
             / 96 / 128 rows 12.6 / 13.2 / 17.0 / 18.8 against 14.0 / 14.0 / 18.0 / 19.2,
             8-32 rows unchanged. 4096 x 2048, not routed here before, ran 8.2-8.4 at 8-16
-            rows and 9.3-9.4 at 17-32 (fp16 9.6-9.7; scripts/bench_gemm_h200_small_chunks.json,
+            rows and 9.3-9.4 at 17-32 (fp16 9.6-9.8; scripts/bench_gemm_h200_small_chunks.json,
             15:06Z, where the columns p3x4x8w1 and p4x4x8w1 show the even cut: at 40-48
             rows of 4096² two 24-token chunks 12.6-12.7 against 13.2-13.3 for two of 32,
             at 80-96 rows of 8192 x 1024 24-token chunks 13.2-13.3 against 13.7-13.9).
@@ -540,9 +546,9 @@ class Tuning:
             24-32 rows of 8192 x 1024 but 9.8 against 9.1 at 16
             (scripts/bench_gemm_h200_small_units_sweep.json). Group 64
             (scripts/bench_gemm_h200_small_g64.json, the route against the ones before):
-            8192 x 1024 at 40 / 64 / 128 / 256 rows 12.3 / 12.2 / 14.1 / 19.8 against
-            ``hopper_fs``'s 18.2 / 18.4 / 24.1 / 39.0; 4096² at 64 / 128 rows 13.4 /
-            19.3 against 15.5 / 24.8. Three layers measured; the rest of the class is an
+            8192 x 1024 at 40 / 64 / 128 rows 12.3 / 12.2 / 14.1 against ``hopper_fs``'s
+            18.2 / 18.4 / 24.1 (at 256 rows 19.8; the route before was not timed there);
+            4096² at 64 / 128 rows 13.4 / 19.3 against 15.5 / 24.8. Three layers measured; the rest of the class is an
             extrapolation. Still slower than cuBLAS fp16 from 48 rows on 8192 x 1024
             (even at 24) and from 64 on 4096² (the fp16 GEMM runs 10-17 us whatever M):
             there the kernel's fixed cost and the serial sum of the cut units bound it.
@@ -742,7 +748,8 @@ def gemm_path(
         if _small_route(m, size_k, size_n, tuning):
             skg_fits = group_tiles is None or _stage8(size_k, group_tiles)
             tokens = small_chunk(m, size_n, tuning)
-            if skg_fits and m >= tuning.hopper_small_skg_min_m and tokens <= tuning.hopper_small_skg_max_tok:
+            skg_tok = min(tuning.hopper_small_skg_max_tok, 8 * HOPPER_SKG_RS[-1])
+            if skg_fits and m >= tuning.hopper_small_skg_min_m and tokens <= skg_tok:
                 return KernelKind.HOPPER_SKG
             return KernelKind.HOPPER_SK
         if (
@@ -808,14 +815,15 @@ def small_chunk(m: int, size_n: int, tuning: Tuning = DEFAULT_TUNING) -> int:
         Tokens per chunk, a multiple of 8 (8 .. ``hopper_small_max_tok``).
     """
     cols = -(-size_n // 256)
-    want = -(-m * cols // tuning.hopper_small_units)
-    fits = [8 * r for r in HOPPER_SK_RS if 8 * r <= tuning.hopper_small_max_tok]
+    want = -(-m * cols // max(1, tuning.hopper_small_units))
+    fits = [8 * r for r in HOPPER_SK_RS if 8 * r <= tuning.hopper_small_max_tok] or [8]
     return _even_chunk(m, next((t for t in fits if t >= want), fits[-1]))
 
 
 def _even_chunk(m: int, top: int) -> int:
     """The fewest tokens of :data:`HOPPER_SK_RS` that hold m rows cut into as few chunks
     of at most ``top`` tokens as there can be, evenly (40 rows under 32: 24, not 32)."""
+    top = min(max(top, 8), 8 * HOPPER_SK_RS[-1])
     rows = -(-m // -(-m // top))
     return 8 * next(r for r in HOPPER_SK_RS if 8 * r >= rows)
 
@@ -903,7 +911,9 @@ def default_pipe(
             return Pipe(kind, small_chunk(m, size_n, tuning) // 8, 4, 8)
         r = next(r for r in HOPPER_SK_RS if 8 * r >= min(m, 128))
         mid = hopper and size_n >= 4096 and tuning.hopper_small_kn < size_k * size_n <= tuning.hopper_sk_small_kn
-        if mid and tuning.hopper_sk_mid_min_m <= m <= tuning.hopper_sk_mid_max_m:
+        # only where 8-tile stages hold the group: two 64-token chunks in 4-tile stages
+        # ran slower than one of 128 (scripts/bench_gemm_h200_mid_sweep.json)
+        if mid and stage8 and tuning.hopper_sk_mid_min_m <= m <= tuning.hopper_sk_mid_max_m:
             r = _even_chunk(m, tuning.hopper_sk_mid_tok) // 8
         return Pipe(kind, r, 8, 6) if stage8 and r in HOPPER_SK8_RS else Pipe(kind, r, 4, 8)
     if kind is KernelKind.HOPPER_FS:

@@ -469,13 +469,26 @@ def test_beyond_64_rows_the_feature_split_block_holds_m(m: int, r: int) -> None:
 
 def test_every_routed_pipe_is_built() -> None:
     """default_pipe never names a variant that was not compiled, on any shape or M, on
-    sm_90 or sm_80..89."""
+    sm_90 or sm_80..89; and kernel_variant accepts it for the layer's group (every group
+    size, per-channel, K not a multiple of 128, ragged N)."""
     shapes = [(k, n) for k in (64, 1024, 4096, 8192, 14336, 28672) for n in (64, 1024, 4096, 8192, 14336, 57344)]
     for k, n in shapes:
         for m in range(1, 300):
             for hopper in (False, True):
                 pipe = default_pipe(m, k, n, 8, H200.smem_per_block_optin, hopper=hopper)
                 assert pipe in GEMM_PIPES, (k, n, m, hopper, pipe)
+    limit = H200.smem_per_block_optin
+    ms = (*range(1, 40), 47, 48, 63, 64, 65, 80, 96, 97, 112, 128, 129, 192, 256, 257, 300, 512)
+    for k in (192, 1088, 4096, 4160, 8192, 28672):
+        for n in (320, 1024, 3008, 4096, 8192, 14336, 57344):
+            for gs in (16, 32, 48, 64, 128, 256, -1):
+                if gs != -1 and k % gs:
+                    continue
+                gt = k // 16 if gs == -1 else gs // 16
+                for m in ms:
+                    for hopper in (False, True):
+                        pipe = default_pipe(m, k, n, gt, limit, hopper=hopper)
+                        kernel_variant(k, n, gs, pipe, smem_limit=limit)  # raises if it cannot run
 
 
 @pytest.mark.parametrize(
@@ -692,16 +705,18 @@ def test_small_chunk_makes_sixteen_units_in_even_chunks() -> None:
 
 
 def test_mid_layers_take_two_64_token_chunks_at_97_to_128_rows() -> None:
-    """hopper_sk on layers above 4096² and up to 8192² weights at 97-128 rows: two even
-    chunks of at most 64 tokens in 8-tile stages (one 96-token chunk below, one 128-token
-    chunk on the larger layers)."""
+    """hopper_sk on layers above 4096² and up to 8192² weights at 97-128 rows, where
+    8-tile stages hold the group: two even chunks of at most 64 tokens (one 96-token chunk
+    below, one 128-token chunk on the larger layers and for other groups)."""
     limit = H200.smem_per_block_optin
     for k, n in ((4096, 14336), (14336, 4096), (8192, 8192)):
         assert default_pipe(96, k, n, 8, limit, hopper=True) == ("hopper_sk", 12, 4, 8)
         assert default_pipe(97, k, n, 8, limit, hopper=True) == ("hopper_sk", 8, 8, 6)
         assert default_pipe(128, k, n, 8, limit, hopper=True) == ("hopper_sk", 8, 8, 6)
         assert default_pipe(129, k, n, 8, limit, hopper=True) == ("hopper_sk", 16, 4, 8)
-        assert default_pipe(128, k, n, 4, limit, hopper=True) == ("hopper_sk", 8, 4, 8)  # group 64: 4-tile stages
+        # group 64: 8-tile stages do not hold it, and two 64-token chunks in 4-tile stages
+        # ran slower than one of 128 (bench_gemm_h200_mid_sweep.json): one chunk
+        assert default_pipe(128, k, n, 4, limit, hopper=True) == ("hopper_sk", 16, 4, 8)
         off = Tuning(hopper_sk_mid_min_m=10**9)
         assert default_pipe(128, k, n, 8, limit, off, hopper=True) == ("hopper_sk", 16, 4, 8)
     assert default_pipe(128, 28672, 8192, 8, limit, hopper=True) == ("hopper_sk", 16, 4, 8)
