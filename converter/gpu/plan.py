@@ -530,9 +530,9 @@ class Tuning:
             stages) serves from hopper_small_skg_min_m rows in chunks of at most
             hopper_small_skg_max_tok tokens where its stages hold the group;
             ``hopper_sk`` in 4-tile stages the rest (any group; only groups 128 and 64
-            were timed). On an H200 (fused
-            us, routed, the full run scripts/bench_gemm_h200.json of
-            2026-12-03T15:12Z, against the routing before in the run of 14:08Z):
+            were timed). On an H200 (fused us, routed, the full run
+            scripts/bench_gemm_h200.json of 2026-12-03T15:12Z, against the routing
+            before in the run of 14:08Z):
             8192 x 1024 at 16 / 24 / 32 / 48 / 64 / 96 / 128 / 256 rows 9.2 / 9.9 / 9.8
             / 11.5 / 11.4 / 13.2 / 14.1 / 19.2 against 10.4 / 11.7 / 12.7 / 14.2 / 14.3
             / 14.4 / 14.7 / 19.6 (cuBLAS fp16 9.9-10.3 up to 64 rows); 4096² at 48 / 64
@@ -548,10 +548,11 @@ class Tuning:
             (scripts/bench_gemm_h200_small_g64.json, the route against the ones before):
             8192 x 1024 at 40 / 64 / 128 rows 12.3 / 12.2 / 14.1 against ``hopper_fs``'s
             18.2 / 18.4 / 24.1 (at 256 rows 19.8; the route before was not timed there);
-            4096² at 64 / 128 rows 13.4 / 19.3 against 15.5 / 24.8. Three layers measured; the rest of the class is an
-            extrapolation. Still slower than cuBLAS fp16 from 48 rows on 8192 x 1024
-            (even at 24) and from 64 on 4096² (the fp16 GEMM runs 10-17 us whatever M):
-            there the kernel's fixed cost and the serial sum of the cut units bound it.
+            4096² at 64 / 128 rows 13.4 / 19.3 against 15.5 / 24.8. Three layers
+            measured; the rest of the class is an extrapolation. Still slower than
+            cuBLAS fp16 from 48 rows on 8192 x 1024 (even at 24) and from 64 on 4096²
+            (the fp16 GEMM runs 10-17 us whatever M): there the kernel's fixed cost and
+            the serial sum of the cut units bound it.
         streamk_fix: the persistent kind's cost of adding one more
             block's piece of a unit, in stage times per 32 tokens of the chunk
             (:func:`plan_streamk`).
@@ -898,17 +899,17 @@ def default_pipe(
     """
     kind = gemm_path(m, size_n, tuning, hopper=hopper, size_k=size_k, group_tiles=group_tiles)
     stage8 = _stage8(size_k, group_tiles)
-    small = hopper and tuning.hopper and _small_route(m, size_k, size_n, tuning)
+    # the small layers' chunk (0: not a small layer's row), for both persistent forms
+    small_r = (
+        small_chunk(m, size_n, tuning) // 8
+        if hopper and tuning.hopper and _small_route(m, size_k, size_n, tuning)
+        else 0
+    )
     if kind is KernelKind.HOPPER_SKG:
-        r = (
-            small_chunk(m, size_n, tuning) // 8
-            if small
-            else next((r for r in HOPPER_SKG_RS if 8 * r >= m), HOPPER_SKG_RS[-1])
-        )
-        return Pipe(kind, r, 8, 6)
+        return Pipe(kind, small_r or next((r for r in HOPPER_SKG_RS if 8 * r >= m), HOPPER_SKG_RS[-1]), 8, 6)
     if kind is KernelKind.HOPPER_SK:
-        if small:
-            return Pipe(kind, small_chunk(m, size_n, tuning) // 8, 4, 8)
+        if small_r:
+            return Pipe(kind, small_r, 4, 8)
         r = next(r for r in HOPPER_SK_RS if 8 * r >= min(m, 128))
         mid = hopper and size_n >= 4096 and tuning.hopper_small_kn < size_k * size_n <= tuning.hopper_sk_small_kn
         # only where 8-tile stages hold the group: two 64-token chunks in 4-tile stages
