@@ -395,13 +395,12 @@ marlin_decode(const u16* __restrict__ A, const int4* __restrict__ B, const u16* 
                 const int m = mbase + 8 * nt + (e & 1), n = nbase + 16 * j + 8 * (e >> 1);
                 if (m < M) wp[(size_t)m * N + n] = acc[j][nt][e];
             }
-    __threadfence();  // partials visible device-wide before the counter moves ...
-    __syncwarp();    // ... for every lane's partials, before lane 0 moves it
+    __syncwarp();  // every lane's partials, before lane 0 publishes them (atom_add_acq_rel)
     int prev = 0;
-    if (lane == 0) prev = atomicAdd(locks + (size_t)mc * nblk + nb, 1);
+    if (lane == 0) prev = atom_add_acq_rel(locks + (size_t)mc * nblk + nb, 1);
     prev = __shfl_sync(0xffffffffu, prev, 0);
     if (prev != splits - 1) return;
-    __threadfence();
+    __syncwarp();  // lane 0's acquire, before every lane reads the partials
     // Last to arrive: lane l sums columns 64 nb + 2 l, + 1 of every row of the chunk over
     // the splits in split order; RR rows x RS splits of loads are in flight at once.
     constexpr int RR = 4, RS = 4;

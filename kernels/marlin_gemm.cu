@@ -244,13 +244,12 @@ marlin_gemm(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __
                             float2{acc[mt][f][2 * h], acc[mt][f][2 * h + 1]};
                 }
             }
-        __threadfence();  // partials visible device-wide before the counter moves ...
-        __syncwarp();    // ... for every lane's partials, before lane 0 moves it
+        __syncwarp();  // every lane's partials, before lane 0 publishes them (atom_add_acq_rel)
         int prev = 0;
-        if (lane == 0) prev = atomicAdd(locks + (size_t)mc * nblk + nb, 1);
+        if (lane == 0) prev = atom_add_acq_rel(locks + (size_t)mc * nblk + nb, 1);
         prev = __shfl_sync(0xffffffffu, prev, 0);
         if (prev != splits - 1) return;
-        __threadfence();
+        __syncwarp();  // lane 0's acquire, before every lane reads the partials
         // Last to arrive: sum all partials in split order (deterministic). The loads of
         // RB splits are issued before any add, so RB L2 round trips overlap.
         constexpr int RB = 4;

@@ -46,11 +46,13 @@
 // Units cut by block boundaries: every block that holds a piece of one parks its fp32
 // sums in `ws` and bumps the unit's counter; the last to arrive adds the pieces in piece
 // (= block) order, whoever it is, so the result depends on the problem and the grid
-// only, and stores C. No block ever waits for another: two of these GEMMs running
-// concurrently (two streams of one device, each with its own workspace) or a grid that
-// does not get every multiprocessor cannot deadlock. (An owner that waited for its
-// successors' pieces, the first design, could: it assumed every block of the grid
-// runs at once.)
+// only, and stores C. No block waits for another without bound (a unit's first block
+// polls the counter a fixed number of times, OWNER_POLLS, before it parks): two of these
+// GEMMs running concurrently (two streams of one device, each with its own workspace) or
+// a grid that does not get every multiprocessor cannot deadlock. (An owner that waited
+// for its successors' pieces, the first design, could: it assumed every block of the
+// grid runs at once.) Parking and claiming take one acquire-release add by one thread
+// after a barrier (atom_add_acq_rel, marlin_stream.cuh), not a fence in every thread.
 //
 // Shared memory: NS stages (StreamkLayout), each
 //   W  U x 2048 B       the 4 column blocks' B words of each k-tile, as in global memory
@@ -93,6 +95,10 @@
 // of the multiprocessor's 65536.
 constexpr int PRODUCER_REGS = 56;
 constexpr int CONSUMER_REGS = 224;
+// How many more times a unit's first block reads the unit's counter, where the runs are
+// aligned, before it parks its own piece (12 L2 round trips at most; scripts/perf_notes.md
+// has the H200 measurements).
+constexpr int OWNER_POLLS = 12;
 // Register sets of A fragments a consumer warpgroup cycles through, one per k-tile: a
 // wgmma group holds a pair of k-tiles (one fence, commit and wait per two, and
 // two independent dequantizations for the scheduler to interleave), and while one pair
@@ -462,9 +468,19 @@ marlin_streamk(const __grid_constant__ TensorMap xmap, const u16* __restrict__ A
             // Piece 0 ends its block's run, and the others start theirs, so it is usually
             // the last to arrive: when the counter already holds every other piece, it
             // adds them without parking its own (a T x 256 x 4-byte write and read).
+            // Where the runs are whole divisors of the unit (aligned, see plan.streamk_pieces),
+            // every piece of the unit ends its block's run, so the others finish about when
+            // this one does: it reads the counter up to OWNER_POLLS more times before it
+            // parks too (a park, an add and a read of a T x 256 x 4-byte piece saved;
+            // bounded, so no block waits on another's progress).
             bool in = false;
             if (j == 0) {
-                if (tid == 0) arrived[1] = ld_acquire(flags + first);
+                if (tid == 0) {
+                    int seen = ld_acquire(flags + first);
+                    const int polls = KS % iters == 0 ? OWNER_POLLS : 0;
+                    for (int r = 0; r < polls && seen != count; ++r) seen = ld_acquire(flags + first);
+                    arrived[1] = seen;
+                }
                 named_sync(1, L::CONSUMERS);
                 in = arrived[1] == count;
             }
@@ -474,13 +490,13 @@ marlin_streamk(const __grid_constant__ TensorMap xmap, const u16* __restrict__ A
                 for (int jj = 0; jj < 2; ++jj)
 #pragma unroll
                     for (int e = 0; e < T / 2; ++e) mine[(jj * (T / 2) + e) * L::CONSUMERS] = acc[jj][e];
-                __threadfence();  // this thread's sums are visible device-wide ...
-                named_sync(1, L::CONSUMERS);  // ... for every consumer thread, before the counter moves
-                if (tid == 0) arrived[j == 0] = atomicAdd(flags + first, 1);
+                named_sync(1, L::CONSUMERS);  // every consumer's sums, then one publishing add
+                if (tid == 0) arrived[j == 0] = atom_add_acq_rel(flags + first, 1);
                 named_sync(1, L::CONSUMERS);
                 if (arrived[j == 0] != count) continue;  // a later piece will finish the unit
             }
-            __threadfence();
+            // Thread 0's acquire (the read above or the add), then the barrier: the other
+            // pieces' sums are visible to every consumer thread here.
             if (tid == 0) flags[first] = 0;  // every piece has arrived: ready for the next launch
             // Last to arrive: the sum in piece order, whoever came last (deterministic).
             // Piece 0 comes from its slot unless it is this block's own, still in registers.

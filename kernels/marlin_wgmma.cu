@@ -364,12 +364,10 @@ marlin_wgmma(const u16* __restrict__ At, const int4* __restrict__ B, const u16* 
         for (int j = 0; j < J; ++j)
 #pragma unroll
             for (int i = 0; i < T / 2; ++i) mine[(j * (T / 2) + i) * NTHR] = acc[j][i];
-        __threadfence();  // this thread's partials are visible device-wide ...
-        __syncthreads();  // ... for every thread, before thread 0 moves the counter
-        if (tid == 0) arrived = atomicAdd(locks + unit, 1);
+        __syncthreads();  // every thread's partials, before thread 0 publishes them (atom_add_acq_rel)
+        if (tid == 0) arrived = atom_add_acq_rel(locks + unit, 1);
         __syncthreads();
         if (arrived != splits - 1) return;
-        __threadfence();
 #pragma unroll
         for (int j = 0; j < J; ++j)
 #pragma unroll

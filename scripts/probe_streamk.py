@@ -1,0 +1,311 @@
+#!/usr/bin/env python3
+"""Where a persistent Hopper GEMM call spends its time (needs an H200 or another sm_90 GPU).
+
+Builds instrumented copies of ``kernels/marlin_streamk.cu`` (the shipped source, patched
+in memory; each patch asserts that its anchor text is still there) and runs them through
+``kernels.marlin_gemm`` on the planner's own plans:
+
+* ``--variants``: the kernel with parts of its work removed, timed like
+  ``scripts/bench_gemm.py`` (a CUDA graph of 16 back-to-back calls over weight copies
+  past 2 x the L2, median us per call; each variant twice, in A B B A order):
+  ``base`` (unchanged), ``noload`` (the producer copies nothing: the consumers' work and
+  the skeleton), ``nodq_nomma`` (no dequantization, no ``wgmma``: the operand stream and
+  the skeleton), ``none`` (neither: the skeleton alone). The removed ``wgmma`` leave an
+  XOR and an add per k-tile behind so that the compiler keeps the rest.
+* ``--timeline``: the unchanged kernel (and the ``none`` variant) with ``%globaltimer``
+  stamps per block: entry, after setup, the first stage's operands landed, the producer's
+  last issue, the consumers' last stage done, the split-sum fix-up done, exit. Printed as
+  median / max over the blocks in us from the earliest entry, for the last of several
+  back-to-back calls.
+
+The numbers in scripts/perf_notes.md ("The fix-up's fences and a call's timeline",
+2026-12-03) came from this script's development copy, with the same patches.
+
+Usage: PYTHONPATH=$PWD python3 scripts/probe_streamk.py (--variants | --timeline)
+           [--shapes K:N:M,...] [--json-out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from functools import partial
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+# The source's text the patches anchor on. A kernel edit that moves one of these makes
+# the script fail loudly (AssertionError naming the anchor) instead of timing the wrong thing.
+_NOLOAD = [
+    (
+        "                    mbar_expect_tx(bar, L::X_BYTES);\n",
+        "                    mbar_expect_tx(bar, PROBE_NOLOAD_V ? 0 : L::X_BYTES);\n"
+        "                    if (!PROBE_NOLOAD_V) {\n",
+    ),
+    (
+        "                            tensor_load_2d(sb + L::X_OFF"
+        " + b * L::X_BOX, &xmap, 16 * kt + 64 * b, mc * T, bar);\n"
+        "                    }\n",
+        "                            tensor_load_2d(sb + L::X_OFF"
+        " + b * L::X_BOX, &xmap, 16 * kt + 64 * b, mc * T, bar);\n"
+        "                    }\n                    }\n",
+    ),
+    ("                if (w_live) {", "                if (w_live && !PROBE_NOLOAD_V) {"),
+    (
+        "                    if ((GS ? !per_channel : opens) && s_live)",
+        "                    if ((GS ? !per_channel : opens) && s_live && !PROBE_NOLOAD_V)",
+    ),
+]
+_FAKE = "af[v % WG_DEPTH][0][0] ^ af[v % WG_DEPTH][0][1] ^ af[v % WG_DEPTH][1][0] ^ af[v % WG_DEPTH][1][1]"
+_WORK = [
+    (
+        "    gs_fragments(bw[0], af[0]);\n    gs_fragments(bw[1], af[1]);",
+        "    GSF(bw[0], af[0]);\n    GSF(bw[1], af[1]);",
+    ),
+    (
+        "            gs_fragments(bw[u], af[u % WG_DEPTH]);\n"
+        "            gs_fragments(bw[u + 1], af[(u + 1) % WG_DEPTH]);",
+        "            GSF(bw[u], af[u % WG_DEPTH]);\n            GSF(bw[u + 1], af[(u + 1) % WG_DEPTH]);",
+    ),
+    (
+        "            Wgmma<T>::mma(gp[0], af[v % WG_DEPTH][0], desc, v > 0);\n"
+        "            Wgmma<T>::mma(gp[1], af[v % WG_DEPTH][1], desc, v > 0);\n"
+        "            Wgmma<T>::mma(gx, cf, desc, v > 0);",
+        "#ifdef PROBE_NOMMA\n"
+        f"            gp[0][0] += __uint_as_float({_FAKE} ^ cf[v & 3]) + (float)desc;\n"
+        "#else\n"
+        "            Wgmma<T>::mma(gp[0], af[v % WG_DEPTH][0], desc, v > 0);\n"
+        "            Wgmma<T>::mma(gp[1], af[v % WG_DEPTH][1], desc, v > 0);\n"
+        "            Wgmma<T>::mma(gx, cf, desc, v > 0);\n"
+        "#endif",
+    ),
+    (
+        "                        weight_fragments_pairs<HAS_DELTA, 2>(bw[u], s2, d2, af[u % WG_DEPTH]);",
+        "#ifdef PROBE_NODQ\n"
+        "                        for (int j_ = 0; j_ < 2; ++j_) for (int e_ = 0; e_ < 4; ++e_)"
+        " af[u % WG_DEPTH][j_][e_] = bw[u][j_] + e_ + s2[0] + d2[1];\n"
+        "#else\n"
+        "                        weight_fragments_pairs<HAS_DELTA, 2>(bw[u], s2, d2, af[u % WG_DEPTH]);\n"
+        "#endif",
+    ),
+    (
+        "                            Wgmma<T>::mma(acc[0], af[v % WG_DEPTH][0], desc);\n"
+        "                            Wgmma<T>::mma(acc[1], af[v % WG_DEPTH][1], desc);",
+        "#ifdef PROBE_NOMMA\n"
+        f"                            acc[0][0] += __uint_as_float({_FAKE}) + (float)desc;\n"
+        "#else\n"
+        "                            Wgmma<T>::mma(acc[0], af[v % WG_DEPTH][0], desc);\n"
+        "                            Wgmma<T>::mma(acc[1], af[v % WG_DEPTH][1], desc);\n"
+        "#endif",
+    ),
+]
+_STAMPS = [
+    (
+        "    const int tid = threadIdx.x, lane = tid & 31;\n",
+        "    const int tid = threadIdx.x, lane = tid & 31;\n    if (tid == 0) STAMP(0);\n",
+    ),
+    ("    __syncthreads();\n    auto piece_at", "    __syncthreads();\n    if (tid == 0) STAMP(1);\n    auto piece_at"),
+    (
+        "    mbar_wait(full0 + 8 * slot, (q / NS) & 1u);\n    const u32 sb = ring + slot * STAGE;",
+        "    mbar_wait(full0 + 8 * slot, (q / NS) & 1u);\n    if (q == 0 && threadIdx.x == 0) STAMP(2);\n"
+        "    const u32 sb = ring + slot * STAGE;",
+    ),
+    (
+        "                mbar_wait(full0 + 8 * slot, (q / NS) & 1u);\n"
+        "                const u32 sb = ring + slot * L::STAGE;\n"
+        "                const unsigned long long desc0",
+        "                mbar_wait(full0 + 8 * slot, (q / NS) & 1u);\n"
+        "                if (q == 0 && tid == 0) STAMP(2);\n"
+        "                const u32 sb = ring + slot * L::STAGE;\n                const unsigned long long desc0",
+    ),
+    (
+        "        return;  // every copy completes",
+        "        if (pt == 0) STAMP(5);\n        return;  // every copy completes",
+    ),
+    (
+        "        wgmma_wait<0>();\n        __syncwarp();\n"
+        "        if (lane == 0) mbar_arrive(empty0 + 8 * ((q - 1) % NS));\n",
+        "        wgmma_wait<0>();\n        __syncwarp();\n"
+        "        if (lane == 0) mbar_arrive(empty0 + 8 * ((q - 1) % NS));\n"
+        "        if (tid == 0 && i >= i1) STAMP(3);\n",
+    ),
+    (
+        "        // ---- epilogue: acc + bias in fp32, one rounding, stored from registers ----\n",
+        "        if (tid == 0 && i >= i1) STAMP(6);\n"
+        "        // ---- epilogue: acc + bias in fp32, one rounding, stored from registers ----\n",
+    ),
+]
+_HEAD = """#ifdef PROBE_NOLOAD
+#define PROBE_NOLOAD_V 1
+#else
+#define PROBE_NOLOAD_V 0
+#endif
+"""
+_HELPERS = r"""
+#ifdef PROBE_NODQ
+#define GSF(bw, af) { for (int j_ = 0; j_ < 2; ++j_) for (int e_ = 0; e_ < 4; ++e_) af[j_][e_] = bw[j_] + e_; }
+#else
+#define GSF(bw, af) gs_fragments(bw, af)
+#endif
+__device__ unsigned long long probe_ts[1024][8];
+__device__ __forceinline__ unsigned long long probe_now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+#ifdef PROBE_TS
+#define STAMP(i) do { probe_ts[blockIdx.x][i] = probe_now(); } while (0)
+#else
+#define STAMP(i) do {} while (0)
+#endif
+"""
+VARIANTS = {
+    "base": (),
+    "noload": ("-DPROBE_NOLOAD",),
+    "nodq_nomma": ("-DPROBE_NODQ", "-DPROBE_NOMMA"),
+    "none": ("-DPROBE_NOLOAD", "-DPROBE_NODQ", "-DPROBE_NOMMA"),
+}
+# stamp slot -> what it marks, in the order of a call
+STAMP_NAMES = {0: "entry", 1: "setup", 2: "first_data", 5: "producer_done", 3: "loop_done", 6: "fixup_done", 4: "exit"}
+
+
+def instrumented_source(kernel_dir: Path) -> str:
+    """kernels/marlin_streamk.cu with the PROBE_* hooks (every anchor checked)."""
+    src = (kernel_dir / "marlin_streamk.cu").read_text(encoding="utf-8")
+    for old, new in _NOLOAD + _WORK + _STAMPS:
+        assert src.count(old) == 1, f"anchor not found once in marlin_streamk.cu: {old[:70]!r}"
+        src = src.replace(old, new)
+    tail = "            }\n    }\n}\n"
+    assert src.endswith(tail), "the kernel's closing lines moved"
+    src = src[: -len("    }\n}\n")] + "    }\n    if (tid == 0) STAMP(4);\n}\n"
+    anchor = "template <int T, int U, int NS, bool HAS_DELTA, int STAGE"
+    assert src.count(anchor) == 1, "gs_stage's template line moved"
+    i = src.index(anchor)
+    return _HEAD + src[:i] + _HELPERS + src[i:]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--variants", action="store_true", help="time base / noload / nodq_nomma / none")
+    mode.add_argument("--timeline", action="store_true", help="per-block %%globaltimer stamps of one call")
+    ap.add_argument(
+        "--shapes",
+        default="8192:57344:1,28672:8192:1,4096:14336:1,8192:8192:1,8192:57344:16,8192:57344:64,4096:14336:64",
+        help="K:N:M,... (group 128, fused path)",
+    )
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+
+    import cupy as cp
+    import numpy as np
+    from bench_gemm import timed_graph
+
+    from converter.gpu import build, kernels
+    from converter.gpu.plan import KernelKind, Pipe, default_pipe
+
+    cases = [tuple(int(v) for v in c.split(":")) for c in args.shapes.split(",")]
+    pipes = {c: default_pipe(c[2], c[0], c[1], 8, hopper=True) for c in cases}
+    for c, p in pipes.items():
+        if p[0] not in (KernelKind.HOPPER_SK, KernelKind.HOPPER_SKG):
+            ap.error(f"{c[0]}x{c[1]} at M={c[2]} is served by {p[0].value}, not the persistent kernel")
+    names = sorted({Pipe.of(p).name(1, True) for p in pipes.values()})
+    folder = build.kernel_dir()
+    code = instrumented_source(folder)
+    wanted = ["base", "noload", "nodq_nomma", "none"] if args.variants else ["base", "none"]
+    mods = {}
+    for v in wanted:
+        extra = VARIANTS[v] + (("-DPROBE_TS",) if args.timeline else ())
+        mods[v] = cp.RawModule(
+            code=code,
+            options=("-std=c++17", "--gpu-architecture=sm_90a", f"-I{folder}", *extra),
+            name_expressions=names,
+        )
+        for n in names:
+            mods[v].get_function(n)
+    real = build.function
+    current = {"v": "base"}
+
+    def function(source: str, name: str):
+        if source == "marlin_streamk.cu":
+            return mods[current["v"]].get_function(name)
+        return real(source, name)
+
+    build.function = function  # kernels.marlin_gemm looks it up at each call
+    rng = np.random.default_rng(0)
+    results: dict = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "rows": {}}
+    for k, n, m in cases:
+        g = k // 128
+        copies = max(2, -(-3 * 60 * 2**20 // (k * n // 2)))
+        Bs = [
+            cp.asarray(rng.integers(-(2**31), 2**31, (k // 16, 2 * n), dtype=np.int64).astype(np.int32))
+            for _ in range(copies)
+        ]
+        Ss = [cp.asarray((rng.uniform(0.5, 2, (g, n)) / 64).astype(np.float16)) for _ in range(copies)]
+        Ds = [kernels.prepare_delta(cp.asarray(rng.normal(0, 0.01, (g, n)).astype(np.float32))) for _ in range(copies)]
+        a = cp.asarray(rng.normal(0, 1, (m, k)).astype(np.float16))
+        out = cp.empty((m, n), cp.float16)
+        calls = [
+            partial(
+                kernels.marlin_gemm,
+                a,
+                Bs[i % copies],
+                Ss[i % copies],
+                size_k=k,
+                size_n=n,
+                group_size=128,
+                delta=Ds[i % copies],
+                out=out,
+            )
+            for i in range(16)
+        ]
+        row: dict = {"pipe": [str(x.value) if hasattr(x, "value") else x for x in pipes[(k, n, m)]]}
+        if args.variants:
+            times: dict = {}
+            for order in (wanted, wanted[::-1]):
+                for v in order:
+                    current["v"] = v
+                    times.setdefault(v, []).append(timed_graph(cp, calls, 7))
+            row["us"] = {v: float(np.mean(t)) for v, t in times.items()}
+            print(
+                f"{k}x{n} M={m} {row['pipe']}: " + "  ".join(f"{v} {t:.1f}" for v, t in row["us"].items()), flush=True
+            )
+        else:
+            for v in wanted:
+                current["v"] = v
+                graph_us = timed_graph(cp, calls, 7)
+                stamps = cp.ndarray((1024, 8), cp.uint64, memptr=mods[v].get_global("probe_ts"))
+                stamps.fill(0)
+                stream = cp.cuda.Stream(non_blocking=True)
+                with stream:
+                    for f in calls[:copies]:  # back to back: the last call's stamps stay
+                        f()
+                stream.synchronize()
+                h = stamps.get().astype(np.int64)
+                h = h[h[:, 0] > 0]
+                rel = (h - h[:, 0].min()) / 1e3
+                rel[h == 0] = np.nan  # a block that parked its last piece never reaches the fix-up stamp
+                row[v] = {"graph_us": graph_us, "blocks": int(len(h))}
+                for slot, name in STAMP_NAMES.items():
+                    col = rel[:, slot][~np.isnan(rel[:, slot])]
+                    row[v][name] = [float(np.median(col)), float(col.max())] if len(col) else None
+                print(
+                    f"{k}x{n} M={m} {row['pipe']} {v}: {graph_us:.1f} us a call, {len(h)} blocks; median / max us: "
+                    + " ".join(
+                        f"{nm} {row[v][nm][0]:.2f}/{row[v][nm][1]:.2f}" for nm in STAMP_NAMES.values() if row[v][nm]
+                    ),
+                    flush=True,
+                )
+        results["rows"][f"{k}x{n}:{m}"] = row
+        del Bs, Ss, Ds
+        cp.get_default_memory_pool().free_all_blocks()
+    build.function = real
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(results, indent=1), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
