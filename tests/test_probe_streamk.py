@@ -1,8 +1,8 @@
-"""scripts/probe_streamk.py patches the shipped persistent kernel; its anchors must still be there."""
+"""scripts/probe_streamk.py patches the shipped persistent kernel (tests/helpers/streamk_probe.py); its anchors
+must still be there."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 from pathlib import Path
@@ -10,17 +10,11 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.paths import REPO
-
-
-def _probe():
-    spec = importlib.util.spec_from_file_location("probe_streamk", REPO / "scripts" / "probe_streamk.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tests.helpers.streamk_probe import instrumented_source
 
 
 def test_every_hook_lands_in_the_shipped_kernel() -> None:
-    src = _probe().instrumented_source(REPO / "kernels")
+    src = instrumented_source(REPO / "kernels")
     # every stamp slot the timeline reads is written exactly where it was meant to be
     assert sorted(int(i) for i in re.findall(r"STAMP\((\d)\);", src)) == [0, 1, 2, 2, 3, 4, 5, 6]
     # both consumer forms lose their wgmma and dequantization under the probe macros
@@ -38,4 +32,4 @@ def test_a_moved_anchor_fails_loudly(tmp_path: Path) -> None:
     path.write_text(text.replace("                if (w_live) {", "                if (w_live)  {"), encoding="utf-8")
     moved = r"anchor not found once in marlin_streamk.cu: '                if \(w_live\) \{'"
     with pytest.raises(AssertionError, match=moved):
-        _probe().instrumented_source(folder)
+        instrumented_source(folder)
