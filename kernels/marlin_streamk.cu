@@ -70,6 +70,14 @@
 // writes, and wgmma reads X through the async proxy, which the bulk copies write: no
 // proxy fence is needed.
 //
+// B: Marlin's tile order, or (b_units = 1) the same 2 KB pieces unit-major: unit u's
+// k-tile t at (u K / 16 + t) x 2 KB, a last ragged unit padded to 4 column blocks
+// (kernels.prepare_b_units; reference.b_units is its twin). The weight stream's order is
+// the same; its addresses are one contiguous run per block instead of a 2 KB strip
+// down rows N / 2 int4 apart (which a read-only probe streamed 12-19 % slower,
+// scripts/perf_notes.md), so that one thread moves a stage by a few bulk copies.
+// MarlinLinear keeps B unit-major where this kernel serves every M.
+//
 // Launch geometry (converter/gpu plans it): `xmap` encoded by converter/gpu/tensormap.py
 // (after gather_columns under act-order) and At null, or hopper_activations with tok = T
 // and swizzle = 1 first and `xmap` unused; block = 384 threads (consumer warpgroups 0-1, producer
@@ -253,7 +261,7 @@ marlin_streamk(const __grid_constant__ TensorMap xmap, const u16* __restrict__ A
                const u16* __restrict__ S,
                const u16* __restrict__ D, const u16* __restrict__ bias, u16* __restrict__ C,
                float* __restrict__ ws, int* __restrict__ flags, int M, int K, int N, int n_out, int group_tiles,
-               int per_channel, int iters) {
+               int per_channel, int iters, int b_units) {
     using L = StreamkLayout<T, U, GPI, NS, HAS_DELTA>;
     constexpr int SUB = U / GPI;
     extern __shared__ __align__(128) unsigned char smem[];
@@ -297,7 +305,12 @@ marlin_streamk(const __grid_constant__ TensorMap xmap, const u16* __restrict__ A
         // and their weight register sets need more, the copy loop far fewer.
         setmaxnreg_dec<PRODUCER_REGS>();
         const int pt = tid - L::CONSUMERS;  // 0..127: the 16-byte piece of each 2 KB weight row
-        const size_t brow = (size_t)(N >> 1);  // int4 per B row (k-tile)
+        // Where a unit's k-tile t starts, in int4: B in Marlin's order has one row of
+        // N / 2 int4 per k-tile, the unit's 2 KB at 128 nb4 in it; the unit-major copy
+        // (b_units, kernels.prepare_b_units) has every unit's K / 16 k-tiles one after
+        // another, so that a block's run is one contiguous stretch of memory.
+        const size_t brow = b_units ? 128 : (size_t)(N >> 1);
+        const size_t bunit = b_units ? (size_t)(K >> 4) * 128 : 128;
         const size_t k8 = (size_t)(K >> 3);
         u32 q = 0;  // stages issued by this block
         for (int i = i0; i < i1;) {
@@ -305,7 +318,7 @@ marlin_streamk(const __grid_constant__ TensorMap xmap, const u16* __restrict__ A
             const int mc = p.unit % m_chunks, nb4 = p.unit / m_chunks;
             const int live = min(4, nblk - 4 * nb4);
             const bool w_live = pt < 32 * live;
-            const int4* wsrc = B + (size_t)p.s0 * U * brow + 128 * nb4 + (w_live ? pt : 0);
+            const int4* wsrc = B + (size_t)p.s0 * U * brow + bunit * nb4 + (w_live ? pt : 0);
             // scales (threads 0..31) and deltas (32..63): 8 pieces of 16 bytes per live block
             const bool s_live = (pt & 31) < 8 * live && (pt < 32 || (HAS_DELTA && pt < 64));
             const u16* ssrc = (pt < 32 ? S : D) + 256 * nb4 + 8 * (pt & 31);
@@ -319,8 +332,40 @@ marlin_streamk(const __grid_constant__ TensorMap xmap, const u16* __restrict__ A
                 if (q >= NS) mbar_wait(empty0 + 8 * slot, (q / NS - 1) & 1u);
                 const u32 sb = ring + slot * L::STAGE, bar = full0 + 8 * slot;
                 const int kt = (p.s0 + st) * U;
+                // Which group rows open in this stage (every thread walks the same groups).
+                bool sd_open[GPI];
+                int sd_g[GPI];
+#pragma unroll
+                for (int gi = 0; gi < GPI; ++gi) {
+                    // GS: every stage's group (it is closed per stage); else a group's at its
+                    // start. Per-channel scales are read once, by the consumers.
+                    const bool opens = !per_channel && walk.step(kt + gi * SUB, group_tiles);
+                    sd_open[gi] = GS ? !per_channel : opens;
+                    sd_g[gi] = walk.g;
+                }
+                // Unit-major B: the stage's U k-tiles are one contiguous U x 2 KB run, and each
+                // open group's scales (and deltas) one contiguous 128 x live bytes: thread 0
+                // copies them all by bulk copy: 0-4.8 % faster than Marlin's order by 128
+                // threads' cp.async on every row measured, M 1-64 on the 7B and 70B layers
+                // (scripts/bench_gemm_h200_b_order.json).
                 if (pt == 0) {  // the activations, read by wgmma through the async proxy
-                    mbar_expect_tx(bar, L::X_BYTES);
+                    u32 bytes = L::X_BYTES;
+                    if (b_units) {
+                        bytes += U * L::W_TILE;
+#pragma unroll
+                        for (int gi = 0; gi < GPI; ++gi) bytes += sd_open[gi] ? (HAS_DELTA ? 2 : 1) * 128 * live : 0;
+                    }
+                    mbar_expect_tx(bar, bytes);
+                    if (b_units) {
+                        bulk_load(sb + L::W_OFF, wsrc - (w_live ? pt : 0), U * L::W_TILE, bar);
+#pragma unroll
+                        for (int gi = 0; gi < GPI; ++gi) {
+                            if (!sd_open[gi]) continue;
+                            const size_t at = 256 * (size_t)nb4 + (size_t)sd_g[gi] * N;
+                            bulk_load(sb + L::S_OFF + gi * 512, S + at, 128 * live, bar);
+                            if (HAS_DELTA) bulk_load(sb + L::D_OFF + gi * 512, D + at, 128 * live, bar);
+                        }
+                    }
                     if (At) {  // one contiguous run of the re-laid-out activations
                         bulk_load(sb + L::X_OFF, xsrc, L::X_BYTES, bar);
                     } else {  // U / 4 boxes of 64 values of K x T tokens, swizzled, tokens past M zero
@@ -329,17 +374,14 @@ marlin_streamk(const __grid_constant__ TensorMap xmap, const u16* __restrict__ A
                             tensor_load_2d(sb + L::X_OFF + b * L::X_BOX, &xmap, 16 * kt + 64 * b, mc * T, bar);
                     }
                 }
-                if (w_live) {
+                if (!b_units) {  // Marlin's order: a 2 KB strip down each k-tile's row, 16 bytes a thread
+                    if (w_live) {
 #pragma unroll
-                    for (int u = 0; u < U; ++u) cp_async16(sb + L::W_OFF + u * L::W_TILE + 16 * pt, wsrc + u * brow);
-                }
+                        for (int u = 0; u < U; ++u) cp_async16(sb + L::W_OFF + u * L::W_TILE + 16 * pt, wsrc + u * brow);
+                    }
 #pragma unroll
-                for (int gi = 0; gi < GPI; ++gi) {
-                    // GS: every stage's group (it is closed per stage); else a group's at its
-                    // start. Per-channel scales are read once, by the consumers.
-                    const bool opens = !per_channel && walk.step(kt + gi * SUB, group_tiles);
-                    if ((GS ? !per_channel : opens) && s_live)
-                        cp_async16(sb + s_dst + gi * 512, ssrc + (size_t)walk.g * N);
+                    for (int gi = 0; gi < GPI; ++gi)
+                        if (sd_open[gi] && s_live) cp_async16(sb + s_dst + gi * 512, ssrc + (size_t)sd_g[gi] * N);
                 }
                 // this thread's copies of the stage arrive on its barrier when they land
                 cp_async_arrive_noinc(bar);

@@ -5,6 +5,8 @@ Measures, in one run, for each shape (K, N) and batch M:
   ours_sym     our GEMM, symmetric (marlin_B + marlin_scales)
   ours_fused   our GEMM with the asymmetric delta folded in (no extra launch)
   ours_2k      two-kernel correction path (symmetric GEMM + group_sums + add_correction)
+               (all three with B as MarlinLinear keeps it: unit-major, kernels.prepare_b_units,
+               on layers that a persistent kind serves at every M; row "b_order")
   fp16         torch.matmul fp16 (cuBLAS), W [K, N]
   int4pack     torch.ops.aten._weight_int4pack_mm, bf16 activations, the same group size
   upstream     upstream IST-DASLab Marlin (the prebuilt peer binary of ../shared/peers,
@@ -107,9 +109,11 @@ def safe(row, fn, *a):
 def time_ours(cp, row, weights, kw, fn, deltas, **extra):
     """Median us per call of our ``fn`` (``kernels.marlin_gemm`` or the two-kernel path)
     over the rotated weight copies; ``deltas`` per copy (None: symmetric); ``extra``
-    overrides ``kw`` (a pipe, a tuning). A failure is NaN with the error in ``row``."""
+    overrides ``kw`` (a pipe, a tuning; ``b_units``: a list, one per copy, or None for B in
+    Marlin's order). A failure is NaN with the error in ``row``."""
     a, Bs, Ss, out, calls, reps = weights
     ckw = {**kw, **extra}
+    units = ckw.pop("b_units", None)
     # partial, not lambda: each call binds its own copy of the weights now.
     thunks = [
         partial(
@@ -120,6 +124,7 @@ def time_ours(cp, row, weights, kw, fn, deltas, **extra):
             out=out,
             **ckw,
             **({} if deltas is None else {"delta": deltas[i % len(Bs)]}),
+            **({} if units is None else {"b_units": units[i % len(Bs)]}),
         )
         for i in range(calls)
     ]
@@ -246,6 +251,13 @@ def main() -> int:
         choices=(1, 4),
         help="force the GEMM block shape (experiments; see converter.gpu.plan.Tuning.force_wk)",
     )
+    ap.add_argument(
+        "--b-order-ab",
+        action="store_true",
+        help="on layers served with B unit-major (as MarlinLinear keeps it where the persistent kinds serve "
+        "every M: plan.persistent_every_m), also time B in Marlin's order: marlin_order_sym, "
+        "marlin_order_fused, in ABBA order with ours_sym / ours_fused",
+    )
     ap.add_argument("--peer", default=PEER_DIR, help="folder of the upstream Marlin peer binary (marlin_cuda)")
     ap.add_argument(
         "--sweep",
@@ -285,7 +297,7 @@ def main() -> int:
         return 2
 
     from converter.gpu import kernels, runtime
-    from converter.gpu.plan import HOPPER_SK_RS, HOPPER_SKG_RS, KernelKind, Tuning
+    from converter.gpu.plan import HOPPER_SK_RS, HOPPER_SKG_RS, KernelKind, Tuning, persistent_every_m
 
     info = runtime.require_gpu()
     base = Tuning(force_wk=args.force_wk)
@@ -313,6 +325,9 @@ def main() -> int:
         Ss = [(cp.random.random((g, n), dtype=cp.float32) * 0.02 + 0.001).astype(cp.float16) for _ in range(copies)]
         Ds = [(cp.random.random((g, n), dtype=cp.float32) - 0.5) * 0.05 for _ in range(copies)]
         Ds16 = [kernels.prepare_delta(d) for d in Ds]  # done once at load time by MarlinLinear
+        # B as MarlinLinear keeps it: unit-major where a persistent kind serves every M
+        served_units = kernels.hopper_device() and persistent_every_m(k, n, group // 16, base)
+        Us = [kernels.prepare_b_units(b, k, n) for b in Bs] if served_units else None
         f16_copies = max(2, math.ceil(2 * L2_BYTES / (k * n * 2)))
         Ws = [torch.randn(k, n, device="cuda", dtype=torch.float16) * 0.02 for _ in range(f16_copies)]
         # PyTorch int4: its own packed layout, built from random codes
@@ -328,15 +343,20 @@ def main() -> int:
         for m in ms:
             a = (cp.random.standard_normal((m, k), dtype=cp.float32)).astype(cp.float16)
             out = cp.empty((m, n), dtype=cp.float16)
-            kw = dict(size_k=k, size_n=n, group_size=group, tuning=base)
+            kw = dict(size_k=k, size_n=n, group_size=group, tuning=base, b_units=Us)
             calls = max(args.calls, copies)
             row = {"K": k, "N": n, "M": m, "plan": dataclasses.asdict(kernels.gemm_plan(m, k, n, group, tuning=base))}
+            row["b_order"] = "unit-major" if Us is not None else "marlin"
             weights = (a, Bs, Ss, out, calls, args.reps)
             ours = partial(time_ours, cp, row, weights, kw)
             # ABBA: under sustained load the H200 caps its power (clocks 1980 -> ~1550 MHz
             # at M >= 96 on the 70B layers), so whichever is timed first gains; a
             # linear drift cancels in the mean of the two orders.
             s1, f1 = ours(kernels.marlin_gemm, None), ours(kernels.marlin_gemm, Ds16)
+            if args.b_order_ab and Us is not None:  # A B B A: as served, Marlin's order twice, as served
+                on = partial(ours, kernels.marlin_gemm, b_units=None)
+                fo1, so1, so2, fo2 = on(Ds16), on(None), on(None), on(Ds16)
+                row["marlin_order_sym"], row["marlin_order_fused"] = (so1 + so2) / 2, (fo1 + fo2) / 2
             f2, s2 = ours(kernels.marlin_gemm, Ds16), ours(kernels.marlin_gemm, None)
             row["ours_sym"], row["ours_fused"] = (s1 + s2) / 2, (f1 + f2) / 2
             row["ours_2k"] = ours(kernels.marlin_gemm_two_kernel, Ds)
@@ -465,10 +485,15 @@ def main() -> int:
                 f"x{row['fp16'] / row['ours_sym']:5.2f} x{row['fp16'] / row['ours_fused']:5.2f} "
                 f"fused+{100 * (row['ours_fused'] / row['ours_sym'] - 1):5.1f}% "
                 f"floor {row['floor_sym_us']:7.1f} splits {row['plan']['splits']}"
-                + "".join(f" {key[4:]}:{v:.1f}" for key, v in row.items() if key.startswith("sym_")),
+                + "".join(f" {key[4:]}:{v:.1f}" for key, v in row.items() if key.startswith("sym_"))
+                + (
+                    f" | Marlin order sym {row['marlin_order_sym']:.1f} fused {row['marlin_order_fused']:.1f}"
+                    if "marlin_order_fused" in row
+                    else ""
+                ),
                 flush=True,
             )
-        del Bs, Ss, Ds, Ds16, Ws, packed, sz
+        del Bs, Ss, Ds, Ds16, Us, Ws, packed, sz
         cp.get_default_memory_pool().free_all_blocks()
         torch.cuda.empty_cache()
 

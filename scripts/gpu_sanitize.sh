@@ -79,6 +79,11 @@ for (m, k, n, gs, act, wk, pipe, n_out, iters) in cases:
         kernels.marlin_gemm(a, B, S, delta=D, bias=bias, pipe=pipe, **kw)
         kernels.marlin_gemm(a, B, S, pipe=pipe, **kw)
         kernels.marlin_gemm_two_kernel(a, B, S, delta=D, **kw)
+    if pipe and pipe[0] in ("hopper_sk", "hopper_skg"):  # B unit-major: every operand by bulk copy
+        Bu = kernels.prepare_b_units(B, k, n)
+        for _ in range(2):
+            kernels.marlin_gemm(a, B, S, delta=D, bias=bias, pipe=pipe, b_units=Bu, **kw)
+            kernels.marlin_gemm(a, B, S, pipe=pipe, b_units=Bu, **kw)
     kernels.dequant(B, S, delta=D, size_k=k, size_n=n, group_size=gs)
     kernels.dequant(B, S, size_k=k, size_n=n, group_size=gs)
     kernels.synchronize()

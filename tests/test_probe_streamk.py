@@ -20,8 +20,8 @@ def test_every_hook_lands_in_the_shipped_kernel() -> None:
     # both consumer forms lose their wgmma and dequantization under the probe macros
     assert src.count("#ifdef PROBE_NOMMA") == 2
     assert src.count("#ifdef PROBE_NODQ") == 2
-    # two defines (0 and 1), then the producer's expected bytes, activations, weights and scales
-    assert src.count("PROBE_NOLOAD_V") == 6
+    # two defines (0 and 1), then the producer's expected bytes, its bulk copies, the threads' copies
+    assert src.count("PROBE_NOLOAD_V") == 5
 
 
 def test_a_moved_anchor_fails_loudly(tmp_path: Path) -> None:
@@ -29,7 +29,12 @@ def test_a_moved_anchor_fails_loudly(tmp_path: Path) -> None:
     shutil.copytree(REPO / "kernels", folder)
     path = folder / "marlin_streamk.cu"
     text = path.read_text(encoding="utf-8")
-    path.write_text(text.replace("                if (w_live) {", "                if (w_live)  {"), encoding="utf-8")
-    moved = r"anchor not found once in marlin_streamk.cu: '                if \(w_live\) \{'"
+    path.write_text(
+        text.replace(
+            "                if (!b_units) {  // Marlin's order", "                if (!b_units)  {  // Marlin's order"
+        ),
+        encoding="utf-8",
+    )
+    moved = r"anchor not found once in marlin_streamk.cu: .                if \(!b_units\) \{  // Marlin's order"
     with pytest.raises(AssertionError, match=moved):
         instrumented_source(folder)

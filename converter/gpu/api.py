@@ -18,6 +18,7 @@ from ..constants import Suffix
 from ..dtypes import bf16_to_f32
 from ..errors import KernelError
 from . import kernels, runtime
+from .plan import persistent_every_m
 
 
 def _bias_to_f16(raw: np.ndarray) -> np.ndarray:
@@ -33,7 +34,9 @@ class MarlinLinear:
     ``W`` is the artifact's weight including the asymmetric correction (fused into the
     GEMM when ``marlin_delta`` is non-zero) and ``bias`` is added in the GEMM's epilogue.
     A padded layer's kernels compute ``padded_n`` columns and store the first ``size_n``
-    into the result directly (no copy).
+    into the result directly (no copy). On sm_90, a layer that the persistent kernel
+    serves at every M (:func:`~converter.gpu.plan.persistent_every_m`) keeps ``B``
+    unit-major only (:func:`~converter.gpu.kernels.prepare_b_units`; the same memory).
 
     Attributes:
         name: layer prefix in the artifact.
@@ -78,6 +81,13 @@ class MarlinLinear:
         if not 0 < size_n <= self.padded_n:
             raise KernelError(f"size_n={size_n} must be in 1..padded_n={self.padded_n}", tensor=name)
         self._B = cp.asarray(np.ascontiguousarray(B, dtype=np.int32))
+        self._B_units = None
+        gt = size_k // 16 if group_size in (-1, size_k) else group_size // 16
+        if kernels.hopper_device() and persistent_every_m(size_k, self.padded_n, gt):
+            # Every call goes to the persistent kernel: keep B unit-major only, so that each
+            # block's run of the weight stream is one contiguous stretch.
+            self._B_units = kernels.prepare_b_units(self._B, size_k, self.padded_n)
+            self._B = None
         self._scales = cp.asarray(np.ascontiguousarray(scales, dtype=np.float16))
         use_delta = delta is not None and bool(np.any(delta))
         # The GEMM's own delta operand (fp16, scale order), converted once here.
@@ -111,6 +121,7 @@ class MarlinLinear:
             x2,
             self._B,
             self._scales,
+            b_units=self._B_units,
             size_k=self.size_k,
             size_n=self.padded_n,
             group_size=self.group_size,

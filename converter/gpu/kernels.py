@@ -186,6 +186,34 @@ def gather_columns(A: Any, perm: Any, *, out: Any = None) -> Any:
     return out
 
 
+def prepare_b_units(B: Any, size_k: int, size_n: int) -> Any:
+    """``B`` re-laid out unit-major for the persistent Hopper kinds (``b_units`` of
+    :func:`marlin_gemm`): each unit's (256 features') 2 KB k-tile pieces one after
+    another, so that a block's run of the weight stream is one contiguous stretch
+    (twin: :func:`converter.gpu.reference.b_units`). The artifact's ``marlin_B`` is not
+    changed; this is a load-time operand, as :func:`prepare_delta` is.
+
+    Args:
+        B: int32 ``(size_k // 16, 2 * size_n)``, Marlin tile order (artifact ``marlin_B``).
+        size_k, size_n: K and N (N a multiple of 64).
+
+    Returns:
+        int32 ``(ceil(N / 256), size_k // 16, 512)`` CuPy array (the last unit padded
+        with zero codes when N / 64 is not a multiple of 4).
+
+    Raises:
+        KernelError: ``B`` is not that shape or dtype. GpuUnavailableError: no GPU.
+    """
+    cp = runtime.cupy_module()
+    if size_n % KERNEL_N_MULTIPLE or size_k % MARLIN_TILE:
+        raise KernelError(f"K={size_k}, N={size_n}: K must be a multiple of 16 and N of 64", tensor="B")
+    B = _dev(B, "B", np.int32, (size_k // MARLIN_TILE, 2 * size_n))
+    kt, units = size_k // MARLIN_TILE, -(-size_n // 256)
+    rows = cp.zeros((kt, units * 512), dtype=cp.int32)
+    rows[:, : 2 * size_n] = B
+    return cp.ascontiguousarray(rows.reshape(kt, units, 512).transpose(1, 0, 2))
+
+
 def prepare_delta(delta: Any) -> Any:
     """The artifact's ``marlin_delta`` as the fused GEMM's delta operand.
 
@@ -239,6 +267,7 @@ def marlin_gemm(
     n_out: int | None = None,
     pipe: tuple[str, int, int, int] | None = None,
     tuning: Tuning = DEFAULT_TUNING,
+    b_units: Any = None,
 ) -> Any:
     """INT4 x FP16 GEMM on Marlin tensors; fused asymmetric correction when ``delta`` given.
 
@@ -284,6 +313,9 @@ def marlin_gemm(
         pipe: ``(kind, R, U, NS)`` variant override (benchmarking); default
             :func:`~converter.gpu.plan.default_pipe`.
         tuning: the planner's knobs (:class:`~converter.gpu.plan.Tuning`).
+        b_units: ``B`` unit-major from :func:`prepare_b_units`, or None: the persistent
+            kinds then stream it (the same bits); the other kinds need ``B`` itself, which
+            may be None when every call of the layer goes to a persistent kind.
 
     Returns:
         float16 ``(M, n_out)`` CuPy array. Bitwise deterministic for fixed inputs
@@ -300,7 +332,10 @@ def marlin_gemm(
         raise KernelError(f"A must be (M >= 1, {size_k}), got {getattr(A, 'shape', None)}", tensor="A")
     m = int(A.shape[0])
     A = _dev(A, "A", np.float16, (m, size_k))
-    B = _dev(B, "B", np.int32, (size_k // MARLIN_TILE, 2 * size_n))
+    if b_units is not None:
+        b_units = _dev(b_units, "b_units", np.int32, (-(-size_n // 256), size_k // MARLIN_TILE, 512))
+    if B is not None or b_units is None:
+        B = _dev(B, "B", np.int32, (size_k // MARLIN_TILE, 2 * size_n))
     scales = _dev(scales, "scales", np.float16, (g, size_n))
     if delta is not None:
         if getattr(delta, "dtype", None) == np.float16:
@@ -314,6 +349,9 @@ def marlin_gemm(
         perm = _dev(perm, "perm", np.int32, (size_k,))
     out = cp.empty((m, n_out), dtype=cp.float16) if out is None else _dev(out, "out", np.float16, (m, n_out))
     plan = gemm_plan(m, size_k, size_n, group_size, delta=delta is not None, pipe=pipe, tuning=tuning)
+    units = b_units is not None and plan.pipe.spec.persistent
+    if B is None and not units:
+        raise KernelError(f"the {plan.kind} kernel that serves M={m} reads B in Marlin's order: pass B", tensor="B")
     fn = build.function(plan.pipe.spec.source, plan.pipe.name(plan.gpi, delta is not None))
     if fn.max_dynamic_shared_size_bytes < plan.smem:
         # Opt in above the default (48 KB less the kernel's static shared memory).
@@ -337,7 +375,7 @@ def marlin_gemm(
             ws, locks, at = _workspace(ws_floats, plan.blocks, m_pad * size_k)
             _activations(A, perm, at, m, size_k, m_pad, plan.rows, swizzle=True)
         lead = (xmap.arg, _ptr_or_null(at))
-        scalars = (size_k, size_n, n_out, gt, int(per_channel), plan.tiles_per_split // plan.u)
+        scalars = (size_k, size_n, n_out, gt, int(per_channel), plan.tiles_per_split // plan.u, int(units))
     elif plan.pipe.spec.wgmma:
         # The unit is 256 columns x one m-chunk; partials are kept in register order.
         m_pad = plan.m_chunks * plan.rows
@@ -357,7 +395,7 @@ def marlin_gemm(
         scalars = (size_k, size_n, n_out, gt, int(per_channel), plan.splits, plan.tiles_per_split, plan.wk)
     args = (
         *lead,
-        B,
+        b_units if units else B,
         scales,
         _ptr_or_null(delta),
         _ptr_or_null(bias),
@@ -523,6 +561,7 @@ def marlin_gemm_two_kernel(
     out: Any = None,
     n_out: int | None = None,
     tuning: Tuning = DEFAULT_TUNING,
+    b_units: Any = None,
 ) -> Any:
     """The two-kernel asymmetric path: symmetric GEMM, ``group_sums``, ``add_correction``.
 
@@ -548,6 +587,7 @@ def marlin_gemm_two_kernel(
         out=out,
         n_out=n_out,
         tuning=tuning,
+        b_units=b_units,
     )
     return add_correction(c, group_sums(a, group_size=gs), delta)
 

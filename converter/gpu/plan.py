@@ -787,6 +787,23 @@ def gemm_path(
     return KernelKind.TILE
 
 
+def persistent_every_m(size_k: int, size_n: int, group_tiles: int, tuning: Tuning = DEFAULT_TUNING) -> bool:
+    """On sm_90, a persistent kind serves this layer at every M (so it may keep ``B``
+    unit-major only, ``kernels.prepare_b_units``): the rules give ``hopper_sk`` to every
+    M >= ``tuning.hopper_sk_min_m`` on layers of N >= 4096 and at least
+    ``hopper_small_kn`` weights, so the rows below that are checked one by one.
+
+    Args:
+        size_k, size_n: K, N. group_tiles: group size / 16 (K / 16 per-channel).
+    """
+    big = size_n >= 4096 and size_k * size_n >= tuning.hopper_small_kn and tuning.hopper
+    rows = range(1, max(tuning.hopper_sk_min_m, 1) + 1)
+    return big and all(
+        KINDS[gemm_path(m, size_n, tuning, hopper=True, size_k=size_k, group_tiles=group_tiles)].persistent
+        for m in rows
+    )
+
+
 def _small_persistent(size_k: int, size_n: int, tuning: Tuning) -> bool:
     """The small layers the persistent kernel serves in small units (see :class:`Tuning`)."""
     return 1024 <= size_n <= 4096 and tuning.hopper_small_lo_kn <= size_k * size_n <= tuning.hopper_small_kn

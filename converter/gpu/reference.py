@@ -73,6 +73,34 @@ def dequant(
     return w.astype(np.float16)
 
 
+def b_units(B: np.ndarray, size_n: int) -> np.ndarray:
+    """Twin of ``kernels.prepare_b_units``: ``B``'s 2 KB pieces unit-major.
+
+    Marlin's ``B`` has one row per k-tile (16 rows of K), and in it the 256 features of
+    unit u (4 column blocks of 64) as the 512 int32 at ``512 u``. The persistent Hopper
+    kernel streams each unit's k-tiles in order, so in Marlin's order a block reads a
+    2 KB strip down rows ``2 N`` int32 apart; unit-major, its whole run is one stretch.
+
+    Args:
+        B: int32 ``(size_k // 16, 2 * size_n)``, Marlin tile order.
+        size_n: N, a multiple of 64.
+
+    Returns:
+        int32 ``(ceil(N / 256), size_k // 16, 512)``: unit u's k-tile t is ``B[t, 512 u :
+        512 (u + 1)]``, the last unit zero-padded when N / 64 is not a multiple of 4.
+
+    Raises:
+        ValueError: ``B`` is not ``(K / 16, 2 N)``.
+    """
+    B = np.asarray(B)
+    if B.ndim != 2 or B.shape[1] != 2 * size_n or size_n % 64:
+        raise ValueError(f"B must be (K / 16, 2 N) with N = {size_n} a multiple of 64, got {B.shape}")
+    kt, units = B.shape[0], -(-size_n // 256)
+    rows = np.zeros((kt, units * 512), dtype=B.dtype)
+    rows[:, : 2 * size_n] = B
+    return np.ascontiguousarray(rows.reshape(kt, units, 512).transpose(1, 0, 2))
+
+
 def gather_columns(A: np.ndarray, perm: np.ndarray) -> np.ndarray:
     """Twin of ``gather_columns``: ``A[:, perm]`` (exact).
 

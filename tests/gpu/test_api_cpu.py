@@ -43,7 +43,13 @@ def _twin_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     import converter.gpu.runtime as runtime
 
     monkeypatch.setattr(runtime, "cupy_module", lambda: np)
-    fake = types.SimpleNamespace(gemm_plan=lambda *a, **k: None, prepare_delta=lambda d: d, marlin_gemm=ref.marlin_gemm)
+
+    def gemm(*a, b_units=None, **k):  # the CPU has no persistent kernel: B itself always
+        return ref.marlin_gemm(*a, **k)
+
+    fake = types.SimpleNamespace(
+        gemm_plan=lambda *a, **k: None, prepare_delta=lambda d: d, marlin_gemm=gemm, hopper_device=lambda: False
+    )
     monkeypatch.setattr(api, "kernels", fake)
 
 

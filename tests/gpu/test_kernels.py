@@ -465,6 +465,91 @@ def test_every_hopper_variant(cp, pipe, m, k, n, group_size, act_order, asym):
         assert np.array_equal(cp.asnumpy(c16).view(np.uint16), outs[0].view(np.uint16))
 
 
+UNITS_CASES = [
+    (p, m, k, n, _group_for(p, gs), act, iters)
+    for p in GEMM_PIPES
+    if p.spec.persistent
+    for (m, k, n, gs, act, iters) in (
+        (8 * p[1], 1024, 512, 128, False, None),  # a full chunk, runs across units
+        (8 * p[1] - 3, 2048, 320, 32, True, 3),  # ragged N (a padded last unit), act-order, cut units
+        (8 * p[1] * 2 + 5, 768, 768, 64, False, 2),  # three chunks
+        (1, 4096, 1024, -1, True, None),  # per-channel, deep K
+    )
+]
+
+
+@pytest.mark.parametrize("pipe,m,k,n,group_size,act_order,iters", UNITS_CASES)
+def test_unit_major_b_gives_the_same_bits(cp, pipe, m, k, n, group_size, act_order, iters):
+    """Every persistent variant (forced) streaming B unit-major (kernels.prepare_b_units)
+    gives exactly the bits of the same call on B in Marlin's order, with and without a
+    delta; B may be left out then."""
+    _hopper_or_skip()
+    rng = np.random.default_rng([pipe[1], pipe[2], m, k, n, group_size % 97])
+    L = make_layer(rng, k, n, group_size, act_order, True)
+    a = cp.asarray(rng.standard_normal((m, k), dtype=np.float32).astype(np.float16))
+    B = cp.asarray(L["B"])
+    units = kernels.prepare_b_units(B, k, n)
+    assert np.array_equal(cp.asnumpy(units), ref.b_units(L["B"], n))
+    kw = dict(size_k=k, size_n=n, group_size=group_size, perm=_dev(cp, L["perm"]), pipe=pipe)
+    kw["tuning"] = Tuning(streamk_iters=iters)
+    for delta in (None, _dev(cp, L["delta"])):
+        want = kernels.marlin_gemm(a, B, cp.asarray(L["S"]), out=poisoned(cp, (m, n)), delta=delta, **kw)
+        got = kernels.marlin_gemm(
+            a, None, cp.asarray(L["S"]), out=poisoned(cp, (m, n)), delta=delta, b_units=units, **kw
+        )
+        assert np.isfinite(cp.asnumpy(got)).all(), "unwritten (NaN) outputs"
+        w, g = cp.asnumpy(want).view(np.uint16), cp.asnumpy(got).view(np.uint16)
+        assert np.array_equal(w, g), int((w != g).sum())
+
+
+def test_linear_layers_keep_b_unit_major_where_every_call_is_persistent(cp):
+    """MarlinLinear keeps only the unit-major B on a layer that the persistent kernel
+    serves at every M (sm_90), and gives the bits of the call on B itself."""
+    from converter.gpu.api import MarlinLinear
+
+    _hopper_or_skip()
+    rng = np.random.default_rng(9)
+    k, n = 4608, 4096
+    L = make_layer(rng, k, n, 128, True, True)
+    lin = MarlinLinear("l", k, n, 128, L["B"], L["S"], L["delta"], L["perm"], L["bias"])
+    assert lin._B is None and lin._B_units is not None
+    for m in (1, 8, 16, 17, 64, 100):
+        x = cp.asarray(rng.standard_normal((m, k), dtype=np.float32).astype(np.float16))
+        want = kernels.marlin_gemm(
+            x,
+            cp.asarray(L["B"]),
+            cp.asarray(L["S"]),
+            size_k=k,
+            size_n=n,
+            group_size=128,
+            delta=_dev(cp, L["delta"]),
+            perm=_dev(cp, L["perm"]),
+            bias=_dev(cp, L["bias"]),
+        )
+        assert np.array_equal(cp.asnumpy(lin(x)).view(np.uint16), cp.asnumpy(want).view(np.uint16)), m
+    small = MarlinLinear("s", 4096, 4096, 128, L["B"][: 4096 // 16, : 2 * 4096], L["S"][:32], None, None, None)
+    assert small._B is not None and small._B_units is None  # the decode kernel serves 1-7 rows
+
+
+def test_unit_major_b_needs_b_where_another_kernel_serves(cp):
+    """Without B, a call that the decode kernel serves is refused before any launch."""
+    rng = np.random.default_rng(3)
+    L = make_layer(rng, 4096, 4096, 128, False, False)
+    units = kernels.prepare_b_units(cp.asarray(L["B"]), 4096, 4096)
+    a = cp.asarray(rng.standard_normal((1, 4096), dtype=np.float32).astype(np.float16))
+    with pytest.raises(KernelError, match="reads B in Marlin's order"):
+        kernels.marlin_gemm(
+            a,
+            None,
+            cp.asarray(L["S"]),
+            size_k=4096,
+            size_n=4096,
+            group_size=128,
+            b_units=units,
+            pipe=("decode", 1, 4, 3),
+        )
+
+
 @pytest.mark.parametrize(
     "m,k,perm,tok,swizzle",
     [

@@ -24,6 +24,7 @@ from converter.gpu.plan import (
     gemm_arith,
     gemm_path,
     kernel_variant,
+    persistent_every_m,
     plan_gemm,
     resident_blocks,
     small_chunk,
@@ -465,6 +466,20 @@ def test_beyond_64_rows_the_feature_split_block_holds_m(m: int, r: int) -> None:
         6,
     )
     assert default_pipe(m, 1024, 14336, 8, limit, NO_SK, hopper=True) == ("hopper", r, 4, 6)
+
+
+def test_persistent_every_m_names_the_layers_that_never_leave_the_persistent_kernel() -> None:
+    """Layers of N >= 4096 above 4096² weights whose groups 8-tile stages hold go to a
+    persistent kind at every M (so they may keep B unit-major only); small, thin and
+    4096² layers, and groups of 32 or 64 (the decode kernel below 9 rows), do not."""
+    for k, n in ((8192, 57344), (28672, 8192), (4096, 14336), (14336, 4096), (8192, 8192), (4608, 4096)):
+        assert persistent_every_m(k, n, 8) and persistent_every_m(k, n, k // 16)  # group 128, per-channel
+        assert not persistent_every_m(k, n, 4) and not persistent_every_m(k, n, 2)
+        for m in (1, 7, 16, 17, 64, 128, 256, 1000):
+            assert KINDS[gemm_path(m, n, hopper=True, size_k=k, group_tiles=8)].persistent, (k, n, m)
+    for k, n in ((4096, 4096), (8192, 1024), (2048, 8192), (16384, 512)):
+        assert not persistent_every_m(k, n, 8)
+    assert not persistent_every_m(8192, 57344, 8, Tuning(hopper=False))
 
 
 def test_every_routed_pipe_is_built() -> None:

@@ -153,6 +153,27 @@ def test_prepared_delta_order_matches_the_scales(g):
         )
 
 
+@pytest.mark.parametrize("n", [256, 320, 1024])
+def test_b_units_puts_each_units_k_tiles_together(n):
+    """reference.b_units: unit u's k-tile t is B's 512 int32 at row t, column 512 u;
+    a ragged last unit (N / 64 not a multiple of 4) is zero-padded; the round trip
+    gives B back."""
+    rng = np.random.default_rng(n)
+    k = 96
+    B = rng.integers(-(2**31), 2**31, size=(k // 16, 2 * n), dtype=np.int64).astype(np.int32)
+    U = ref.b_units(B, n)
+    units = -(-n // 256)
+    assert U.shape == (units, k // 16, 512) and U.dtype == np.int32 and U.flags.c_contiguous
+    for u in range(units):
+        for t in range(k // 16):
+            piece = B[t, 512 * u : 512 * (u + 1)]
+            assert np.array_equal(U[u, t, : piece.size], piece)
+            assert not U[u, t, piece.size :].any()
+    assert np.array_equal(U.transpose(1, 0, 2).reshape(k // 16, -1)[:, : 2 * n], B)
+    with pytest.raises(ValueError, match="must be"):
+        ref.b_units(B[:, :-2], n)
+
+
 def test_gemm_path_rule_and_pipes():
     from converter.gpu import plan
 

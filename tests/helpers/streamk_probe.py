@@ -13,8 +13,8 @@ from pathlib import Path
 # the script fail loudly (AssertionError naming the anchor) instead of timing the wrong thing.
 _NOLOAD = [
     (
-        "                    mbar_expect_tx(bar, L::X_BYTES);\n",
-        "                    mbar_expect_tx(bar, PROBE_NOLOAD_V ? 0 : L::X_BYTES);\n"
+        "                    mbar_expect_tx(bar, bytes);\n",
+        "                    mbar_expect_tx(bar, PROBE_NOLOAD_V ? 0 : bytes);\n"
         "                    if (!PROBE_NOLOAD_V) {\n",
     ),
     (
@@ -25,10 +25,9 @@ _NOLOAD = [
         " + b * L::X_BOX, &xmap, 16 * kt + 64 * b, mc * T, bar);\n"
         "                    }\n                    }\n",
     ),
-    ("                if (w_live) {", "                if (w_live && !PROBE_NOLOAD_V) {"),
     (
-        "                    if ((GS ? !per_channel : opens) && s_live)",
-        "                    if ((GS ? !per_channel : opens) && s_live && !PROBE_NOLOAD_V)",
+        "                if (!b_units) {  // Marlin's order",
+        "                if (!b_units && !PROBE_NOLOAD_V) {  // Marlin's order",
     ),
 ]
 _FAKE = "af[v % WG_DEPTH][0][0] ^ af[v % WG_DEPTH][0][1] ^ af[v % WG_DEPTH][1][0] ^ af[v % WG_DEPTH][1][1]"
