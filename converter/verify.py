@@ -728,6 +728,7 @@ def _gpu_numerics(
             "deterministic": all(
                 v["deterministic"] and v.get("two_kernel_deterministic", True) for v in per_m.values()
             ),
+            "unit_major_same": all(v.get("unit_major_same", True) for v in per_m.values()),
             "ok": bool(res["ok"]),
             "per_m": per_m,
         }
@@ -736,7 +737,8 @@ def _gpu_numerics(
             report.add(
                 P.GPU_NUMERICS,
                 f"layer {name}: GPU mean relative error {g['mean_rel_err']:.3g} (limit {GPU_MEAN_REL_TOL:g}), "
-                f"deterministic over repeats: {g['deterministic']}",
+                f"deterministic over repeats: {g['deterministic']}"
+                + ("" if g["unit_major_same"] else "; B unit-major (as MarlinLinear serves it) gives other bits"),
                 name,
                 GPU_MEAN_REL_TOL,
                 g["mean_rel_err"],

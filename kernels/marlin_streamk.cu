@@ -23,7 +23,8 @@
 //   * a producer warpgroup that only copies, NS stages ahead of the consumers: per
 //     stage its 128 threads copy the U weight rows (2 KB each, 4 Marlin column blocks)
 //     and the scales / deltas of the groups that start in it (GS: of every stage) by
-//     16-byte cp.async, and
+//     16-byte cp.async (B in Marlin's order; with B unit-major, thread 0 copies all of
+//     them by bulk copies instead, below), and
 //     thread 0 the stage's activations (U T 32 bytes): U / 4 tensor copies from A
 //     itself, each a box of 64 values of K x T tokens (T rows of 128 bytes), which the
 //     copy engine writes 128-byte swizzled, wgmma's swizzled K-major operand, and
@@ -64,11 +65,15 @@
 //   S  GPI x 512 B      the 4 blocks' 64 permuted scales of each group slot
 //   D  GPI x 512 B      the same for fp16(delta) (reserved without HAS_DELTA too: stages
 //                       stay whole 1024-byte atoms)
-// Only the live column blocks are copied when N is ragged (N / 64 not a multiple of 4):
-// the warps past them compute on whatever their slot holds and store nothing.
+// Only the live column blocks are copied when N is ragged (N / 64 not a multiple of 4;
+// the unit-major weights are copied whole, the last unit's padding included): the warps
+// past them compute on whatever their slot holds and store nothing.
 // The consumers read W, S and D with ordinary loads, which the cp.async (generic proxy)
-// writes, and wgmma reads X through the async proxy, which the bulk copies write: no
-// proxy fence is needed.
+// writes, and wgmma reads X through the async proxy, which the bulk copies write. With B
+// unit-major the bulk copies (async proxy) also write W, S and D, after the consumers'
+// ordinary reads of the slot's previous stage: those reads have returned (their values
+// fed the stage's wgmma) before the consumers free the slot, but the PTX memory model
+// asks for a fence.proxy.async between them, which is not there yet (scripts/perf_notes.md).
 //
 // B: Marlin's tile order, or (b_units = 1) the same 2 KB pieces unit-major: unit u's
 // k-tile t at (u K / 16 + t) x 2 KB, a last ragged unit padded to 4 column blocks

@@ -19,7 +19,7 @@ from converter.verify import verify
 from tests.helpers.paths import SAMPLE
 
 
-def _standin(scale_error: float):
+def _standin(scale_error: float, unit_major_same: bool | None = None):
     def verify_layer_gpu(B, scales, delta, perm, size_k, size_n, group_size, w_ref_f32, *, n_out):
         assert w_ref_f32.shape == (size_k, n_out) and n_out <= size_n
         q = unpack_b(B, size_n).astype(np.float32)
@@ -31,7 +31,9 @@ def _standin(scale_error: float):
         ref = a @ w_ref_f32
         err = float(np.abs(c * (1 + scale_error) - ref).mean() / np.abs(ref).mean())
         entry = {"mean_rel_err": err, "max_rel_err": err, "deterministic": True}
-        return {17: entry, "ok": err <= 1e-3}
+        if unit_major_same is not None:
+            entry["unit_major_same"] = unit_major_same
+        return {17: entry, "ok": err <= 1e-3 and unit_major_same is not False}
 
     return verify_layer_gpu
 
@@ -43,12 +45,12 @@ def artifact(tmp_path: Path) -> Path:
     return out
 
 
-def _patch(monkeypatch: pytest.MonkeyPatch, scale_error: float) -> None:
+def _patch(monkeypatch: pytest.MonkeyPatch, scale_error: float, unit_major_same: bool | None = None) -> None:
     import converter.gpu.runtime as runtime
     import converter.gpu.verify as gverify
 
     monkeypatch.setattr(runtime, "require_gpu", lambda: None)
-    monkeypatch.setattr(gverify, "verify_layer_gpu", _standin(scale_error))
+    monkeypatch.setattr(gverify, "verify_layer_gpu", _standin(scale_error, unit_major_same))
 
 
 def test_gpu_mode_reports_per_layer_errors(monkeypatch: pytest.MonkeyPatch, artifact: Path) -> None:
@@ -70,6 +72,19 @@ def test_gpu_mode_fails_above_1e3(monkeypatch: pytest.MonkeyPatch, artifact: Pat
     problems = [p for p in report.problems if p.code == "gpu_numerics"]
     assert len(problems) == 15
     assert "GPU mean relative error 0.01 (limit 0.001)" in problems[0].message
+
+
+def test_gpu_mode_fails_when_the_unit_major_copy_differs(monkeypatch: pytest.MonkeyPatch, artifact: Path) -> None:
+    _patch(monkeypatch, 0.0, unit_major_same=False)
+    report = verify(artifact, gpu=True)
+    assert not report.ok
+    problems = [p for p in report.problems if p.code == "gpu_numerics"]
+    assert len(problems) == 15
+    assert problems[0].message.endswith("; B unit-major (as MarlinLinear serves it) gives other bits")
+    rows = {r["name"]: r for r in report.layers}
+    assert rows["pre.0.mlp_down"]["gpu"]["unit_major_same"] is False
+    _patch(monkeypatch, 0.0, unit_major_same=True)
+    assert verify(artifact, gpu=True).ok
 
 
 def test_forced_gpu_without_gpu_is_a_problem(monkeypatch: pytest.MonkeyPatch, artifact: Path) -> None:
@@ -102,7 +117,10 @@ def test_gpu_check_on_the_kernels_numpy_twins_covers_regrouped_and_padded_layers
     monkeypatch.setattr(runtime, "require_gpu", lambda: None)
     monkeypatch.setattr(gverify.runtime, "cupy_module", lambda: np)
     fake = types.SimpleNamespace(
-        marlin_gemm=ref.marlin_gemm, marlin_gemm_two_kernel=ref.marlin_gemm_two_kernel, synchronize=lambda: None
+        marlin_gemm=ref.marlin_gemm,
+        marlin_gemm_two_kernel=ref.marlin_gemm_two_kernel,
+        synchronize=lambda: None,
+        hopper_device=lambda: False,  # small layers: MarlinLinear keeps B in Marlin's order on any device
     )
     monkeypatch.setattr(gverify, "kernels", fake)
     monkeypatch.setattr(gverify, "verify_layer_gpu", functools.partial(gverify.verify_layer_gpu, repeats=2))

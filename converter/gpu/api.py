@@ -36,7 +36,9 @@ class MarlinLinear:
     A padded layer's kernels compute ``padded_n`` columns and store the first ``size_n``
     into the result directly (no copy). On sm_90, a layer that the persistent kernel
     serves at every M (:func:`~converter.gpu.plan.persistent_every_m`) keeps ``B``
-    unit-major only (:func:`~converter.gpu.kernels.prepare_b_units`; the same memory).
+    unit-major only (:func:`~converter.gpu.kernels.prepare_b_units`; the same size but a
+    ragged last unit's zero padding; while it is made, ``B`` and the copy are both on the
+    device).
 
     Attributes:
         name: layer prefix in the artifact.

@@ -296,7 +296,8 @@ def marlin_gemm(
 
     Args:
         A: float16 ``(M, size_k)``, M >= 1, SOURCE channel order.
-        B: int32 ``(size_k // 16, 2 * size_n)``, Marlin tile order (artifact ``marlin_B``).
+        B: int32 ``(size_k // 16, 2 * size_n)``, Marlin tile order (artifact ``marlin_B``);
+            may be None when ``b_units`` is given and the call's kernel is persistent.
         scales: float16 ``(G, size_n)``, Marlin-permuted (artifact ``marlin_scales``).
         size_k, size_n: K (multiple of 64) and N (multiple of 64).
         group_size: any multiple of 16 dividing K (32, 64, 128, ...), or -1 / size_k
@@ -313,17 +314,19 @@ def marlin_gemm(
         pipe: ``(kind, R, U, NS)`` variant override (benchmarking); default
             :func:`~converter.gpu.plan.default_pipe`.
         tuning: the planner's knobs (:class:`~converter.gpu.plan.Tuning`).
-        b_units: ``B`` unit-major from :func:`prepare_b_units`, or None: the persistent
-            kinds then stream it (the same bits); the other kinds need ``B`` itself, which
-            may be None when every call of the layer goes to a persistent kind.
+        b_units: ``B`` unit-major from :func:`prepare_b_units` (int32 ``(ceil(size_n /
+            256), size_k // 16, 512)``), or None: the persistent kinds then stream it (the
+            same bits); the other kinds need ``B`` itself, which may be None when every
+            call of the layer goes to a persistent kind.
 
     Returns:
         float16 ``(M, n_out)`` CuPy array. Bitwise deterministic for fixed inputs
         and a fixed device (the K split depends on the multiprocessor count).
 
     Raises:
-        KernelError: wrong dtype/shape/contiguity/alignment, unsupported sizes, or NVRTC
-            failure. GpuUnavailableError: no CuPy / GPU / sm_80+ (without cuda-bindings
+        KernelError: wrong dtype/shape/contiguity/alignment, unsupported sizes, NVRTC
+            failure, or ``B`` None where the call's kernel reads it in Marlin's order.
+            GpuUnavailableError: no CuPy / GPU / sm_80+ (without cuda-bindings
             the persistent kernel re-lays A out instead: converter.gpu.tensormap.available).
     """
     cp = runtime.cupy_module()

@@ -125,6 +125,9 @@ class Pipe(NamedTuple):
 #: Threads of a persistent Hopper block: two consumer warpgroups and a producer
 #: warpgroup (``kernels/marlin_streamk.cu``).
 STREAMK_THREADS = 384
+#: The most rows :func:`persistent_every_m` checks one by one (the per-weight persistent
+#: kind's threshold, ``Tuning.hopper_sk_min_m``, is 17 by default).
+EVERY_M_CHECKED = 1024
 #: The persistent kind's token chunks, in 8-token tiles: 8 .. 128 tokens (wgmma n8 ..
 #: n128; M beyond 128 in 128-token chunks).
 HOPPER_SK_RS = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -791,14 +794,23 @@ def persistent_every_m(size_k: int, size_n: int, group_tiles: int, tuning: Tunin
     """On sm_90, a persistent kind serves this layer at every M (so it may keep ``B``
     unit-major only, ``kernels.prepare_b_units``): the rules give ``hopper_sk`` to every
     M >= ``tuning.hopper_sk_min_m`` on layers of N >= 4096 and at least
-    ``hopper_small_kn`` weights, so the rows below that are checked one by one.
+    ``hopper_small_kn`` weights, so the rows below that are checked one by one. A tuning
+    that holds that kind back beyond ``EVERY_M_CHECKED`` rows (an experiment, e.g.
+    ``hopper_sk_min_m=10**9``) answers False: ``B`` in Marlin's order serves every kernel.
 
     Args:
-        size_k, size_n: K, N. group_tiles: group size / 16 (K / 16 per-channel).
+        size_k, size_n: K, N (N as the kernels see it: ``padded_n``).
+        group_tiles: group size / 16 (K / 16 per-channel).
+        tuning: the planner's knobs (the routing rules' thresholds).
+
+    Returns:
+        True when every M from 1 up is served by ``hopper_sk`` or ``hopper_skg``.
     """
     big = size_n >= 4096 and size_k * size_n >= tuning.hopper_small_kn and tuning.hopper
+    if not big or tuning.hopper_sk_min_m > EVERY_M_CHECKED:
+        return False
     rows = range(1, max(tuning.hopper_sk_min_m, 1) + 1)
-    return big and all(
+    return all(
         KINDS[gemm_path(m, size_n, tuning, hopper=True, size_k=size_k, group_tiles=group_tiles)].persistent
         for m in rows
     )

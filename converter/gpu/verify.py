@@ -4,7 +4,9 @@ Used by ``marlin-verify --gpu``. The check runs the fused path (GEMM with the de
 folded into the dequantized weight) and the two-kernel path (symmetric GEMM, then
 ``C += xsum @ delta``) on random fp16 activations and compares both with
 ``A.astype(float32) @ w_ref_f32`` over all the layer's columns (``n_out`` of a padded
-layer: the kernels store exactly those).
+layer: the kernels store exactly those). On sm_90, where ``MarlinLinear`` keeps ``B``
+unit-major (:func:`converter.gpu.plan.persistent_every_m`), the fused call on that copy
+must also give the bits of the call on ``B``.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from ..constants import GPU_MEAN_REL_TOL
+from ..constants import GPU_MEAN_REL_TOL, MARLIN_TILE
 from ..errors import KernelError
 from . import kernels, runtime
+from .plan import persistent_every_m
 
 
 def _errors(c: Any, ref: Any) -> tuple[float, float]:
@@ -68,13 +71,14 @@ def verify_layer_gpu(
     Returns:
         ``{M: {"mean_rel_err", "max_rel_err", "deterministic",
         "two_kernel_mean_rel_err", "two_kernel_max_rel_err",
-        "two_kernel_deterministic"}, ..., "ok": bool}``. Relative errors are
+        "two_kernel_deterministic", "unit_major_same"}, ..., "ok": bool}``. Relative errors are
         ``mean|C - ref| / mean|ref|`` and ``max|C - ref| / mean|ref|`` over all M x N
         outputs (``M x n_out``; inf when any output is NaN/inf). ``ok`` holds when, for every M and
         both paths, the mean relative error is at most ``GPU_MEAN_REL_TOL`` (1e-3) and
-        all repeats agree.
+        all repeats agree, and the unit-major call gives the same bits.
         With ``delta`` None only the symmetric GEMM runs and the two-kernel keys are
-        absent.
+        absent; ``unit_major_same`` is there only where ``MarlinLinear`` would keep ``B``
+        unit-major (sm_90, a layer the persistent kernel serves at every M).
 
     Raises:
         GpuUnavailableError: no CuPy / GPU / sm_80+.
@@ -95,6 +99,12 @@ def verify_layer_gpu(
     if tuple(w_ref.shape) != (size_k, n_out):
         raise KernelError(f"w_ref_f32 must be ({size_k}, {n_out}), got {tuple(w_ref.shape)}")
     kw = dict(size_k=size_k, size_n=size_n, group_size=group_size, perm=dev["perm"], n_out=n_out)
+    per_channel = group_size in (-1, size_k)
+    group_tiles = size_k // MARLIN_TILE if per_channel else group_size // MARLIN_TILE
+    units = None
+    if kernels.hopper_device() and persistent_every_m(size_k, size_n, group_tiles):
+        # What MarlinLinear serves this layer from (api.py): proven against B's own call.
+        units = kernels.prepare_b_units(dev["B"], size_k, size_n)
     result: dict[Any, Any] = {}
     ok = True
     for m in ms:
@@ -119,6 +129,10 @@ def verify_layer_gpu(
             entry[prefix + "max_rel_err"] = max_err
             entry[prefix + "deterministic"] = same
             ok &= same and mean_err <= GPU_MEAN_REL_TOL
+            if prefix == "" and units is not None:
+                again = kernels.marlin_gemm(a, None, dev["scales"], delta=dev["delta"], b_units=units, **kw)
+                entry["unit_major_same"] = bool((again.view(cp.uint16) == first.view(cp.uint16)).all())
+                ok &= entry["unit_major_same"]
         result[m] = entry
     result["ok"] = bool(ok)
     return result

@@ -84,3 +84,47 @@ def test_loaded_layers_return_exactly_size_n_columns(monkeypatch: pytest.MonkeyP
     assert y.shape == (2, 3, want[0]) and y.dtype == np.float16
     ref = a.astype(np.float32) @ w + bias
     assert float(np.abs(y.astype(np.float32) - ref).mean() / np.abs(ref).mean()) < 1e-3
+
+
+def test_a_layer_served_persistent_at_every_m_keeps_only_the_unit_major_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On sm_90 (faked: NumPy and the twins), a layer that plan.persistent_every_m names
+    keeps B unit-major only (reference.b_units's layout) and calls the GEMM with B None
+    and that copy; undoing the layout gives back B, and the result is the twin's."""
+    import types
+
+    import numpy as np
+
+    import converter.gpu.api as api
+    import converter.gpu.reference as ref
+    import converter.gpu.runtime as runtime
+    from converter.marlin.layout import pack_b, permute_scales
+
+    monkeypatch.setattr(runtime, "cupy_module", lambda: np)
+    seen = {}
+
+    def gemm(A, B, S, *, b_units=None, size_k, size_n, **k):
+        assert B is None and b_units is not None
+        seen["units"] = b_units
+        rows = b_units.transpose(1, 0, 2).reshape(size_k // 16, -1)[:, : 2 * size_n]  # back to Marlin's order
+        return ref.marlin_gemm(A, rows, S, size_k=size_k, size_n=size_n, **k)
+
+    fake = types.SimpleNamespace(
+        gemm_plan=lambda *a, **k: None,
+        prepare_delta=lambda d: d,
+        prepare_b_units=lambda B, size_k, size_n: ref.b_units(B, size_n),
+        marlin_gemm=gemm,
+        hopper_device=lambda: True,
+    )
+    monkeypatch.setattr(api, "kernels", fake)
+    rng = np.random.default_rng(7)
+    k, n = 4608, 4096
+    B = pack_b(rng.integers(0, 16, (k, n), dtype=np.uint8))
+    S = permute_scales((rng.uniform(0.5, 2, (k // 128, n)) / 64).astype(np.float16))
+    layer = api.MarlinLinear("l", k, n, 128, B, S, None, None, None)
+    assert layer._B is None and layer._B_units.shape == (n // 256, k // 16, 512)
+    a = rng.standard_normal((2, k)).astype(np.float16)
+    got = layer(a)
+    assert np.array_equal(seen["units"], ref.b_units(B, n))
+    want = ref.marlin_gemm(a, B, S, size_k=k, size_n=n, group_size=128)
+    got16, want16 = np.asarray(got, np.float16), np.asarray(want, np.float16)
+    assert np.array_equal(got16.view(np.uint16), want16.view(np.uint16))

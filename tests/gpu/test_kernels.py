@@ -361,6 +361,25 @@ def test_verify_layer_gpu(cp):
     assert res[17]["deterministic"] and res[17]["two_kernel_deterministic"]
 
 
+def test_verify_layer_gpu_proves_the_unit_major_copy(cp):
+    """On sm_90, a layer MarlinLinear keeps unit-major: verify_layer_gpu also runs the
+    fused call on that copy and requires the bits of the call on B, at every M."""
+    from converter.gpu.verify import verify_layer_gpu
+
+    _hopper_or_skip()
+    rng = np.random.default_rng(5)
+    k, n = 4608, 4096
+    L = make_layer(rng, k, n, 128, True, True)
+    w = ref.reference_weight(L["B"], L["S"], L["delta"], L["perm"], size_k=k, size_n=n, group_size=128)
+    res = verify_layer_gpu(L["B"], L["S"], L["delta"], L["perm"], k, n, 128, w, repeats=2, ms=(1, 17, 64))
+    assert res["ok"], res
+    assert [res[m]["unit_major_same"] for m in (1, 17, 64)] == [True, True, True]
+    thin = make_layer(rng, 1024, 256, 128, False, True)
+    w = ref.reference_weight(thin["B"], thin["S"], thin["delta"], None, size_k=1024, size_n=256, group_size=128)
+    res = verify_layer_gpu(thin["B"], thin["S"], thin["delta"], None, 1024, 256, 128, w, repeats=2, ms=(1,))
+    assert "unit_major_same" not in res[1]  # MarlinLinear keeps B in Marlin's order there
+
+
 def test_api_module_roundtrip(cp):
     from converter.gpu.api import MarlinLinear
 

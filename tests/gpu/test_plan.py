@@ -12,6 +12,7 @@ from converter.gpu import build
 from converter.gpu.plan import (
     ARITH,
     DEFAULT_TUNING,
+    EVERY_M_CHECKED,
     GEMM_GPIS,
     GEMM_PIPES,
     KINDS,
@@ -480,6 +481,27 @@ def test_persistent_every_m_names_the_layers_that_never_leave_the_persistent_ker
     for k, n in ((4096, 4096), (8192, 1024), (2048, 8192), (16384, 512)):
         assert not persistent_every_m(k, n, 8)
     assert not persistent_every_m(8192, 57344, 8, Tuning(hopper=False))
+    # a threshold moved past what is checked row by row: B stays in Marlin's order (and
+    # the answer comes at once, not after 10**9 rows)
+    assert not persistent_every_m(8192, 57344, 8, NO_SK)
+    assert not persistent_every_m(8192, 57344, 8, Tuning(hopper_sk_min_m=EVERY_M_CHECKED + 1))
+    assert persistent_every_m(8192, 57344, 8, Tuning(hopper_sk_min_m=9))  # rows 9-16 per weight: still persistent
+
+
+@pytest.mark.parametrize("k", [1024, 4096, 4608, 8192, 14336, 28672])
+def test_persistent_every_m_agrees_with_the_router_at_every_m(k: int) -> None:
+    """Where persistent_every_m says yes, default_pipe gives a persistent kind at every M
+    (1..299 one by one, then up to 65536); where it says no, some M goes elsewhere. Every
+    group size the kernels take, per-channel included."""
+    ms = [*range(1, 300), 384, 512, 1000, 4096, 65536]
+    for n in (1024, 2048, 4096, 8192, 14336, 57344):
+        for gt in (1, 2, 3, 4, 8, 16, 64, k // 16):
+            if k % (16 * gt):
+                continue
+            persistent = all(
+                KINDS[default_pipe(m, k, n, gt, H200.smem_per_block_optin, hopper=True)[0]].persistent for m in ms
+            )
+            assert persistent_every_m(k, n, gt) == persistent, (k, n, gt)
 
 
 def test_every_routed_pipe_is_built() -> None:
