@@ -255,7 +255,7 @@ def main() -> int:
         "--b-order-ab",
         action="store_true",
         help="on layers served with B unit-major (as MarlinLinear keeps it where the persistent kinds serve "
-        "every M: plan.persistent_every_m), also time B in Marlin's order: marlin_order_sym, "
+        "every M: kernels.keeps_b_units), also time B in Marlin's order: marlin_order_sym, "
         "marlin_order_fused, in ABBA order with ours_sym / ours_fused",
     )
     ap.add_argument("--peer", default=PEER_DIR, help="folder of the upstream Marlin peer binary (marlin_cuda)")
@@ -297,7 +297,7 @@ def main() -> int:
         return 2
 
     from converter.gpu import kernels, runtime
-    from converter.gpu.plan import HOPPER_SK_RS, HOPPER_SKG_RS, KernelKind, Tuning, persistent_every_m
+    from converter.gpu.plan import HOPPER_SK_RS, HOPPER_SKG_RS, KernelKind, Tuning
 
     info = runtime.require_gpu()
     base = Tuning(force_wk=args.force_wk)
@@ -326,8 +326,7 @@ def main() -> int:
         Ds = [(cp.random.random((g, n), dtype=cp.float32) - 0.5) * 0.05 for _ in range(copies)]
         Ds16 = [kernels.prepare_delta(d) for d in Ds]  # done once at load time by MarlinLinear
         # B as MarlinLinear keeps it: unit-major where a persistent kind serves every M
-        served_units = kernels.hopper_device() and persistent_every_m(k, n, group // 16, base)
-        Us = [kernels.prepare_b_units(b, k, n) for b in Bs] if served_units else None
+        Us = [kernels.prepare_b_units(b, k, n) for b in Bs] if kernels.keeps_b_units(k, n, group, base) else None
         f16_copies = max(2, math.ceil(2 * L2_BYTES / (k * n * 2)))
         Ws = [torch.randn(k, n, device="cuda", dtype=torch.float16) * 0.02 for _ in range(f16_copies)]
         # PyTorch int4: its own packed layout, built from random codes

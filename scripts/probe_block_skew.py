@@ -49,7 +49,7 @@ def main() -> int:
     import numpy as np
 
     from converter.gpu import build, kernels
-    from converter.gpu.plan import KernelKind, Pipe, default_pipe, persistent_every_m
+    from converter.gpu.plan import KernelKind, Pipe, default_pipe
     from tests.helpers.streamk_probe import instrumented_source
 
     cases = [tuple(int(v) for v in c.split(":")) for c in args.shapes.split(",")]
@@ -82,7 +82,7 @@ def main() -> int:
             cp.asarray(rng.integers(-(2**31), 2**31, (k // 16, 2 * n), dtype=np.int64).astype(np.int32))
             for _ in range(copies)
         ]
-        units = [kernels.prepare_b_units(b, k, n) for b in Bs] if persistent_every_m(k, n, 8) else [None] * copies
+        units = [kernels.prepare_b_units(b, k, n) for b in Bs] if kernels.keeps_b_units(k, n, 128) else [None] * copies
         Ss = [cp.asarray((rng.uniform(0.5, 2, (g, n)) / 64).astype(np.float16)) for _ in range(copies)]
         Ds = [kernels.prepare_delta(cp.asarray(rng.normal(0, 0.01, (g, n)).astype(np.float32))) for _ in range(copies)]
         a = cp.asarray(rng.normal(0, 1, (m, k)).astype(np.float16))

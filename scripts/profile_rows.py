@@ -32,13 +32,12 @@ def main() -> int:
     import numpy as np
 
     from converter.gpu import kernels
-    from converter.gpu.plan import persistent_every_m
 
     rng = np.random.default_rng(0)
     for k, n, m in (tuple(int(v) for v in c.split(":")) for c in sys.argv[1].split(",")):
         g = k // 128
         B = cp.asarray(rng.integers(-(2**31), 2**31, (k // 16, 2 * n), dtype=np.int64).astype(np.int32))
-        units = kernels.prepare_b_units(B, k, n) if persistent_every_m(k, n, 8) else None
+        units = kernels.prepare_b_units(B, k, n) if kernels.keeps_b_units(k, n, 128) else None
         S = cp.asarray((rng.uniform(0.5, 2, (g, n)) / 64).astype(np.float16))
         D = kernels.prepare_delta(cp.asarray(rng.normal(0, 0.01, (g, n)).astype(np.float32)))
         a = cp.asarray(rng.normal(0, 1, (m, k)).astype(np.float16))

@@ -18,7 +18,6 @@ from ..constants import Suffix
 from ..dtypes import bf16_to_f32
 from ..errors import KernelError
 from . import kernels, runtime
-from .plan import persistent_every_m
 
 
 def _bias_to_f16(raw: np.ndarray) -> np.ndarray:
@@ -35,7 +34,7 @@ class MarlinLinear:
     GEMM when ``marlin_delta`` is non-zero) and ``bias`` is added in the GEMM's epilogue.
     A padded layer's kernels compute ``padded_n`` columns and store the first ``size_n``
     into the result directly (no copy). On sm_90, a layer that the persistent kernel
-    serves at every M (:func:`~converter.gpu.plan.persistent_every_m`) keeps ``B``
+    serves at every M (:func:`~converter.gpu.kernels.keeps_b_units`) keeps ``B``
     unit-major only (:func:`~converter.gpu.kernels.prepare_b_units`; the same size but a
     ragged last unit's zero padding; while it is made, ``B`` and the copy are both on the
     device).
@@ -84,8 +83,7 @@ class MarlinLinear:
             raise KernelError(f"size_n={size_n} must be in 1..padded_n={self.padded_n}", tensor=name)
         self._B = cp.asarray(np.ascontiguousarray(B, dtype=np.int32))
         self._B_units = None
-        gt = size_k // 16 if group_size in (-1, size_k) else group_size // 16
-        if kernels.hopper_device() and persistent_every_m(size_k, self.padded_n, gt):
+        if kernels.keeps_b_units(size_k, self.padded_n, group_size):
             # Every call goes to the persistent kernel: keep B unit-major only, so that each
             # block's run of the weight stream is one contiguous stretch.
             self._B_units = kernels.prepare_b_units(self._B, size_k, self.padded_n)

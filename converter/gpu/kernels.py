@@ -23,7 +23,16 @@ from ..errors import GpuUnavailableError, KernelError
 from ..marlin.layout import permute_scales
 from ..marlin.shapes import kernel_layer_sizes, resolve_group_size
 from . import build, runtime, tensormap
-from .plan import DEFAULT_TUNING, GemmPlan, Pipe, Tuning, default_pipe, kernel_variant, plan_gemm
+from .plan import (
+    DEFAULT_TUNING,
+    GemmPlan,
+    Pipe,
+    Tuning,
+    default_pipe,
+    kernel_variant,
+    persistent_every_m,
+    plan_gemm,
+)
 
 #: Threads per block of every kernel but the gather (4 warps; ``kernels/*.cu`` launch geometry).
 BLOCK_THREADS = 128
@@ -103,6 +112,25 @@ def _workspace(ws_floats: int, n_locks: int, at_halves: int = 0) -> tuple[Any, A
 def hopper_device() -> bool:
     """The current device runs the Hopper kernel (sm_90: wgmma, built for sm_90a)."""
     return runtime.device_info().compute_capability == 90
+
+
+def keeps_b_units(size_k: int, size_n: int, group_size: int, tuning: Tuning = DEFAULT_TUNING) -> bool:
+    """Whether a layer keeps ``B`` unit-major only (:func:`prepare_b_units`): on sm_90,
+    where a persistent kind serves every M (:func:`~converter.gpu.plan.persistent_every_m`).
+    ``MarlinLinear`` stores the layer so, ``verify_layer_gpu`` proves that copy, and the
+    benchmark times it.
+
+    Args:
+        size_k, size_n: K and N as the kernels see them (``padded_n``).
+        group_size: a multiple of 16 dividing K, or -1 / ``size_k`` for per-channel.
+        tuning: the planner's knobs.
+
+    Raises:
+        KernelError: sizes the kernels do not take. GpuUnavailableError: no GPU.
+    """
+    gs, _, per_channel = _layer_sizes(size_k, size_n, group_size)
+    group_tiles = (size_k if per_channel else gs) // MARLIN_TILE
+    return hopper_device() and persistent_every_m(size_k, size_n, group_tiles, tuning)
 
 
 # ----------------------------------------------------------------------------- launch plans

@@ -5,7 +5,7 @@ folded into the dequantized weight) and the two-kernel path (symmetric GEMM, the
 ``C += xsum @ delta``) on random fp16 activations and compares both with
 ``A.astype(float32) @ w_ref_f32`` over all the layer's columns (``n_out`` of a padded
 layer: the kernels store exactly those). On sm_90, where ``MarlinLinear`` keeps ``B``
-unit-major (:func:`converter.gpu.plan.persistent_every_m`), the fused call on that copy
+unit-major (:func:`converter.gpu.kernels.keeps_b_units`), the fused call on that copy
 must also give the bits of the call on ``B``.
 """
 
@@ -16,10 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from ..constants import GPU_MEAN_REL_TOL, MARLIN_TILE
+from ..constants import GPU_MEAN_REL_TOL
 from ..errors import KernelError
 from . import kernels, runtime
-from .plan import persistent_every_m
 
 
 def _errors(c: Any, ref: Any) -> tuple[float, float]:
@@ -99,10 +98,8 @@ def verify_layer_gpu(
     if tuple(w_ref.shape) != (size_k, n_out):
         raise KernelError(f"w_ref_f32 must be ({size_k}, {n_out}), got {tuple(w_ref.shape)}")
     kw = dict(size_k=size_k, size_n=size_n, group_size=group_size, perm=dev["perm"], n_out=n_out)
-    per_channel = group_size in (-1, size_k)
-    group_tiles = size_k // MARLIN_TILE if per_channel else group_size // MARLIN_TILE
     units = None
-    if kernels.hopper_device() and persistent_every_m(size_k, size_n, group_tiles):
+    if kernels.keeps_b_units(size_k, size_n, group_size):
         # What MarlinLinear serves this layer from (api.py): proven against B's own call.
         units = kernels.prepare_b_units(dev["B"], size_k, size_n)
     result: dict[Any, Any] = {}

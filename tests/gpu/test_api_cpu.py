@@ -48,7 +48,10 @@ def _twin_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
         return ref.marlin_gemm(*a, **k)
 
     fake = types.SimpleNamespace(
-        gemm_plan=lambda *a, **k: None, prepare_delta=lambda d: d, marlin_gemm=gemm, hopper_device=lambda: False
+        gemm_plan=lambda *a, **k: None,
+        prepare_delta=lambda d: d,
+        marlin_gemm=gemm,
+        keeps_b_units=lambda *a, **k: False,
     )
     monkeypatch.setattr(api, "kernels", fake)
 
@@ -87,7 +90,7 @@ def test_loaded_layers_return_exactly_size_n_columns(monkeypatch: pytest.MonkeyP
 
 
 def test_a_layer_served_persistent_at_every_m_keeps_only_the_unit_major_copy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On sm_90 (faked: NumPy and the twins), a layer that plan.persistent_every_m names
+    """On sm_90 (faked: NumPy and the twins), a layer that kernels.keeps_b_units names
     keeps B unit-major only (reference.b_units's layout) and calls the GEMM with B None
     and that copy; undoing the layout gives back B, and the result is the twin's."""
     import types
@@ -95,11 +98,13 @@ def test_a_layer_served_persistent_at_every_m_keeps_only_the_unit_major_copy(mon
     import numpy as np
 
     import converter.gpu.api as api
+    import converter.gpu.kernels as kernels
     import converter.gpu.reference as ref
     import converter.gpu.runtime as runtime
     from converter.marlin.layout import pack_b, permute_scales
 
     monkeypatch.setattr(runtime, "cupy_module", lambda: np)
+    monkeypatch.setattr(kernels, "hopper_device", lambda: True)
     seen = {}
 
     def gemm(A, B, S, *, b_units=None, size_k, size_n, **k):
@@ -113,7 +118,7 @@ def test_a_layer_served_persistent_at_every_m_keeps_only_the_unit_major_copy(mon
         prepare_delta=lambda d: d,
         prepare_b_units=lambda B, size_k, size_n: ref.b_units(B, size_n),
         marlin_gemm=gemm,
-        hopper_device=lambda: True,
+        keeps_b_units=kernels.keeps_b_units,  # the real rule, on a faked sm_90
     )
     monkeypatch.setattr(api, "kernels", fake)
     rng = np.random.default_rng(7)
@@ -128,3 +133,21 @@ def test_a_layer_served_persistent_at_every_m_keeps_only_the_unit_major_copy(mon
     want = ref.marlin_gemm(a, B, S, size_k=k, size_n=n, group_size=128)
     got16, want16 = np.asarray(got, np.float16), np.asarray(want, np.float16)
     assert np.array_equal(got16.view(np.uint16), want16.view(np.uint16))
+
+
+def test_which_layers_keep_b_unit_major(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernels.keeps_b_units: on sm_90 the layers the persistent kernel serves at every M
+    (groups of 128 or per-channel on layers of N >= 4096 above 4096² weights), on no other
+    device; sizes the kernels do not take are a KernelError naming the rule."""
+    import converter.gpu.kernels as kernels
+    from converter.errors import KernelError
+
+    monkeypatch.setattr(kernels, "hopper_device", lambda: True)
+    assert kernels.keeps_b_units(4608, 4096, 128) and kernels.keeps_b_units(8192, 57344, -1)
+    assert kernels.keeps_b_units(14336, 4096, 14336)  # per-channel spelled as K
+    assert not kernels.keeps_b_units(4608, 4096, 64)  # the decode kernel below 9 rows
+    assert not kernels.keeps_b_units(4096, 4096, 128) and not kernels.keeps_b_units(8192, 1024, 128)
+    with pytest.raises(KernelError, match="group_size"):
+        kernels.keeps_b_units(4096, 4096, 40)
+    monkeypatch.setattr(kernels, "hopper_device", lambda: False)
+    assert not kernels.keeps_b_units(4608, 4096, 128)
