@@ -72,8 +72,10 @@
 // writes, and wgmma reads X through the async proxy, which the bulk copies write. With B
 // unit-major the bulk copies (async proxy) also write W, S and D, after the consumers'
 // ordinary reads of the slot's previous stage: those reads have returned (their values
-// fed the stage's wgmma) before the consumers free the slot, but the PTX memory model
-// asks for a fence.proxy.async between them, which is not there yet (scripts/perf_notes.md).
+// fed the stage's wgmma) before each consumer warp arrives on the slot's `empty` barrier,
+// which the producer's wait acquires before it issues the copy. A fence.proxy.async
+// between the two cost 9-16 % at 1-16 rows on an H200 and is left out
+// (scripts/streamk_variants/proxy_fence.patch, scripts/perf_notes.md); racecheck is clean.
 //
 // B: Marlin's tile order, or (b_units = 1) the same 2 KB pieces unit-major: unit u's
 // k-tile t at (u K / 16 + t) x 2 KB, a last ragged unit padded to 4 column blocks

@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""A/B of variants of the persistent Hopper kernel, timed in one run (needs an sm_90 GPU).
+
+Each variant is the shipped ``kernels/marlin_streamk.cu``, or that file with a unified diff
+applied (``scripts/streamk_variants/*.patch``), with optional ``-D`` defines and an optional
+forced run length (``Tuning.streamk_iters``). Every variant is built side by side from the
+names the planner picks for the rows (in parallel processes, which also fills CuPy's disk
+cache), then each row is timed as ``scripts/bench_gemm.py`` times ours: 16 calls in one
+CUDA graph rotating over weight copies past 3 x 60 MB, B unit-major as ``MarlinLinear``
+keeps it, fused path, group 128, 7 replays, the median per call; the variants in the order
+A B .. B A, twice, and the mean of the four medians. ``same`` says whether a variant's
+output has the first variant's bits (it should, unless the arithmetic or the split-K
+order changed). Usage::
+
+    PYTHONPATH=$PWD python3 scripts/ab_streamk_variants.py 8192:57344:1,28672:8192:64 out.json \\
+        main=- deep=scripts/streamk_variants/deep_wgmma_queue.patch \\
+        deep_gs=scripts/streamk_variants/deep_wgmma_queue.patch:GS_DEPTH=8 \\
+        i55=-@55
+
+A variant is ``NAME=SOURCE[:DEF,DEF..][@ITERS]``, SOURCE ``-`` for the shipped kernel or a
+diff of that one file (it is compiled against the shipped headers: a diff that needs new
+helpers carries them). Limits: rows the planner gives the persistent kinds only (a decode or
+tile row has no ``marlin_streamk`` name to build), group 128, B unit-major always, the
+shipped launch geometry (``streamk_variants/two_blocks_per_sm.patch`` launches with other
+block sizes, so it is a ptxas check, not a variant to time here).
+Results: scripts/perf_notes.md (2026-12-03T18:30Z section).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from functools import partial
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+KERNEL = REPO / "kernels" / "marlin_streamk.cu"
+HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+\d+(?:,\d+)? @@")
+
+
+def apply_patch(source: str, patch: str) -> str:
+    """``source`` with every hunk of the unified diff ``patch`` applied; each hunk's old
+    lines must occur exactly once (our variants are small diffs of one file)."""
+    hunks: list[tuple[list[str], list[str]]] = []
+    for line in patch.splitlines():
+        if HUNK.match(line):
+            hunks.append(([], []))
+        elif hunks and line[:1] in (" ", "-", "+", ""):
+            old, new = hunks[-1]
+            body = line[1:]
+            if line[:1] in (" ", ""):
+                old.append(body)
+                new.append(body)
+            elif line[0] == "-":
+                old.append(body)
+            else:
+                new.append(body)
+    text = "\n" + source  # whole lines only: every hunk starts after a newline
+    for old, new in hunks:
+        a, b = "\n" + "\n".join(old) + "\n", "\n" + "\n".join(new) + "\n"
+        if text.count(a) != 1:
+            raise SystemExit(f"patch hunk does not match the kernel exactly once: {old[:2]!r}")
+        text = text.replace(a, b)
+    return text[1:]
+
+
+def parse(spec: str) -> tuple[str, str, tuple[str, ...], int | None]:
+    name, rest = spec.split("=", 1)
+    rest, _, iters = rest.partition("@")
+    src, _, defs = rest.partition(":")
+    code = KERNEL.read_text() if src == "-" else apply_patch(KERNEL.read_text(), Path(src).read_text())
+    return name, code, tuple("-D" + d for d in defs.split(",") if d), int(iters) if iters else None
+
+
+def build(code: str, defines: tuple[str, ...], names: list[str]):
+    import cupy as cp
+
+    from converter.gpu import build as gbuild
+
+    options = ("-std=c++17", "--gpu-architecture=sm_90a", f"-I{gbuild.kernel_dir()}", *defines)
+    mod = cp.RawModule(code=code, options=options, name_expressions=names)
+    for n in names:
+        mod.get_function(n)
+    return mod
+
+
+def _warm(args) -> None:
+    build(*args)
+
+
+def main() -> int:
+    if len(sys.argv) < 4:
+        print(__doc__, file=sys.stderr)
+        return 2
+    cases = [tuple(int(x) for x in c.split(":")) for c in sys.argv[1].split(",")]
+    out_json = sys.argv[2]
+    variants = {name: (code, defs, iters) for name, code, defs, iters in map(parse, sys.argv[3:])}
+    from converter.gpu.plan import Pipe, Tuning, default_pipe
+
+    names = sorted({Pipe.of(default_pipe(m, k, n, 8, hopper=True)).name(1, True) for k, n, m in cases})
+    sources = {(code, defs) for code, defs, _ in variants.values()}
+    with ProcessPoolExecutor(len(sources)) as ex:  # NVRTC in parallel; CuPy caches the cubins
+        list(ex.map(_warm, [(code, defs, names) for code, defs in sources]))
+    import cupy as cp
+    import numpy as np
+
+    from converter.gpu import build as gbuild
+    from converter.gpu import kernels as K
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_gemm import timed_graph
+
+    mods = {v: build(code, defs, names) for v, (code, defs, _) in variants.items()}
+    shipped, current = gbuild.function, {"v": None}
+
+    def function(source, name):
+        if source == "marlin_streamk.cu":
+            return mods[current["v"]].get_function(name)
+        return shipped(source, name)
+
+    gbuild.function = K.build.function = function
+    tunings = {v: Tuning(streamk_iters=it) if it else Tuning() for v, (_, _, it) in variants.items()}
+    rng = np.random.default_rng(0)
+    order, results = list(variants), {}
+    for k, n, m in cases:
+        g, copies = k // 128, max(2, -(-3 * 60 * 2**20 // (k * n // 2)))
+        units = [
+            K.prepare_b_units(
+                cp.asarray(rng.integers(-(2**31), 2**31, (k // 16, 2 * n), dtype=np.int64).astype(np.int32)), k, n
+            )
+            for _ in range(copies)
+        ]
+        S = [cp.asarray((rng.uniform(0.5, 2, (g, n)) / 64).astype(np.float16)) for _ in range(copies)]
+        D = [K.prepare_delta(cp.asarray(rng.normal(0, 0.01, (g, n)).astype(np.float32))) for _ in range(copies)]
+        a = cp.asarray(rng.normal(0, 1, (m, k)).astype(np.float16))
+        out = cp.empty((m, n), cp.float16)
+        kw = dict(size_k=k, size_n=n, group_size=128)
+        thunks = {
+            v: [
+                partial(
+                    K.marlin_gemm,
+                    a,
+                    None,
+                    S[i % copies],
+                    delta=D[i % copies],
+                    b_units=units[i % copies],
+                    out=out,
+                    tuning=tunings[v],
+                    **kw,
+                )
+                for i in range(max(16, copies))
+            ]
+            for v in order
+        }
+        ref, same = None, {}
+        for v in order:
+            current["v"] = v
+            got = K.marlin_gemm(a, None, S[0], delta=D[0], b_units=units[0], tuning=tunings[v], **kw)
+            bits = got.view(cp.uint16).copy()
+            ref = bits if ref is None else ref
+            same[v] = bool(cp.array_equal(bits, ref))
+        runs: dict[str, list[float]] = {v: [] for v in order}
+        for rep in range(4):
+            for v in order if rep % 2 == 0 else order[::-1]:
+                current["v"] = v
+                runs[v].append(timed_graph(cp, thunks[v], 7))
+        mean = {v: float(np.mean(r)) for v, r in runs.items()}
+        plans = {}
+        for v in order:
+            p = K.gemm_plan(m, k, n, 128, delta=True, tuning=tunings[v])
+            plans[v] = {
+                "kind": p.kind.value,
+                "rows": p.rows,
+                "blocks": p.blocks,
+                "iters": p.tiles_per_split // p.u,
+                "pieces": p.splits,
+            }
+        results[f"{k}x{n}:{m}"] = {"us": mean, "runs": runs, "bitwise_same": same, "plans": plans}
+        base = mean[order[0]]
+        print(
+            f"{k} x {n} M={m}: "
+            + "  ".join(f"{v} {t:.2f} ({100 * (t / base - 1):+.1f}%)" for v, t in mean.items())
+            + "  same "
+            + "".join("Y" if s else "N" for s in same.values()),
+            flush=True,
+        )
+        del units, S, D, thunks
+        cp.get_default_memory_pool().free_all_blocks()
+    Path(out_json).write_text(json.dumps({"argv": sys.argv[1:], "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
