@@ -96,12 +96,17 @@ def main() -> int:
     if len(sys.argv) < 4:
         print(__doc__, file=sys.stderr)
         return 2
-    cases = [tuple(int(x) for x in c.split(":")) for c in sys.argv[1].split(",")]
+    from converter.gpu.plan import Pipe, Tuning
+    from tests.helpers.streamk_probe import persistent_cases, random_layers, route_streamk
+
+    try:
+        pipes = persistent_cases(sys.argv[1])
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     out_json = sys.argv[2]
     variants = {name: (code, defs, iters) for name, code, defs, iters in map(parse, sys.argv[3:])}
-    from converter.gpu.plan import Pipe, Tuning, default_pipe
-
-    names = sorted({Pipe.of(default_pipe(m, k, n, 8, hopper=True)).name(1, True) for k, n, m in cases})
+    names = sorted({Pipe.of(p).name(1, True) for p in pipes.values()})
     sources = {(code, defs) for code, defs, _ in variants.values()}
     with ProcessPoolExecutor(len(sources)) as ex:  # NVRTC in parallel; CuPy caches the cubins
         list(ex.map(_warm, [(code, defs, names) for code, defs in sources]))
@@ -115,51 +120,28 @@ def main() -> int:
     from bench_gemm import timed_graph
 
     mods = {v: build(code, defs, names) for v, (code, defs, _) in variants.items()}
-    shipped, current = gbuild.function, {"v": None}
-
-    def function(source, name):
-        if source == "marlin_streamk.cu":
-            return mods[current["v"]].get_function(name)
-        return shipped(source, name)
-
-    gbuild.function = K.build.function = function
+    current = {"v": None}
+    route_streamk(gbuild, lambda name: mods[current["v"]].get_function(name))
     tunings = {v: Tuning(streamk_iters=it) if it else Tuning() for v, (_, _, it) in variants.items()}
     rng = np.random.default_rng(0)
     order, results = list(variants), {}
-    for k, n, m in cases:
-        g, copies = k // 128, max(2, -(-3 * 60 * 2**20 // (k * n // 2)))
-        units = [
-            K.prepare_b_units(
-                cp.asarray(rng.integers(-(2**31), 2**31, (k // 16, 2 * n), dtype=np.int64).astype(np.int32)), k, n
-            )
-            for _ in range(copies)
-        ]
-        S = [cp.asarray((rng.uniform(0.5, 2, (g, n)) / 64).astype(np.float16)) for _ in range(copies)]
-        D = [K.prepare_delta(cp.asarray(rng.normal(0, 0.01, (g, n)).astype(np.float32))) for _ in range(copies)]
+    for k, n, m in pipes:
+        layers = random_layers(cp, rng, k, n, unit_major=True)
         a = cp.asarray(rng.normal(0, 1, (m, k)).astype(np.float16))
         out = cp.empty((m, n), cp.float16)
         kw = dict(size_k=k, size_n=n, group_size=128)
+        calls = max(16, len(layers))
         thunks = {
             v: [
-                partial(
-                    K.marlin_gemm,
-                    a,
-                    None,
-                    S[i % copies],
-                    delta=D[i % copies],
-                    b_units=units[i % copies],
-                    out=out,
-                    tuning=tunings[v],
-                    **kw,
-                )
-                for i in range(max(16, copies))
+                partial(K.marlin_gemm, a, **layers[i % len(layers)], out=out, tuning=tunings[v], **kw)
+                for i in range(calls)
             ]
             for v in order
         }
         ref, same = None, {}
         for v in order:
             current["v"] = v
-            got = K.marlin_gemm(a, None, S[0], delta=D[0], b_units=units[0], tuning=tunings[v], **kw)
+            got = K.marlin_gemm(a, **layers[0], tuning=tunings[v], **kw)
             bits = got.view(cp.uint16).copy()
             ref = bits if ref is None else ref
             same[v] = bool(cp.array_equal(bits, ref))
@@ -188,7 +170,7 @@ def main() -> int:
             + "".join("Y" if s else "N" for s in same.values()),
             flush=True,
         )
-        del units, S, D, thunks
+        del layers, thunks
         cp.get_default_memory_pool().free_all_blocks()
     Path(out_json).write_text(json.dumps({"argv": sys.argv[1:], "results": results}, indent=1))
     return 0

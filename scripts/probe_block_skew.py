@@ -49,14 +49,13 @@ def main() -> int:
     import numpy as np
 
     from converter.gpu import build, kernels
-    from converter.gpu.plan import KernelKind, Pipe, default_pipe
-    from tests.helpers.streamk_probe import instrumented_source
+    from converter.gpu.plan import Pipe
+    from tests.helpers.streamk_probe import instrumented_source, persistent_cases, random_layers, route_streamk
 
-    cases = [tuple(int(v) for v in c.split(":")) for c in args.shapes.split(",")]
-    pipes = {c: default_pipe(c[2], c[0], c[1], 8, hopper=True) for c in cases}
-    for c, p in pipes.items():
-        if p[0] not in (KernelKind.HOPPER_SK, KernelKind.HOPPER_SKG):
-            ap.error(f"{c[0]}x{c[1]} at M={c[2]} is served by {p[0].value}, not the persistent kernel")
+    try:
+        pipes = persistent_cases(args.shapes)
+    except ValueError as exc:
+        ap.error(str(exc))
     folder = build.kernel_dir()
     code = instrumented_source(folder)
     assert code.count(SMID_ANCHOR) == 1, "the timeline's entry stamp moved"
@@ -67,41 +66,15 @@ def main() -> int:
         options=("-std=c++17", "--gpu-architecture=sm_90a", f"-I{folder}", "-DPROBE_TS"),
         name_expressions=names,
     )
-    real = build.function
-
-    def function(source: str, name: str):
-        return mod.get_function(name) if source == "marlin_streamk.cu" else real(source, name)
-
-    build.function = function  # kernels.marlin_gemm looks it up at each call
+    restore = route_streamk(build, mod.get_function)
     rng = np.random.default_rng(0)
     results: dict = {"rows": {}}
-    for k, n, m in cases:
-        g = k // 128
-        copies = max(2, -(-3 * 60 * 2**20 // (k * n // 2)))
-        Bs = [
-            cp.asarray(rng.integers(-(2**31), 2**31, (k // 16, 2 * n), dtype=np.int64).astype(np.int32))
-            for _ in range(copies)
-        ]
-        units = [kernels.prepare_b_units(b, k, n) for b in Bs] if kernels.keeps_b_units(k, n, 128) else [None] * copies
-        Ss = [cp.asarray((rng.uniform(0.5, 2, (g, n)) / 64).astype(np.float16)) for _ in range(copies)]
-        Ds = [kernels.prepare_delta(cp.asarray(rng.normal(0, 0.01, (g, n)).astype(np.float32))) for _ in range(copies)]
+    for k, n, m in pipes:
+        layers = random_layers(cp, rng, k, n, unit_major=kernels.keeps_b_units(k, n, 128))
         a = cp.asarray(rng.normal(0, 1, (m, k)).astype(np.float16))
         out = cp.empty((m, n), cp.float16)
-        calls = [
-            partial(
-                kernels.marlin_gemm,
-                a,
-                Bs[i % copies],
-                Ss[i % copies],
-                size_k=k,
-                size_n=n,
-                group_size=128,
-                delta=Ds[i % copies],
-                out=out,
-                b_units=units[i % copies],
-            )
-            for i in range(2 * copies)
-        ]
+        kw = dict(size_k=k, size_n=n, group_size=128, out=out)
+        calls = [partial(kernels.marlin_gemm, a, **layers[i % len(layers)], **kw) for i in range(2 * len(layers))]
         plan = kernels.gemm_plan(m, k, n, 128, delta=True)
         stamps = cp.ndarray((1024, 8), cp.uint64, memptr=mod.get_global("probe_ts"))
         done = []
@@ -138,9 +111,9 @@ def main() -> int:
             f"lateness by pieces { ({p: round(v, 2) for p, v in by_pieces.items()}) }",
             flush=True,
         )
-        del Bs, units, Ss, Ds
+        del layers, calls
         cp.get_default_memory_pool().free_all_blocks()
-    build.function = real
+    restore()
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=1), encoding="utf-8")
     return 0

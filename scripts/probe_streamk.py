@@ -59,14 +59,20 @@ def main() -> int:
     from bench_gemm import timed_graph
 
     from converter.gpu import build, kernels
-    from converter.gpu.plan import KernelKind, Pipe, default_pipe
-    from tests.helpers.streamk_probe import STAMP_NAMES, VARIANTS, instrumented_source
+    from converter.gpu.plan import Pipe
+    from tests.helpers.streamk_probe import (
+        STAMP_NAMES,
+        VARIANTS,
+        instrumented_source,
+        persistent_cases,
+        random_layers,
+        route_streamk,
+    )
 
-    cases = [tuple(int(v) for v in c.split(":")) for c in args.shapes.split(",")]
-    pipes = {c: default_pipe(c[2], c[0], c[1], 8, hopper=True) for c in cases}
-    for c, p in pipes.items():
-        if p[0] not in (KernelKind.HOPPER_SK, KernelKind.HOPPER_SKG):
-            ap.error(f"{c[0]}x{c[1]} at M={c[2]} is served by {p[0].value}, not the persistent kernel")
+    try:
+        pipes = persistent_cases(args.shapes)
+    except ValueError as exc:
+        ap.error(str(exc))
     names = sorted({Pipe.of(p).name(1, True) for p in pipes.values()})
     folder = build.kernel_dir()
     code = instrumented_source(folder)
@@ -81,42 +87,17 @@ def main() -> int:
         )
         for n in names:
             mods[v].get_function(n)
-    real = build.function
     current = {"v": "base"}
-
-    def function(source: str, name: str):
-        if source == "marlin_streamk.cu":
-            return mods[current["v"]].get_function(name)
-        return real(source, name)
-
-    build.function = function  # kernels.marlin_gemm looks it up at each call
+    restore = route_streamk(build, lambda name: mods[current["v"]].get_function(name))
     rng = np.random.default_rng(0)
     results: dict = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "rows": {}}
-    for k, n, m in cases:
-        g = k // 128
-        copies = max(2, -(-3 * 60 * 2**20 // (k * n // 2)))
-        Bs = [
-            cp.asarray(rng.integers(-(2**31), 2**31, (k // 16, 2 * n), dtype=np.int64).astype(np.int32))
-            for _ in range(copies)
-        ]
-        Ss = [cp.asarray((rng.uniform(0.5, 2, (g, n)) / 64).astype(np.float16)) for _ in range(copies)]
-        Ds = [kernels.prepare_delta(cp.asarray(rng.normal(0, 0.01, (g, n)).astype(np.float32))) for _ in range(copies)]
+    for k, n, m in pipes:
+        layers = random_layers(cp, rng, k, n, unit_major=False)  # B in Marlin's order, as these runs always were
+        copies = len(layers)
         a = cp.asarray(rng.normal(0, 1, (m, k)).astype(np.float16))
         out = cp.empty((m, n), cp.float16)
-        calls = [
-            partial(
-                kernels.marlin_gemm,
-                a,
-                Bs[i % copies],
-                Ss[i % copies],
-                size_k=k,
-                size_n=n,
-                group_size=128,
-                delta=Ds[i % copies],
-                out=out,
-            )
-            for i in range(16)
-        ]
+        kw = dict(size_k=k, size_n=n, group_size=128, out=out)
+        calls = [partial(kernels.marlin_gemm, a, **layers[i % copies], **kw) for i in range(16)]
         row: dict = {"pipe": [str(x.value) if hasattr(x, "value") else x for x in pipes[(k, n, m)]]}
         if args.variants:
             times: dict = {}
@@ -155,9 +136,9 @@ def main() -> int:
                     flush=True,
                 )
         results["rows"][f"{k}x{n}:{m}"] = row
-        del Bs, Ss, Ds
+        del layers, calls
         cp.get_default_memory_pool().free_all_blocks()
-    build.function = real
+    restore()
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=1), encoding="utf-8")
     return 0

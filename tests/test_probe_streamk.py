@@ -38,3 +38,24 @@ def test_a_moved_anchor_fails_loudly(tmp_path: Path) -> None:
     moved = r"anchor not found once in marlin_streamk.cu: .                if \(!b_units\) \{  // Marlin's order"
     with pytest.raises(AssertionError, match=moved):
         instrumented_source(folder)
+
+
+def test_weight_copies_rotate_past_the_l2() -> None:
+    from tests.helpers.streamk_probe import L2_ROTATION_BYTES, weight_copies
+
+    assert weight_copies(8192, 57344) == 2  # 235 MB of codes: two copies already
+    assert weight_copies(4096, 4096) == 23  # 8 MiB each: 23 x 8 MiB >= 180 MiB
+    for k, n in ((4096, 4096), (8192, 1024), (28672, 8192)):
+        c = weight_copies(k, n)
+        assert c * k * n // 2 >= L2_ROTATION_BYTES  # enough copies
+        assert c == 2 or (c - 1) * k * n // 2 < L2_ROTATION_BYTES  # and no more
+
+
+def test_persistent_cases_name_the_row_another_kernel_serves() -> None:
+    from tests.helpers.streamk_probe import persistent_cases
+
+    pipes = persistent_cases("8192:57344:1,28672:8192:64")
+    assert [p[0].value for p in pipes.values()] == ["hopper_skg", "hopper_sk"]
+    assert list(pipes) == [(8192, 57344, 1), (28672, 8192, 64)]
+    with pytest.raises(ValueError, match=r"^4096x4096 at M=1 is served by decode, not the persistent kernel$"):
+        persistent_cases("4096:4096:1")

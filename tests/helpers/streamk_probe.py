@@ -1,4 +1,5 @@
-"""The persistent Hopper kernel with probe hooks, for scripts/probe_streamk.py.
+"""The persistent Hopper kernel with probe hooks, and what the scripts that time it share
+(scripts/probe_streamk.py, probe_block_skew.py, ab_streamk_variants.py).
 
 The patches are plain text replacements on ``kernels/marlin_streamk.cu``; each asserts
 that its anchor is still there once, so that a kernel edit breaks the probe loudly (and
@@ -7,7 +8,13 @@ tests/test_probe_streamk.py in CI) instead of timing the wrong thing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+#: The L2 the weight copies must rotate past (an H200 has 60 MB; 3 x that, so that no call
+#: finds its layer there).
+L2_ROTATION_BYTES = 3 * 60 * 2**20
 
 # The source's text the patches anchor on. A kernel edit that moves one of these makes
 # the script fail loudly (AssertionError naming the anchor) instead of timing the wrong thing.
@@ -156,3 +163,63 @@ def instrumented_source(kernel_dir: Path) -> str:
     assert src.count(anchor) == 1, "gs_stage's template line moved"
     i = src.index(anchor)
     return _HEAD + src[:i] + _HELPERS + src[i:]
+
+
+def weight_copies(size_k: int, size_n: int) -> int:
+    """How many copies of a K x N INT4 layer a timing rotates over: at least 2, and enough
+    that their codes exceed ``L2_ROTATION_BYTES``."""
+    return max(2, -(-L2_ROTATION_BYTES // (size_k * size_n // 2)))
+
+
+def persistent_cases(spec: str) -> dict[tuple[int, int, int], tuple]:
+    """``"K:N:M,..."`` as ``{(K, N, M): the planner's pipe on an H200}`` (group 128).
+
+    Raises:
+        ValueError: a row the persistent kinds (``hopper_sk``, ``hopper_skg``) do not
+            serve, naming it and the kind that does.
+    """
+    from converter.gpu.plan import KernelKind, default_pipe
+
+    pipes = {}
+    for c in spec.split(","):
+        k, n, m = (int(v) for v in c.split(":"))
+        pipe = default_pipe(m, k, n, 8, hopper=True)
+        if pipe[0] not in (KernelKind.HOPPER_SK, KernelKind.HOPPER_SKG):
+            raise ValueError(f"{k}x{n} at M={m} is served by {pipe[0].value}, not the persistent kernel")
+        pipes[(k, n, m)] = pipe
+    return pipes
+
+
+def random_layers(cp: Any, rng: Any, size_k: int, size_n: int, *, unit_major: bool) -> list[dict[str, Any]]:
+    """:func:`weight_copies` random group-128 layers on the GPU, each as ``marlin_gemm``
+    keyword arguments: ``B`` (random codes), ``scales``, ``delta`` (fp16 operand) and
+    ``b_units`` (the unit-major copy when ``unit_major``, else None)."""
+    import numpy as np
+
+    from converter.gpu import kernels
+
+    g = size_k // 128
+    layers = []
+    for _ in range(weight_copies(size_k, size_n)):
+        b = cp.asarray(rng.integers(-(2**31), 2**31, (size_k // 16, 2 * size_n), dtype=np.int64).astype(np.int32))
+        s = cp.asarray((rng.uniform(0.5, 2, (g, size_n)) / 64).astype(np.float16))
+        d = kernels.prepare_delta(cp.asarray(rng.normal(0, 0.01, (g, size_n)).astype(np.float32)))
+        units = kernels.prepare_b_units(b, size_k, size_n) if unit_major else None
+        layers.append({"B": b, "scales": s, "delta": d, "b_units": units})
+    return layers
+
+
+def route_streamk(build: Any, lookup: Callable[[str], Any]) -> Callable[[], None]:
+    """Serve ``marlin_streamk.cu``'s kernels from ``lookup(name)`` (``kernels.marlin_gemm``
+    resolves ``build.function`` at each call); returns the function that undoes it."""
+    shipped = build.function
+
+    def function(source: str, name: str) -> Any:
+        return lookup(name) if source == "marlin_streamk.cu" else shipped(source, name)
+
+    build.function = function
+
+    def restore() -> None:
+        build.function = shipped
+
+    return restore
