@@ -84,6 +84,13 @@
 // down rows N / 2 int4 apart (which a read-only probe streamed 12-19 % slower,
 // scripts/perf_notes.md), so that one thread moves a stage by a few bulk copies.
 // MarlinLinear keeps B unit-major where this kernel serves every M.
+// B with the scales and deltas inline (b_units = 2, group size 128 only): per unit and
+// group, its 8 k-tiles' 2 KB pieces, then the group's 512-byte scale row and 512-byte delta
+// row of the unit's 256 features (permuted as S and D, zero past N), 17408 bytes
+// (kernels.prepare_b_stages; reference.b_stages is its twin). An 8-tile stage is then one
+// bulk copy of weights, scales and deltas (a slot holds W, S, D and then X in this mode),
+// where the separate copies were three: 1-3 % faster at 1-16 rows and 3-6 % at 32 on the
+// 70B layers of an H200, even on the 7B ones (scripts/perf_notes.md). S and D are not read.
 //
 // Launch geometry (converter/gpu plans it): `xmap` encoded by converter/gpu/tensormap.py
 // (after gather_columns under act-order) and At null, or hopper_activations with tok = T
@@ -132,6 +139,12 @@ struct StreamkLayout {
     // The delta rows are reserved in the symmetric variant too: every stage, and so every
     // X slot, stays a multiple of the swizzle atom (1024 bytes) from the aligned ring.
     static constexpr int STAGE = D_OFF + GPI * 512;
+    // B with the scales and deltas inline (b_units = 2, kernels.prepare_b_stages): the
+    // stage's scale and delta rows right after its weights, as in global memory, so that
+    // one bulk copy moves all three; the activations after them.
+    static constexpr int S_OFF_INL = U * W_TILE;
+    static constexpr int X_OFF_INL = S_OFF_INL + GPI * 1024;
+    static_assert(X_OFF_INL % 1024 == 0, "swizzle atoms 1024-byte aligned");
     static constexpr int ALIGN = 1024;
     static constexpr int RING = NS * STAGE + ALIGN;  // + the slack that aligns the ring
     static_assert(STAGE % ALIGN == 0 && X_OFF % ALIGN == 0, "swizzle atoms 1024-byte aligned");
@@ -214,18 +227,18 @@ __device__ __forceinline__ void gs_fragments(const u32 (&bw)[2], u32 (&af)[2][4]
 // here (at a piece's start the sums and scales are zero, so that close adds nothing).
 // Per-channel (`pc_s`, `pc_d`: the layer's one scale and delta pair per tile, read by
 // the caller) every stage takes those; the producer copies no scale rows then.
-template <int T, int U, int NS, bool HAS_DELTA, int STAGE, int X_OFF, int S_OFF, int D_OFF, int W_TILE>
-__device__ __forceinline__ void gs_stage(u32& q, int st, u32 ring, u32 full0, u32 empty0, u32 w_lane, u32 s_lane,
+template <int T, int U, int NS, bool HAS_DELTA, int STAGE, int W_TILE>
+__device__ __forceinline__ void gs_stage(u32& q, int st, u32 ring, u32 full0, u32 empty0, u32 x_off, u32 w_lane, u32 s_lane,
                                          int lane, bool per_channel, const u32 (&pc_s)[2], const u32 (&pc_d)[2],
                                          float (&acc)[2][T / 2], float (&gp)[2][T / 2], float (&gx)[T / 2],
                                          float (&sf)[4], float (&df)[4], u32 (&af)[WG_DEPTH][2][4]) {
     const u32 slot = q % NS;
     mbar_wait(full0 + 8 * slot, (q / NS) & 1u);
     const u32 sb = ring + slot * STAGE;
-    const unsigned long long desc0 = wg_desc_sw128(sb + X_OFF);
+    const unsigned long long desc0 = wg_desc_sw128(sb + x_off);
     u32 ns2[2], nd2[2];
-    lds_words<2>(sb + S_OFF + s_lane, ns2);
-    if (HAS_DELTA) lds_words<2>(sb + D_OFF + s_lane, nd2);
+    lds_words<2>(sb + s_lane, ns2);  // s_lane: from the slot's start (the scale rows' offset included)
+    if (HAS_DELTA) lds_words<2>(sb + s_lane + 512, nd2);
     u32 bw[U][2];
     stage_words<U, W_TILE>(sb + w_lane, bw);
     gs_fragments(bw[0], af[0]);
@@ -288,6 +301,9 @@ marlin_streamk(const __grid_constant__ TensorMap xmap, const u16* __restrict__ A
     // The swizzled boxes need 1024-byte aligned atoms; the dynamic area's start is only
     // as aligned as the static shared memory before it leaves it, hence L::ALIGN of slack.
     const u32 ring = (smem_addr(smem) + (L::ALIGN - 1)) & ~(u32)(L::ALIGN - 1), full0 = smem_addr(full), empty0 = smem_addr(empty);
+    // B with the scales and deltas inline (b_units = 2; the host gives it to group size 128 only)
+    const bool inl = GPI == 1 && b_units == 2;
+    const u32 x_off = inl ? L::X_OFF_INL : L::X_OFF;  // the activations' place in a slot
     if (tid == 0) {
         for (int s = 0; s < NS; ++s) {
             // every producer thread's cp.async arrive, and one arrive with the activations' bytes
@@ -357,28 +373,41 @@ marlin_streamk(const __grid_constant__ TensorMap xmap, const u16* __restrict__ A
                 // (scripts/bench_gemm_h200_b_order.json).
                 if (pt == 0) {  // the activations, read by wgmma through the async proxy
                     u32 bytes = L::X_BYTES;
-                    if (b_units) {
-                        bytes += U * L::W_TILE;
+                    if (inl) {
+                        // B with the scales and deltas inline (kernels.prepare_b_stages): unit
+                        // nb4's group g is one run of its 8 k-tiles (2 KB each) and then its
+                        // 512-byte scale and delta rows, 1088 int4 (group size 128: GPI = 1). An
+                        // 8-tile stage is that whole run, one bulk copy; a 4-tile stage half the
+                        // k-tiles, and the two rows where the group opens.
+                        const int4* grun = B + ((size_t)nb4 * (size_t)(K >> 7) + (size_t)(kt >> 3)) * 1088;
+                        const bool sd = sd_open[0];
+                        mbar_expect_tx(bar, bytes + U * L::W_TILE + (sd ? 1024 : 0));
+                        bulk_load(sb + L::W_OFF, grun + (kt & 7) * 128, U * L::W_TILE + (U == 8 && sd ? 1024 : 0), bar);
+                        if (U != 8 && sd) bulk_load(sb + L::S_OFF_INL, grun + 1024, 1024, bar);
+                    } else {
+                        if (b_units) {
+                            bytes += U * L::W_TILE;
 #pragma unroll
-                        for (int gi = 0; gi < GPI; ++gi) bytes += sd_open[gi] ? (HAS_DELTA ? 2 : 1) * 128 * live : 0;
-                    }
-                    mbar_expect_tx(bar, bytes);
-                    if (b_units) {
-                        bulk_load(sb + L::W_OFF, wsrc - (w_live ? pt : 0), U * L::W_TILE, bar);
+                            for (int gi = 0; gi < GPI; ++gi) bytes += sd_open[gi] ? (HAS_DELTA ? 2 : 1) * 128 * live : 0;
+                        }
+                        mbar_expect_tx(bar, bytes);
+                        if (b_units) {
+                            bulk_load(sb + L::W_OFF, wsrc - (w_live ? pt : 0), U * L::W_TILE, bar);
 #pragma unroll
-                        for (int gi = 0; gi < GPI; ++gi) {
-                            if (!sd_open[gi]) continue;
-                            const size_t at = 256 * (size_t)nb4 + (size_t)sd_g[gi] * N;
-                            bulk_load(sb + L::S_OFF + gi * 512, S + at, 128 * live, bar);
-                            if (HAS_DELTA) bulk_load(sb + L::D_OFF + gi * 512, D + at, 128 * live, bar);
+                            for (int gi = 0; gi < GPI; ++gi) {
+                                if (!sd_open[gi]) continue;
+                                const size_t at = 256 * (size_t)nb4 + (size_t)sd_g[gi] * N;
+                                bulk_load(sb + L::S_OFF + gi * 512, S + at, 128 * live, bar);
+                                if (HAS_DELTA) bulk_load(sb + L::D_OFF + gi * 512, D + at, 128 * live, bar);
+                            }
                         }
                     }
                     if (At) {  // one contiguous run of the re-laid-out activations
-                        bulk_load(sb + L::X_OFF, xsrc, L::X_BYTES, bar);
+                        bulk_load(sb + x_off, xsrc, L::X_BYTES, bar);
                     } else {  // U / 4 boxes of 64 values of K x T tokens, swizzled, tokens past M zero
 #pragma unroll
                         for (int b = 0; b < U / 4; ++b)
-                            tensor_load_2d(sb + L::X_OFF + b * L::X_BOX, &xmap, 16 * kt + 64 * b, mc * T, bar);
+                            tensor_load_2d(sb + x_off + b * L::X_BOX, &xmap, 16 * kt + 64 * b, mc * T, bar);
                     }
                 }
                 if (!b_units) {  // Marlin's order: a 2 KB strip down each k-tile's row, 16 bytes a thread
@@ -410,7 +439,7 @@ marlin_streamk(const __grid_constant__ TensorMap xmap, const u16* __restrict__ A
     u32 af[WG_DEPTH][2][4];  // register sets of the two wgmma's weight fragments, one per k-tile (two a group)
     float gp[2][T / 2], gx[T / 2], sf[4], df[4];  // GS: the last stage's sums, scales and deltas
     const u32 w_lane = L::W_OFF + warp * 512 + lane * 16 + 4 * j0;
-    const u32 s_lane = (u32)(warp * 128 + 16 * g4 + 4 * j0);
+    const u32 s_lane = (inl ? L::S_OFF_INL : L::S_OFF) + (u32)(warp * 128 + 16 * g4 + 4 * j0);
     u32 q = 0;  // stages consumed by this block (unsigned: q % NS a cheap remainder)
     for (int i = i0; i < i1;) {
         const Piece p = piece_at(i);
@@ -438,8 +467,8 @@ marlin_streamk(const __grid_constant__ TensorMap xmap, const u16* __restrict__ A
 #pragma unroll
             for (int v = 0; v < 4; ++v) sf[v] = df[v] = 0.f;
             for (int st = 0; st < p.n; ++st)
-                gs_stage<T, U, NS, HAS_DELTA, L::STAGE, L::X_OFF, L::S_OFF, L::D_OFF, L::W_TILE>(
-                    q, st, ring, full0, empty0, w_lane, s_lane, lane, per_channel, s2, d2, acc, gp, gx, sf, df, af);
+                gs_stage<T, U, NS, HAS_DELTA, L::STAGE, L::W_TILE>(
+                    q, st, ring, full0, empty0, x_off, w_lane, s_lane, lane, per_channel, s2, d2, acc, gp, gx, sf, df, af);
             wgmma_wait<0>();
             gs_close<T, HAS_DELTA>(acc, gp, gx, sf, df);
         } else {
@@ -449,7 +478,7 @@ marlin_streamk(const __grid_constant__ TensorMap xmap, const u16* __restrict__ A
                 const u32 slot = q % NS;
                 mbar_wait(full0 + 8 * slot, (q / NS) & 1u);
                 const u32 sb = ring + slot * L::STAGE;
-                const unsigned long long desc0 = wg_desc_sw128(sb + L::X_OFF);
+                const unsigned long long desc0 = wg_desc_sw128(sb + x_off);
                 const int kt = (p.s0 + st) * U;
                 u32 bw[U][2];
                 stage_words<U, L::W_TILE>(sb + w_lane, bw);
@@ -464,8 +493,8 @@ marlin_streamk(const __grid_constant__ TensorMap xmap, const u16* __restrict__ A
                     walk.next += hit ? group_tiles : 0;
                     const bool open = !per_channel && (hit || t == walk.first);
                     u32 ns2[2], nd2[2];
-                    lds_words<2>(sb + L::S_OFF + gi * 512 + s_lane, ns2);
-                    if (HAS_DELTA) lds_words<2>(sb + L::D_OFF + gi * 512 + s_lane, nd2);
+                    lds_words<2>(sb + s_lane + gi * 512, ns2);
+                    if (HAS_DELTA) lds_words<2>(sb + s_lane + (GPI + gi) * 512, nd2);
 #pragma unroll
                     for (int v = 0; v < 2; ++v) {
                         s2[v] = open ? ns2[v] : s2[v];

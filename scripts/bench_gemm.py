@@ -6,7 +6,8 @@ Measures, in one run, for each shape (K, N) and batch M:
   ours_fused   our GEMM with the asymmetric delta folded in (no extra launch)
   ours_2k      two-kernel correction path (symmetric GEMM + group_sums + add_correction)
                (all three with B as MarlinLinear keeps it: unit-major, kernels.prepare_b_units,
-               on layers that a persistent kind serves at every M; row "b_order")
+               on layers that a persistent kind serves at every M, and for ours_fused with
+               group 128 the scales and deltas inline, kernels.prepare_b_stages; row "b_order")
   fp16         torch.matmul fp16 (cuBLAS), W [K, N]
   int4pack     torch.ops.aten._weight_int4pack_mm, bf16 activations, the same group size
   upstream     upstream IST-DASLab Marlin (the prebuilt peer binary of ../shared/peers,
@@ -327,6 +328,10 @@ def main() -> int:
         Ds16 = [kernels.prepare_delta(d) for d in Ds]  # done once at load time by MarlinLinear
         # B as MarlinLinear keeps it: unit-major where a persistent kind serves every M
         Us = [kernels.prepare_b_units(b, k, n) for b in Bs] if kernels.keeps_b_units(k, n, group, base) else None
+        # ... and for the asymmetric (fused) calls with the scales and deltas inline where it keeps that
+        Vs = Us
+        if kernels.keeps_b_stages(k, n, group, True, base):
+            Vs = [kernels.prepare_b_stages(b, s, d, k, n) for b, s, d in zip(Bs, Ss, Ds16, strict=True)]
         f16_copies = max(2, math.ceil(2 * L2_BYTES / (k * n * 2)))
         Ws = [torch.randn(k, n, device="cuda", dtype=torch.float16) * 0.02 for _ in range(f16_copies)]
         # PyTorch int4: its own packed layout, built from random codes
@@ -345,18 +350,18 @@ def main() -> int:
             kw = dict(size_k=k, size_n=n, group_size=group, tuning=base, b_units=Us)
             calls = max(args.calls, copies)
             row = {"K": k, "N": n, "M": m, "plan": dataclasses.asdict(kernels.gemm_plan(m, k, n, group, tuning=base))}
-            row["b_order"] = "unit-major" if Us is not None else "marlin"
+            row["b_order"] = "marlin" if Us is None else "unit-major" if Vs is Us else "unit-major, fused inline"
             weights = (a, Bs, Ss, out, calls, args.reps)
             ours = partial(time_ours, cp, row, weights, kw)
             # ABBA: under sustained load the H200 caps its power (clocks 1980 -> ~1550 MHz
             # at M >= 96 on the 70B layers), so whichever is timed first gains; a
             # linear drift cancels in the mean of the two orders.
-            s1, f1 = ours(kernels.marlin_gemm, None), ours(kernels.marlin_gemm, Ds16)
+            s1, f1 = ours(kernels.marlin_gemm, None), ours(kernels.marlin_gemm, Ds16, b_units=Vs)
             if args.b_order_ab and Us is not None:  # A B B A: as served, Marlin's order twice, as served
                 on = partial(ours, kernels.marlin_gemm, b_units=None)
                 fo1, so1, so2, fo2 = on(Ds16), on(None), on(None), on(Ds16)
                 row["marlin_order_sym"], row["marlin_order_fused"] = (so1 + so2) / 2, (fo1 + fo2) / 2
-            f2, s2 = ours(kernels.marlin_gemm, Ds16), ours(kernels.marlin_gemm, None)
+            f2, s2 = ours(kernels.marlin_gemm, Ds16, b_units=Vs), ours(kernels.marlin_gemm, None)
             row["ours_sym"], row["ours_fused"] = (s1 + s2) / 2, (f1 + f2) / 2
             row["ours_2k"] = ours(kernels.marlin_gemm_two_kernel, Ds)
             for spec in args.sweep.split(",") if args.sweep else []:
@@ -392,7 +397,7 @@ def main() -> int:
                 if its:
                     swept = dataclasses.replace(swept, streamk_iters=int(its))
                 row[f"sym_{spec}"] = ours(kernels.marlin_gemm, None, pipe=pipe, tuning=swept)
-                row[f"fused_{spec}"] = ours(kernels.marlin_gemm, Ds16, pipe=pipe, tuning=swept)
+                row[f"fused_{spec}"] = ours(kernels.marlin_gemm, Ds16, pipe=pipe, tuning=swept, b_units=Vs)
             if args.sweep_splits and row["plan"]["kind"] in sweep_kinds:
                 row["fused_by_splits"] = {}
                 for sp in range(1, args.sweep_splits + 1):

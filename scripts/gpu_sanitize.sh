@@ -84,6 +84,11 @@ for (m, k, n, gs, act, wk, pipe, n_out, iters) in cases:
         for _ in range(2):
             kernels.marlin_gemm(a, B, S, delta=D, bias=bias, pipe=pipe, b_units=Bu, **kw)
             kernels.marlin_gemm(a, B, S, pipe=pipe, b_units=Bu, **kw)
+        if gs == 128:  # and with each stage's scales and deltas inline (one bulk copy an 8-tile stage)
+            Bv = kernels.prepare_b_stages(B, S, kernels.prepare_delta(D), k, n)
+            for _ in range(2):
+                kernels.marlin_gemm(a, None, S, delta=D, bias=bias, pipe=pipe, b_units=Bv, **kw)
+                kernels.marlin_gemm(a, None, S, pipe=pipe, b_units=Bv, **kw)
     kernels.dequant(B, S, delta=D, size_k=k, size_n=n, group_size=gs)
     kernels.dequant(B, S, size_k=k, size_n=n, group_size=gs)
     kernels.synchronize()

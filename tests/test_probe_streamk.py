@@ -20,7 +20,7 @@ def test_every_hook_lands_in_the_shipped_kernel() -> None:
     # both consumer forms lose their wgmma and dequantization under the probe macros
     assert src.count("#ifdef PROBE_NOMMA") == 2
     assert src.count("#ifdef PROBE_NODQ") == 2
-    # two defines (0 and 1), then the producer's expected bytes, its bulk copies, the threads' copies
+    # two defines (0 and 1), then thread 0's arrive with no bytes and its copies, the threads' copies
     assert src.count("PROBE_NOLOAD_V") == 5
 
 

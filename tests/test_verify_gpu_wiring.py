@@ -121,6 +121,7 @@ def test_gpu_check_on_the_kernels_numpy_twins_covers_regrouped_and_padded_layers
         marlin_gemm_two_kernel=ref.marlin_gemm_two_kernel,
         synchronize=lambda: None,
         keeps_b_units=lambda *a, **k: False,  # small layers: MarlinLinear keeps B in Marlin's order on any device
+        keeps_b_stages=lambda *a, **k: False,
     )
     monkeypatch.setattr(gverify, "kernels", fake)
     monkeypatch.setattr(gverify, "verify_layer_gpu", functools.partial(gverify.verify_layer_gpu, repeats=2))

@@ -37,7 +37,9 @@ class MarlinLinear:
     serves at every M (:func:`~converter.gpu.kernels.keeps_b_units`) keeps ``B``
     unit-major only (:func:`~converter.gpu.kernels.prepare_b_units`; the same size but a
     ragged last unit's zero padding; while it is made, ``B`` and the copy are both on the
-    device).
+    device); an asymmetric layer of groups of 128 keeps it with each stage's scales and
+    deltas inline instead (:func:`~converter.gpu.kernels.prepare_b_stages`, 6 % larger
+    than ``B``; the separate scales and deltas stay too).
 
     Attributes:
         name: layer prefix in the artifact.
@@ -82,16 +84,21 @@ class MarlinLinear:
         if not 0 < size_n <= self.padded_n:
             raise KernelError(f"size_n={size_n} must be in 1..padded_n={self.padded_n}", tensor=name)
         self._B = cp.asarray(np.ascontiguousarray(B, dtype=np.int32))
-        self._B_units = None
-        if kernels.keeps_b_units(size_k, self.padded_n, group_size):
-            # Every call goes to the persistent kernel: keep B unit-major only, so that each
-            # block's run of the weight stream is one contiguous stretch.
-            self._B_units = kernels.prepare_b_units(self._B, size_k, self.padded_n)
-            self._B = None
         self._scales = cp.asarray(np.ascontiguousarray(scales, dtype=np.float16))
         use_delta = delta is not None and bool(np.any(delta))
         # The GEMM's own delta operand (fp16, scale order), converted once here.
         self._delta = kernels.prepare_delta(np.ascontiguousarray(delta, dtype=np.float32)) if use_delta else None
+        self._B_units = None
+        if kernels.keeps_b_stages(size_k, self.padded_n, group_size, use_delta):
+            # Every call goes to the persistent kernel, groups of 128: B with each stage's
+            # scales and deltas inline, one contiguous run a stage.
+            self._B_units = kernels.prepare_b_stages(self._B, self._scales, self._delta, size_k, self.padded_n)
+            self._B = None
+        elif kernels.keeps_b_units(size_k, self.padded_n, group_size):
+            # Every call goes to the persistent kernel: keep B unit-major only, so that each
+            # block's run of the weight stream is one contiguous stretch.
+            self._B_units = kernels.prepare_b_units(self._B, size_k, self.padded_n)
+            self._B = None
         self._perm = None if perm is None else cp.asarray(np.ascontiguousarray(perm, dtype=np.int32))
         self._bias = None if bias is None else cp.asarray(np.ascontiguousarray(bias, dtype=np.float16))
 

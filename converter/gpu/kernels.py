@@ -114,6 +114,22 @@ def hopper_device() -> bool:
     return runtime.device_info().compute_capability == 90
 
 
+#: The group size of :func:`prepare_b_stages`'s copy: one group per 8-tile stage.
+STAGE_GROUP = 128
+#: int32 per (unit, group) run of that copy: 8 k-tile pieces of 512, a scale and a delta row of 128.
+STAGE_RUN_INT32 = 8 * 512 + 2 * 128
+
+
+def keeps_b_stages(size_k: int, size_n: int, group_size: int, delta: bool, tuning: Tuning = DEFAULT_TUNING) -> bool:
+    """Whether a layer keeps ``B`` with its scales and deltas inline (:func:`prepare_b_stages`)
+    instead of unit-major: a layer that :func:`keeps_b_units`, with groups of 128 and a
+    delta (the symmetric layer would stream zero rows).
+
+    Args: as :func:`keeps_b_units`; ``delta``: the layer has a nonzero delta.
+    """
+    return delta and group_size == STAGE_GROUP and keeps_b_units(size_k, size_n, group_size, tuning)
+
+
 def keeps_b_units(size_k: int, size_n: int, group_size: int, tuning: Tuning = DEFAULT_TUNING) -> bool:
     """Whether a layer keeps ``B`` unit-major only (:func:`prepare_b_units`): on sm_90,
     where a persistent kind serves every M (:func:`~converter.gpu.plan.persistent_every_m`).
@@ -242,6 +258,46 @@ def prepare_b_units(B: Any, size_k: int, size_n: int) -> Any:
     return cp.ascontiguousarray(rows.reshape(kt, units, 512).transpose(1, 0, 2))
 
 
+def prepare_b_stages(B: Any, scales: Any, delta: Any, size_k: int, size_n: int) -> Any:
+    """``B`` with each stage's scales and deltas inline, for the persistent Hopper kinds
+    on group-128 layers (``b_units`` of :func:`marlin_gemm`): per unit (256 features) and
+    group, the group's 8 k-tile pieces of 2 KB, then its 512-byte scale row and its
+    512-byte delta row of the unit's features, as the kernels read them (Marlin's scale
+    order, zero past N). An 8-tile stage is then one bulk copy of all three
+    (``kernels/marlin_streamk.cu``); twin: :func:`converter.gpu.reference.b_stages`. A
+    load-time operand, as :func:`prepare_delta` is; the artifact is not changed.
+
+    Args:
+        B: int32 ``(size_k // 16, 2 * size_n)``, Marlin tile order (artifact ``marlin_B``).
+        scales: float16 ``(size_k // 128, size_n)``, permuted (artifact ``marlin_s``).
+        delta: float16 ``(size_k // 128, size_n)`` from :func:`prepare_delta`, or None
+            (zero rows: a symmetric layer is better served by :func:`prepare_b_units`,
+            which does not stream them).
+        size_k, size_n: K (a multiple of 128) and N (a multiple of 64).
+
+    Returns:
+        int32 ``(ceil(N / 256), size_k // 128, STAGE_RUN_INT32)`` CuPy array.
+
+    Raises:
+        KernelError: a shape, dtype or size above is not met. GpuUnavailableError: no GPU.
+    """
+    cp = runtime.cupy_module()
+    if size_n % KERNEL_N_MULTIPLE or size_k % STAGE_GROUP:
+        raise KernelError(f"K={size_k}, N={size_n}: K must be a multiple of {STAGE_GROUP} and N of 64", tensor="B")
+    g = size_k // STAGE_GROUP
+    units = prepare_b_units(B, size_k, size_n)
+    n_units = units.shape[0]
+
+    def rows(x: Any, name: str) -> Any:
+        full = cp.zeros((g, n_units * 256), dtype=cp.float16)
+        if x is not None:
+            full[:, :size_n] = _dev(x, name, np.float16, (g, size_n))
+        return full.view(cp.int32).reshape(g, n_units, 128).transpose(1, 0, 2)
+
+    parts = (units.reshape(n_units, g, 8 * 512), rows(scales, "scales"), rows(delta, "delta"))
+    return cp.ascontiguousarray(cp.concatenate(parts, axis=2))
+
+
 def prepare_delta(delta: Any) -> Any:
     """The artifact's ``marlin_delta`` as the fused GEMM's delta operand.
 
@@ -343,9 +399,12 @@ def marlin_gemm(
             :func:`~converter.gpu.plan.default_pipe`.
         tuning: the planner's knobs (:class:`~converter.gpu.plan.Tuning`).
         b_units: ``B`` unit-major from :func:`prepare_b_units` (int32 ``(ceil(size_n /
-            256), size_k // 16, 512)``), or None: the persistent kinds then stream it (the
-            same bits); the other kinds need ``B`` itself, which may be None when every
-            call of the layer goes to a persistent kind.
+            256), size_k // 16, 512)``) or, with ``group_size`` 128, with the scales and
+            deltas inline from :func:`prepare_b_stages` (int32 ``(ceil(size_n / 256),
+            size_k // 128, STAGE_RUN_INT32)``: its rows must be ``scales`` and ``delta``'s);
+            or None. The persistent kinds then stream it (the same bits); the other kinds
+            need ``B`` itself, which may be None when every call of the layer goes to a
+            persistent kind.
 
     Returns:
         float16 ``(M, n_out)`` CuPy array. Bitwise deterministic for fixed inputs
@@ -363,8 +422,17 @@ def marlin_gemm(
         raise KernelError(f"A must be (M >= 1, {size_k}), got {getattr(A, 'shape', None)}", tensor="A")
     m = int(A.shape[0])
     A = _dev(A, "A", np.float16, (m, size_k))
+    units_mode = 0  # the kernels' b_units: 1 unit-major, 2 with the scales and deltas inline
     if b_units is not None:
-        b_units = _dev(b_units, "b_units", np.int32, (-(-size_n // 256), size_k // MARLIN_TILE, 512))
+        n_units = -(-size_n // 256)
+        stages = getattr(b_units, "shape", (0, 0, 0))[-1:] == (STAGE_RUN_INT32,)
+        if stages and group_size != STAGE_GROUP:
+            raise KernelError(
+                f"b_units with the scales inline is for group_size {STAGE_GROUP}, not {group_size}", tensor="b_units"
+            )
+        want = (n_units, size_k // STAGE_GROUP, STAGE_RUN_INT32) if stages else (n_units, size_k // MARLIN_TILE, 512)
+        b_units = _dev(b_units, "b_units", np.int32, want)
+        units_mode = 2 if stages else 1
     if B is not None or b_units is None:
         B = _dev(B, "B", np.int32, (size_k // MARLIN_TILE, 2 * size_n))
     scales = _dev(scales, "scales", np.float16, (g, size_n))
@@ -406,7 +474,7 @@ def marlin_gemm(
             ws, locks, at = _workspace(ws_floats, plan.blocks, m_pad * size_k)
             _activations(A, perm, at, m, size_k, m_pad, plan.rows, swizzle=True)
         lead = (xmap.arg, _ptr_or_null(at))
-        scalars = (size_k, size_n, n_out, gt, int(per_channel), plan.tiles_per_split // plan.u, int(units))
+        scalars = (size_k, size_n, n_out, gt, int(per_channel), plan.tiles_per_split // plan.u, units_mode * units)
     elif plan.pipe.spec.wgmma:
         # The unit is 256 columns x one m-chunk; partials are kept in register order.
         m_pad = plan.m_chunks * plan.rows

@@ -101,6 +101,45 @@ def b_units(B: np.ndarray, size_n: int) -> np.ndarray:
     return np.ascontiguousarray(rows.reshape(kt, units, 512).transpose(1, 0, 2))
 
 
+def b_stages(B: np.ndarray, scales: np.ndarray, delta: np.ndarray | None, size_n: int) -> np.ndarray:
+    """Twin of ``kernels.prepare_b_stages``: ``B`` with each stage's scales and deltas inline.
+
+    Per unit u (256 features) and group g (128 rows of K, 8 k-tiles): the unit's k-tile
+    pieces ``b_units(B)[u, 8 g : 8 g + 8]`` (8 x 512 int32), then the scales
+    ``scales[g, 256 u : 256 u + 256]`` and the deltas ``delta[g, 256 u : 256 u + 256]``,
+    each 256 float16 read as 128 int32, zero past N (and for ``delta`` None).
+
+    Args:
+        B: int32 ``(K / 16, 2 N)``, Marlin tile order, K a multiple of 128.
+        scales: float16 ``(K / 128, N)``, Marlin's permuted scale order.
+        delta: float16 ``(K / 128, N)`` in the same order (``kernels.prepare_delta``), or None.
+        size_n: N, a multiple of 64.
+
+    Returns:
+        int32 ``(ceil(N / 256), K / 128, 4352)``.
+
+    Raises:
+        ValueError: a shape above is not met.
+    """
+    units = b_units(B, size_n)
+    n_units, kt = units.shape[0], units.shape[1]
+    if kt % 8:
+        raise ValueError(f"K / 16 = {kt} must be a multiple of 8 (groups of 128)")
+    g = kt // 8
+
+    def rows(x: np.ndarray | None) -> np.ndarray:
+        full = np.zeros((g, n_units * 256), dtype=np.float16)
+        if x is not None:
+            x = np.asarray(x)
+            if x.shape != (g, size_n):
+                raise ValueError(f"scale and delta rows must be ({g}, {size_n}), got {x.shape}")
+            full[:, :size_n] = x
+        return full.view(np.int32).reshape(g, n_units, 128).transpose(1, 0, 2)
+
+    parts = (units.reshape(n_units, g, 8 * 512), rows(scales), rows(delta))
+    return np.ascontiguousarray(np.concatenate(parts, axis=2))
+
+
 def gather_columns(A: np.ndarray, perm: np.ndarray) -> np.ndarray:
     """Twin of ``gather_columns``: ``A[:, perm]`` (exact).
 

@@ -5,8 +5,9 @@ folded into the dequantized weight) and the two-kernel path (symmetric GEMM, the
 ``C += xsum @ delta``) on random fp16 activations and compares both with
 ``A.astype(float32) @ w_ref_f32`` over all the layer's columns (``n_out`` of a padded
 layer: the kernels store exactly those). On sm_90, where ``MarlinLinear`` keeps ``B``
-unit-major (:func:`converter.gpu.kernels.keeps_b_units`), the fused call on that copy
-must also give the bits of the call on ``B``.
+unit-major (:func:`converter.gpu.kernels.keeps_b_units`), or with the scales and deltas
+inline (:func:`converter.gpu.kernels.keeps_b_stages`), the fused call on that copy must
+also give the bits of the call on ``B``.
 """
 
 from __future__ import annotations
@@ -99,8 +100,10 @@ def verify_layer_gpu(
         raise KernelError(f"w_ref_f32 must be ({size_k}, {n_out}), got {tuple(w_ref.shape)}")
     kw = dict(size_k=size_k, size_n=size_n, group_size=group_size, perm=dev["perm"], n_out=n_out)
     units = None
-    if kernels.keeps_b_units(size_k, size_n, group_size):
+    if kernels.keeps_b_stages(size_k, size_n, group_size, dev["delta"] is not None and bool(dev["delta"].any())):
         # What MarlinLinear serves this layer from (api.py): proven against B's own call.
+        units = kernels.prepare_b_stages(dev["B"], dev["scales"], kernels.prepare_delta(dev["delta"]), size_k, size_n)
+    elif kernels.keeps_b_units(size_k, size_n, group_size):
         units = kernels.prepare_b_units(dev["B"], size_k, size_n)
     result: dict[Any, Any] = {}
     ok = True

@@ -52,6 +52,7 @@ def _twin_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
         prepare_delta=lambda d: d,
         marlin_gemm=gemm,
         keeps_b_units=lambda *a, **k: False,
+        keeps_b_stages=lambda *a, **k: False,
     )
     monkeypatch.setattr(api, "kernels", fake)
 
@@ -118,7 +119,8 @@ def test_a_layer_served_persistent_at_every_m_keeps_only_the_unit_major_copy(mon
         prepare_delta=lambda d: d,
         prepare_b_units=lambda B, size_k, size_n: ref.b_units(B, size_n),
         marlin_gemm=gemm,
-        keeps_b_units=kernels.keeps_b_units,  # the real rule, on a faked sm_90
+        keeps_b_units=kernels.keeps_b_units,  # the real rules, on a faked sm_90
+        keeps_b_stages=kernels.keeps_b_stages,
     )
     monkeypatch.setattr(api, "kernels", fake)
     rng = np.random.default_rng(7)
@@ -151,3 +153,66 @@ def test_which_layers_keep_b_unit_major(monkeypatch: pytest.MonkeyPatch) -> None
         kernels.keeps_b_units(4096, 4096, 40)
     monkeypatch.setattr(kernels, "hopper_device", lambda: False)
     assert not kernels.keeps_b_units(4608, 4096, 128)
+
+
+def test_an_asymmetric_group_128_layer_keeps_the_scales_and_deltas_inline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On sm_90 (faked), an asymmetric group-128 layer that kernels.keeps_b_units names
+    keeps B with each stage's scales and deltas inline (reference.b_stages's layout) and
+    calls the GEMM with B None and that copy; its pieces give back B, the scales and the
+    fp16 deltas, and the result is the twin's. The same layer without a delta stays
+    unit-major (no zero rows streamed), and so does one of groups of 64."""
+    import types
+
+    import numpy as np
+
+    import converter.gpu.api as api
+    import converter.gpu.kernels as kernels
+    import converter.gpu.reference as ref
+    import converter.gpu.runtime as runtime
+    from converter.marlin.layout import pack_b, permute_scales
+
+    monkeypatch.setattr(runtime, "cupy_module", lambda: np)
+    monkeypatch.setattr(kernels, "hopper_device", lambda: True)
+    seen = {}
+
+    def gemm(A, B, S, *, b_units=None, size_k, size_n, delta=None, **k):
+        assert B is None and b_units is not None
+        seen["units"] = b_units
+        g = size_k // 128
+        assert b_units.shape == (-(-size_n // 256), g, kernels.STAGE_RUN_INT32)
+        rows = b_units[:, :, : 8 * 512].reshape(b_units.shape[0], size_k // 16, 512)
+        rows = rows.transpose(1, 0, 2).reshape(size_k // 16, -1)[:, : 2 * size_n]
+        s_in = b_units[:, :, 4096:4224].transpose(1, 0, 2).reshape(g, -1).view(np.float16)[:, :size_n]
+        d_in = b_units[:, :, 4224:].transpose(1, 0, 2).reshape(g, -1).view(np.float16)[:, :size_n]
+        assert np.array_equal(s_in.view(np.uint16), S.view(np.uint16))
+        assert np.array_equal(d_in.view(np.uint16), delta.view(np.uint16))
+        return ref.marlin_gemm(A, rows, S, size_k=size_k, size_n=size_n, delta=delta, **k)
+
+    def d16(d):  # kernels.prepare_delta on the host: fp16, then Marlin's scale order
+        return permute_scales(np.asarray(d, np.float32).astype(np.float16))
+
+    fake = types.SimpleNamespace(
+        gemm_plan=lambda *a, **k: None,
+        prepare_delta=d16,
+        prepare_b_units=lambda B, size_k, size_n: ref.b_units(B, size_n),
+        prepare_b_stages=lambda B, S, D, size_k, size_n: ref.b_stages(B, S, D, size_n),
+        marlin_gemm=gemm,
+        keeps_b_units=kernels.keeps_b_units,
+        keeps_b_stages=kernels.keeps_b_stages,
+    )
+    monkeypatch.setattr(api, "kernels", fake)
+    rng = np.random.default_rng(8)
+    k, n = 4608, 4352  # N / 64 = 68: a ragged last unit, zero-padded
+    B = pack_b(rng.integers(0, 16, (k, n), dtype=np.uint8))
+    S = permute_scales((rng.uniform(0.5, 2, (k // 128, n)) / 64).astype(np.float16))
+    D = rng.normal(0, 0.01, (k // 128, n)).astype(np.float32)
+    layer = api.MarlinLinear("l", k, n, 128, B, S, D, None, None)
+    assert layer._B is None and layer._B_units.shape == (-(-n // 256), k // 128, 4352)
+    assert np.array_equal(layer._B_units, ref.b_stages(B, S, d16(D), n))
+    a = rng.standard_normal((3, k)).astype(np.float16)
+    got = np.asarray(layer(a), np.float16)
+    want = np.asarray(ref.marlin_gemm(a, B, S, size_k=k, size_n=n, group_size=128, delta=d16(D)), np.float16)
+    assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+    assert api.MarlinLinear("l", k, n, 128, B, S, None, None, None)._B_units.shape == (-(-n // 256), k // 16, 512)
+    assert not kernels.keeps_b_stages(k, n, 64, True) and not kernels.keeps_b_stages(k, n, 128, False)
+    assert kernels.keeps_b_stages(k, n, 128, True) and not kernels.keeps_b_stages(4096, 4096, 128, True)

@@ -521,6 +521,55 @@ def test_unit_major_b_gives_the_same_bits(cp, pipe, m, k, n, group_size, act_ord
         assert np.array_equal(w, g), int((w != g).sum())
 
 
+STAGES_CASES = [
+    (p, m, k, n, act, iters)
+    for p in GEMM_PIPES
+    if p.spec.persistent
+    for (m, k, n, act, iters) in (
+        (8 * p[1], 1024, 512, False, None),  # a full chunk, runs across units
+        (8 * p[1] - 3, 2048, 320, True, 3),  # ragged N (a padded last unit), act-order, cut units
+        (8 * p[1] * 2 + 5, 768, 768, False, 2),  # three chunks
+    )
+]
+
+
+@pytest.mark.parametrize("pipe,m,k,n,act_order,iters", STAGES_CASES)
+def test_b_with_inline_scales_gives_the_same_bits(cp, pipe, m, k, n, act_order, iters):
+    """Every persistent variant (forced; 4- and 8-tile stages) streaming B with each
+    stage's scales and deltas inline (kernels.prepare_b_stages, the twin's bits) gives
+    exactly the bits of the same call on B in Marlin's order, with and without a delta;
+    B may be left out. Group size 128, the only one that copy serves."""
+    _hopper_or_skip()
+    rng = np.random.default_rng([pipe[1], pipe[2], m, k, n, 7])
+    L = make_layer(rng, k, n, 128, act_order, True)
+    a = cp.asarray(rng.standard_normal((m, k), dtype=np.float32).astype(np.float16))
+    B, S = cp.asarray(L["B"]), cp.asarray(L["S"])
+    d16 = kernels.prepare_delta(cp.asarray(L["delta"]))
+    stages = kernels.prepare_b_stages(B, S, d16, k, n)
+    assert np.array_equal(cp.asnumpy(stages), ref.b_stages(L["B"], L["S"], cp.asnumpy(d16), n))
+    kw = dict(size_k=k, size_n=n, group_size=128, perm=_dev(cp, L["perm"]), pipe=pipe)
+    kw["tuning"] = Tuning(streamk_iters=iters)
+    for delta in (None, d16):
+        want = kernels.marlin_gemm(a, B, S, out=poisoned(cp, (m, n)), delta=delta, **kw)
+        got = kernels.marlin_gemm(a, None, S, out=poisoned(cp, (m, n)), delta=delta, b_units=stages, **kw)
+        assert np.isfinite(cp.asnumpy(got)).all(), "unwritten (NaN) outputs"
+        w, g = cp.asnumpy(want).view(np.uint16), cp.asnumpy(got).view(np.uint16)
+        assert np.array_equal(w, g), int((w != g).sum())
+
+
+def test_b_with_inline_scales_is_refused_for_other_group_sizes(cp):
+    """A copy with the scales inline is for groups of 128: another group size is a
+    KernelError naming the rule, before any launch."""
+    _hopper_or_skip()
+    rng = np.random.default_rng(3)
+    L = make_layer(rng, 1024, 512, 128, False, True)
+    stages = kernels.prepare_b_stages(cp.asarray(L["B"]), cp.asarray(L["S"]), None, 1024, 512)
+    a = cp.asarray(rng.standard_normal((4, 1024), dtype=np.float32).astype(np.float16))
+    S64 = cp.zeros((16, 512), cp.float16)
+    with pytest.raises(KernelError, match="group_size 128, not 64"):
+        kernels.marlin_gemm(a, None, S64, size_k=1024, size_n=512, group_size=64, b_units=stages)
+
+
 def test_linear_layers_keep_b_unit_major_where_every_call_is_persistent(cp):
     """MarlinLinear keeps only the unit-major B on a layer that the persistent kernel
     serves at every M (sm_90), and gives the bits of the call on B itself."""
@@ -531,7 +580,7 @@ def test_linear_layers_keep_b_unit_major_where_every_call_is_persistent(cp):
     k, n = 4608, 4096
     L = make_layer(rng, k, n, 128, True, True)
     lin = MarlinLinear("l", k, n, 128, L["B"], L["S"], L["delta"], L["perm"], L["bias"])
-    assert lin._B is None and lin._B_units is not None
+    assert lin._B is None and lin._B_units.shape == (n // 256, k // 128, kernels.STAGE_RUN_INT32)  # scales inline
     for m in (1, 8, 16, 17, 64, 100):
         x = cp.asarray(rng.standard_normal((m, k), dtype=np.float32).astype(np.float16))
         want = kernels.marlin_gemm(
@@ -546,6 +595,8 @@ def test_linear_layers_keep_b_unit_major_where_every_call_is_persistent(cp):
             bias=_dev(cp, L["bias"]),
         )
         assert np.array_equal(cp.asnumpy(lin(x)).view(np.uint16), cp.asnumpy(want).view(np.uint16)), m
+    sym = MarlinLinear("y", k, n, 128, L["B"], L["S"], None, L["perm"], None)
+    assert sym._B is None and sym._B_units.shape == (n // 256, k // 16, 512)  # unit-major: no zero rows streamed
     small = MarlinLinear("s", 4096, 4096, 128, L["B"][: 4096 // 16, : 2 * 4096], L["S"][:32], None, None, None)
     assert small._B is not None and small._B_units is None  # the decode kernel serves 1-7 rows
 

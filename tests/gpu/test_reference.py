@@ -174,6 +174,36 @@ def test_b_units_puts_each_units_k_tiles_together(n):
         ref.b_units(B[:, :-2], n)
 
 
+@pytest.mark.parametrize("n", [256, 320, 1024])
+def test_b_stages_puts_each_groups_weights_scales_and_deltas_together(n):
+    """reference.b_stages: unit u's group g is b_units' k-tiles 8 g .. 8 g + 7, then the
+    scale row and the delta row of the unit's 256 features (fp16 bits, zero past N and for
+    delta None); bad shapes are refused."""
+    rng = np.random.default_rng(n + 1)
+    k = 384
+    g = k // 128
+    B = rng.integers(-(2**31), 2**31, size=(k // 16, 2 * n), dtype=np.int64).astype(np.int32)
+    S = rng.uniform(0.01, 1, (g, n)).astype(np.float16)
+    D = rng.normal(0, 0.01, (g, n)).astype(np.float16)
+    V = ref.b_stages(B, S, D, n)
+    U = ref.b_units(B, n)
+    units = -(-n // 256)
+    assert V.shape == (units, g, 4352) and V.dtype == np.int32 and V.flags.c_contiguous
+    for u in range(units):
+        live = min(256, n - 256 * u)
+        for gi in range(g):
+            assert np.array_equal(V[u, gi, :4096], U[u, 8 * gi : 8 * gi + 8].reshape(-1))
+            s_row, d_row = V[u, gi, 4096:4224].view(np.float16), V[u, gi, 4224:].view(np.float16)
+            assert np.array_equal(s_row[:live].view(np.uint16), S[gi, 256 * u : 256 * u + live].view(np.uint16))
+            assert np.array_equal(d_row[:live].view(np.uint16), D[gi, 256 * u : 256 * u + live].view(np.uint16))
+            assert not s_row[live:].view(np.uint16).any() and not d_row[live:].view(np.uint16).any()
+    assert not ref.b_stages(B, S, None, n)[:, :, 4224:].any()
+    with pytest.raises(ValueError, match="multiple of 8"):
+        ref.b_stages(B[:-1], S, D, n)
+    with pytest.raises(ValueError, match="must be"):
+        ref.b_stages(B, S[:, :-64], D, n)
+
+
 def test_gemm_path_rule_and_pipes():
     from converter.gpu import plan
 

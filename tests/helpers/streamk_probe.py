@@ -19,18 +19,10 @@ L2_ROTATION_BYTES = 3 * 60 * 2**20
 # The source's text the patches anchor on. A kernel edit that moves one of these makes
 # the script fail loudly (AssertionError naming the anchor) instead of timing the wrong thing.
 _NOLOAD = [
-    (
-        "                    mbar_expect_tx(bar, bytes);\n",
-        "                    mbar_expect_tx(bar, PROBE_NOLOAD_V ? 0 : bytes);\n"
-        "                    if (!PROBE_NOLOAD_V) {\n",
-    ),
-    (
-        "                            tensor_load_2d(sb + L::X_OFF"
-        " + b * L::X_BOX, &xmap, 16 * kt + 64 * b, mc * T, bar);\n"
-        "                    }\n",
-        "                            tensor_load_2d(sb + L::X_OFF"
-        " + b * L::X_BOX, &xmap, 16 * kt + 64 * b, mc * T, bar);\n"
-        "                    }\n                    }\n",
+    (  # thread 0 still arrives on the stage's barrier, with no bytes to wait for
+        "                if (pt == 0) {  // the activations, read by wgmma through the async proxy\n",
+        "                if (pt == 0 && PROBE_NOLOAD_V) mbar_expect_tx(bar, 0);\n"
+        "                if (pt == 0 && !PROBE_NOLOAD_V) {  // the activations, read by wgmma through the async proxy\n",
     ),
     (
         "                if (!b_units) {  // Marlin's order",
