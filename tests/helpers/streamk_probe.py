@@ -22,7 +22,8 @@ _NOLOAD = [
     (  # thread 0 still arrives on the stage's barrier, with no bytes to wait for
         "                if (pt == 0) {  // the activations, read by wgmma through the async proxy\n",
         "                if (pt == 0 && PROBE_NOLOAD_V) mbar_expect_tx(bar, 0);\n"
-        "                if (pt == 0 && !PROBE_NOLOAD_V) {  // the activations, read by wgmma through the async proxy\n",
+        "                if (pt == 0 && !PROBE_NOLOAD_V) {"
+        "  // the activations, read by wgmma through the async proxy\n",
     ),
     (
         "                if (!b_units) {  // Marlin's order",
