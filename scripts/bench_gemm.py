@@ -257,7 +257,8 @@ def main() -> int:
         action="store_true",
         help="on layers served with B unit-major (as MarlinLinear keeps it where the persistent kinds serve "
         "every M: kernels.keeps_b_units), also time B in Marlin's order: marlin_order_sym, "
-        "marlin_order_fused, in ABBA order with ours_sym / ours_fused",
+        "marlin_order_fused, in ABBA order with ours_sym / ours_fused; and where the fused call is served with "
+        "the scales inline (kernels.keeps_b_stages), that call on the unit-major copy: unit_major_fused",
     )
     ap.add_argument("--peer", default=PEER_DIR, help="folder of the upstream Marlin peer binary (marlin_cuda)")
     ap.add_argument(
@@ -361,6 +362,9 @@ def main() -> int:
                 on = partial(ours, kernels.marlin_gemm, b_units=None)
                 fo1, so1, so2, fo2 = on(Ds16), on(None), on(None), on(Ds16)
                 row["marlin_order_sym"], row["marlin_order_fused"] = (so1 + so2) / 2, (fo1 + fo2) / 2
+            if args.b_order_ab and Vs is not Us:  # ... and the fused call on the unit-major copy, twice
+                fu1, fu2 = ours(kernels.marlin_gemm, Ds16, b_units=Us), ours(kernels.marlin_gemm, Ds16, b_units=Us)
+                row["unit_major_fused"] = (fu1 + fu2) / 2
             f2, s2 = ours(kernels.marlin_gemm, Ds16, b_units=Vs), ours(kernels.marlin_gemm, None)
             row["ours_sym"], row["ours_fused"] = (s1 + s2) / 2, (f1 + f2) / 2
             row["ours_2k"] = ours(kernels.marlin_gemm_two_kernel, Ds)
