@@ -89,8 +89,9 @@
 // row of the unit's 256 features (permuted as S and D, zero past N), 17408 bytes
 // (kernels.prepare_b_stages; reference.b_stages is its twin). An 8-tile stage is then one
 // bulk copy of weights, scales and deltas (a slot holds W, S, D and then X in this mode),
-// where the separate copies were three: 1-3 % faster at 1-16 rows and 3-6 % at 32 on the
-// 70B layers of an H200, even on the 7B ones (scripts/perf_notes.md). S and D are not read.
+// where the separate copies were three: 2-6 % faster at 1-16 rows and 7-11 % at 32 on the
+// 70B layers of an H200, 0-3 % on the 7B ones (scripts/perf_notes.md). The global S and D
+// are then not read (the host gives this mode to groups of 128 only, never per-channel).
 //
 // Launch geometry (converter/gpu plans it): `xmap` encoded by converter/gpu/tensormap.py
 // (after gather_columns under act-order) and At null, or hopper_activations with tok = T

@@ -409,7 +409,7 @@ def main() -> int:
                     plan = kernels.gemm_plan(m, k, n, group, tuning=forced)
                     if plan.splits != sp:  # not a feasible count for this K
                         continue
-                    us = ours(kernels.marlin_gemm, Ds16, tuning=forced)
+                    us = ours(kernels.marlin_gemm, Ds16, tuning=forced, b_units=Vs)
                     row["fused_by_splits"][sp] = {"us": us, "plan": dataclasses.asdict(plan)}
                 print(
                     f"   splits sweep {k}x{n} M={m} (planner {row['plan']['splits']}): "

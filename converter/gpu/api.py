@@ -39,7 +39,8 @@ class MarlinLinear:
     ragged last unit's zero padding; while it is made, ``B`` and the copy are both on the
     device); an asymmetric layer of groups of 128 keeps it with each stage's scales and
     deltas inline instead (:func:`~converter.gpu.kernels.prepare_b_stages`, 6 % larger
-    than ``B``; the separate scales and deltas stay too).
+    than ``B``; the separate scales and deltas stay too; while it is made, ``B``, a
+    unit-major temporary and the copy are on the device at once, about 3x ``B``).
 
     Attributes:
         name: layer prefix in the artifact.

@@ -133,8 +133,9 @@ def keeps_b_stages(size_k: int, size_n: int, group_size: int, delta: bool, tunin
 def keeps_b_units(size_k: int, size_n: int, group_size: int, tuning: Tuning = DEFAULT_TUNING) -> bool:
     """Whether a layer keeps ``B`` unit-major only (:func:`prepare_b_units`): on sm_90,
     where a persistent kind serves every M (:func:`~converter.gpu.plan.persistent_every_m`).
-    ``MarlinLinear`` stores the layer so, ``verify_layer_gpu`` proves that copy, and the
-    benchmark times it.
+    ``MarlinLinear`` stores the layer so (or, where :func:`keeps_b_stages` holds, with the
+    scales and deltas inline), ``verify_layer_gpu`` proves that copy, and the benchmark
+    times it.
 
     Args:
         size_k, size_n: K and N as the kernels see them (``padded_n``).
@@ -401,7 +402,9 @@ def marlin_gemm(
         b_units: ``B`` unit-major from :func:`prepare_b_units` (int32 ``(ceil(size_n /
             256), size_k // 16, 512)``) or, with ``group_size`` 128, with the scales and
             deltas inline from :func:`prepare_b_stages` (int32 ``(ceil(size_n / 256),
-            size_k // 128, STAGE_RUN_INT32)``: its rows must be ``scales`` and ``delta``'s);
+            size_k // 128, STAGE_RUN_INT32)``: the kernel reads the scales and deltas from
+            that copy, not from ``scales`` and ``delta``, so it must be built from the same
+            ones, with the delta when the call passes one);
             or None. The persistent kinds then stream it (the same bits); the other kinds
             need ``B`` itself, which may be None when every call of the layer goes to a
             persistent kind.
@@ -456,6 +459,13 @@ def marlin_gemm(
         # Opt in above the default (48 KB less the kernel's static shared memory).
         fn.max_dynamic_shared_size_bytes = plan.smem
     gt = size_k // MARLIN_TILE if per_channel else gs // MARLIN_TILE
+    if units_mode == 2 and units and (per_channel or gt * MARLIN_TILE != STAGE_GROUP or plan.gpi != 1):
+        # the kernel's inline runs are one group of 128 per 8 k-tiles; anything else would read it wrongly
+        raise KernelError(
+            f"b_units with the scales inline needs groups of {STAGE_GROUP} (K={size_k} is one group, or the "
+            f"{plan.kind} variant holds {plan.gpi} group slots a stage)",
+            tensor="b_units",
+        )
     # Every GEMM kernel: (activation operands..., B, S, D, bias, C, ws, locks, M, scalars...).
     if plan.pipe.spec.persistent:
         # Stream-K over the multiprocessors: two slots of T x 256 partial sums per block

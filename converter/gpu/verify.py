@@ -78,7 +78,8 @@ def verify_layer_gpu(
         all repeats agree, and the unit-major call gives the same bits.
         With ``delta`` None only the symmetric GEMM runs and the two-kernel keys are
         absent; ``unit_major_same`` is there only where ``MarlinLinear`` would keep ``B``
-        unit-major (sm_90, a layer the persistent kernel serves at every M).
+        unit-major or with the scales inline (sm_90, a layer the persistent kernel serves
+        at every M), and compares the call on that copy.
 
     Raises:
         GpuUnavailableError: no CuPy / GPU / sm_80+.
