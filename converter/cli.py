@@ -5,17 +5,23 @@ unreadable file (one line on stderr naming the file, the tensor and the rule; th
 traceback only with ``--debug`` or ``MARLIN_DEBUG=1``); 130 interrupted (Ctrl-C,
 SIGTERM, SIGHUP), with every temporary file removed.
 
-With ``--json``, stdout is exactly one JSON document and stderr stays empty, for
-usage errors and interrupts too.  Names that come from files (tensors, layers, file
-names) are printed with control characters escaped (:func:`converter.errors.printable`).
+One output policy for both: results (the summary or verification table, the problems
+found, the status line, ``--json``'s document) go to stdout; progress, notes, warnings
+and errors to stderr.  ``-q`` prints nothing but errors (with ``--json``, the document
+too); ``-v`` the long form.  With ``--json``, stdout is exactly one JSON document and
+stderr stays empty, for usage errors and interrupts too.  Names that come from files
+(tensors, layers, file names) are printed with control characters escaped
+(:func:`converter.errors.printable`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import glob
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 import traceback
@@ -33,6 +39,7 @@ from rich.table import Table
 
 from . import __version__
 from .artifact.problems import Report
+from .artifact.shards import human_size
 from .errors import ConverterError, json_text, printable
 from .faults import (
     INTERRUPTED_EXIT,
@@ -51,6 +58,7 @@ out_console = Console(highlight=False, width=None if sys.stdout.isatty() else 16
 InPath = Annotated[
     Path,
     typer.Argument(
+        metavar="IN",
         help="Input: a .tinyloop file, or a GPTQ / AWQ (gemm) / compressed-tensors (pack-quantized) "
         "checkpoint folder / .safetensors / index.json.",
         show_default=False,
@@ -60,35 +68,50 @@ InPath = Annotated[
 OutPath = Annotated[
     str,
     typer.Argument(
-        help="Output artifact (.safetensors), or a folder (existing, or ending in '/') for model.safetensors "
-        "+ config.json + tokenizer files.",
+        metavar="OUT",
+        help="Output: a .safetensors file; any other path is a model folder (as save_pretrained writes: "
+        "model.safetensors + config.json + tokenizer files; created if missing).",
         show_default=False,
     ),
 ]
 ArtPath = Annotated[
     Path,
     typer.Argument(
+        metavar="ART",
         help="Artifact to verify: a .safetensors file, a sharded artifact's index.json, or its folder.",
         show_default=False,
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")]
-
-
-def _version(value: bool) -> None:
-    if value:
-        prog = Path(sys.argv[0]).name or "marlin-convert"
-        if wants_json(sys.argv[1:]):  # eager: --json may not be parsed yet, and stdout stays one document
-            sys.stdout.write(json.dumps({"ok": True, "program": prog, "version": __version__}) + "\n")
-        else:
-            out_console.print(f"{prog} (marlin-convert {__version__})")
-        raise typer.Exit(0)
-
-
-VersionOpt = Annotated[
-    bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")
+QuietOpt = Annotated[
+    bool,
+    typer.Option("--quiet", "-q", help="Print nothing but errors (with --json, the JSON document too)."),
 ]
+
+
+def _version_option(prog: str) -> Any:
+    """``--version``: ``<prog> <version>``, or with ``--json`` one JSON document."""
+
+    def show(value: bool) -> None:
+        if value:
+            if wants_json(sys.argv[1:]):  # eager: --json may not be parsed yet, and stdout stays one document
+                sys.stdout.write(json.dumps({"ok": True, "program": prog, "version": __version__}) + "\n")
+            else:
+                out_console.print(f"{prog} {__version__}")
+            raise typer.Exit(0)
+
+    return typer.Option("--version", callback=show, is_eager=True, help="Show the version and exit.")
+
+
+def nvidia_gpu_present() -> bool:
+    """Whether this machine has an NVIDIA GPU (its device nodes, driver or ``nvidia-smi``),
+    CuPy or not: only there can installing the GPU extra help."""
+    return bool(
+        glob.glob("/dev/nvidia[0-9]*")
+        or glob.glob("/proc/driver/nvidia/gpus/*")
+        or shutil.which("nvidia-smi") is not None
+    )
 
 
 def _show(text: str) -> str:
@@ -215,13 +238,24 @@ def _show_progress(quiet: bool, as_json: bool) -> bool:
     return not (quiet or as_json) and err_console.is_terminal
 
 
+class _Command(typer.core.TyperCommand):
+    """Usage as man pages and the README write it: ``marlin-convert [OPTIONS] IN OUT``
+    (typer writes a required argument as ``{IN}``)."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        return [re.sub(r"^\{(.*)\}$", r"\1", piece) for piece in super().collect_usage_pieces(ctx)]
+
+
 # Plain tracebacks (with --debug) that paste cleanly into a bug report.
 convert_app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False)
 
 
 @convert_app.command(
+    cls=_Command,
     help="Convert an asymmetric 4-bit checkpoint (.tinyloop, GPTQ, AWQ, compressed-tensors) into a Marlin "
-    "safetensors artifact (one file, HF shards with --max-shard-size, or a model folder).\n\n"
+    "safetensors artifact: one file (OUT ends in .safetensors), HF shards with --max-shard-size, or a model "
+    "folder (any other OUT).\n\n"
+    "The summary goes to stdout; progress, warnings and errors to stderr.\n\n"
     "Exit codes: 0 ok; 1 a bug (InternalError, traceback with --debug); 2 bad input or usage (nothing is "
     "written); 130 interrupted (nothing is written).",
     epilog="Example: marlin-convert model.tinyloop model.marlin.safetensors",
@@ -230,14 +264,18 @@ def convert_cmd(
     source: InPath,
     output: OutPath,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output.")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; write nothing.")] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print what would be converted and written; write nothing.")
+    ] = False,
     as_json: JsonOpt = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress or summary on stderr.")] = False,
+    quiet: QuietOpt = False,
     max_shard_size: Annotated[
         str | None,
         typer.Option(
             "--max-shard-size",
-            help="Split the output into HF shards of at most this much tensor data (e.g. 5GB, 500MiB), plus an index.",
+            help="Split the output into HF shards of at most this much tensor data, plus an index; the unit is "
+            "required (e.g. 5GB, 500MiB; 5B for bytes). A layer larger than that gets a shard of its own, "
+            "with a warning.",
             show_default=False,
         ),
     ] = None,
@@ -250,11 +288,15 @@ def convert_cmd(
         ),
     ] = True,
     verbose: Annotated[
-        bool, typer.Option("--verbose", "-v", help="The long summary: every layer and every passed-through tensor.")
+        bool,
+        typer.Option("--verbose", "-v", help="The long summary: every layer, every passed-through tensor, every file."),
     ] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", hidden=True)] = False,
     debug: DebugOpt = False,
-    version: VersionOpt = False,
+    version: Annotated[bool, _version_option("marlin-convert")] = False,
 ) -> None:
+    if overwrite:  # the name other tools use: point at ours
+        _fail("no such option: --overwrite; to replace an existing output, pass --force", as_json)
     with _errors_to_exit(debug, as_json), _progress(_show_progress(quiet, as_json)) as prog:
         from .convert import convert
 
@@ -263,17 +305,20 @@ def convert_cmd(
         )
     if as_json:
         _print_json(report.to_json())
-        return
-    if not quiet:
+    elif not quiet:
         _render_convert(report, verbose)
-    else:
-        for w in report.warnings:
-            err_console.print(f"[yellow]warning:[/] {_show(w)}", soft_wrap=True)
 
 
-#: Lines of "not converted" groups and of warnings shown before "... more" (``--verbose``: all).
+#: Lines of "not converted" groups, and of warnings, shown before "... more" (``--verbose``: all).
 SUMMARY_LINES = 12
+#: File names the ``files:`` line shows before "... N more" (``--verbose``: all).
+FILES_SHOWN = 4
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)")
+#: What the summary's ``upstream`` column means, printed under a table where it says "no".
+UPSTREAM_LEGEND = (
+    "upstream: whether upstream IST-DASLab Marlin (K % 128, N % 256, group 128 or per-channel) could run the layer "
+    'too; "no" is not an error'
+)
 
 
 def name_patterns(names: Iterable[str]) -> list[tuple[str, int]]:
@@ -293,15 +338,22 @@ def _patterns_text(names: Iterable[str]) -> str:
     return ", ".join(p if n == 1 else f"{p} ({n})" for p, n in name_patterns(names))
 
 
+def _group_cell(group_size: int, size_k: int, source_group_size: int | None, act_order: bool) -> str:
+    """The ``group`` cell of both commands' tables: ``128``, ``chan``, ``64 (from 128)``, ``... act-order``."""
+    group = "chan" if group_size == size_k else str(group_size)
+    return (
+        group
+        + (f" (from {source_group_size})" if source_group_size is not None else "")
+        + (" act-order" if act_order else "")
+    )
+
+
 def _layer_cells(lay: Any) -> tuple[str, ...]:
     """The K ... upstream cells of a converted layer's row (a ``LayerEntry``)."""
-    group = "chan" if lay.group_size == lay.size_k else str(lay.group_size)
     return (
         str(lay.size_k),
         str(lay.size_n) + (f" (pad {lay.padded_n})" if lay.padded_n is not None else ""),
-        group
-        + (f" (from {lay.source_group_size})" if lay.source_group_size is not None else "")
-        + (" act-order" if lay.act_order else ""),
+        _group_cell(lay.group_size, lay.size_k, lay.source_group_size, lay.act_order),
         str(lay.bits),
         "yes" if lay.symmetric else "no",
         lay.zero_convention.value,
@@ -309,17 +361,29 @@ def _layer_cells(lay: Any) -> tuple[str, ...]:
     )
 
 
+def _files_text(files: list[dict[str, Any]], verbose: bool) -> str:
+    """``name (size)`` of every file, or (not ``verbose``) the first few, a count, and the last (the index)."""
+    items = [f"{f['name']} ({human_size(f['bytes'])})" for f in files]
+    if not verbose and len(items) > FILES_SHOWN:
+        items = [*items[: FILES_SHOWN - 1], f"... {len(items) - FILES_SHOWN} more (--verbose lists all)", items[-1]]
+    return ", ".join(items)
+
+
 def _render_convert(report: Any, verbose: bool) -> None:
-    """The summary of :func:`~converter.convert.convert` on stderr.
+    """The summary of :func:`~converter.convert.convert`: the result on stdout, warnings on stderr.
 
     By default: the converted layers as one table row per name pattern and shape (a
     200-layer model fits on a screen), the regrouped and padded layers, the layers not
     converted grouped by reason with their name patterns, the plain tensors counted by
-    reason, the warnings grouped, and a total.  ``verbose``: one row per layer, every
-    passed-through tensor with its reason, every warning.
+    reason, the files (the first few), and a total; the warnings grouped, on stderr.
+    ``verbose``: one row per layer, every passed-through tensor with its reason, every
+    file, every warning.
     """
-    print_ = err_console.print
-    table = Table(title=_show("plan (dry run)" if report.dry_run else f"wrote {report.output}"), title_justify="left")
+    print_ = out_console.print
+    dry = report.dry_run
+    title = f"would convert {report.source}, would write {report.output}" if dry else f"wrote {report.output}"
+    print_(_show(title), soft_wrap=True)  # a line of its own: a table title would wrap at the table's width
+    table = Table()
     for col in ("layer", "count", "K", "N", "group", "bits", "sym", "zeros", "upstream"):
         table.add_column(col, overflow="fold")
     rows: dict[tuple[str, ...], list[str]] = {}
@@ -327,7 +391,10 @@ def _render_convert(report: Any, verbose: bool) -> None:
         rows.setdefault((lay.name if verbose else _INDEX.sub("*", lay.name), *_layer_cells(lay)), []).append(lay.name)
     for (pattern, *cells), names in rows.items():
         table.add_row(_show(names[0] if len(names) == 1 else pattern), str(len(names)), *cells)
-    print_(table if rows else table.title)
+    if rows:
+        print_(table)
+    if any(not lay.upstream_marlin_compatible for lay in report.converted):
+        print_(f"[dim]{_show(UPSTREAM_LEGEND)}[/]", soft_wrap=True)
     lines: list[str] = []
 
     def group(head: str, names: list[str]) -> None:
@@ -362,36 +429,50 @@ def _render_convert(report: Any, verbose: bool) -> None:
     elif plain:
         counts = "; ".join(f"{_show(why)} ({len(names)})" for why, names in plain.items())
         lines.append(f"{sum(map(len, plain.values()))} plain tensor(s) carried over unchanged: {counts}")
+    _print_capped(print_, lines, verbose, "--verbose for all; --json for every tensor")
     warnings: dict[str, list[str]] = {}
     for lay in report.converted:
         for w in lay.warnings:
             warnings.setdefault(w, []).append(lay.name)
-    for w, names in warnings.items():
-        listed = ", ".join(names) if verbose else _patterns_text(names)
-        lines.append(f"[yellow]warning:[/] {_show(listed)}: {_show(w)}")
-    lines += [f"[yellow]warning:[/] {_show(w)}" for w in report.warnings]
+    notes = [
+        f"[yellow]warning:[/] {_show(', '.join(names) if verbose else _patterns_text(names))}: {_show(w)}"
+        for w, names in warnings.items()
+    ] + [f"[yellow]warning:[/] {_show(w)}" for w in report.warnings]
+    # One warning, one line (a log grep finds it whole).
+    _print_capped(err_console.print, notes, verbose, "warnings; --verbose for all", soft_wrap=True)
+    verb = "would write" if dry else "wrote"
+    if dry or len(report.files) > 1:
+        print_(f"files: {verb} {len(report.files)}: {_show(_files_text(report.files, verbose))}", soft_wrap=True)
+    extra = ", ".join(f"{len(xs)} {what}" for xs, what in ((regrouped, "regrouped"), (padded, "padded")) if xs)
+    counts = (
+        f"would convert {len(report.converted)} layers{f' ({extra})' if extra else ''}, "
+        f"pass {len(report.passthrough)} tensors through"
+        if dry
+        else f"{len(report.converted)} layers converted{f' ({extra})' if extra else ''}, "
+        f"{len(report.passthrough)} tensors passed through"
+    )
+    print_(f"{counts}; {verb} {human_size(report.bytes_out)} of tensor data")
+
+
+def _print_capped(
+    print_: Callable[..., None], lines: list[str], verbose: bool, more: str, *, soft_wrap: bool = False
+) -> None:
+    """``lines``, or the first :data:`SUMMARY_LINES` and a count of the rest."""
     shown = lines if verbose else lines[:SUMMARY_LINES]
     for line in shown:
-        print_(line)
+        print_(line, soft_wrap=soft_wrap)
     if len(shown) < len(lines):
-        print_(f"... and {len(lines) - len(shown)} more (--verbose for all; --json for every tensor)")
-    verb = "would write" if report.dry_run else "wrote"
-    if report.dry_run or len(report.files) > 1:
-        files = ", ".join(f"{f['name']} ({f['bytes'] / 1e6:.2f} MB)" for f in report.files)
-        print_(f"files: {verb} {len(report.files)}: {_show(files)}", soft_wrap=True)
-    extra = ", ".join(f"{len(xs)} {what}" for xs, what in ((regrouped, "regrouped"), (padded, "padded")) if xs)
-    print_(
-        f"{len(report.converted)} layers converted{f' ({extra})' if extra else ''}, "
-        f"{len(report.passthrough)} tensors passed through; {verb} {report.bytes_out / 1e6:.2f} MB of tensor data"
-    )
+        print_(f"... and {len(lines) - len(shown)} more ({more})")
 
 
 verify_app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False)
 
 
 @verify_app.command(
+    cls=_Command,
     help="Verify a Marlin artifact: structure and checksums (--shapes, no GPU), exact agreement with its source "
     "(--against), and numerics on CPU and GPU.\n\n"
+    "The table, the problems and the status line go to stdout; progress, notes and errors to stderr.\n\n"
     "Exit codes: 0 all good; 1 problems found; 2 unreadable input or bad usage; 130 interrupted.",
     epilog="Example: marlin-verify model.marlin.safetensors --shapes --against model.tinyloop",
 )
@@ -406,7 +487,10 @@ def verify_cmd(
     gpu: Annotated[bool, typer.Option("--gpu", help="Require GPU numerics (fail if no GPU).")] = False,
     cpu: Annotated[bool, typer.Option("--cpu", help="Skip GPU numerics even if a GPU is present.")] = False,
     as_json: JsonOpt = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only problems and the summary line.")] = False,
+    quiet: QuietOpt = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="Every problem (not the first 30), and every note on stderr.")
+    ] = False,
     model: Annotated[
         bool,
         typer.Option(
@@ -424,13 +508,21 @@ def verify_cmd(
             show_default=False,
         ),
     ] = None,
+    allow_source_mismatch: Annotated[
+        bool,
+        typer.Option(
+            "--allow-source-mismatch",
+            help="With --model: run the models even when --against is not the checkpoint the folder was "
+            "converted from (its sha256 differs); by default that fails before any model is built.",
+        ),
+    ] = False,
     debug: DebugOpt = False,
-    version: VersionOpt = False,
+    version: Annotated[bool, _version_option("marlin-verify")] = False,
 ) -> None:
     if gpu and cpu:
         _fail("--gpu and --cpu contradict each other", as_json)
     use_gpu = True if gpu else (False if cpu else None)  # None: when CuPy and a GPU are there
-    if model or text is not None:
+    if model or text is not None or allow_source_mismatch:
         _verify_model_cmd(
             artifact,
             against,
@@ -441,6 +533,7 @@ def verify_cmd(
             as_json=as_json,
             quiet=quiet,
             debug=debug,
+            allow_source_mismatch=allow_source_mismatch,
         )
     with _errors_to_exit(debug, as_json), _progress(_show_progress(quiet, as_json)) as prog:
         from .verify import verify
@@ -449,7 +542,7 @@ def verify_cmd(
     if as_json:
         _print_json(report.to_json())
     else:
-        _render_verify(report, quiet)
+        _render_verify(report, quiet, verbose)
     raise typer.Exit(0 if report.ok else 1)
 
 
@@ -464,10 +557,14 @@ def _verify_model_cmd(
     as_json: bool,
     quiet: bool,
     debug: bool,
+    allow_source_mismatch: bool,
 ) -> None:
     """``marlin-verify OUTDIR --model --against SRC``: see :mod:`converter.model.verify`."""
     usage = (
         "--text needs --model"
+        if not model and text is not None
+        else "--allow-source-mismatch needs --model (without it, --against compares anyway and reports "
+        "source_differs first)"
         if not model
         else "--model and --shapes contradict each other (--shapes checks structure only)"
         if shapes
@@ -485,7 +582,14 @@ def _verify_model_cmd(
         from .model.report import render
         from .model.verify import verify_model
 
-        report = verify_model(folder, against, text=text, gpu=gpu, progress=None if (as_json or quiet) else stage)
+        report = verify_model(
+            folder,
+            against,
+            text=text,
+            gpu=gpu,
+            progress=None if (as_json or quiet) else stage,
+            allow_source_mismatch=allow_source_mismatch,
+        )
     if as_json:
         _print_json(report.to_json())
     else:
@@ -499,16 +603,21 @@ def _jsonable(obj: Any) -> Any:
     raise TypeError(type(obj).__name__)
 
 
-#: Problems printed by marlin-verify before the rest are counted (all of them with --json).
+#: Problems printed by marlin-verify before the rest are counted (all of them with --json or --verbose).
 PROBLEM_LINES = 30
 
 
-def _render_verify(report: Report, quiet: bool) -> None:
+def _render_verify(report: Report, quiet: bool, verbose: bool = False) -> None:
+    """The result on stdout: the table, the problems, the status line; ``quiet``: only
+    the errors and, when there are any, the status line.  A note on GPU numerics that
+    did not run goes to stderr, and only where it can help: a machine with an NVIDIA GPU
+    (where installing CuPy, say, would make them run); elsewhere only with ``verbose``."""
     errors = [p for p in report.problems if p.severity == "error"]
     bad_layers = {p.tensor.rsplit(".", 1)[0] for p in errors} | {p.tensor for p in errors}
     if not quiet and report.layers:
         with_gpu = any(isinstance(row.get("gpu"), dict) for row in report.layers)
-        table = Table(title=_show(report.artifact), title_justify="left")
+        out_console.print(_show(report.artifact), soft_wrap=True)  # not a table title, which would wrap
+        table = Table()
         cols = ["", "layer", "K", "N", "group", "sym", "exact", "cpu rel err"] + (
             ["gpu mean / max rel err"] if with_gpu else []
         )
@@ -517,13 +626,14 @@ def _render_verify(report: Report, quiet: bool) -> None:
         for row in report.layers:
             exact = [row[k] for k in ("codes_exact", "scales_exact", "delta_exact", "padding_exact") if k in row]
             gpu = row.get("gpu")
-            group = "chan" if row["group_size"] == row["size_k"] else str(row["group_size"])
             cells = [
                 "❌" if row["name"] in bad_layers else "✅",
                 _show(row["name"]),
                 str(row["size_k"]),
                 str(row["size_n"]) + (f" (pad {row['padded_n']})" if "padded_n" in row else ""),
-                group + (f" (from {row['source_group_size']})" if "source_group_size" in row else ""),
+                _group_cell(
+                    row["group_size"], row["size_k"], row.get("source_group_size"), row.get("act_order", False)
+                ),
                 "yes" if row["symmetric"] else "no",
                 ("yes" if all(exact) else "NO") if exact else "-",
                 f"{row['cpu_rel_err']:.2e}" if "cpu_rel_err" in row else "-",
@@ -535,18 +645,26 @@ def _render_verify(report: Report, quiet: bool) -> None:
             table.add_row(*cells)
         out_console.print(table)
     # The first lines say what is wrong; a wrong --against source, say, makes one per
-    # tensor. --json keeps every problem.
-    for p in report.problems[:PROBLEM_LINES]:
+    # tensor. --json and --verbose keep every problem.
+    problems = errors if quiet else report.problems
+    shown = problems if verbose else problems[:PROBLEM_LINES]
+    for p in shown:
         tag = "[red]problem[/]" if p.severity == "error" else "[yellow]warning[/]"
         out_console.print(f"{tag} {escape(f'[{p.code}]')} {_show(p.message)}", soft_wrap=True)
-    if len(report.problems) > PROBLEM_LINES:
-        rest = report.problems[PROBLEM_LINES:]
+    if len(shown) < len(problems):
+        rest = problems[len(shown) :]
         codes = sorted({p.code for p in rest})
-        out_console.print(f"... and {len(rest)} more ({', '.join(codes)}); --json lists every problem", soft_wrap=True)
+        out_console.print(
+            f"... and {len(rest)} more ({', '.join(codes)}); --verbose or --json lists every problem", soft_wrap=True
+        )
     gpu_note = report.checked.get("gpu_numerics")
     if isinstance(gpu_note, str) and not quiet:
-        err_console.print(f"[dim]GPU numerics {_show(gpu_note)}[/]", soft_wrap=True)
-    errors = sum(p.severity == "error" for p in report.problems)
+        if nvidia_gpu_present():  # something can be done here: say what
+            err_console.print(f"[dim]GPU numerics {_show(gpu_note)}[/]", soft_wrap=True)
+        elif verbose:
+            err_console.print("[dim]GPU numerics not run: no NVIDIA GPU on this machine[/]", soft_wrap=True)
+    if quiet and report.ok:
+        return
     checked = report.checked
     what = (
         ["shapes", "checksums"]
@@ -554,7 +672,7 @@ def _render_verify(report: Report, quiet: bool) -> None:
         + (["CPU numerics"] if checked.get("cpu_numerics") else [])
         + (["GPU numerics"] if checked.get("gpu_numerics") is True else [])
     )
-    status = "OK" if report.ok else f"FAILED: {errors} problem(s)"
+    status = "OK" if report.ok else f"FAILED: {len(errors)} problem(s)"
     out_console.print(
         f"{status}: {checked.get('layers', 0)} layers, {checked.get('tensors', 0)} tensors; checked {', '.join(what)}"
     )

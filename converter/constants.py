@@ -100,6 +100,15 @@ GPU_MEAN_REL_TOL = 1e-3
 
 # --- Artifact (schemas/marlin-artifact.v2.schema.json) --------------------------------
 PRODUCER_NAME = "marlin-convert"
+#: Folder mode's ``config.json`` field that transformers reads as the name of the weight file.
+HF_WEIGHTS_KEY = "transformers_weights"
+#: Its value there: no safetensors name, so a plain ``from_pretrained`` stops with this text
+#: before it builds anything (it would give random weights to the quantized layers); after
+#: ``import converter`` the registered quantizer names the artifact instead (docs/serving.md).
+HF_WEIGHTS_GUARD = (
+    "this is a marlin-convert model: run `import converter` before from_pretrained "
+    "(without it transformers would give its quantized layers random weights)"
+)
 #: v2 added the layer fields ``source_group_size`` (regrouped) and ``padded_n`` (padded), and
 #: ``checksums.files`` (folder mode's config.json and tokenizer files).
 ARTIFACT_SCHEMA_VERSION = 2

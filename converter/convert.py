@@ -39,7 +39,7 @@ import xxhash
 from .artifact.hf_config import copied_files, file_checksums, folder_extras
 from .artifact.manifest import layer_entry, new_manifest
 from .artifact.schema import LayerEntry, Manifest, Passthrough, SourceInfo, from_json
-from .artifact.shards import Layout, parse_size, plan_shards
+from .artifact.shards import Layout, oversize_warnings, parse_size, plan_shards
 from .artifact.target import InputGuard, OutputTarget
 from .artifact.writer import ArtifactWriter
 from .constants import (
@@ -223,12 +223,15 @@ def convert(
 
     Args:
         src_path: ``.tinyloop`` file, or HF GPTQ folder / ``.safetensors`` / index.
-        out_path: artifact path (``.safetensors``); an existing folder, or a path
-            ending in ``/``, selects folder mode (``model.safetensors`` plus
+        out_path: artifact path (``.safetensors``); any other path (an existing
+            folder, a path ending in ``/``, or a name without that suffix, as with
+            ``save_pretrained``) selects folder mode (``model.safetensors`` plus
             ``config.json`` and tokenizer files; see ``artifact/writer.py``).
         force: overwrite an existing output.
-        max_shard_size: bytes (or ``"5GB"``) of tensor data per file; more data is
-            written as HF shards plus ``<stem>.safetensors.index.json``.
+        max_shard_size: bytes (an int, or a string with its unit: ``"5GB"``) of tensor
+            data per file; more data is written as HF shards plus
+            ``<stem>.safetensors.index.json``. A layer (or tensor) larger than that gets
+            a shard of its own, with a warning naming it.
         dry_run: plan and report, write nothing.
         pad: convert a layer whose N is not a multiple of 64 with its N padded
             (recorded as ``padded_n``); False passes it through.
@@ -308,7 +311,13 @@ def convert(
                 if not lay.convertible
             ],
             files=[{"name": p.name, "bytes": n} for p, n in sizes.items()],
-            warnings=_plan_warnings(plan, layers),
+            warnings=_plan_warnings(plan, layers)
+            + oversize_warnings(
+                shards,
+                [p.name for p in target.shard_paths(len(shards))],
+                max_bytes,
+                max_shard_size.strip() if isinstance(max_shard_size, str) else f"{max_shard_size} B",
+            ),
         )
         if progress:
             progress("", 1)

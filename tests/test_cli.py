@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,8 @@ from tests.helpers.checkpoints import (
     small_gptq_artifact,
     st_bytes,
 )
-from tests.helpers.clirun import assert_one_line_error, run_cli
+from tests.helpers.clirun import assert_one_line_error, assert_refused, invoke, run_cli
+from tests.helpers.paths import REPO, SAMPLE
 
 AUTOROUND = "llama-tiny/autoround-gptq-w4g128-asym"
 
@@ -71,9 +73,9 @@ def test_convert_human_output(realinput: Path, tmp_path: Path) -> None:
     out = tmp_path / "a.safetensors"
     res = run_cli("marlin-convert", realinput / AUTOROUND, out)
     assert res.returncode == 0
-    assert res.stdout == ""  # results and progress go to stderr unless --json
-    assert "7 layers converted, 4 tensors passed through" in res.stderr
-    assert "model.layers.0.mlp.down_proj" in res.stderr
+    assert res.stderr == ""  # the summary is the result: stdout (progress only on a terminal)
+    assert "7 layers converted, 4 tensors passed through" in res.stdout
+    assert "model.layers.0.mlp.down_proj" in res.stdout
     res = run_cli("marlin-verify", out, "--shapes")
     assert res.returncode == 0
     assert "OK: 7 layers, 25 tensors; checked shapes, checksums" in res.stdout
@@ -82,8 +84,11 @@ def test_convert_human_output(realinput: Path, tmp_path: Path) -> None:
 def test_dry_run(realinput: Path, tmp_path: Path) -> None:
     out = tmp_path / "a.safetensors"
     res = run_cli("marlin-convert", realinput / AUTOROUND, out, "--dry-run")
-    assert res.returncode == 0 and not out.exists()
-    assert "would write" in res.stderr
+    assert res.returncode == 0 and not out.exists() and res.stderr == ""
+    lines = res.stdout.splitlines()
+    assert lines[0] == f"would convert {realinput / AUTOROUND}, would write {out}"
+    assert lines[-1] == "would convert 7 layers, pass 4 tensors through; would write 1.69 MB of tensor data"
+    assert "converted" not in res.stdout  # a dry run converts nothing
 
 
 def test_existing_output_needs_force(realinput: Path, tmp_path: Path) -> None:
@@ -340,9 +345,9 @@ def test_name_patterns_group_by_numeric_components() -> None:
 
 def test_the_summary_of_a_200_layer_conversion_fits_on_a_screen(two_hundred: Path, tmp_path: Path) -> None:
     res = run_cli("marlin-convert", two_hundred, tmp_path / "a.safetensors")
-    assert res.returncode == 0 and res.stdout == "", res.stderr
-    lines = res.stderr.splitlines()
-    assert len(lines) == 21 and max(map(len, lines)) <= 160, res.stderr  # piped: a 160-column console
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    lines = res.stdout.splitlines()
+    assert len(lines) == 22 and max(map(len, lines)) <= 160, res.stdout  # piped: a 160-column console
     patterns = [f"model.layers.*.self_attn.{p}_proj" for p in "qkvo"] + [
         f"model.layers.*.mlp.{p}_proj" for p in ("gate", "up")
     ]
@@ -366,8 +371,8 @@ def test_the_summary_of_a_200_layer_conversion_fits_on_a_screen(two_hundred: Pat
 
 def test_verbose_gives_the_long_form(two_hundred: Path, tmp_path: Path) -> None:
     res = run_cli("marlin-convert", two_hundred, tmp_path / "a.safetensors", "--verbose")
-    assert res.returncode == 0, res.stderr
-    text = res.stderr
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    text = res.stdout
     rows = [ln for ln in text.splitlines() if ln.startswith("│ ")]
     assert len(rows) == 174 and rows[0].split("│")[1].strip() == "model.layers.0.self_attn.q_proj"
     down = "model.layers.28.mlp.down_proj"
@@ -393,13 +398,13 @@ def test_json_keeps_every_tensor_and_no_pad_passes_through(two_hundred: Path, tm
         f"size_n = {n} is not a multiple of 64 (Marlin tile)" for n in (96, 32, 72)
     } | {"size_k = 72 is not a multiple of 16 (Marlin tile)"}
     res = run_cli("marlin-convert", two_hundred, tmp_path / "c.safetensors", "--no-pad")
-    lines = res.stderr.splitlines()
-    assert lines[-1] == "0 layers converted, 873 tensors passed through; wrote 0.84 MB of tensor data"
-    assert lines[-2] == (
+    lines = res.stdout.splitlines()
+    assert lines[-1] == "0 layers converted, 873 tensors passed through; wrote 840.0 kB of tensor data"
+    assert res.stderr == (  # a warning: stderr, one line
         "warning: none of the 203 quantized layers converts (each passes through with its reason, listed above): "
-        "the artifact holds the source's tensors unchanged"
+        "the artifact holds the source's tensors unchanged\n"
     )
-    assert len(lines) == 12 and lines[0] == f"wrote {tmp_path / 'c.safetensors'}", res.stderr
+    assert len(lines) == 11 and lines[0] == f"wrote {tmp_path / 'c.safetensors'}", res.stdout
 
 
 def test_verify_prints_the_first_problems_and_counts_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -423,7 +428,7 @@ def test_verify_prints_the_first_problems_and_counts_the_rest(monkeypatch: pytes
     assert lines[cli.PROBLEM_LINES - 1] == (
         "problem [source_mismatch] t28: a conversion of the source has this tensor; the artifact lacks it"
     )
-    assert lines[-2] == "... and 12 more (non_finite, source_mismatch); --json lists every problem"
+    assert lines[-2] == "... and 12 more (non_finite, source_mismatch); --verbose or --json lists every problem"
     assert lines[-1] == "FAILED: 42 problem(s): 0 layers, 0 tensors; checked shapes, checksums"
 
 
@@ -432,7 +437,8 @@ def test_version_is_one_line_or_one_json_document(tool: str) -> None:
     from converter import __version__
 
     plain = run_cli(tool, "--version")
-    assert (plain.returncode, plain.stdout, plain.stderr) == (0, f"{tool} (marlin-convert {__version__})\n", "")
+    assert (plain.returncode, plain.stdout, plain.stderr) == (0, f"{tool} {__version__}\n", "")
+    assert invoke(tool, "--version").stdout == f"{tool} {__version__}\n"  # whatever argv[0] is
     for args in (("--json", "--version"), ("--version", "--json")):
         res = run_cli(tool, *args)
         assert res.returncode == 0 and res.stderr == ""
@@ -452,7 +458,17 @@ def test_the_summary_marks_act_order_layers(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     rows = {
         line.split("│")[1].strip(): line.split("│")[5].strip()
-        for line in res.stderr.splitlines()
+        for line in res.stdout.splitlines()
+        if line.startswith("│")
+    }
+    assert rows == {"model.layers.0.mlp.up_proj": "128 act-order", "model.layers.0.mlp.gate_proj": "128"}
+    # marlin-verify's table shows the same marker (issue 43)
+    convert(src, tmp_path / "o.safetensors")
+    res = run_cli("marlin-verify", tmp_path / "o.safetensors", "--shapes")
+    assert res.returncode == 0, res.stdout
+    rows = {
+        line.split("│")[2].strip(): line.split("│")[5].strip()
+        for line in res.stdout.splitlines()
         if line.startswith("│")
     }
     assert rows == {"model.layers.0.mlp.up_proj": "128 act-order", "model.layers.0.mlp.gate_proj": "128"}
@@ -470,3 +486,322 @@ def test_command_line_processes_turn_numpy_huge_pages_off() -> None:
     )
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert got.stdout.split() == ["True", "False"]
+
+
+# --------------------------------------------------------------------------- a newcomer's first hour (issue 43)
+
+
+@pytest.fixture()
+def no_cupy(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """CuPy cannot be imported (as on a machine without the GPU extra), whatever this one has."""
+    from converter.gpu import runtime
+
+    monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` raises ImportError
+    runtime._import_cupy.cache_clear()
+    yield
+    runtime._import_cupy.cache_clear()
+
+
+def test_no_cupy_message_names_the_cpu_device(no_cupy: None, tmp_path: Path) -> None:
+    """1. Without a GPU, installing CuPy cannot help: the message names device="cpu" first."""
+    from converter.errors import GpuUnavailableError
+    from converter.gpu.runtime import require_gpu
+
+    with pytest.raises(GpuUnavailableError) as err:
+        require_gpu()
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("CuPy is not available (ModuleNotFoundError: ")
+    assert msg.endswith(
+        '; on a machine without an NVIDIA GPU, run on the CPU instead: load_model(path, device="cpu") or '
+        "marlin-verify --cpu; with one, install the GPU extra: pip install -e '.[cuda12]' (or '.[cuda13]') "
+        "from the checkout"
+    )
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from converter import load_model
+    from tests.helpers.model_fixture import write_tiny_llama
+
+    convert(write_tiny_llama(tmp_path / "src"), tmp_path / "out", pad=False)
+    with pytest.raises(GpuUnavailableError, match=r'load_model\(path, device="cpu"\)'):
+        load_model(tmp_path / "out")  # device="cuda" by default
+    assert load_model(tmp_path / "out", device="cpu").marlin_report.device == "cpu"
+
+
+def test_model_check_against_the_wrong_source_stops_at_stage_1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """2. A source whose sha256 differs fails before any model is built, unless overridden."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from converter.model import reference
+    from converter.model import verify as model_verify
+    from tests.helpers.model_fixture import write_tiny_llama
+
+    src, wrong = write_tiny_llama(tmp_path / "src"), write_tiny_llama(tmp_path / "wrong", seed=1)
+    convert(src, tmp_path / "out", pad=False)
+
+    def no_model(*a: object, **k: object) -> None:
+        raise AssertionError("a model was built")
+
+    with monkeypatch.context() as m:
+        m.setattr(reference, "build_reference", no_model)
+        m.setattr(model_verify, "build_converted", no_model)
+        res = invoke("marlin-verify", tmp_path / "out", "--model", "--against", wrong, "--cpu")
+    assert res.exit_code == 1, res.output
+    assert res.stdout.splitlines() == [
+        "problem [source_differs] the source is not the checkpoint this folder was converted from (sha256 differs: "
+        "model.safetensors); stopped before building any model (--allow-source-mismatch compares anyway)",
+        "FAILED: 1 problem(s): the models were not run",
+    ]
+    assert res.stderr == "marlin-verify --model: [1/5] checking the artifact and the source\n"
+    res = invoke("marlin-verify", tmp_path / "out", "--model", "--against", wrong, "--cpu", "--json")
+    doc = json.loads(res.stdout)
+    assert res.exit_code == 1 and [s["stage"] for s in doc["stages"]] == ["checking the artifact and the source"]
+    assert [(p["code"], p["severity"]) for p in doc["problems"]] == [("source_differs", "error")]
+    # The override runs all five stages; the finding stays, as a warning.
+    res = invoke("marlin-verify", tmp_path / "out", "--model", "--against", wrong, "--cpu", "--json", "-q")
+    doc = json.loads(res.stdout)
+    assert len(doc["stages"]) == 1
+    res = invoke(
+        "marlin-verify", tmp_path / "out", "--model", "--against", wrong, "--cpu", "--json", "--allow-source-mismatch"
+    )
+    doc = json.loads(res.stdout)
+    assert len(doc["stages"]) == 5 and doc["metrics"]["converted"]["mean_rel_err"] > 0
+    assert ("source_differs", "warning") in [(p["code"], p["severity"]) for p in doc["problems"]]
+    # The right source passes as before; the flag means nothing without --model.
+    assert invoke("marlin-verify", tmp_path / "out", "--model", "--against", src, "--cpu", "-q").exit_code == 0
+    assert_refused(
+        invoke("marlin-verify", tmp_path / "out", "--against", src, "--allow-source-mismatch"),
+        "--allow-source-mismatch needs --model",
+    )
+
+
+def test_shard_size_without_a_unit_is_refused(tmp_path: Path) -> None:
+    """3. `--max-shard-size 5` once meant 5 bytes (73 shards); now the unit is required."""
+    out = tmp_path / "o.safetensors"
+    line = assert_refused(invoke("marlin-convert", SAMPLE, out, "--max-shard-size", "5"))
+    assert line == (
+        "error: --max-shard-size: '5' has no unit; add one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB, "
+        "e.g. 5GB (5B for bytes)"
+    )
+    assert list(tmp_path.iterdir()) == []
+    res = run_cli("marlin-convert", SAMPLE, out, "--max-shard-size", "5", "--json")
+    assert (res.returncode, res.stderr) == (2, "")
+    assert json.loads(res.stdout)["error"]["tensor"] == "--max-shard-size"
+
+
+def test_an_oversized_tensor_warns_and_the_files_line_is_bounded(tmp_path: Path) -> None:
+    """3. A layer or tensor above the limit gets its own shard, with a warning naming it, its
+    size and the shard; the files line names the first few and counts the rest."""
+    out = tmp_path / "o.safetensors"
+    res = run_cli("marlin-convert", SAMPLE, out, "--max-shard-size", "50kB")
+    assert res.returncode == 0, res.stderr
+    assert len(list(tmp_path.glob("o-*-of-00016.safetensors"))) == 16
+    assert res.stderr.splitlines() == [
+        "warning: layer head (3 tensors) is 71.7 kB, larger than --max-shard-size 50kB: it gets a shard of its own, "
+        "o-00013-of-00016.safetensors, over the limit (a layer's tensors stay together)",
+        "warning: tensor embed is 256.0 kB, larger than --max-shard-size 50kB: it gets a shard of its own, "
+        "o-00015-of-00016.safetensors, over the limit (a tensor is never split)",
+    ]
+    files = next(ln for ln in res.stdout.splitlines() if ln.startswith("files: "))
+    assert files == (
+        "files: wrote 17: o-00001-of-00016.safetensors (49.8 kB), o-00002-of-00016.safetensors (55.5 kB), "
+        "o-00003-of-00016.safetensors (49.4 kB), ... 13 more (--verbose lists all), o.safetensors.index.json (3.9 kB)"
+    )
+    res = run_cli("marlin-convert", SAMPLE, out, "--max-shard-size", "50kB", "--force", "--verbose")
+    files = next(ln for ln in res.stdout.splitlines() if ln.startswith("files: "))
+    assert files.count(".safetensors (") == 16 and "more" not in files
+    # -q: nothing but errors, the warnings included; --json: the warnings in the document
+    res = run_cli("marlin-convert", SAMPLE, out, "--max-shard-size", "50kB", "--force", "-q")
+    assert (res.returncode, res.stdout, res.stderr) == (0, "", "")
+    res = run_cli("marlin-convert", SAMPLE, out, "--max-shard-size", "50kB", "--force", "--json")
+    assert res.stderr == "" and [w.split(" is ")[0] for w in json.loads(res.stdout)["warnings"]] == [
+        "layer head (3 tensors)",
+        "tensor embed",
+    ]
+
+
+def test_both_commands_share_one_output_policy(tmp_path: Path) -> None:
+    """4. Results on stdout, nothing else on stderr; -q prints nothing on success in both;
+    -v exists in both; usage names IN OUT and ART; --overwrite points at --force."""
+    out = tmp_path / "o.safetensors"
+    res = run_cli("marlin-convert", SAMPLE, out)
+    assert res.returncode == 0 and res.stderr == "" and res.stdout.startswith(f"wrote {out}\n")
+    res = run_cli("marlin-verify", out, "--shapes")
+    assert res.returncode == 0 and res.stderr == "" and res.stdout.startswith(f"{out}")
+    for tool, args in (("marlin-convert", (SAMPLE, out, "--force")), ("marlin-verify", (out, "--cpu"))):
+        res = run_cli(tool, *args, "-q")
+        assert (res.returncode, res.stdout, res.stderr) == (0, "", ""), tool
+        res = run_cli(tool, *args, "-v")
+        assert res.returncode == 0 and res.stdout, tool
+        assert run_cli(tool, *args, "--verbose").stdout == res.stdout
+    # -q keeps the errors: a corrupted artifact prints its problem and the status, nothing else
+    data = bytearray(out.read_bytes())
+    data[-1] ^= 0xFF
+    out.write_bytes(bytes(data))
+    res = run_cli("marlin-verify", out, "--shapes", "-q")
+    assert res.returncode == 1 and res.stderr == ""
+    assert [ln.split("]")[0] for ln in res.stdout.splitlines()] == [
+        "problem [checksum_mismatch",
+        "FAILED: 1 problem(s): 15 layers, 61 tensors; checked shapes, checksums",
+    ]
+    assert run_cli("marlin-convert", "--help").stdout.startswith("Usage: marlin-convert [OPTIONS] IN OUT\n")
+    assert run_cli("marlin-verify", "--help").stdout.startswith("Usage: marlin-verify [OPTIONS] ART\n")
+    line = assert_refused(invoke("marlin-convert", SAMPLE, tmp_path / "n.safetensors", "--overwrite"))
+    assert line == "error: no such option: --overwrite; to replace an existing output, pass --force"
+    assert not (tmp_path / "n.safetensors").exists()
+
+
+def _readme_verify_example() -> tuple[str, list[str]]:
+    """The README's ``marlin-verify`` example: its command line and its output lines."""
+    readme = (REPO / "README.md").read_text("utf-8")
+    start = readme.index("$ marlin-verify /tmp/sample.marlin.safetensors")
+    block = readme[start : readme.index("```", start)].rstrip("\n").splitlines()
+    return block[0], block[1:]
+
+
+@pytest.mark.parametrize("nvidia", [False, True])
+def test_gpu_note_only_where_it_helps_and_the_readme_example_matches(
+    nvidia: bool, no_cupy: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """5. Without CuPy: on a machine with no NVIDIA GPU nothing about GPU numerics is
+    printed (-v: one neutral line), and the output is the README's example, the Quick
+    start's command; where a GPU is, the note says what to install."""
+    import re
+
+    from converter import cli
+
+    monkeypatch.setattr(cli, "nvidia_gpu_present", lambda: nvidia)
+    command, expected = _readme_verify_example()
+    quick_start = (REPO / "README.md").read_text("utf-8").split("## Quick start", 1)[1].split("```bash\n", 1)[1]
+    assert command.replace("$ marlin-verify ", "marlin-verify ") in quick_start.split("\n", 1)[0].replace(
+        ".venv/bin/", ""
+    )
+    art = tmp_path / "sample.marlin.safetensors"
+    convert(SAMPLE, art)
+    res = invoke("marlin-verify", art, "--against", SAMPLE)
+    assert res.exit_code == 0, res.output
+
+    def masked(lines: list[str]) -> list[str]:  # the CPU errors' last digits may differ between builds
+        return [re.sub(r"\d\.\d\de-\d\d", "x.xxe-xx", ln.rstrip()) for ln in lines]
+
+    got = res.stdout.replace(str(art), "/tmp/sample.marlin.safetensors").splitlines()
+    assert masked(got) == masked(expected)
+    if nvidia:
+        assert res.stderr.startswith("GPU numerics skipped: CuPy is not available (ModuleNotFoundError: ")
+        assert res.stderr.rstrip().endswith(
+            "install the GPU extra: pip install -e '.[cuda12]' (or '.[cuda13]') from the checkout"
+        )
+        assert res.stderr.count("\n") == 1
+    else:
+        assert res.stderr == ""
+        res = invoke("marlin-verify", art, "--against", SAMPLE, "-v")
+        assert res.stderr == "GPU numerics not run: no NVIDIA GPU on this machine\n"
+
+
+def test_nvidia_gpu_present_looks_at_the_device_nodes_and_nvidia_smi(monkeypatch: pytest.MonkeyPatch) -> None:
+    from converter import cli
+
+    monkeypatch.setattr(cli.glob, "glob", lambda pattern: [])
+    monkeypatch.setattr(cli.shutil, "which", lambda name: None)
+    assert cli.nvidia_gpu_present() is False
+    monkeypatch.setattr(cli.glob, "glob", lambda pattern: ["/dev/nvidia0"] if pattern.startswith("/dev/") else [])
+    assert cli.nvidia_gpu_present() is True
+    monkeypatch.setattr(cli.glob, "glob", lambda pattern: [])
+    monkeypatch.setattr(cli.shutil, "which", lambda name: "/usr/bin/nvidia-smi" if name == "nvidia-smi" else None)
+    assert cli.nvidia_gpu_present() is True
+
+
+def test_the_upstream_column_is_explained_where_it_says_no(realinput: Path, tmp_path: Path) -> None:
+    """6. "upstream no" on most of the sample's rows comes with one line saying what it means."""
+    from converter.cli import UPSTREAM_LEGEND
+
+    res = run_cli("marlin-convert", SAMPLE, tmp_path / "s.safetensors")
+    assert res.returncode == 0
+    assert res.stdout.splitlines().count(UPSTREAM_LEGEND) == 1
+    assert UPSTREAM_LEGEND.startswith("upstream: whether upstream IST-DASLab Marlin") and len(UPSTREAM_LEGEND) < 160
+    res = run_cli("marlin-convert", realinput / AUTOROUND, tmp_path / "a.safetensors")  # every row "yes"
+    assert res.returncode == 0 and "upstream: " not in res.stdout
+
+
+def test_sizes_print_in_units_that_fit() -> None:
+    """6. No more `0.00 MB`."""
+    from converter.artifact.shards import human_size
+
+    assert [human_size(n) for n in (0, 999, 3_900, 844_600, 1_690_000, 175_110_000, 2_100_000_000)] == [
+        "0 B",
+        "999 B",
+        "3.9 kB",
+        "844.6 kB",
+        "1.69 MB",
+        "175.11 MB",
+        "2.10 GB",
+    ]
+
+
+def test_hidden_state_metrics_are_relative_to_the_norm_and_have_no_top_k() -> None:
+    """6. An encoder's hidden states: near-zero features no longer blow up the max relative
+    error (it is per position, of the norm), and there is no top-1 / top-5."""
+    from converter.model.verify import output_metrics
+
+    ref = np.ones((1, 2, 4), dtype=np.float32)
+    ref[0, 0, 3] = 1e-6  # a near-zero feature
+    y = ref.copy()
+    y[0, 0, 3] += 0.03  # 3e4 x that element, 1.5 % of its position's norm (2)
+    y[0, 1, 0] += 0.01
+    hidden = output_metrics(y, ref, encoder=True, ids=None)
+    assert hidden["top1"] is None and hidden["top5"] is None
+    assert hidden["max_rel_err"] == pytest.approx(0.03 / np.linalg.norm(ref[0, 0]), rel=1e-6)
+    assert hidden["mean_rel_err"] == pytest.approx(0.04 / float(np.abs(ref).sum()), rel=1e-5)
+    logits = output_metrics(y, ref, encoder=False, ids=None)
+    assert logits["top1"] == 1.0 and logits["max_rel_err"] == pytest.approx(0.03 / float(np.abs(ref).mean()), rel=1e-5)
+
+
+def test_hidden_state_report_has_no_top_k_columns() -> None:
+    from rich.console import Console
+
+    from converter.model.report import ModelReport, render
+
+    rep = ModelReport(model="m", source="s", device="cpu", architecture="BertModel", output="last_hidden_state")
+    rep.input = {"sequences": 4, "tokens": 128}
+    row = {"mean_rel_err": 1.1e-2, "max_rel_err": 3e-2, "top1": None, "top5": None, "cosine": 0.999995}
+    rep.metrics = {"converted": row, "fp16_dequant": dict(row), "fp32": {}}
+    rep.bar = {"mean_rel_err_limit": 1.7e-2, "top1_min": None}
+    out = Console(record=True, width=200, highlight=False)
+    render(rep, out, out)
+    text = out.export_text()
+    assert "top-1" not in text and "top-5" not in text
+    assert "max rel err (per position, of its norm)" in text
+    assert text.splitlines()[-1] == (
+        "OK: BertModel on cpu, 0 layers (); last_hidden_state mean rel err 1.10e-02 (fp16 dequantized 1.10e-02, "
+        "limit 1.70e-02), cosine 0.999995 (fp16 0.999995); 0.0 s"
+    )
+
+
+def test_a_path_without_the_suffix_is_a_model_folder(tmp_path: Path) -> None:
+    """8. As with save_pretrained: OUT without .safetensors is a folder, no trailing / needed."""
+    out = tmp_path / "mymodel"
+    res = run_cli("marlin-convert", SAMPLE, out)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith(f"wrote {out / 'model.safetensors'}\n")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert run_cli("marlin-verify", out, "--shapes", "-q").returncode == 0
+    # .safetensors still means one file; a trailing / still means a folder
+    assert run_cli("marlin-convert", SAMPLE, tmp_path / "one.safetensors", "-q").returncode == 0
+    assert (tmp_path / "one.safetensors").is_file()
+    assert run_cli("marlin-convert", SAMPLE, f"{tmp_path / 'slash'}/", "-q").returncode == 0
+    assert (tmp_path / "slash" / "model.safetensors").is_file()
+    # a folder's parent must exist (a mistyped path is an error, not a new tree)
+    assert_refused(
+        invoke("marlin-convert", SAMPLE, tmp_path / "nope" / "mymodel"),
+        "mymodel: cannot create the output folder: No such file or directory",
+    )
+    assert_refused(invoke("marlin-convert", SAMPLE, tmp_path / "nope" / "m", "--dry-run"), "parent does not exist")
+    assert not (tmp_path / "nope").exists()
+    # what surely means a file is refused, not turned into a folder
+    (tmp_path / "taken").write_bytes(b"x")
+    assert_refused(
+        invoke("marlin-convert", SAMPLE, tmp_path / "taken"),
+        f"{tmp_path / 'taken'}: output exists and is not a folder",
+    )
+    for name in ("m.SafeTensors", "m.safetensors.index.json"):
+        assert_refused(invoke("marlin-convert", SAMPLE, tmp_path / name), "output names neither a .safetensors file")
+    assert (tmp_path / "taken").read_bytes() == b"x" and not (tmp_path / "m.SafeTensors").exists()

@@ -58,9 +58,9 @@ def _run_code(code: str, *args: object, timeout: float = 120) -> subprocess.Comp
 @pytest.mark.parametrize(
     ("tool", "args", "kind", "message"),
     [
-        ("marlin-convert", [], "UsageError", "Missing argument 'source'."),
+        ("marlin-convert", [], "UsageError", "Missing argument 'IN'."),
         ("marlin-convert", ["{sample}", "{out}", "--bogus"], "UsageError", "No such option: --bogus"),
-        ("marlin-convert", ["{sample}"], "UsageError", "Missing argument 'output'."),
+        ("marlin-convert", ["{sample}"], "UsageError", "Missing argument 'OUT'."),
         (
             "marlin-convert",
             ["{sample}", "{out}", "--max-shard-size", "5 parsecs"],
@@ -131,9 +131,9 @@ def test_escape_sequences_in_names_never_reach_the_terminal(tmp_path: Path) -> N
         res = invoke("marlin-convert", *args)
         assert res.exit_code == 0, res.stderr
         _no_raw_controls(res.stdout + res.stderr)
-        assert "model.layers.0.\\u202eup_proj" in res.stderr
+        assert "model.layers.0.\\u202eup_proj" in res.stdout
         if "--verbose" in args:  # the long form lists every passed-through tensor by name
-            assert "model.norm\\x1b[2J\\x1b]0;owned\\x07.weight" in res.stderr
+            assert "model.norm\\x1b[2J\\x1b]0;owned\\x07.weight" in res.stdout
     res = invoke("marlin-verify", out, "--against", src, "--cpu")
     assert res.exit_code == 0
     _no_raw_controls(res.stdout + res.stderr)
@@ -178,9 +178,9 @@ def test_dry_run_shows_the_files_it_would_write(tmp_path: Path) -> None:
     out = tmp_path / "o.safetensors"
     res = invoke("marlin-convert", SAMPLE, out, "--dry-run", "--max-shard-size", "300KB")
     assert res.exit_code == 0, res.stderr
-    line = next(ln for ln in res.stderr.splitlines() if ln.startswith("files: "))
-    assert line.startswith("files: would write 4: o-00001-of-00003.safetensors (0.31 MB), ")
-    assert line.endswith("o.safetensors.index.json (0.00 MB)")
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("files: "))
+    assert line.startswith("files: would write 4: o-00001-of-00003.safetensors (307.2 kB), ")
+    assert line.endswith("o.safetensors.index.json (3.9 kB)")
     assert list(tmp_path.iterdir()) == []
     doc = json.loads(run_cli("marlin-convert", SAMPLE, out, "--dry-run", "--json").stdout)
     assert doc["dry_run"] and doc["files"] == [{"name": "o.safetensors", "bytes": 844600}]

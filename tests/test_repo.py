@@ -39,3 +39,20 @@ def test_every_file_the_readme_cites_is_in_the_repository() -> None:
     assert {"docs/spec/checkpoint-formats.md", "docs/spec/tinyloop-v1.md"} <= cited
     assert sorted(c for c in cited if not (REPO / c).is_file()) == []
     assert "shared/spec" not in readme
+
+
+def test_the_license_pyproject_names_is_in_the_repository() -> None:
+    """issue 43: pyproject.toml says Apache-2.0, and the LICENSE file holds that license's
+    full text; the description names every input format."""
+    import hashlib
+
+    pyproject = (REPO / "pyproject.toml").read_text("utf-8")  # (tomllib: Python 3.11+)
+    meta = dict(re.findall(r'^(license|description) = "(.*)"$', pyproject, flags=re.M))
+    assert meta["license"] == "Apache-2.0"
+    text = (REPO / "LICENSE").read_text("utf-8")
+    assert "Apache License\n                           Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+    # the text as the Apache Software Foundation publishes it (LICENSE-2.0.txt)
+    assert hashlib.md5((REPO / "LICENSE").read_bytes()).hexdigest() == "3b83ef96387f14655fc854ddc3c6bd57"
+    for fmt in ("GPTQ", "AWQ", "compressed-tensors", ".tinyloop"):
+        assert fmt in meta["description"], fmt

@@ -20,7 +20,7 @@ from typing import Any
 import xxhash
 
 from .. import __version__
-from ..constants import ARTIFACT_SCHEMA_VERSION, PRODUCER_NAME, Suffix
+from ..constants import ARTIFACT_SCHEMA_VERSION, HF_WEIGHTS_GUARD, HF_WEIGHTS_KEY, PRODUCER_NAME, Suffix
 from ..errors import ConfigError
 from ..formats.base import Source
 from ..formats.hf import HFSource
@@ -43,7 +43,10 @@ def artifact_config(
 
     The source's ``config.json`` with ``quantization_config`` replaced by a
     description of the artifact; for a ``.tinyloop`` source (no config), a minimal
-    config built from the header's ``model`` dict.
+    config built from the header's ``model`` dict.  ``transformers_weights`` holds
+    :data:`~converter.constants.HF_WEIGHTS_GUARD`: transformers refuses it as a weight
+    file name, so a ``from_pretrained`` without ``import converter`` stops with that
+    text instead of loading the quantized layers as random weights (docs/serving.md).
     """
     cfg: dict[str, Any] = dict(source_config) if source_config else {"model_type": "tinyloop", **dict(model or {})}
     groups = sorted({lay.group_size for lay in layers})
@@ -65,6 +68,7 @@ def artifact_config(
         "source_format": source_format,
         "source_quantization_config": dict(source_quant_config),
     }
+    cfg[HF_WEIGHTS_KEY] = HF_WEIGHTS_GUARD
     return cfg
 
 

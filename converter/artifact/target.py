@@ -3,7 +3,8 @@
 An output is one file (``OUT.safetensors``), HF shards beside an index
 (``<stem>-0000i-of-0000n.safetensors`` + ``<stem>.safetensors.index.json``), or a model
 folder (``OUT/`` holding ``model.safetensors`` or its shards, ``config.json`` and the
-source's tokenizer files).
+source's tokenizer files). As with ``save_pretrained``, an ``OUT`` that does not end in
+``.safetensors`` is a folder (a trailing ``/`` is not needed).
 
 The rule that no option relaxes, ``--force`` included: **no output may coincide with,
 or be read back as, a file of the input.** Identity is decided by device and inode
@@ -129,7 +130,8 @@ class OutputTarget:
     Attributes:
         path: the single-file artifact path (``OUT`` or ``OUT/model.safetensors``).
         folder: the folder everything is written into.
-        directory: folder mode (also write ``config.json`` and tokenizer files).
+        directory: folder mode (also write ``config.json`` and tokenizer files): ``OUT``
+            is an existing folder, ends in ``/``, or does not end in ``.safetensors``.
         index: the index path used when the output is sharded.
     """
 
@@ -139,7 +141,8 @@ class OutputTarget:
             # Path("") is ".": an unset $OUT in a script would write a model folder here
             raise ConverterError("output path is empty; give a .safetensors file or a folder", path=None)
         out = Path(out)
-        self.directory = out.is_dir() or text.endswith(("/", os.sep))
+        self.trailing_slash = text.endswith(("/", os.sep))
+        self.directory = out.is_dir() or self.trailing_slash or out.suffix != ".safetensors"
         self.path = out / DIR_MODE_NAME if self.directory else out
         self.folder = self.path.parent
         self.index = index_name_for(self.path)
@@ -235,7 +238,7 @@ class OutputTarget:
             create: create a folder-mode folder that does not exist yet (False: dry runs).
 
         Raises:
-            ConverterError: the folder is missing, OUT is a folder without folder mode,
+            ConverterError: the folder is missing, OUT without '.safetensors' is not a folder,
                 an output or a file the write would delete is (a link to) an input
                 file, or an output lies in the input's checkpoint folder.
             OutputExistsError: an output file exists and ``force`` is False.
@@ -272,10 +275,22 @@ class OutputTarget:
                     "a marlin-convert artifact's shard; move it away or choose another output",
                     path=p,
                 )
-        if not self.directory and self.path.suffix != ".safetensors":
-            raise ConverterError(
-                "output must be a .safetensors file, or a folder (existing, or ending in '/')", path=self.path
-            )
+        if self.directory and not self.folder.is_dir():
+            # Folder mode because of the name alone: refuse what is surely meant as a file
+            # (the input itself first, by the guard's own words).
+            guard.check_write(self.folder)
+            if not self.trailing_slash and self.folder.suffix.lower() in (".safetensors", ".json"):
+                raise ConverterError(
+                    "output names neither a .safetensors file nor a folder: a single file ends in '.safetensors' "
+                    "(lower case; a sharded artifact's index is written beside it), any other path is a model folder",
+                    path=self.folder,
+                )
+            if os.path.lexists(self.folder):
+                raise ConverterError(
+                    "output exists and is not a folder: a path that does not end in '.safetensors' names a model "
+                    "folder; give a .safetensors file name to write one file",
+                    path=self.folder,
+                )
         if self.directory and not self.folder.exists() and not create:
             # a dry run creates nothing; the checks above (the input guard) still ran
             if not self.folder.parent.is_dir():

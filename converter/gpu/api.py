@@ -207,36 +207,74 @@ def _make_module_class() -> Any:
 
         raise GpuUnavailableError(f"torch is not available ({type(exc).__name__})") from None
 
+    from . import torch_op
+
     class MarlinLinearModule(torch.nn.Module):
-        """``torch.nn.Module`` running a :class:`MarlinLinear` through DLPack.
+        """``torch.nn.Module`` running a :class:`MarlinLinear` as the torch op
+        ``torch.ops.marlin_convert.gemm`` (:mod:`converter.gpu.torch_op`).
 
         ``forward(x)``: float16 CUDA tensor ``(..., K)`` -> float16 CUDA tensor
-        ``(..., N)``, computed by our kernel on torch's current CUDA stream. The layer's
-        GPU buffers are CuPy arrays, not torch parameters (inference only).
+        ``(..., N)``, on torch's current stream; compiles with ``torch.compile(fullgraph=True)``
+        and can be captured in a CUDA graph after a first call at each M. The layer's
+        operands become the module's (non-persistent) buffers, owned by torch's allocator,
+        on the layer's device; the :class:`MarlinLinear` is not kept.
 
         Raises (forward): KernelError for a non-fp16 or non-CUDA input.
         """
 
+        #: Lock counters each layer keeps (zeroed; every launch leaves them zeroed). 4096 covers
+        #: every plan up to a few thousand rows; a call that needs more takes zeroed ones from torch.
+        LOCKS = 4096
+
         def __init__(self, layer: MarlinLinear) -> None:
             super().__init__()
-            self.layer = layer
+            self.layer_name = layer.name
             self.in_features, self.out_features = layer.size_k, layer.size_n
+            self.size_n, self.group_size = layer.padded_n, layer.group_size
+            b = layer._B_units if layer._B_units is not None else layer._B
+
+            def own(arr: Any) -> torch.Tensor | None:
+                return None if arr is None else torch.from_dlpack(arr).clone()
+
+            for name, arr in (
+                ("b", b),
+                ("scales", layer._scales),
+                ("delta", layer._delta),
+                ("perm", layer._perm),
+                ("bias", layer._bias),
+            ):
+                self.register_buffer(name, own(arr), persistent=False)
+            self.register_buffer(
+                "locks", torch.zeros(self.LOCKS, dtype=torch.int32, device=self.b.device), persistent=False
+            )
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             if x.dtype != torch.float16 or not x.is_cuda:
                 raise KernelError(
-                    f"{self.layer.name}: expected a float16 CUDA tensor, got {x.dtype} on {x.device}",
-                    tensor=self.layer.name,
+                    f"{self.layer_name}: expected a float16 CUDA tensor, got {x.dtype} on {x.device}",
+                    tensor=self.layer_name,
                 )
-            cp = runtime.cupy_module()
-            with cp.cuda.ExternalStream(torch.cuda.current_stream(x.device).cuda_stream):
-                y = self.layer(x.contiguous())
-            return torch.from_dlpack(y)
+            lead = x.shape[:-1]
+            x2 = x.reshape(-1, self.in_features)
+            # The op is what torch.compile sees; eager calls skip the dispatcher (same result).
+            fn = torch_op.gemm if torch.compiler.is_compiling() else torch_op.run_gemm
+            y = fn(
+                x2,
+                self.b,
+                self.scales,
+                self.delta,
+                self.perm,
+                self.bias,
+                self.locks,
+                self.in_features,
+                self.size_n,
+                self.group_size,
+                self.out_features,
+            )
+            return y.view(*lead, self.out_features)
 
         def extra_repr(self) -> str:
-            return (
-                f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.layer.group_size}"
-            )
+            return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}"
 
     _module_class = MarlinLinearModule
     return _module_class

@@ -13,6 +13,7 @@ built by :mod:`converter.gpu.build`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -223,12 +224,20 @@ def gather_columns(A: Any, perm: Any, *, out: Any = None) -> Any:
     A = _dev(A, "A", np.float16, (m, k))
     perm = _dev(perm, "perm", np.int32, (k,))
     out = cp.empty((m, k), dtype=cp.float16) if out is None else _dev(out, "out", np.float16, (m, k))
-    total = m * k
-    if total:
-        build.function("marlin_gemm.cu", "gather_columns")(
-            (-(-total // GATHER_THREADS),), (GATHER_THREADS,), (A, perm, out, np.int32(m), np.int32(k))
-        )
+    emit_gather(A, perm, out, m, k)
     return out
+
+
+def emit_gather(A: Any, perm: Any, out: Any, m: int, k: int, stream: Any = None) -> None:
+    """Launch ``gather_columns`` with no checks (arrays or ``np.uint64`` addresses, as
+    :func:`emit_gemm`)."""
+    if m * k:
+        build.function("marlin_gemm.cu", "gather_columns")(
+            (-(-m * k // GATHER_THREADS),),
+            (GATHER_THREADS,),
+            (A, perm, out, np.int32(m), np.int32(k)),
+            stream=stream,
+        )
 
 
 def prepare_b_units(B: Any, size_k: int, size_n: int) -> Any:
@@ -420,7 +429,7 @@ def marlin_gemm(
             the persistent kernel re-lays A out instead: converter.gpu.tensormap.available).
     """
     cp = runtime.cupy_module()
-    gs, g, per_channel = _layer_sizes(size_k, size_n, group_size)
+    _, g, _ = _layer_sizes(size_k, size_n, group_size)
     if A is None or getattr(A, "ndim", 0) != 2 or A.shape[1] != size_k or A.shape[0] < 1:
         raise KernelError(f"A must be (M >= 1, {size_k}), got {getattr(A, 'shape', None)}", tensor="A")
     m = int(A.shape[0])
@@ -450,11 +459,109 @@ def marlin_gemm(
     if perm is not None:
         perm = _dev(perm, "perm", np.int32, (size_k,))
     out = cp.empty((m, n_out), dtype=cp.float16) if out is None else _dev(out, "out", np.float16, (m, n_out))
-    plan = gemm_plan(m, size_k, size_n, group_size, delta=delta is not None, pipe=pipe, tuning=tuning)
-    units = b_units is not None and plan.pipe.spec.persistent
-    if B is None and not units:
+    run = gemm_launch(
+        m,
+        size_k,
+        size_n,
+        group_size,
+        delta=delta is not None,
+        act_order=perm is not None,
+        units_mode=units_mode,
+        n_out=n_out,
+        has_b=B is not None,
+        pipe=pipe,
+        tuning=tuning,
+    )
+    ws, locks, at = _workspace(run.ws_floats, run.n_locks, run.at_halves)
+    a_ptr = int(A.data.ptr)
+    if run.gather:
+        A = gather_columns(A, perm)
+        a_ptr = int(A.data.ptr)
+    emit_gemm(run, A, a_ptr, perm, b_units if run.units else B, scales, delta, bias, out, ws, locks, at)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmLaunch:
+    """Everything about one GEMM launch that the problem's sizes fix: the same for every
+    call of a layer at one M, so a serving loop works it out once (:func:`gemm_launch`).
+
+    Attributes:
+        plan: the planner's :class:`~converter.gpu.plan.GemmPlan`.
+        fn: the kernel (CuPy ``RawKernel``), its shared-memory opt-in already raised.
+        lead: how A reaches the kernel: ``"xmap"`` (read in place through a tensor map),
+            ``"at"`` (re-laid out by ``hopper_activations`` into the ``at`` buffer,
+            swizzled), ``"wgmma"`` (likewise, unswizzled) or ``"a"`` (A itself).
+        gather: A must be gathered by ``perm`` (``gather_columns``) first: the ``"xmap"``
+            and ``"a"`` leads (``hopper_activations`` gathers as it re-lays out).
+        units: the kernel streams ``B`` unit-major (``b_units``), not Marlin's ``B``.
+        ws_floats, n_locks, at_halves: sizes of the fp32 partial sums, the zeroed lock
+            counters and the fp16 activation buffer the launch needs.
+        m_pad: A's rows padded to whole chunks (``at`` leads).
+        scalars: the kernel's int32 arguments after ``M``.
+    """
+
+    plan: GemmPlan
+    fn: Any
+    lead: str
+    gather: bool
+    units: bool
+    ws_floats: int
+    n_locks: int
+    at_halves: int
+    m_pad: int
+    m: int
+    size_k: int
+    scalars: tuple[Any, ...]
+
+
+def gemm_launch(
+    m: int,
+    size_k: int,
+    size_n: int,
+    group_size: int,
+    *,
+    delta: bool,
+    act_order: bool,
+    units_mode: int,
+    n_out: int,
+    has_b: bool = True,
+    pipe: tuple[str, int, int, int] | None = None,
+    tuning: Tuning = DEFAULT_TUNING,
+) -> GemmLaunch:
+    """The :class:`GemmLaunch` of one call on the current device (cached per device and
+    arguments). ``units_mode``: 0 no ``b_units``, 1 unit-major, 2 with the scales and
+    deltas inline; ``has_b``: Marlin's ``B`` is there too.
+
+    Raises:
+        KernelError: as :func:`marlin_gemm` for the sizes, the pipe, the inline copy, or
+            no ``B`` where the kernel that serves ``m`` reads it.
+    """
+    info = runtime.device_info()
+    return _gemm_launch(info, m, size_k, size_n, group_size, delta, act_order, units_mode, n_out, has_b, pipe, tuning)
+
+
+@functools.lru_cache(maxsize=8192)
+def _gemm_launch(
+    info: runtime.DeviceInfo,
+    m: int,
+    size_k: int,
+    size_n: int,
+    group_size: int,
+    delta: bool,
+    act_order: bool,
+    units_mode: int,
+    n_out: int,
+    has_b: bool,
+    pipe: tuple[str, int, int, int] | None,
+    tuning: Tuning,
+) -> GemmLaunch:
+    gs, _, per_channel = _layer_sizes(size_k, size_n, group_size)
+    plan = gemm_plan(m, size_k, size_n, group_size, delta=delta, pipe=pipe, tuning=tuning)
+    units = units_mode > 0 and plan.pipe.spec.persistent
+    if not has_b and not units:
         raise KernelError(f"the {plan.kind} kernel that serves M={m} reads B in Marlin's order: pass B", tensor="B")
-    fn = build.function(plan.pipe.spec.source, plan.pipe.name(plan.gpi, delta is not None))
+    fn = build.function(plan.pipe.spec.source, plan.pipe.name(plan.gpi, delta))
     if fn.max_dynamic_shared_size_bytes < plan.smem:
         # Opt in above the default (48 KB less the kernel's static shared memory).
         fn.max_dynamic_shared_size_bytes = plan.smem
@@ -466,6 +573,7 @@ def marlin_gemm(
             f"{plan.kind} variant holds {plan.gpi} group slots a stage)",
             tensor="b_units",
         )
+    m_pad = plan.m_chunks * plan.rows
     # Every GEMM kernel: (activation operands..., B, S, D, bias, C, ws, locks, M, scalars...).
     if plan.pipe.spec.persistent:
         # Stream-K over the multiprocessors: two slots of T x 256 partial sums per block
@@ -473,53 +581,72 @@ def marlin_gemm(
         # (the cut unit starting there). A read in place through a swizzled tensor map,
         # or re-laid out first (Tuning.hopper_xmap_max_tok; without cuda-bindings).
         ws_floats = 2 * plan.blocks * plan.rows * 256 if plan.splits > 1 else 0
-        if plan.rows <= tuning.hopper_xmap_max_tok and tensormap.available():
-            if perm is not None:
-                A = gather_columns(A, perm)
-            xmap, at = tensormap.activation_map(A, plan.rows, plan.u), None
-            ws, locks, _ = _workspace(ws_floats, plan.blocks)
-        else:
-            m_pad = plan.m_chunks * plan.rows
-            xmap = tensormap.unused()
-            ws, locks, at = _workspace(ws_floats, plan.blocks, m_pad * size_k)
-            _activations(A, perm, at, m, size_k, m_pad, plan.rows, swizzle=True)
-        lead = (xmap.arg, _ptr_or_null(at))
+        xmap = plan.rows <= tuning.hopper_xmap_max_tok and tensormap.available()
+        lead, n_locks, at_halves = ("xmap", plan.blocks, 0) if xmap else ("at", plan.blocks, m_pad * size_k)
         scalars = (size_k, size_n, n_out, gt, int(per_channel), plan.tiles_per_split // plan.u, units_mode * units)
     elif plan.pipe.spec.wgmma:
         # The unit is 256 columns x one m-chunk; partials are kept in register order.
-        m_pad = plan.m_chunks * plan.rows
         n_locks = plan.m_chunks * -(-(size_n // KERNEL_N_MULTIPLE) // 4)
         ws_floats = plan.splits * n_locks * plan.rows * 256 if plan.splits > 1 else 0
-        ws, locks, at = _workspace(ws_floats, n_locks, m_pad * size_k)
-        _activations(A, perm, at, m, size_k, m_pad, m_pad)
-        lead = (at,)
+        lead, at_halves = "wgmma", m_pad * size_k
         scalars = (m_pad, size_k, size_n, n_out, gt, int(per_channel), plan.splits, plan.tiles_per_split)
     else:
-        if perm is not None:
-            A = gather_columns(A, perm)
-        ws, locks, _ = _workspace(
-            plan.splits * m * size_n if plan.splits > 1 else 0, plan.m_chunks * (size_n // KERNEL_N_MULTIPLE)
-        )
-        lead = (A,)
+        lead, at_halves = "a", 0
+        ws_floats = plan.splits * m * size_n if plan.splits > 1 else 0
+        n_locks = plan.m_chunks * (size_n // KERNEL_N_MULTIPLE)
         scalars = (size_k, size_n, n_out, gt, int(per_channel), plan.splits, plan.tiles_per_split, plan.wk)
-    args = (
-        *lead,
-        b_units if units else B,
-        scales,
-        _ptr_or_null(delta),
-        _ptr_or_null(bias),
-        out,
-        ws,
-        locks,
-        np.int32(m),
-        *(np.int32(v) for v in scalars),
+    return GemmLaunch(
+        plan=plan,
+        fn=fn,
+        lead=lead,
+        gather=act_order and lead in ("xmap", "a"),
+        units=units,
+        ws_floats=ws_floats,
+        n_locks=n_locks,
+        at_halves=at_halves,
+        m_pad=m_pad,
+        m=m,
+        size_k=size_k,
+        scalars=(np.int32(m), *(np.int32(v) for v in scalars)),
     )
-    fn((plan.blocks,), (plan.threads,), args, shared_mem=plan.smem)
-    return out
+
+
+def emit_gemm(
+    run: GemmLaunch,
+    A: Any,
+    a_ptr: int,
+    perm: Any,
+    b: Any,
+    scales: Any,
+    delta: Any,
+    bias: Any,
+    out: Any,
+    ws: Any,
+    locks: Any,
+    at: Any,
+    stream: Any = None,
+) -> None:
+    """Launch ``run`` (no checks: :func:`marlin_gemm` and the torch op check first).
+
+    Every array argument is a CuPy array or a device address (``np.uint64``; None for
+    an absent operand). ``A`` is already gathered where ``run.gather``; ``a_ptr`` is its
+    address (the tensor map encodes it). ``stream``: anything with a ``ptr`` (CuPy's
+    current stream when None).
+    """
+    if run.lead == "xmap":
+        lead = (tensormap.activation_map_at(a_ptr, run.m, run.size_k, run.plan.rows, run.plan.u).arg, _NULL)
+    elif run.lead == "a":
+        lead = (A,)
+    else:
+        _activations(A, perm, at, run.m, run.size_k, run.m_pad, run.plan.rows if run.lead == "at" else run.m_pad,
+                     swizzle=run.lead == "at", stream=stream)  # fmt: skip
+        lead = (at,) if run.lead == "wgmma" else (tensormap.unused().arg, at)
+    args = (*lead, b, scales, _ptr_or_null(delta), _ptr_or_null(bias), out, ws, locks, *run.scalars)
+    run.fn((run.plan.blocks,), (run.plan.threads,), args, shared_mem=run.plan.smem, stream=stream)
 
 
 def _activations(
-    A: Any, perm: Any, at: Any, m: int, size_k: int, m_pad: int, tok: int, *, swizzle: bool = False
+    A: Any, perm: Any, at: Any, m: int, size_k: int, m_pad: int, tok: int, *, swizzle: bool = False, stream: Any = None
 ) -> None:
     """``hopper_activations``: A (gathered by ``perm``) into ``at`` in blocks of ``tok``
     token rows, swizzled as the persistent kernel's slots with ``swizzle``
@@ -529,6 +656,7 @@ def _activations(
         (-(-pieces // GATHER_THREADS),),
         (GATHER_THREADS,),
         (A, _ptr_or_null(perm), at, np.int32(m), np.int32(size_k), np.int32(m_pad), np.int32(tok), np.int32(swizzle)),
+        stream=stream,
     )
 
 

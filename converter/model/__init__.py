@@ -7,7 +7,10 @@ Modules (torch and transformers are imported only when a function here is called
     names:     which artifact layer and tensor feeds which module and parameter (pure Python).
     modules:   the ``torch.nn.Module`` linears swapped into the model.
     build:     transformers config and model skeleton, module swap, tensor loading.
+    layers:    a converted folder's layers as modules: what the two loaders below share.
     loader:    :func:`load_model` (the converted folder).
+    hf_quantizer: transformers' ``from_pretrained`` on the folder (``quant_method:
+               "marlin-convert"``, registered by ``import converter``; docs/serving.md).
     reference: fp32 / fp16 reference models dequantized from the *source* checkpoint.
     verify:    :func:`verify_model`, the metrics and the pass rule.
     report:    the report's data classes and the CLI rendering.

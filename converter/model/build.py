@@ -14,12 +14,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..constants import HF_WEIGHTS_KEY
 from . import ModelError
-from .names import Binding, LayerSlot, LinearSlot
+from .names import Binding, LayerSlot, LinearSlot, tie_groups
 
 #: Auto classes tried, in order, for the class that ``config.json["architectures"][0]`` names.
 _AUTO_CLASSES = (
@@ -61,7 +62,8 @@ def quiet_transformers() -> Iterator[None]:
 
 
 def hf_config(cfg: dict[str, Any], *, path: Path) -> Any:
-    """A transformers config from a ``config.json`` dict, without its ``quantization_config``.
+    """A transformers config from a ``config.json`` dict, without its ``quantization_config``
+    (and ``transformers_weights``).
 
     Raises:
         ModelError: no ``model_type``, or one transformers does not know.
@@ -69,7 +71,8 @@ def hf_config(cfg: dict[str, Any], *, path: Path) -> Any:
     _, transformers = import_stack()
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    d = {k: v for k, v in cfg.items() if k != "quantization_config"}
+    # transformers_weights is folder mode's guard against a plain from_pretrained (hf_config.py), no model field.
+    d = {k: v for k, v in cfg.items() if k not in ("quantization_config", HF_WEIGHTS_KEY)}
     model_type = d.get("model_type")
     if not isinstance(model_type, str) or not model_type:
         raise ModelError(
@@ -205,6 +208,21 @@ def _kind(auto_name: str) -> str:
     )
 
 
+def model_kind(model: Any) -> str:
+    """``causal-lm`` / ``masked-lm`` / ``encoder`` / ``other``: the first Auto class (in
+    :data:`_AUTO_CLASSES` order) whose mapping gives ``model``'s class for its config."""
+    import transformers
+
+    for auto_name in _AUTO_CLASSES:
+        mapping = getattr(getattr(transformers, auto_name, None), "_model_mapping", None)
+        if mapping is None or type(model.config) not in mapping:
+            continue
+        cls = mapping[type(model.config)]
+        if type(model) in (cls if isinstance(cls, (tuple, list)) else (cls,)):
+            return _kind(auto_name)
+    return OTHER
+
+
 def config_dtype(cfg: dict[str, Any]) -> Any:
     """The torch dtype ``config.json`` declares (``dtype`` or ``torch_dtype``), float32 if none."""
     import torch
@@ -228,9 +246,14 @@ def _is_linear(module: Any) -> tuple[int, int] | None:
     return None
 
 
-def inventory(model: Any) -> tuple[dict[str, LinearSlot], list[list[str]]]:
+def inventory(model: Any, ties: Mapping[str, str] | None = None) -> tuple[dict[str, LinearSlot], list[list[str]]]:
     """The model's linear modules, and its parameters and persistent buffers as groups of
-    names sharing one tensor (tied weights), in the model's order."""
+    names sharing one tensor (tied weights), in the model's order.
+
+    Args:
+        ties: ``{target: source}`` names to group as well: ``from_pretrained`` builds its
+            skeleton untied and ties after loading (``model.all_tied_weights_keys``).
+    """
     linears: dict[str, LinearSlot] = {}
     for name, mod in model.named_modules():
         kn = _is_linear(mod)
@@ -244,7 +267,7 @@ def inventory(model: Any) -> tuple[dict[str, LinearSlot], list[list[str]]]:
             if b is None or bname in mod._non_persistent_buffers_set:
                 continue
             groups.setdefault(id(b), []).append(f"{mod_name}.{bname}" if mod_name else bname)
-    return linears, [list(dict.fromkeys(g)) for g in groups.values()]
+    return linears, tie_groups([list(dict.fromkeys(g)) for g in groups.values()], ties or {})
 
 
 def binding_errors(b: Binding, *, what: str, arch: str, path: Path) -> None:
@@ -299,7 +322,6 @@ def apply_binding(
     import torch
 
     from ..safetensors_io import release_mapped_pages
-    from .modules import promoting_linear_forward
 
     # Shapes only: holding the skeleton's tensors here would keep them alive.
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
@@ -324,6 +346,17 @@ def apply_binding(
             _set_tensor(model, name, param if name in is_param else t)
         del t, param
         release_mapped_pages()
+    promote_plain_linears(model)
+
+
+def promote_plain_linears(model: Any) -> None:
+    """Plain ``nn.Linear`` modules left in the model compute in the promoted dtype of their
+    input and weight (:func:`~converter.model.modules.promoting_linear_forward`): their
+    weights keep their own dtype, which plain ``F.linear`` would refuse to mix."""
+    import torch
+
+    from .modules import promoting_linear_forward
+
     for _, mod in model.named_modules():
         if type(mod) is torch.nn.Linear:
             mod.forward = types.MethodType(promoting_linear_forward, mod)

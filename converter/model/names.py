@@ -192,3 +192,31 @@ def missing_names(groups: Iterable[Iterable[str]], missing: Iterable[str]) -> se
     """Every model name (tied aliases included) of the groups a missing name belongs to."""
     miss = set(missing)
     return {n for g in groups for n in g if miss.intersection(g)}
+
+
+def tie_groups(groups: list[list[str]], ties: Mapping[str, str]) -> list[list[str]]:
+    """``groups`` with the groups of each tie's target and source merged (where the first
+    of them was), for a skeleton whose ties are not made yet.
+
+    ``tie_groups([["embed.w"], ["norm.w"], ["head.w"]], {"head.w": "embed.w"}) ==
+    [["embed.w", "head.w"], ["norm.w"]]``; a tie naming something not in ``groups`` is ignored.
+    """
+    if not ties:
+        return groups
+    where = {n: i for i, g in enumerate(groups) for n in g}
+    parent = list(range(len(groups)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    for target, source in ties.items():
+        if target in where and source in where:
+            a, b = root(where[source]), root(where[target])
+            if a != b:
+                parent[max(a, b)] = min(a, b)
+    merged: dict[int, list[str]] = {}
+    for i, g in enumerate(groups):
+        merged.setdefault(root(i), []).extend(g)
+    return list(merged.values())

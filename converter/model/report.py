@@ -16,9 +16,10 @@ class Finding:
         code: stable identifier (:class:`~converter.artifact.problems.ProblemCode`):
             ``model_error``, ``model_top1``, ``layer_error``, ``missing_tensor``,
             ``missing_bias``, ``tensor_dtype``, ``tensor_bytes``, ``tensor_not_in_source``,
-            ``layer_not_in_source``, ``artifact`` (errors); ``not_converted``,
-            ``kernel_fallback``, ``unused_tensors``, ``tied_differs``, ``layer_not_run``,
-            ``source_differs`` (warnings).
+            ``layer_not_in_source``, ``artifact``, ``source_differs`` (errors; the last a
+            warning with ``allow_source_mismatch``); ``not_converted``,
+            ``kernel_fallback``, ``unused_tensors``, ``tied_differs``, ``layer_not_run``
+            (warnings).
         message: one line naming the layer or tensor and the rule.
         tensor: the layer or tensor concerned ("" for the whole model).
         severity: ``"error"`` (fails the check) or ``"warning"``.
@@ -43,13 +44,15 @@ class ModelReport:
         input: ``{"from": "text" | "fixed", "text": path or None, "sequences", "tokens"}``.
         metrics: ``{"converted": {...}, "fp16_dequant": {...}, "fp32": {...}}``; the first
             two hold ``mean_rel_err`` (mean |y - y32| / mean |y32|), ``max_rel_err``
-            (max |y - y32| / mean |y32|), ``top1`` (share of positions whose argmax
-            agrees with fp32's), ``top5`` (mean overlap of the top-5 sets, /5), for
-            encoders ``cosine`` (lowest over sequences of the mean-pooled embedding's
-            cosine with fp32's), for causal LMs on ``--text`` ``ppl`` and ``ppl_rel_diff``
+            (logits: max |y - y32| / mean |y32|; hidden states: max over positions of
+            ||y - y32|| / ||y32||), ``top1`` (share of positions whose argmax
+            agrees with fp32's) and ``top5`` (mean overlap of the top-5 sets, /5), both
+            None for hidden states; for encoders ``cosine`` (lowest over sequences of the
+            mean-pooled embedding's cosine with fp32's), for causal LMs on ``--text``
+            ``ppl`` and ``ppl_rel_diff``
             (against fp32's ``ppl``).
         bar: the pass rule's numbers: ``mean_rel_err_limit`` (1.5 x fp16's),
-            ``top1_min`` (fp16's - 0.005).
+            ``top1_min`` (fp16's - 0.005; None for hidden states).
         layers: per swapped layer ``{name, module, path, rel_err, fp16_rel_err, ok}``:
             its output on the model's own activations against the source layer in fp32,
             ours and an fp16 linear of the dequantized weight.
@@ -97,7 +100,8 @@ def _fmt(v: Any, spec: str = ".2e") -> str:
 
 
 def render(report: ModelReport, out: Any, err: Any, *, quiet: bool = False) -> None:
-    """Print the report: a metrics table (unless ``quiet``), the problems, a status line.
+    """Print the report: a metrics table, the problems, a status line; ``quiet``: only the
+    errors and, when there are any, the status line (as ``marlin-verify -q`` elsewhere).
 
     Args:
         out: rich console for the table, problems and status (stdout).
@@ -121,7 +125,10 @@ def render(report: ModelReport, out: Any, err: Any, *, quiet: bool = False) -> N
             title_justify="left",
         )
         extra = [k for k in ("cosine", "ppl", "ppl_rel_diff") if k in m.get("converted", {})]
-        for col in ["model", "mean rel err", "max rel err", "top-1", "top-5", *extra]:
+        # Hidden states have no top-1 / top-5 (an argmax over features means nothing).
+        tops = m.get("converted", {}).get("top1") is not None
+        max_col = "max rel err" if tops else "max rel err (per position, of its norm)"
+        for col in ["model", "mean rel err", max_col, *(["top-1", "top-5"] if tops else []), *extra]:
             table.add_column(col)
         for key, label in (
             ("converted", "converted (ours)"),
@@ -135,8 +142,7 @@ def render(report: ModelReport, out: Any, err: Any, *, quiet: bool = False) -> N
                 label,
                 _fmt(row.get("mean_rel_err")),
                 _fmt(row.get("max_rel_err")),
-                _fmt(row.get("top1"), ".4f"),
-                _fmt(row.get("top5"), ".4f"),
+                *([_fmt(row.get("top1"), ".4f"), _fmt(row.get("top5"), ".4f")] if tops else []),
             ]
             for k in extra:
                 cells.append(_fmt(row.get(k), ".6f" if k == "cosine" else (".4g" if k == "ppl" else ".2e")))
@@ -150,11 +156,15 @@ def render(report: ModelReport, out: Any, err: Any, *, quiet: bool = False) -> N
             shown = ", ".join(f"{r['name']} {_fmt(r['rel_err'])} (fp16 {_fmt(r['fp16_rel_err'])})" for r in worst)
             out.print(f"layers furthest from fp16 on the model's activations: {escape(shown)}", soft_wrap=True)
     for p in report.problems:
+        if quiet and p.severity != "error":
+            continue
         tag = "[red]problem[/]" if p.severity == "error" else "[yellow]warning[/]"
         out.print(f"{tag} {escape(f'[{p.code}]')} {escape(p.message)}", soft_wrap=True)
     paths: dict[str, int] = {}
     for path in report.load.get("layers", {}).values():
         paths[path] = paths.get(path, 0) + 1
+    if quiet and report.ok:
+        return
     conv, f16, bar = m.get("converted", {}), m.get("fp16_dequant", {}), report.bar
     status = "OK" if report.ok else f"FAILED: {sum(p.severity == 'error' for p in report.problems)} problem(s)"
     if conv:
@@ -163,8 +173,16 @@ def render(report: ModelReport, out: Any, err: Any, *, quiet: bool = False) -> N
             f"{status}: {escape(report.architecture)} on {report.device}, {sum(paths.values())} layers ({layers}); "
             f"{report.output} mean rel err {_fmt(conv.get('mean_rel_err'))} "
             f"(fp16 dequantized {_fmt(f16.get('mean_rel_err'))}, "
-            f"limit {_fmt(bar.get('mean_rel_err_limit'))}), top-1 {_fmt(conv.get('top1'), '.4f')} "
-            f"(fp16 {_fmt(f16.get('top1'), '.4f')}, min {_fmt(bar.get('top1_min'), '.4f')}); {report.wall_s:.1f} s",
+            f"limit {_fmt(bar.get('mean_rel_err_limit'))})"
+            + (
+                f", top-1 {_fmt(conv.get('top1'), '.4f')} "
+                f"(fp16 {_fmt(f16.get('top1'), '.4f')}, min {_fmt(bar.get('top1_min'), '.4f')})"
+                if conv.get("top1") is not None
+                else f", cosine {_fmt(conv.get('cosine'), '.6f')} (fp16 {_fmt(f16.get('cosine'), '.6f')})"
+                if "cosine" in conv
+                else ""
+            )
+            + f"; {report.wall_s:.1f} s",
             soft_wrap=True,
         )
     else:

@@ -12,7 +12,7 @@ Three models run on the same tokens, one after another (each freed before the ne
 3. the fp16-dequantized reference (what fp16 weights themselves cost).
 
 Pass rule: the converted model's mean relative error against fp32 is at most 1.5x the
-fp16 reference's, its top-1 agreement at least the fp16 reference's minus 0.5 %, no
+fp16 reference's, its top-1 agreement (logits only) at least the fp16 reference's minus 0.5 %, no
 layer is far off (below), and nothing structural is wrong (a parameter the artifact
 does not feed, a tensor in another dtype or with other bytes than the source's).
 
@@ -152,7 +152,7 @@ def input_ids(folder: Path, cfg: dict[str, Any], text: str | Path | None) -> tup
 
     try:
         with quiet_transformers():
-            tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+            tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
     except Exception as exc:  # transformers raises OSError, ValueError, ImportError ...
         raise ModelError(
             f"cannot load the folder's tokenizer: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
@@ -214,20 +214,24 @@ def output_metrics(y: np.ndarray, ref: np.ndarray, *, encoder: bool, ids: np.nda
 
     Args:
         y, ref: float32 ``(sequences, tokens, features)``.
-        encoder: also the cosine of mean-pooled embeddings.
+        encoder: hidden states, not logits: also the cosine of mean-pooled embeddings; no
+            top-1 / top-5 (an argmax over hidden features means nothing), and the max
+            error per position relative to that position's norm.
         ids: the tokens, for the perplexity of ``y`` (causal LMs on ``--text``), or None.
 
     Returns:
-        ``mean_rel_err`` (mean |y - ref| / mean |ref|), ``max_rel_err`` (max |y - ref| /
-        mean |ref|), ``top1``, ``top5`` (see :class:`ModelReport`), and when asked
-        ``cosine`` (lowest over sequences) and ``ppl``; errors are ``inf`` and the cosine
-        -1 when ``y`` is not finite. Temporaries: about ``_CHUNK_ELEMENTS`` float64 values.
+        ``mean_rel_err`` (mean |y - ref| / mean |ref|), ``max_rel_err`` (logits: max
+        |y - ref| / mean |ref|; hidden states: max over positions of ||y - ref|| / ||ref||,
+        which near-zero features cannot inflate), ``top1``, ``top5`` (see
+        :class:`ModelReport`; None for hidden states), and when asked ``cosine`` (lowest
+        over sequences) and ``ppl``; errors are ``inf`` and the cosine -1 when ``y`` is
+        not finite. Temporaries: about ``_CHUNK_ELEMENTS`` float64 values.
     """
     b, t, v = y.shape
     k = min(5, v)
     rows = max(1, _CHUNK_ELEMENTS // max(v, 1))
     sum_diff = sum_ref = 0.0
-    max_diff = 0.0
+    max_diff = max_pos = 0.0
     top1 = top5 = 0.0
     finite = True
     pooled_y = np.zeros((b, v)) if encoder else None
@@ -242,11 +246,14 @@ def output_metrics(y: np.ndarray, ref: np.ndarray, *, encoder: bool, ids: np.nda
             sum_diff += float(d.sum())
             max_diff = max(max_diff, float(d.max()))
             sum_ref += float(np.abs(rc).sum())
-            top1 += float(np.sum(np.argmax(yc, axis=1) == np.argmax(rc, axis=1)))
-            ty = np.argpartition(-yc, k - 1, axis=1)[:, :k]
-            tr = np.argpartition(-rc, k - 1, axis=1)[:, :k]
-            top5 += sum(len(set(a) & set(c)) / k for a, c in zip(ty.tolist(), tr.tolist(), strict=True))
-            if encoder:
+            if not encoder:
+                top1 += float(np.sum(np.argmax(yc, axis=1) == np.argmax(rc, axis=1)))
+                ty = np.argpartition(-yc, k - 1, axis=1)[:, :k]
+                tr = np.argpartition(-rc, k - 1, axis=1)[:, :k]
+                top5 += sum(len(set(a) & set(c)) / k for a, c in zip(ty.tolist(), tr.tolist(), strict=True))
+            else:
+                rel = np.linalg.norm(yc - rc, axis=1) / np.maximum(np.linalg.norm(rc, axis=1), 1e-30)
+                max_pos = max(max_pos, float(rel.max()))
                 pooled_y[i] += yc.sum(axis=0)
                 pooled_r[i] += rc.sum(axis=0)
             if ids is not None:
@@ -261,9 +268,9 @@ def output_metrics(y: np.ndarray, ref: np.ndarray, *, encoder: bool, ids: np.nda
     scale = (sum_ref / (n * v)) or 1.0
     out: dict[str, Any] = {
         "mean_rel_err": sum_diff / (n * v) / scale if finite else math.inf,
-        "max_rel_err": max_diff / scale if finite else math.inf,
-        "top1": top1 / n,
-        "top5": top5 / n,
+        "max_rel_err": (max_pos if encoder else max_diff / scale) if finite else math.inf,
+        "top1": None if encoder else top1 / n,
+        "top5": None if encoder else top5 / n,
     }
     if encoder:
         cos = (pooled_y * pooled_r).sum(axis=1) / (
@@ -389,6 +396,7 @@ def verify_model(
     progress: Callable[[str], None] | None = None,
     attn_implementation: str = "eager",
     kernel_factory: KernelFactory | None = None,
+    allow_source_mismatch: bool = False,
 ) -> ModelReport:
     """Whole-model parity of a converted folder with its source checkpoint.
 
@@ -402,6 +410,10 @@ def verify_model(
         attn_implementation: the attention all three models use (``eager``: the same
             arithmetic on every device).
         kernel_factory: see :func:`~converter.model.loader.build_converted` (tests).
+        allow_source_mismatch: run the models even when the source's sha256 differs from
+            the one recorded at conversion (``source_differs`` is then a warning); by
+            default that is an error and the check stops after stage 1, before any
+            model is built.
 
     Returns:
         The :class:`ModelReport`; ``ok`` says whether it passed. Content problems
@@ -441,13 +453,17 @@ def verify_model(
             source_config(source)
             actual = {f["name"]: f["sha256"] for f in source.describe()["files"]}
             changed = sorted(n for n in recorded.keys() & actual.keys() if recorded[n] != actual[n])
-            if changed:
-                report.add(
-                    P.SOURCE_DIFFERS,
-                    "the source is not the checkpoint this folder was converted from "
-                    f"(sha256 differs: {', '.join(changed)})",
-                    severity="warning",
-                )
+            if changed or (recorded and not recorded.keys() & actual.keys()):
+                what = f"sha256 differs: {', '.join(changed)}" if changed else "no file names in common"
+                message = f"the source is not the checkpoint this folder was converted from ({what})"
+                if not allow_source_mismatch:
+                    # Stage 1 knows: stop before three model builds (the slow part) prove it.
+                    report.add(
+                        P.SOURCE_DIFFERS,
+                        f"{message}; stopped before building any model (--allow-source-mismatch compares anyway)",
+                    )
+                    return _finish(report, t_start)
+                report.add(P.SOURCE_DIFFERS, message, severity="warning")
             ids, report.input = input_ids(folder, cfg, text)
             plans = {lp.name: lp for lp in source.plan().layers}
         stack.enter_context(_true_fp32(torch, device))
@@ -524,7 +540,7 @@ def _judge(
     limit = ERROR_FACTOR * max(f16["mean_rel_err"], 1e-7)
     report.bar = {
         "mean_rel_err_limit": limit,
-        "top1_min": f16["top1"] - TOP1_MARGIN,
+        "top1_min": None if f16["top1"] is None else f16["top1"] - TOP1_MARGIN,
         "error_factor": ERROR_FACTOR,
         "top1_margin": TOP1_MARGIN,
         "layer_factor": LAYER_FACTOR,
@@ -538,7 +554,7 @@ def _judge(
             "against the fp32 model dequantized from the source "
             f"is above {ERROR_FACTOR:g}x the fp16-dequantized model's {f16['mean_rel_err']:.3g} (limit {limit:.3g})",
         )
-    if conv["top1"] < report.bar["top1_min"]:
+    if report.bar["top1_min"] is not None and conv["top1"] < report.bar["top1_min"]:
         report.add(
             P.MODEL_TOP1,
             f"{what}: top-1 agreement with the fp32 model {conv['top1']:.4f} is below the fp16-dequantized "

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from converter.artifact.schema import Manifest, Shard, read_document
 from converter.artifact.shards import parse_size, plan_shards
 from converter.cli import convert_app, verify_app
+from converter.constants import HF_WEIGHTS_GUARD
 from converter.convert import convert
 from converter.errors import ConverterError, OutputExistsError
 from converter.safetensors_io import SafetensorsFile
@@ -40,7 +41,9 @@ def test_parse_size() -> None:
     assert parse_size("5GB") == 5 * 10**9
     assert parse_size("500MiB") == 500 * 2**20
     assert parse_size("1.5kb") == 1500
-    assert parse_size("123") == 123
+    assert parse_size("123B") == parse_size(123) == 123  # a string needs its unit; an int is bytes
+    with pytest.raises(ConverterError, match=r"^--max-shard-size: '123' has no unit; add one of .*e\.g\. 123GB"):
+        parse_size("123")
     with pytest.raises(ConverterError, match=r"--max-shard-size: '5 parsecs' is not a size"):
         parse_size("5 parsecs")
     with pytest.raises(ConverterError, match=r"--max-shard-size: must be positive, found '0GB'"):
@@ -233,9 +236,11 @@ def test_folder_mode_writes_a_complete_model_folder(tmp_path: Path, src: tuple[P
     assert (out / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
     cfg = json.loads((out / "config.json").read_text())
     src_cfg = json.loads((folder / "config.json").read_text())
-    assert {k: v for k, v in cfg.items() if k != "quantization_config"} == {
+    # transformers_weights stops a from_pretrained without `import converter` (docs/serving.md).
+    assert {k: v for k, v in cfg.items() if k not in ("quantization_config", "transformers_weights")} == {
         k: v for k, v in src_cfg.items() if k != "quantization_config"
     }
+    assert cfg["transformers_weights"] == HF_WEIGHTS_GUARD
     qc = cfg["quantization_config"]
     assert (qc["quant_method"], qc["schema_version"], qc["bits"], qc["zero_correction"]) == (
         "marlin-convert",

@@ -502,7 +502,7 @@ def test_a_thousand_shards_within_an_open_files_limit_of_256(tmp_path: Path) -> 
     out = tmp_path / "o.safetensors"
     res = _limited(256, 256, "marlin-convert", src, out, "-q")
     assert res.returncode == 0, res.stderr
-    res = _limited(256, 256, "marlin-verify", out, "--against", src, "--cpu", "-q")
+    res = _limited(256, 256, "marlin-verify", out, "--against", src, "--cpu")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "OK: 250 layers, 750 tensors" in res.stdout
 

@@ -157,7 +157,10 @@ def test_activation_map_asks_the_driver_for_the_swizzled_2d_box(monkeypatch: pyt
     monkeypatch.setattr(tensormap, "_driver", lambda: drv)
     monkeypatch.setattr(tensormap, "_as_arg", lambda raw: raw)
     a = types.SimpleNamespace(shape=(40, 512), data=types.SimpleNamespace(ptr=0x7000))
+    tensormap.activation_map_at.cache_clear()
     raw = tensormap.activation_map(a, 32, 8)
+    # The same address and sizes again: the cached map, no second driver call.
+    assert tensormap.activation_map(a, 32, 8) is raw and len(calls) == 1
     assert raw.dtype == np.uint8 and raw.size == tensormap.TENSOR_MAP_BYTES
     dtype, rank, ptr, dims, strides, box, elem, interleave, swizzle, _, fill = calls[0]
     assert (dtype.name, rank, ptr) == ("CU_TENSOR_MAP_DATA_TYPE_FLOAT16", 2, 0x7000)
@@ -167,5 +170,6 @@ def test_activation_map_asks_the_driver_for_the_swizzled_2d_box(monkeypatch: pyt
         "CU_TENSOR_MAP_SWIZZLE_128B",
         "CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE",
     )
+    tensormap.activation_map_at.cache_clear()
     with pytest.raises(KernelError, match="cuTensorMapEncodeTiled refused A's map"):
         tensormap.activation_map(a, 32, 8)

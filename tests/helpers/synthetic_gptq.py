@@ -14,7 +14,7 @@ import json
 import math
 import struct
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -187,8 +187,13 @@ def write_gptq(
     group_size: int = 128,
     seed: int = 0,
     bias: bool = False,
+    config_extra: Mapping[str, object] | None = None,
 ) -> dict[str, object]:
     """Write a synthetic sharded GPTQ checkpoint into ``folder`` (created if needed).
+
+    ``config_extra`` adds keys to ``config.json`` (e.g. :func:`llama_attention_config`'s,
+    so that transformers builds the intended attention); it cannot replace the shape keys
+    or ``quantization_config`` written from the other arguments.
 
     Returns:
         ``{"files": [...], "bytes": total weight bytes, "largest_tensor": (name, bytes), "tensors": count}``.
@@ -225,26 +230,58 @@ def write_gptq(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
     )
     (folder / "quantize_config.json").write_text(json.dumps(gptq_config(4, group_size), indent=1))
-    (folder / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
-                "hidden_size": hidden,
-                "intermediate_size": intermediate,
-                "num_hidden_layers": blocks,
-                "vocab_size": vocab,
-                "quantization_config": gptq_config(4, group_size),
-            },
-            indent=1,
-        )
-    )
+    config: dict[str, object] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": blocks,
+        "vocab_size": vocab,
+        "quantization_config": gptq_config(4, group_size),
+    }
+    clash = sorted(k for k in (config_extra or {}) if k in config)
+    if clash:
+        raise ValueError(f"config_extra cannot replace {', '.join(clash)}: pass them as write_gptq's arguments")
+    config.update(config_extra or {})
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
     largest = max(specs, key=lambda s: nbytes_of(s[1], s[2]))
     return {
         "files": files,
         "bytes": size,
         "largest_tensor": (largest[0], nbytes_of(largest[1], largest[2])),
         "tensors": len(specs),
+    }
+
+
+def llama_attention_config(
+    hidden: int,
+    kv: int,
+    *,
+    head_dim: int = 128,
+    max_position_embeddings: int = 8192,
+    rope_theta: float = 500000.0,
+    rms_norm_eps: float = 1e-5,
+) -> dict[str, object]:
+    """The ``config.json`` keys a Llama needs beyond :func:`write_gptq`'s shapes (Llama-3 style:
+    ``hidden // head_dim`` query heads, ``kv // head_dim`` key-value heads, untied fp16 head)."""
+    if hidden % head_dim or kv % head_dim:
+        raise ValueError(f"hidden {hidden} and kv {kv} must be multiples of head_dim {head_dim}")
+    return {
+        "num_attention_heads": hidden // head_dim,
+        "num_key_value_heads": kv // head_dim,
+        "head_dim": head_dim,
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": rms_norm_eps,
+        "rope_parameters": {"rope_theta": rope_theta, "rope_type": "default"},
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "dtype": "float16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "use_cache": True,
     }
 
 

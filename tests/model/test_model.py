@@ -504,16 +504,19 @@ def test_real_model_passes(real: dict[str, tuple[Path, Path]], name: str) -> Non
     rep = verify_model(out, src, gpu=False)
     assert rep.ok, [p.message for p in rep.problems]
     conv, f16 = rep.metrics["converted"], rep.metrics["fp16_dequant"]
-    assert conv["mean_rel_err"] <= 1.5 * f16["mean_rel_err"] and conv["top1"] >= f16["top1"] - 0.005
-    assert conv["top1"] >= 0.99 and conv["top5"] >= 0.98
+    assert conv["mean_rel_err"] <= 1.5 * f16["mean_rel_err"]
     assert all(r["path"] == "exact" and r["ok"] for r in rep.layers) and len(rep.layers) == (
         36 if name == MINILM else 7
     )
     if name == MINILM:
         assert rep.output == "last_hidden_state" and conv["cosine"] > 0.9999 and f16["cosine"] > 0.9999
         assert [p.code for p in rep.problems] == ["unused_tensors"]
+        # hidden states: no top-1 / top-5; the max error is per position, of its norm (issue 43)
+        assert conv["top1"] is None and conv["top5"] is None and rep.bar["top1_min"] is None
+        assert conv["max_rel_err"] < 0.05
     else:
         assert rep.output == "logits" and rep.problems == [] and conv["mean_rel_err"] < 1e-2
+        assert conv["top1"] >= f16["top1"] - 0.005 and conv["top1"] >= 0.99 and conv["top5"] >= 0.98
 
 
 def test_minilm_loads_bert_prefixed_tensors_in_their_own_dtypes(real: dict[str, tuple[Path, Path]]) -> None:

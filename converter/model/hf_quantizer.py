@@ -1,0 +1,270 @@
+"""transformers' ``from_pretrained`` on a converted model folder: the quantization config and
+``HfQuantizer`` of ``quant_method: "marlin-convert"``, registered by ``import converter``
+(:mod:`converter.hf_hook`; this module imports torch and transformers).
+
+How ``from_pretrained`` runs with them (transformers 5.17 and 5.25):
+
+1. Our config holds ``config.json``'s ``quantization_config`` whole. The quantizer checks
+   ``device_map`` and, in the hook transformers calls with the config before it resolves
+   the weight files (``update_tp_plan`` in 5.17, ``update_attn_implementation`` in 5.25),
+   sets ``config.transformers_weights`` to the artifact's weight file: folder mode writes
+   a guard there instead, which stops a plain ``from_pretrained`` (no ``import converter``)
+   before it builds anything (docs/serving.md).
+2. Before weight loading (the skeleton is on ``meta``), the skeleton is bound to the
+   artifact exactly as :func:`~converter.model.loader.load_model` binds its own, every
+   quantized linear becomes a :class:`PendingLayer` (no tensors, so no fp16 weight is
+   allocated, loaded or initialized for it), every other tensor's parameter takes the
+   artifact tensor's own dtype (transformers casts to the parameter's dtype, and
+   ``load_model`` keeps each tensor's own), and the layers' own tensors are marked as
+   expected in the checkpoint and unused by the model (no UNEXPECTED table).
+3. transformers loads the other tensors and ties the tied ones.
+4. After loading, each placeholder becomes the module ``load_model`` makes for that layer
+   (:meth:`~converter.model.layers.ConvertedLayers.module`), with its buffers on the device
+   ``device_map`` gives that module: our kernel on CUDA, the exact path on the CPU. It is
+   built only now because transformers replaces every non-persistent buffer of the model
+   with an empty one after loading (``_move_missing_keys_from_meta_to_device``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import weakref
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.quantizers.base import HfQuantizer
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from ..artifact.problems import ProblemCode
+from ..constants import PRODUCER_NAME
+from . import ModelError
+from .build import model_kind, promote_plain_linears
+from .layers import ConvertedLayers, LoadReport
+from .modules import _TORCH_DTYPES  # the one safetensors-code -> torch dtype table
+from .names import candidates
+
+#: device_map strings that ask accelerate to spread the model: not supported here yet.
+_SPREAD_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+class MarlinConvertConfig(QuantizationConfigMixin):
+    """``quantization_config`` of a converted folder (converter/artifact/hf_config.py writes
+    it), every field kept as written; ``weight_file`` names the artifact beside config.json."""
+
+    def __init__(self, weight_file: str | None = None, **kwargs: Any) -> None:
+        kwargs.pop("quant_method", None)
+        self.quant_method = PRODUCER_NAME
+        self.weight_file = weight_file
+        for key, value in kwargs.items():
+            setattr(self, key, value)
+
+
+class PendingLayer(nn.Module):
+    """A quantized linear's place while transformers loads the other tensors: it holds no
+    tensor, so transformers neither allocates, loads nor initializes one for it; the
+    quantizer replaces it with the layer's module once loading is done."""
+
+    def __init__(self, layer: str, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.layer_name, self.in_features, self.out_features = layer, in_features, out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ModelError("not loaded: from_pretrained stopped before building this layer", tensor=self.layer_name)
+
+
+def device_of(module: str, device_map: Mapping[str, Any] | None) -> torch.device:
+    """The device ``device_map`` gives module ``module`` (its longest matching key; no map: the CPU).
+
+    Raises:
+        ModelError: no key of the map covers the module.
+    """
+    if not device_map:
+        return torch.device("cpu")
+    keys = [k for k in device_map if k == "" or module == k or module.startswith(k + ".")]
+    if not keys:
+        raise ModelError(f"device_map gives no device to module {module}", tensor=module)
+    value = device_map[max(keys, key=len)]
+    dev = torch.device("cuda", value) if isinstance(value, int) else torch.device(value)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _kernel_on(dev: torch.device) -> Any:
+    """``loader._marlin_kernel`` with CuPy's and torch's current device set to ``dev``
+    (the factory builds on the current device)."""
+    from ..gpu.runtime import cupy_module
+    from . import loader
+
+    cp = cupy_module()
+
+    def make(*args: Any, **kwargs: Any) -> Any:
+        with cp.cuda.Device(dev.index), torch.cuda.device(dev):
+            return loader._marlin_kernel(*args, **kwargs)
+
+    return make
+
+
+def _retype(model: nn.Module, name: str, dtype: torch.dtype) -> None:
+    """Give model tensor ``name`` (still on ``meta``) the dtype ``dtype``."""
+    mod_name, _, attr = name.rpartition(".")
+    mod = model.get_submodule(mod_name) if mod_name else model
+    for table in (mod._parameters, mod._buffers):
+        t = table.get(attr)
+        if t is not None and t.dtype != dtype:
+            fresh = torch.empty(t.shape, dtype=dtype, device=t.device)
+            table[attr] = nn.Parameter(fresh, requires_grad=False) if table is mod._parameters else fresh
+
+
+class MarlinConvertHfQuantizer(HfQuantizer):
+    """Loads a converted folder through ``from_pretrained`` (see the module docstring)."""
+
+    requires_calibration = True  # only a converted folder: it quantizes nothing itself
+
+    def __init__(self, quantization_config: MarlinConvertConfig, **kwargs: Any) -> None:
+        super().__init__(quantization_config, **kwargs)
+        self._layers: ConvertedLayers | None = None
+        self._close: Any = None
+        self._device_map: Mapping[str, Any] | None = None
+        self._swaps: dict[str, str] = {}
+        self._report: LoadReport | None = None
+
+    def validate_environment(self, *args: Any, device_map: Any = None, **kwargs: Any) -> None:
+        """Raises ModelError for a device_map that spreads the model or names a device other
+        than the CPU or CUDA, and GpuUnavailableError for CUDA without CuPy or a usable GPU."""
+        from .loader import resolve_device
+
+        if isinstance(device_map, str) and device_map in _SPREAD_MAPS:
+            raise ModelError(
+                f"device_map={device_map!r} is not supported for a {PRODUCER_NAME} model yet: pass one device "
+                "(device_map='cuda' or 'cpu') or a dict of modules to devices"
+            )
+        if isinstance(device_map, Mapping):
+            for value in device_map.values():
+                resolve_device(f"cuda:{value}" if isinstance(value, int) else value)
+
+    def update_tp_plan(self, config: Any) -> Any:  # transformers 5.17 calls this before resolving the weights
+        return self._claim_weights(config)
+
+    def update_attn_implementation(self, config: Any) -> Any:  # transformers 5.25: same place
+        return self._claim_weights(config)
+
+    def _claim_weights(self, config: Any) -> Any:
+        """Point ``config.transformers_weights`` at the artifact, replacing folder mode's guard.
+
+        Raises:
+            ModelError: ``weight_file`` is not a safetensors file or index name.
+        """
+        wf = getattr(self.quantization_config, "weight_file", None)
+        if (
+            not isinstance(wf, str)
+            or Path(wf).name != wf
+            or not wf.endswith((".safetensors", ".safetensors.index.json"))
+        ):
+            raise ModelError(
+                f"{wf!r} is not the name of a safetensors file or index beside config.json",
+                path="config.json",
+                tensor="quantization_config.weight_file",
+            )
+        config.transformers_weights = wf
+        return config
+
+    def _process_model_before_weight_loading(self, model: Any, **kwargs: Any) -> Any:
+        from .loader import read_converted_config
+
+        files = kwargs.get("checkpoint_files")
+        if not files:
+            raise ModelError(f"a {PRODUCER_NAME} model loads from its folder's artifact: from_pretrained found none")
+        folder, cfg = read_converted_config(Path(files[0]).parent)
+        self._device_map = kwargs.get("device_map")
+        # A hub download holds config.json and the weights, not the tokenizer files the manifest lists.
+        layers = ConvertedLayers(folder, cfg, tolerate=frozenset({ProblemCode.FOLDER_FILE_MISSING.value}))
+        # Closed after loading, or with the quantizer if transformers stops before that.
+        self._close = weakref.finalize(self, layers.close)
+        try:
+            self._swap_in_placeholders(model, folder, layers)
+        except BaseException:
+            self._close()
+            raise
+        return model
+
+    def _swap_in_placeholders(self, model: Any, folder: Path, layers: ConvertedLayers) -> None:
+        arch = type(model).__name__
+        ties = getattr(model, "all_tied_weights_keys", None)
+        b, _ = layers.bind(model, arch=arch, strict=True, ties=ties)
+        for module, layer in b.swaps.items():
+            parent_name, _, child = module.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            slot = layers.slots[layer]
+            setattr(parent, child, PendingLayer(layer, slot.size_k, slot.size_n))
+        for target, source in list((ties or {}).items()):
+            if {target.rpartition(".")[0], source.rpartition(".")[0]} & b.swaps.keys():
+                del ties[target]  # a swapped module has no weight left to tie
+        for tensor, names in b.loads.items():
+            dtype = _TORCH_DTYPES.get(layers.art.file.infos[tensor].dtype)
+            if dtype is not None:
+                for name in names:
+                    _retype(model, name, dtype)
+        prefix = model.base_model_prefix or ""
+        ours = sorted({c for t in layers.owned_tensors(b) for c in candidates(t, prefix)})
+        if ours:
+            quiet = "^(?:" + "|".join(map(re.escape, ours)) + ")$"
+            model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) | {quiet}
+        self._layers, self._swaps = layers, dict(b.swaps)
+        self._report = LoadReport(str(folder), "", arch, model_kind(model))
+        self._report.tensors = {t: list(n) for t, n in b.loads.items()}
+        self._report.unused = list(b.unused)
+
+    def _process_model_after_weight_loading(self, model: Any, **kwargs: Any) -> Any:
+        from ..safetensors_io import release_mapped_pages
+
+        layers, report = self._layers, self._report
+        if layers is None or report is None:
+            return model
+        try:
+            devices = set()
+            for module, layer in self._swaps.items():
+                dev = device_of(module, self._device_map)
+                devices.add(str(dev))
+                factory = _kernel_on(dev) if dev.type == "cuda" else None
+                parent_name, _, child = module.rpartition(".")
+                parent = model.get_submodule(parent_name) if parent_name else model
+                setattr(parent, child, layers.module(module, layer, dev, report, factory))
+                release_mapped_pages()  # the layer is copied: its pages of the artifact need not stay resident
+        finally:
+            self._close()
+            self._layers = None
+        promote_plain_linears(model)
+        report.device = ",".join(sorted(devices)) or str(device_of("", self._device_map))
+        model.marlin_report = report
+        return model
+
+    def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
+        return False  # the swapped modules hold no state_dict: save the converted folder itself
+
+    @property
+    def is_compileable(self) -> bool:
+        # generate's compile path (static cache) is skipped for a quantizer that says no; our
+        # modules are plain torch, or the GEMM as a torch op with a fake implementation.
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+
+def register() -> None:
+    """Register :class:`MarlinConvertConfig` and :class:`MarlinConvertHfQuantizer` under
+    ``quant_method: "marlin-convert"``; a second call does nothing."""
+    # The registry module itself: this runs as soon as it has run (converter/hf_hook.py),
+    # while the transformers.quantizers package may still be importing it.
+    auto = importlib.import_module("transformers.quantizers.auto")
+
+    if PRODUCER_NAME not in auto.AUTO_QUANTIZATION_CONFIG_MAPPING:
+        auto.register_quantization_config(PRODUCER_NAME)(MarlinConvertConfig)
+    if PRODUCER_NAME not in auto.AUTO_QUANTIZER_MAPPING:
+        auto.register_quantizer(PRODUCER_NAME)(MarlinConvertHfQuantizer)

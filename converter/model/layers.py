@@ -1,0 +1,276 @@
+"""A converted folder's quantized layers as torch modules: what :func:`load_model` and the
+transformers quantizer (:mod:`converter.model.hf_quantizer`) share, so both build the
+same module from the same bytes on the same rule.
+
+:class:`ConvertedLayers` opens the artifact (and the source reader of layers that passed
+through unconverted), binds a model skeleton to it, and makes each layer's module on the
+device asked for; the caller decides what builds the skeleton and loads the other tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..constants import KERNEL_K_MULTIPLE, Suffix
+from ..errors import ArtifactError, ConverterError
+from ..marlin.layout import unpack_b, unpermute_scales
+from ..marlin.shapes import kernel_compatible
+from . import ModelError
+from .build import binding_errors, inventory, layer_slot
+from .names import Binding, bind
+
+#: ``kernel_factory(name, size_k, size_n, group_size, B, scales, delta, perm, bias, *, padded_n)``
+#: -> a module taking float16 ``(..., K)`` and returning float16 ``(..., N)`` (the bias
+#: applied inside; ``N = size_n``, the true one). Arrays are the artifact's as stored
+#: (scales Marlin-permuted, ``B``, scales and delta ``padded_n`` wide, bias float16 or
+#: None); ``padded_n`` is ``size_n`` for a layer that is not padded.
+KernelFactory = Callable[..., Any]
+
+
+@dataclasses.dataclass
+class LoadReport:
+    """What :func:`~converter.model.loader.load_model` (or ``from_pretrained``) did: ``model.marlin_report``.
+
+    Attributes:
+        folder: the converted model folder.
+        device: where the model runs (``"cpu"``, ``"cuda:0"``; several, comma-separated).
+        architecture: the transformers class built (``"LlamaForCausalLM"``).
+        kind: ``causal-lm``, ``masked-lm``, ``encoder`` or ``other``.
+        layers: ``{artifact layer: path}``, path one of ``marlin-kernel`` (our GPU
+            kernel), ``exact`` (exact fp32 from the artifact's tensors) or
+            ``dequant-fp16`` (a quantized layer that passed through unconverted).
+        modules: ``{artifact layer: model module name}``.
+        not_converted: ``{layer: the converter's reason}`` for the ``dequant-fp16`` layers.
+        kernel_fallback: ``{layer: reason}`` for converted layers that run ``exact`` on the
+            GPU because they are outside the kernel's limits.
+        tensors: ``{artifact tensor: [model names]}`` loaded in their own dtype.
+        missing: model tensors nothing in the artifact feeds (only with ``strict=False``;
+            they keep their initial values), and ``<layer>.bias`` for a layer without the
+            bias its module has.
+        unused: artifact tensors no module uses (``cls.predictions.*`` when the config
+            builds a bare ``BertModel``).
+        warnings: tied tensors that differ, and the like.
+    """
+
+    folder: str
+    device: str
+    architecture: str
+    kind: str
+    layers: dict[str, str] = dataclasses.field(default_factory=dict)
+    modules: dict[str, str] = dataclasses.field(default_factory=dict)
+    not_converted: dict[str, str] = dataclasses.field(default_factory=dict)
+    kernel_fallback: dict[str, str] = dataclasses.field(default_factory=dict)
+    tensors: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    missing: list[str] = dataclasses.field(default_factory=list)
+    unused: list[str] = dataclasses.field(default_factory=list)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def dequantized_weight(source: Any, plan: Any) -> np.ndarray:
+    """float32 ``(K, N)``, rows in source input-channel order: the layer as its source
+    format defines it (``QuantWeight.source_weight``), act-order undone."""
+    qw = source.load_layer(plan)
+    w = qw.source_weight()
+    if qw.perm is None:
+        return w
+    out = np.empty_like(w)
+    out[qw.perm] = w
+    return out
+
+
+def _passthrough_quantized(folder: Path, cfg: dict[str, Any], art: Any) -> tuple[Any, dict[str, Any], dict[str, str]]:
+    """The reader, plans and reasons of quantized layers that passed through unconverted.
+
+    They still hold their source tensors (``qweight``/``qzeros``/``scales``,
+    ``weight_packed``/...), so the source format's own reader, opened on the artifact
+    with the source's quant config (kept in ``config.json``), dequantizes them.
+
+    Raises:
+        ModelError: the reader cannot plan them, or one cannot be dequantized.
+    """
+    from ..formats import READERS
+    from ..formats.hf import HFSource
+    from ..formats.hf_checkpoint import HFCheckpoint
+
+    qc = cfg["quantization_config"]
+    fmt = str(qc.get("source_format", ""))
+    # A quantized layer that passed through still has its reader's anchor tensor (qweight, ...).
+    reader_cls = next((cls for f, cls in READERS.items() if f.value == fmt and issubclass(cls, HFSource)), None)
+    marker = f".{reader_cls.anchor}" if reader_cls is not None else None
+    reasons = {e.name: e.reason for e in (art.manifest.passthrough if art.manifest else ())}
+    if marker is None or not any(n.endswith(marker) for n in reasons):
+        return None, {}, {}
+
+    ckpt = HFCheckpoint(folder)
+    try:
+        ckpt.quant_config = dict(qc.get("source_quantization_config") or {})
+        ckpt.quant_config_file = "config.json"
+        reader = reader_cls(ckpt)
+        plans = {lp.name: lp for lp in reader.plan().layers}
+    except ConverterError as exc:
+        ckpt.close()
+        raise ModelError(f"cannot read the layers that passed through unconverted: {exc}", path=folder) from None
+    except BaseException:
+        ckpt.close()
+        raise
+    bad = [f"{n} ({lp.reason})" for n, lp in plans.items() if lp.size_k <= 0]
+    if bad:
+        ckpt.close()
+        raise ModelError(
+            f"quantized layer(s) passed through unconverted cannot be dequantized: {', '.join(bad)}", path=folder
+        )
+    why = {
+        n: reasons.get(f"{n}{marker}", lp.reason).removeprefix(f"layer {n} not converted: ") for n, lp in plans.items()
+    }
+    return reader, plans, why
+
+
+class ConvertedLayers:
+    """The artifact of a converted model folder, open, and every quantized layer in it.
+
+    Args:
+        folder, cfg: from :func:`~converter.model.loader.read_converted_config`.
+        validate: run the ``--shapes`` checks first (``marlin-verify --model`` has run them).
+        tolerate: problem codes of the checks that do not stop the load (a hub download
+            holds config.json and the weights, not the tokenizer files the manifest lists).
+
+    Raises:
+        ArtifactError: the artifact fails validation.
+        ModelError: layers that passed through unconverted cannot be read.
+    """
+
+    def __init__(
+        self, folder: Path, cfg: dict[str, Any], *, validate: bool = True, tolerate: frozenset[str] = frozenset()
+    ) -> None:
+        from ..artifact.reader import open_artifact
+        from ..artifact.validate import validate_artifact
+
+        self.folder = folder
+        if validate:
+            vreport, art = validate_artifact(folder)
+            errors = [p for p in vreport.problems if p.severity == "error" and p.code.value not in tolerate]
+            if errors:
+                art.close()
+                raise ArtifactError(
+                    f"fails validation ({errors[0].message}); run marlin-verify {folder} --shapes for every problem",
+                    path=folder,
+                )
+        else:
+            art = open_artifact(folder)
+        self.art = art
+        try:
+            self.reader, self.dq_plans, self.dq_reasons = _passthrough_quantized(folder, cfg, art)
+        except BaseException:
+            art.close()
+            raise
+        self.slots = {}
+        for name, rec in art.layers.items():
+            own = {f"{name}.{s.value}" for s in (Suffix.B, Suffix.SCALES, Suffix.DELTA)}
+            own |= {f"{name}.{Suffix.PERM.value}"} if rec.act_order else set()
+            own |= {f"{name}.{Suffix.BIAS.value}"} if rec.has_bias else set()
+            self.slots[name] = layer_slot(rec.size_k, rec.size_n, rec.has_bias, own)
+        for name, lp in self.dq_plans.items():
+            own = set(lp.source_tensors) | ({lp.bias.name} if lp.bias else set())
+            self.slots[name] = layer_slot(lp.size_k, lp.size_n, lp.bias is not None, own)
+
+    def close(self) -> None:
+        self.art.close()
+        if self.reader is not None:
+            self.reader.close()
+
+    def __enter__(self) -> ConvertedLayers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def bind(
+        self, model: Any, *, arch: str, strict: bool, ties: Mapping[str, str] | None = None
+    ) -> tuple[Binding, list[list[str]]]:
+        """Match ``model``'s linears and tensors with the artifact's layers and tensors:
+        the binding, and the model's tensor names in groups sharing one tensor.
+
+        Args:
+            ties: ``{target: source}`` model names transformers will tie after loading
+                (its skeleton is built untied); None where the skeleton is tied already.
+
+        Raises:
+            ModelError: layers no module matches, linear modules without a layer or a
+                weight, sizes that disagree (all named); with ``strict``, model tensors
+                nothing in the artifact feeds.
+        """
+        linears, groups = inventory(model, ties)
+        b = bind(
+            linears=linears,
+            model_tensors=groups,
+            layers=self.slots,
+            tensors=self.art.file.infos,
+            prefix=model.base_model_prefix or "",
+        )
+        binding_errors(b, what="artifact", arch=arch, path=self.folder)
+        if b.missing and strict:
+            raise ModelError(
+                f"{len(b.missing)} tensor(s) of {arch} have nothing in the artifact to load: {', '.join(b.missing)}",
+                path=self.folder,
+            )
+        return b, groups
+
+    def owned_tensors(self, b: Binding) -> set[str]:
+        """Every artifact tensor the swapped layers of ``b`` consume (never a model parameter)."""
+        return set().union(*(self.slots[layer].tensors for layer in b.swaps.values()))
+
+    def tensor(self, name: str) -> Any:
+        """Artifact tensor ``name`` as a CPU torch tensor in its own dtype."""
+        from .modules import to_torch
+
+        return to_torch(self.art.tensor(name), self.art.file.infos[name].dtype)
+
+    def module(self, name: str, layer: str, dev: Any, report: LoadReport, factory: KernelFactory | None) -> Any:
+        """The swapped module of artifact layer ``layer`` (model module ``name``), its buffers on ``dev``.
+
+        ``factory`` makes the fast path of a converted layer inside the kernel's limits
+        (:class:`KernelMarlinLinear` around it); None, or a layer outside the limits,
+        gives the exact path. A layer that passed through unconverted runs dequantized
+        in fp16. ``report`` records the path taken.
+        """
+        import torch
+
+        from .modules import DEQUANT_FP16, EXACT, KERNEL, DenseLinear, ExactMarlinLinear, KernelMarlinLinear, to_torch
+
+        report.modules[layer] = name
+        if layer in self.dq_plans:
+            lp = self.dq_plans[layer]
+            w = torch.from_numpy(np.ascontiguousarray(dequantized_weight(self.reader, lp).T)).to(torch.float16)
+            bias = to_torch(self.reader.load_tensor(lp.bias.name).data, lp.bias.dtype) if lp.bias else None
+            report.layers[layer] = DEQUANT_FP16
+            report.not_converted[layer] = self.dq_reasons.get(layer, "")
+            return DenseLinear(layer, w, bias, DEQUANT_FP16).to(dev)
+        art = self.art
+        rec = art.layers[layer]
+        p = f"{layer}."
+        B, S, D = (np.asarray(art.tensor(p + s.value)) for s in (Suffix.B, Suffix.SCALES, Suffix.DELTA))
+        perm = np.asarray(art.tensor(p + Suffix.PERM.value)) if rec.act_order else None
+        bias = self.tensor(p + Suffix.BIAS.value) if rec.has_bias else None
+        if factory is not None and kernel_compatible(rec.size_k, rec.layout_n, rec.group_size):
+            b16 = None if bias is None else bias.to(torch.float16).numpy()
+            kernel = factory(layer, rec.size_k, rec.size_n, rec.group_size, B, S, D, perm, b16, padded_n=rec.layout_n)
+            report.layers[layer] = KERNEL
+            return KernelMarlinLinear(layer, kernel, rec.size_k, rec.size_n)
+        if factory is not None:
+            report.kernel_fallback[layer] = (
+                f"K = {rec.size_k} is outside the kernel's limits (K % {KERNEL_K_MULTIPLE} == 0)"
+            )
+        # The exact path keeps the real columns only: the padding is zero weight.
+        n = rec.size_n
+        q = unpack_b(B, rec.layout_n)[:, :n]
+        scales = unpermute_scales(S, single=rec.shape.num_groups == 1)[:, :n]
+        report.layers[layer] = EXACT
+        return ExactMarlinLinear(layer, q, scales, D[:, :n], perm, bias, rec.group_size).to(dev)

@@ -1,0 +1,171 @@
+"""The GEMM as a torch op (converter.gpu.torch_op): the same bits as the CuPy launcher,
+captured in a CUDA graph and replayed, traced by torch.compile(fullgraph=True), and a
+whole model's decode step captured and replayed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+#: (K, N, group_size, act_order, bias, padded N): the routes a serving model meets on
+#: sm_80..90: persistent Hopper kernels with B unit-major or with the stages inline,
+#: the small-layer route, the decode and tile kernels, act-order, per-channel, a
+#: padded head.
+LAYERS = [
+    (4096, 4096, 128, False, False, None),
+    (4096, 1024, 128, True, False, None),
+    (4096, 14336, 128, False, False, None),
+    (1024, 4096, 64, True, True, None),
+    (512, 192, -1, False, True, None),
+    (256, 200, 128, False, False, 256),
+]
+MS = (1, 5, 16, 33, 64, 130)
+
+
+def _layer(k: int, n: int, gs: int, act: bool, bias: bool, padded: int | None, seed: int):
+    from converter.gpu.api import MarlinLinear
+
+    rng = np.random.default_rng(seed)
+    p = padded or n
+    g = 1 if gs == -1 else k // gs
+    B = rng.integers(-(2**31), 2**31, (k // 16, 2 * p), dtype=np.int64).astype(np.int32)
+    s = rng.uniform(1e-3, 2e-2, (g, p)).astype(np.float16)
+    d = rng.uniform(-0.05, 0.05, (g, p)).astype(np.float32)
+    perm = rng.permutation(k).astype(np.int32) if act else None
+    b = rng.standard_normal(n).astype(np.float16) if bias else None
+    return MarlinLinear("layer", k, n, k if gs == -1 else gs, B, s, d, perm, b, padded_n=padded)
+
+
+@pytest.fixture(scope="module")
+def layers(cp):
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    from converter.gpu.api import MarlinLinearModule
+
+    made = [_layer(*spec, seed=i) for i, spec in enumerate(LAYERS)]
+    return [(layer, MarlinLinearModule(layer)) for layer in made]
+
+
+def _bits(t) -> np.ndarray:
+    return t.detach().cpu().numpy().view(np.uint16)
+
+
+def test_op_is_bitwise_the_cupy_launcher(cp, layers) -> None:
+    rng = np.random.default_rng(0)
+    for layer, mod in layers:
+        for m in MS:
+            a = rng.standard_normal((m, layer.size_k)).astype(np.float16)
+            want = cp.asnumpy(layer(cp.asarray(a))).view(np.uint16)
+            x = torch.from_numpy(a).cuda()
+            assert np.array_equal(_bits(mod(x)), want), (layer.size_k, layer.size_n, m)
+            y = torch.ops.marlin_convert.gemm(
+                x, mod.b, mod.scales, mod.delta, mod.perm, mod.bias, mod.locks,
+                mod.in_features, mod.size_n, mod.group_size, mod.out_features,
+            )  # fmt: skip
+            assert np.array_equal(_bits(y), want), ("op", layer.size_k, layer.size_n, m)
+
+
+def test_op_follows_torchs_current_stream(cp, layers) -> None:
+    layer, mod = layers[0]
+    x = torch.randn(3, layer.size_k, dtype=torch.float16, device="cuda")
+    want = _bits(mod(x))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        y = mod(x)
+    torch.cuda.current_stream().wait_stream(side)
+    assert np.array_equal(_bits(y), want)
+
+
+def test_graph_capture_and_replay(cp, layers) -> None:
+    """A chain of every layer at several M, captured once: replays on new inputs give the
+    eager bits."""
+    mods = [mod for _, mod in layers]
+    xs = {m: [torch.zeros(m, mod.in_features, dtype=torch.float16, device="cuda") for mod in mods] for m in (1, 8, 64)}
+
+    def step() -> list:
+        return [mod(x) for m in xs for mod, x in zip(mods, xs[m], strict=True)]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for _ in range(3):
+        for m in xs:
+            for x in xs[m]:
+                x.copy_(torch.randn(x.shape, generator=gen, device="cuda", dtype=torch.float16))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = step()
+        for got, want in zip(outs, eager, strict=True):
+            assert np.array_equal(_bits(got), _bits(want))
+
+
+def test_compile_fullgraph_traces_the_op(cp, layers) -> None:
+    _, q = layers[0]
+    _, down = layers[3]
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.down = q, down
+
+        def forward(self, x):
+            # Only exact operations around the op (relu, a slice, a power of two): inductor
+            # fuses and rounds elementwise chains its own way, the op must not differ.
+            h = torch.relu(self.q(x))
+            return self.down(h[..., : self.down.in_features] * 0.5)
+
+    block = Block()
+    compiled = torch.compile(block, fullgraph=True)
+    for m in (1, 8):
+        x = torch.randn(2, m, 4096, dtype=torch.float16, device="cuda")
+        assert np.array_equal(_bits(compiled(x)), _bits(block(x))), m
+
+
+def test_op_refuses_a_wrong_input(cp, layers) -> None:
+    from converter.errors import KernelError
+
+    _, mod = layers[0]
+    with pytest.raises(KernelError, match="expected a float16 CUDA tensor"):
+        mod(torch.randn(2, mod.in_features, dtype=torch.float32, device="cuda"))
+    with pytest.raises(KernelError, match=r"expected a float16 CUDA tensor \(M, 4096\)"):
+        torch.ops.marlin_convert.gemm(
+            torch.randn(2, 64, dtype=torch.float16, device="cuda"), mod.b, mod.scales, mod.delta, mod.perm,
+            mod.bias, mod.locks, mod.in_features, mod.size_n, mod.group_size, mod.out_features,
+        )  # fmt: skip
+
+
+def test_model_decode_step_in_a_cuda_graph(cp, tmp_path) -> None:
+    """A converted Llama's one-token decode step on a static cache, captured once: every
+    replay gives the eager step's logits bitwise, so greedy tokens agree; and the same
+    through torch.compile(fullgraph=True) then a graph (scripts/decode_loop.py)."""
+    pytest.importorskip("transformers")
+    from converter import load_model
+    from converter.convert import convert
+    from scripts.decode_loop import COMPILE, EAGER, GRAPH, greedy
+    from tests.helpers.model_fixture import write_tiny_llama
+
+    src = write_tiny_llama(tmp_path / "src")
+    convert(src, str(tmp_path / "out") + "/")
+    model = load_model(tmp_path / "out", "cuda")
+    prompt = torch.from_numpy(np.random.default_rng(5).integers(0, 200, (2, 9))).cuda()
+    runs = {}
+    for mode in (EAGER, GRAPH, COMPILE):
+        logits = []
+        keep = lambda i, lg, out=logits: out.append(lg.float().cpu().clone())  # noqa: E731
+        toks = greedy(model, prompt, 8, mode, on_step=keep, compile_mode="default")
+        runs[mode] = (toks.cpu(), logits)
+    for mode in (GRAPH, COMPILE):
+        assert torch.equal(runs[mode][0], runs[EAGER][0]), mode
+    for a, b in zip(runs[GRAPH][1], runs[EAGER][1], strict=True):
+        assert torch.equal(a, b)
