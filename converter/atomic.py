@@ -354,13 +354,31 @@ class WriteBack:
                     pass
 
 
+#: Longest file name (bytes) kept whole in a temporary's name: ``.<name>.<12 hex><suffix>``
+#: must stay within NAME_MAX (255) for every suffix used here.
+_TEMP_STEM_MAX = 255 - 25
+
+
+def temp_stem(name: str) -> str:
+    """The part of a temporary's name derived from the final file ``name``: ``name``
+    itself while short enough, else ``~`` and a hash of it (16 hex digits), so that every
+    legal output name (up to 255 bytes) gets a legal temporary; the same name always
+    gives the same stem, which is how stale temporaries are found again."""
+    if len(os.fsencode(name)) <= _TEMP_STEM_MAX:
+        return name
+    import xxhash
+
+    return "~" + xxhash.xxh3_64_hexdigest(os.fsencode(name))
+
+
 def temporary_name(path: Path, suffix: str = TEMP_SUFFIX) -> Path:
-    """A fresh hidden name beside ``path``: ``.<name>.<random><suffix>``.
+    """A fresh hidden name beside ``path``: ``.<stem>.<random><suffix>``, ``<stem>``
+    being :func:`temp_stem` of its name.
 
     Callers record the name *before* :func:`open_temporary` creates the file, so that an
     interrupt (SIGTERM, Ctrl-C) landing between the two still finds it to delete.
     """
-    return path.parent / f".{path.name}.{secrets.token_hex(6)}{suffix}"
+    return path.parent / f".{temp_stem(path.name)}.{secrets.token_hex(6)}{suffix}"
 
 
 def open_temporary(tmp: Path, path: Path) -> int:
@@ -466,10 +484,14 @@ def remove_stale_temporaries(path: str | Path, keep: Callable[[Path], bool] | No
         The files removed.
     """
     path = Path(path)
-    prefix = f".{path.name}."
+    prefix = f".{temp_stem(path.name)}."
     removed: list[Path] = []
     try:
-        entries = [e for e in os.scandir(path.parent) if e.name.startswith((prefix, "." + prefix))]
+        every = list(os.scandir(path.parent))
+        ours = [e for e in every if e.name.startswith(prefix)]
+        # a staged placeholder's own writer temporary: named after the placeholder
+        inner = {f".{temp_stem(e.name)}." for e in ours if e.name.endswith(STAGED_SUFFIX)}
+        entries = ours + [e for e in every if not e.name.startswith(prefix) and e.name.startswith(tuple(inner))]
         if keep is not None:
             entries = [e for e in entries if not keep(Path(e.path))]
     except OSError:
@@ -493,7 +515,7 @@ def remove_stale_temporaries(path: str | Path, keep: Callable[[Path], bool] | No
             follow_symlinks=False
         ):
             continue
-        if any(n.startswith(f".{entry.name}.") for n in live):
+        if any(n.startswith(f".{temp_stem(entry.name)}.") for n in live):
             continue
         try:
             if entry.stat(follow_symlinks=False).st_mtime < _PROCESS_START:
@@ -534,13 +556,22 @@ def commit_all(pairs: list[tuple[Path, Path]], folder: Path) -> None:
     Raises:
         ConverterError: a rename failed (the message states what was left).
     """
+    for _, final in pairs:
+        # A folder under a final name cannot be replaced by a file (nor backed up and
+        # restored as one): refused before the first rename, so nothing is committed.
+        if os.path.isdir(final) and not os.path.islink(final):
+            raise ConverterError(
+                "is a folder where the output writes a file; --force replaces files only: move it away; "
+                "nothing was written",
+                path=final,
+            )
     done: list[tuple[Path, Path | None]] = []
     pending: tuple[Path, Path, bool] | None = None  # (final, backup, moved away)
     try:
         for tmp, final in pairs:
             backup = None
             if os.path.lexists(final):
-                fd, name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=BACKUP_SUFFIX, dir=folder)
+                fd, name = tempfile.mkstemp(prefix=f".{temp_stem(final.name)}.", suffix=BACKUP_SUFFIX, dir=folder)
                 os.close(fd)
                 backup = Path(name)
                 try:
@@ -590,3 +621,56 @@ def commit_all(pairs: list[tuple[Path, Path]], folder: Path) -> None:
     for _, backup in done:
         if backup is not None:
             backup.unlink(missing_ok=True)
+
+
+#: The lock file of one output, held from staging to commit (see :class:`OutputLock`).
+LOCK_SUFFIX = ".marlin-lock"
+
+
+class OutputLock:
+    """An exclusive lock on one output (a file, or a model folder's artifact), held
+    from the first staged file to the commit: a second conversion to the same output
+    refuses with one line instead of mixing two models' files, and no run's stale-file
+    cleanup can meet another live run's temporaries.
+
+    The lock is ``flock`` on a hidden ``.<stem>.marlin-lock`` beside the output, deleted on
+    release (while still held; a waiter that opened the deleted file sees that its
+    inode is gone and refuses too).  The kernel drops it when the process dies, so a
+    killed run never blocks the next one.
+
+    Raises:
+        ConverterError: another process holds it (naming the output), or the folder is
+            not writable.
+    """
+
+    def __init__(self, folder: Path, stem: str, output: Path) -> None:
+        self.path = folder / f".{temp_stem(stem)}{LOCK_SUFFIX}"
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            raise ConverterError(f"cannot write to the output folder: {exc.strerror}", path=folder) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            st = os.stat(self.path, follow_symlinks=False)
+            if (st.st_dev, st.st_ino) != (os.fstat(fd).st_dev, os.fstat(fd).st_ino):
+                raise BlockingIOError(errno.EAGAIN, "lock file replaced")
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EAGAIN, errno.EACCES, errno.ENOENT):
+                raise ConverterError(
+                    "another conversion is writing this output now; wait for it to finish, or choose another output",
+                    path=output,
+                ) from None
+            raise
+        self.fd: int | None = fd
+
+    def release(self) -> None:
+        """Delete the lock file and drop the lock (idempotent)."""
+        if self.fd is None:
+            return
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError:
+            pass
+        os.close(self.fd)
+        self.fd = None

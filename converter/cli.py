@@ -3,7 +3,8 @@
 Exit codes: 0 success; 1 verification found problems; 2 bad input, bad usage or an
 unreadable file (one line on stderr naming the file, the tensor and the rule; the
 traceback only with ``--debug`` or ``MARLIN_DEBUG=1``); 130 interrupted (Ctrl-C,
-SIGTERM, SIGHUP), with every temporary file removed.
+SIGTERM, SIGHUP), with every temporary file removed; 141 (:data:`BROKEN_PIPE_EXIT`) the
+reader of stdout went away (``| head``), quietly.
 
 One output policy for both: results (the summary or verification table, the problems
 found, the status line, ``--json``'s document) go to stdout; progress, notes, warnings
@@ -17,6 +18,8 @@ stderr stays empty, for usage errors and interrupts too.  Names that come from f
 from __future__ import annotations
 
 import ctypes
+import errno
+import functools
 import glob
 import json
 import os
@@ -40,7 +43,8 @@ from rich.table import Table
 from . import __version__
 from .artifact.problems import Report
 from .artifact.shards import human_size
-from .errors import ConverterError, json_text, printable
+from .atomic import committed_outputs
+from .errors import ConverterError, json_text, printable, short_name
 from .faults import (
     INTERRUPTED_EXIT,
     error_document,
@@ -51,9 +55,87 @@ from .faults import (
     write_fd,
 )
 
-# Piped output (logs, CI) gets wide tables instead of 80-column wrapping.
-err_console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
-out_console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+#: The exit status when stdout or stderr is a pipe whose reader went away (``| head``):
+#: 128 + SIGPIPE, what a shell reports for a command that SIGPIPE ended; never 1, which
+#: means "problems found" (or a bug).  Nothing more is printed then.
+BROKEN_PIPE_EXIT = 141
+
+
+class _StreamError(Exception):
+    """stdout or stderr failed (a broken pipe, a full disk) while a command printed: an
+    ``OSError`` that click would turn into exit 1 (see :func:`_stream_failed`)."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _guard_streams(fn: Callable[..., None]) -> Callable[..., None]:
+    """A command whose ``OSError`` escapes (its own are mapped by :func:`_errors_to_exit`,
+    so what is left failed to print) raises :class:`_StreamError` instead."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> None:
+        try:
+            fn(*args, **kwargs)
+        except OSError as exc:
+            raise _StreamError(exc) from None
+
+    return run
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream is not None and stream.isatty())
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+class _Console(Console):
+    """rich's console, except that a broken pipe raises (for :func:`_stream_failed`),
+    instead of rich's own exit with status 1 ("problems found")."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
+
+
+class _LazyConsole:
+    """A rich :class:`Console` made on first use, not at import: a closed stdout or stderr
+    (``sys.stdout`` None) must not fail the import.  Piped output (logs, CI) gets wide
+    tables instead of 80-column wrapping."""
+
+    def __init__(self, stderr: bool) -> None:
+        self._stderr = stderr
+        self._console: _Console | None = None
+
+    def get(self) -> Console:
+        if self._console is None:
+            stream = sys.stderr if self._stderr else sys.stdout
+            self._console = _Console(stderr=self._stderr, highlight=False, width=None if _isatty(stream) else 160)
+        return self._console
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.get(), name)
+
+
+def _real(console: Any) -> Console:
+    """The rich console behind a lazy one (made now), for code that wants a real one."""
+    return console.get() if isinstance(console, _LazyConsole) else console
+
+
+err_console: Any = _LazyConsole(stderr=True)
+out_console: Any = _LazyConsole(stderr=False)
+
+
+def _can_encode(console: Any, text: str) -> bool:
+    """Whether ``console``'s stream can encode ``text`` (an ASCII terminal cannot encode a check mark)."""
+    try:
+        text.encode(console.encoding or "utf-8")
+    except (UnicodeEncodeError, LookupError):
+        return False
+    return True
+
 
 InPath = Annotated[
     Path,
@@ -216,7 +298,7 @@ def _progress(enabled: bool) -> Iterator[Callable[[str, int], None] | None]:
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
-        console=err_console,
+        console=_real(err_console),
         transient=True,
     )
     task: list[Any] = []
@@ -257,9 +339,10 @@ convert_app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_ex
     "folder (any other OUT).\n\n"
     "The summary goes to stdout; progress, warnings and errors to stderr.\n\n"
     "Exit codes: 0 ok; 1 a bug (InternalError, traceback with --debug); 2 bad input or usage (nothing is "
-    "written); 130 interrupted (nothing is written).",
+    "written); 130 interrupted (nothing is written); 141 stdout's reader went away (| head).",
     epilog="Example: marlin-convert model.tinyloop model.marlin.safetensors",
 )
+@_guard_streams
 def convert_cmd(
     source: InPath,
     output: OutPath,
@@ -331,7 +414,8 @@ def name_patterns(names: Iterable[str]) -> list[tuple[str, int]]:
     groups: dict[str, list[str]] = {}
     for name in names:
         groups.setdefault(_INDEX.sub("*", name), []).append(name)
-    return [(pat if len(ns) > 1 else ns[0], len(ns)) for pat, ns in groups.items()]
+    # a crafted multi-megabyte name is shown by its start, length and hash (errors.short_name)
+    return [(short_name(pat if len(ns) > 1 else ns[0]), len(ns)) for pat, ns in groups.items()]
 
 
 def _patterns_text(names: Iterable[str]) -> str:
@@ -473,9 +557,11 @@ verify_app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exc
     help="Verify a Marlin artifact: structure and checksums (--shapes, no GPU), exact agreement with its source "
     "(--against), and numerics on CPU and GPU.\n\n"
     "The table, the problems and the status line go to stdout; progress, notes and errors to stderr.\n\n"
-    "Exit codes: 0 all good; 1 problems found; 2 unreadable input or bad usage; 130 interrupted.",
+    "Exit codes: 0 all good; 1 problems found; 2 unreadable input or bad usage; 130 interrupted; 141 stdout's "
+    "reader went away (| head).",
     epilog="Example: marlin-verify model.marlin.safetensors --shapes --against model.tinyloop",
 )
+@_guard_streams
 def verify_cmd(
     artifact: ArtPath,
     shapes: Annotated[
@@ -593,7 +679,7 @@ def _verify_model_cmd(
     if as_json:
         _print_json(report.to_json())
     else:
-        render(report, out_console, err_console, quiet=quiet)
+        render(report, _real(out_console), _real(err_console), quiet=quiet)
     raise typer.Exit(0 if report.ok else 1)
 
 
@@ -617,7 +703,8 @@ def _render_verify(report: Report, quiet: bool, verbose: bool = False) -> None:
     if not quiet and report.layers:
         with_gpu = any(isinstance(row.get("gpu"), dict) for row in report.layers)
         out_console.print(_show(report.artifact), soft_wrap=True)  # not a table title, which would wrap
-        table = Table()
+        marks = ("❌", "✅") if _can_encode(out_console, "❌✅") else ("X", "ok")
+        table = Table()  # rich draws its box in ASCII where the stream needs it
         cols = ["", "layer", "K", "N", "group", "sym", "exact", "cpu rel err"] + (
             ["gpu mean / max rel err"] if with_gpu else []
         )
@@ -627,8 +714,8 @@ def _render_verify(report: Report, quiet: bool, verbose: bool = False) -> None:
             exact = [row[k] for k in ("codes_exact", "scales_exact", "delta_exact", "padding_exact") if k in row]
             gpu = row.get("gpu")
             cells = [
-                "❌" if row["name"] in bad_layers else "✅",
-                _show(row["name"]),
+                marks[row["name"] not in bad_layers],
+                _show(short_name(row["name"])),
                 str(row["size_k"]),
                 str(row["size_n"]) + (f" (pad {row['padded_n']})" if "padded_n" in row else ""),
                 _group_cell(
@@ -681,20 +768,79 @@ def _render_verify(report: Report, quiet: bool, verbose: bool = False) -> None:
 def _main(app: typer.Typer, prog: str) -> None:
     """Run a command.  With ``--json`` a usage error (an unknown option, a missing
     argument, a path that does not exist) is a JSON error document on stdout too, with
-    exit 2, not click's text on stderr."""
-    if not wants_json(sys.argv[1:]):
-        app(prog_name=prog)
-        return
+    exit 2, not click's text on stderr.
+
+    Standard streams: a closed stdin, stdout or stderr gets ``/dev/null`` in its place
+    first (else the first file opened would take its descriptor, and a message could
+    land in the output); a reader that went away (``| head``) ends the command quietly
+    with :data:`BROKEN_PIPE_EXIT`; a stream that cannot be written (``> /dev/full``)
+    gives one line on stderr (the output, if one was committed, is complete and valid)
+    and exit 2; a stream that cannot encode a character gets it escaped."""
+    _standard_streams()
+    try:
+        code = _run(app, prog, wants_json(sys.argv[1:]))
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
+    except _StreamError as exc:
+        _stream_failed(exc.error)
+    except OSError as exc:
+        _stream_failed(exc)
+    sys.exit(code)
+
+
+def _run(app: typer.Typer, prog: str, as_json: bool) -> int:
     try:
         code = app(prog_name=prog, standalone_mode=False)
     except typer.Abort:
+        if not as_json:
+            err_console.print("Aborted!")
+            return 1
         print(error_document("KeyboardInterrupt", interrupted_message()))
-        sys.exit(INTERRUPTED_EXIT)
+        return INTERRUPTED_EXIT
     except _USAGE_ERRORS as exc:
+        if not as_json:
+            exc.show()  # type: ignore[attr-defined]
+            return int(getattr(exc, "exit_code", 2))
         message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
         print(error_document("UsageError", message))
-        sys.exit(2)
-    sys.exit(code if isinstance(code, int) else 0)
+        return 2
+    return code if isinstance(code, int) else 0
+
+
+def _standard_streams() -> None:
+    """Put ``/dev/null`` on a closed descriptor 0, 1 or 2, and make the streams escape
+    what their encoding cannot hold (``PYTHONIOENCODING=ascii``) instead of failing."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free descriptor: this one
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
+        except (AttributeError, ValueError, OSError):
+            pass
+
+
+def _stream_failed(exc: OSError) -> NoReturn:
+    """stdout or stderr failed: a broken pipe exits quietly; anything else (a full
+    disk) is one line on stderr, if stderr can take it.  Either way the streams then
+    point at ``/dev/null``, so the interpreter's last flush cannot fail again."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    broken = exc.errno == errno.EPIPE
+    if not broken:
+        done = committed_outputs()
+        after = f"; {done[-1]} was written and is complete" if done else ""
+        write_fd(2, f"error: cannot write to standard output: {exc.strerror or exc}{after}\n")
+    os.dup2(null, 1)
+    if broken:
+        os.dup2(null, 2)
+    os.close(null)
+    sys.exit(BROKEN_PIPE_EXIT if broken else 2)
 
 
 def _usage_errors() -> tuple[type[BaseException], ...]:

@@ -254,6 +254,9 @@ def convert(
     if progress:
         progress(f"planning {src_path.name}", 1)
     with open_source(src_path) as source, contextlib.ExitStack() as stack:
+        # Each input file's identity and state as first read: an input rewritten in place
+        # while it is converted is refused before the commit (:meth:`InputStats.recheck`).
+        stats = InputStats(source.input_files())
         # The input's sha256 (for the manifest) starts now, on its own thread, so that it
         # overlaps planning and conversion; it is read only when the manifest is sealed,
         # so an error in planning or in the output checks comes as early as without it
@@ -277,8 +280,9 @@ def convert(
         shards = plan_shards(layout, [lay.name for lay in layers], max_bytes)
         target = OutputTarget(out_arg)
         artifact_path = target.path if len(shards) == 1 else target.index
-        extras = folder_extras(source, desc, layers, artifact_path.name) if target.directory else {}
         copied = list(copied_files(source).values()) if target.directory else []
+        stats.add(copied)
+        extras = folder_extras(source, desc, layers, artifact_path.name) if target.directory else {}
         guard = InputGuard([*source.input_files(), *copied], source.checkpoint_folder)
         # A dry run checks the output too, so it fails exactly when the real run would.
         target.check(guard, force, count=len(shards), extra_names=extras, create=not dry_run)
@@ -323,7 +327,7 @@ def convert(
             progress("", 1)
         if digests is None:
             return report
-        _write(source, plan, layout, manifest, target, shards, guard, extras, digests, report, progress)
+        _write(source, plan, layout, manifest, target, shards, guard, extras, digests, report, progress, stats)
     return report
 
 
@@ -339,6 +343,7 @@ def _write(
     digests: FileDigests,
     report: ConvertReport,
     progress: Progress | None,
+    stats: InputStats,
 ) -> None:
     """Write the planned artifact: the layers, then the pass-through tensors, then the
     manifest sealed with the tensors' checksums and the input's sha256."""
@@ -361,12 +366,22 @@ def _write(
                     hashers.update(_write_layer(source, layer, writer, behind))
                     if progress:
                         progress("", 1)
+            small = _SmallTensors(behind)
             for entry in report.passthrough:
                 tensor = source.load_tensor(entry.name)
-                where = _copy_source(source, tensor.name, tensor.data.nbytes, fds)
-                hashers[tensor.name] = _copy_tensor(behind, tensor.name, tensor.data, source.release_pages, where)
+                if tensor.data.nbytes <= SMALL_TENSOR_BYTES:
+                    # hashed now, written in batches: no thread hand-off, map check or page
+                    # release per tensor (400 k one-byte tensors stay linear and quick)
+                    sums[tensor.name] = small.add(tensor.name, tensor.data)
+                else:
+                    where = _copy_source(source, tensor.name, tensor.data.nbytes, fds)
+                    h = _copy_tensor(behind, tensor.name, tensor.data, source.release_pages, where)
+                    sums[tensor.name] = h.hexdigest()  # hashed on this thread: complete now
                 if progress:
                     progress("", 1)
+            small.flush()
+            source.release_pages()
+            release_mapped_pages()
         finally:
             try:
                 behind.close()
@@ -374,12 +389,60 @@ def _write(
                 for fd in fds.values():
                     os.close(fd)
         sums.update({n: h.hexdigest() for n, h in hashers.items()})
+        del hashers
+        stats.recheck()  # after the last read
+        hashed = digests.result()
+        stats.recheck()  # after hashing: the sha256 is of the bytes that were converted
         manifest = dataclasses.replace(
             manifest,
-            source=from_json(SourceInfo, source.describe(digests=digests.result()), "source"),
+            source=from_json(SourceInfo, source.describe(digests=hashed), "source"),
             checksums=dataclasses.replace(manifest.checksums, tensors={n: sums[n] for n, _, _ in layout}),
         )
         writer.finish(manifest)
+
+
+class InputStats:
+    """Size, modification time and identity (device, inode) of every input file, taken
+    when the input is opened; :meth:`recheck` refuses any change since.  An input
+    rewritten in place (or replaced) during a conversion would otherwise give an
+    artifact whose codes come from the old bytes and whose sha256 from the new."""
+
+    def __init__(self, paths: list[Path]) -> None:
+        self._stats: dict[Path, tuple[int, int, int, int] | None] = {}
+        self.add(paths)
+
+    @staticmethod
+    def _stat(path: Path) -> tuple[int, int, int, int] | None:
+        try:
+            st = os.stat(path)
+        except (OSError, ValueError):
+            return None
+        return st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino
+
+    def add(self, paths: list[Path]) -> None:
+        for p in paths:
+            self._stats.setdefault(Path(p), self._stat(Path(p)))
+
+    def recheck(self) -> None:
+        """Raises:
+        SourceFormatError: a file's size, mtime or inode changed (or it vanished)."""
+        for path, before in self._stats.items():
+            now = self._stat(path)
+            if now == before:
+                continue
+            what = (
+                "was deleted"
+                if now is None
+                else "was replaced by another file"
+                if before is None or now[2:] != before[2:]
+                else f"changed size ({before[0]} -> {now[0]} bytes)"
+                if now[0] != before[0]
+                else "was modified (its mtime changed)"
+            )
+            raise SourceFormatError(
+                f"{what} while being converted; nothing was written: convert it again once nothing writes to it",
+                path=path,
+            )
 
 
 def _refuse_non_finite(source: Source, desc: dict[str, Any]) -> None:
@@ -483,6 +546,10 @@ class _WriteBehind:
                 hasher.update(data)  # one writer thread: jobs run, and hash, in order
                 self._writer.write(name, data, start)
 
+    def _write_batch(self, jobs: list[tuple[str, np.ndarray, int, Any]]) -> None:
+        for name, data, start, _ in jobs:
+            self._writer.write_flat(name, data, start)
+
     def wait(self) -> None:
         while self._pending:
             self._pending.popleft().result()
@@ -532,6 +599,41 @@ def _write_layer(source: Source, layer: LayerPlan, writer: StreamingWriter, behi
         release_mapped_pages()
         source.release_pages()  # readers with maps of their own (.tinyloop)
     return {names[s]: h for s, h in hashers.items()}
+
+
+#: A pass-through tensor this small (bytes) is written in a batch with others (:class:`_SmallTensors`).
+SMALL_TENSOR_BYTES = 64 << 10
+#: Bytes of small tensors gathered before the batch is queued.
+SMALL_BATCH_BYTES = 4 << 20
+#: Tensors gathered before the batch is queued.
+SMALL_BATCH_COUNT = 4096
+
+
+class _SmallTensors:
+    """Small pass-through tensors, hashed at once and written in batches on the
+    write-behind thread: per tensor only a copy of its bytes and its digest are kept,
+    and the batch in flight is bounded (:data:`SMALL_BATCH_BYTES`, :data:`SMALL_BATCH_COUNT`)."""
+
+    def __init__(self, behind: _WriteBehind) -> None:
+        self._behind = behind
+        self._jobs: list[tuple[str, np.ndarray, int, Any]] = []
+        self._bytes = 0
+
+    def add(self, name: str, data: np.ndarray) -> str:
+        """Queue ``data`` (the whole tensor) for writing; returns its xxh3-128 hex digest."""
+        flat = np.array(data.reshape(-1) if data.size else data.reshape(0), copy=True)
+        digest = xxhash.xxh3_128_hexdigest(flat)
+        if flat.nbytes:
+            self._jobs.append((name, flat, 0, None))
+            self._bytes += flat.nbytes
+            if self._bytes >= SMALL_BATCH_BYTES or len(self._jobs) >= SMALL_BATCH_COUNT:
+                self.flush()
+        return digest
+
+    def flush(self) -> None:
+        if self._jobs:
+            jobs, self._jobs, self._bytes = self._jobs, [], 0
+            self._behind._queue(self._behind._write_batch, jobs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,26 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+#: Characters of a name (tensor, layer, file) shown whole in a message; a longer one is
+#: shortened by :func:`short_name`.
+NAME_SHOWN = 160
+#: Characters of a whole error line, at most (a message quoting long names).
+LINE_SHOWN = 4096
+
+
+def short_name(text: str, limit: int = NAME_SHOWN) -> str:
+    """``text``, or for one longer than ``limit`` characters its start and end around
+    ``...(N chars, xxh3 H)...``: a crafted 5-million-character tensor name must not make
+    a 5 MB error line, and the length and hash still tell two such names apart."""
+    if len(text) <= limit:
+        return text
+    import xxhash
+
+    digest = xxhash.xxh3_64_hexdigest(text.encode("utf-8", "surrogatepass"))
+    keep = max(limit // 2 - 20, 8)
+    return f"{text[:keep]}...({len(text)} chars, xxh3 {digest})...{text[-keep // 2 :]}"
+
+
 def json_text(text: str) -> str:
     """``text`` as valid Unicode for a JSON document: a lone surrogate (an undecodable
     byte of a file name) becomes its ``\\udcXX`` spelling instead of an escape strict
@@ -39,11 +59,12 @@ class ConverterError(Exception):
     exit_code = 2
 
     def __init__(self, message: str, *, path: str | Path | None = None, tensor: str | None = None) -> None:
-        self.rule = message
+        self.rule = short_name(message, LINE_SHOWN)
         self.path = str(path) if path is not None else None
-        self.tensor = tensor
-        parts = [p for p in (self.path, tensor) if p]
-        super().__init__(": ".join([*parts, message]))
+        # names from files are shortened (with their length and a hash) where too long
+        self.tensor = short_name(tensor) if tensor is not None else None
+        parts = [p for p in (short_name(self.path, LINE_SHOWN // 2) if self.path else None, self.tensor) if p]
+        super().__init__(": ".join([*parts, self.rule]))
 
 
 class SourceFormatError(ConverterError):

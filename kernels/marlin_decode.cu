@@ -7,7 +7,7 @@
 // P and X are fp32 sums of exact products (q - 8 is a small integer, exact in fp16);
 // the scale and the delta are applied once per group and column in fp32 instead of
 // once per weight in fp16. That is what makes the kernel cheap at small M, where the
-// per-weight fp16 arithmetic, not the memory, was the limit (scripts/perf_notes.md):
+// per-weight fp16 arithmetic, not the memory, was the limit (docs/notes/perf_notes.md):
 // a weight costs 9 instructions per 8 codes (4 lop3, 1 shift, 4 fp16x2 sub/fma), with
 // no scale multiply; with a delta 5 (offset_codes: P is then the difference of two
 // larger fp32 sums, closed per group, per step when per-channel).
@@ -44,7 +44,7 @@
 #include "marlin_stream.cuh"
 
 // offset_codes, OFFSET_SUMS_A: marlin_common.cuh. Without a delta there is no X mma to share, and
-// one more mma costs more than the sub / fma it saves (measured: scripts/perf_notes.md).
+// one more mma costs more than the sub / fma it saves (measured: docs/notes/perf_notes.md).
 
 // Eight fp16 values (a 16-byte shared-memory piece) to fp32; slot p = 2 j + h is the
 // column 16 j + g + 8 h of this lane (permuted order, section 4.4).
@@ -212,7 +212,7 @@ __device__ __forceinline__ void decode_stage(u32 st, u32 sa, int kt, int lane, G
 
 // A block's shared memory. wk > 1: warp w owns [w WARP, (w + 1) WARP): its A ring, its
 // weight ring, and afterwards its parked sums. wk = 1: one A ring, then the 4 weight
-// rings. converter/gpu/plan.py (ring_smem) repeats bytes(wk); tests/gpu compares them.
+// rings. converter/gpu/plan/catalog.py (ring_smem) repeats bytes(wk); tests/gpu compares them.
 template <int NT, int U, int GPI, int NS>
 struct DecodeSmem {
     using R = SplitRing<8 * NT, U, GPI>;

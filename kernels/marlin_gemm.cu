@@ -106,7 +106,7 @@ __device__ __forceinline__ void compute_stage(u32 st, int kt, int lane, GroupWal
 }
 
 // A block's shared memory: each warp's ring, padded to hold the warp's sums for the
-// in-block reduction. converter/gpu/plan.py (ring_smem) repeats BYTES; tests/gpu
+// in-block reduction. converter/gpu/plan/catalog.py (ring_smem) repeats BYTES; tests/gpu
 // compares them.
 template <int MT, int U, int GPI, int NS>
 struct GemmSmem {

@@ -25,7 +25,7 @@
 // release is cumulative), and the acquire half makes the earlier arrivers' published
 // sums visible to this thread, and, through the next barrier, to the others. One fenced
 // RMW a block instead of a fence in every thread: 0.3-0.5 us less per call on an H200
-// (scripts/perf_notes.md).
+// (docs/notes/perf_notes.md).
 __device__ __forceinline__ int atom_add_acq_rel(int* p, int v) {
     int old;
     asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
@@ -49,7 +49,7 @@ __device__ __forceinline__ void mma_16816(float c[4], const u32 a[4], u32 b0, u3
 // Every byte is copied with 16-byte cp.async (the ring keeps NS - 1 steps in flight
 // without holding registers); lanes read pieces other lanes copied, so each step is
 // fenced by wait_group + __syncwarp (+ __syncthreads where the block shares A), which
-// also orders the reuse of a slot. converter/gpu/plan.py (ring_smem) repeats this size.
+// also orders the reuse of a slot. converter/gpu/plan/catalog.py (ring_smem) repeats this size.
 template <int AR, int U, int GPI>
 struct Ring {
     static constexpr int B_OFF = 0;
@@ -67,7 +67,7 @@ struct Ring {
 // at AR = 16, U = 8 that is 64512 bytes a block instead of 101376, 3 blocks per
 // multiprocessor instead of 2. Offsets: A_OFF from an A slot, the others from a weight
 // slot.
-// converter/gpu/plan.py (ring_smem) repeats these sizes.
+// converter/gpu/plan/catalog.py (ring_smem) repeats these sizes.
 template <int AR, int U, int GPI>
 struct SplitRing {
     static constexpr int A_OFF = 0;

@@ -14,7 +14,7 @@
 // Why another Hopper kernel. marlin_wgmma.cu has every warp issue its share of a
 // stage's copies, wait for the whole stage and meet at a block barrier before it
 // dequantizes and multiplies, one K split per block in waves over the multiprocessors.
-// Measured on an H200 (scripts/perf_notes.md): its copies alone stream 2.6-3.3 TB/s,
+// Measured on an H200 (docs/notes/perf_notes.md): its copies alone stream 2.6-3.3 TB/s,
 // it spends half its instructions on the copy issue, and 224 blocks on 132
 // multiprocessors leave a third of them idle for half the kernel. Here:
 //   * one block per multiprocessor, each taking an equal run of the work (stream-K):
@@ -38,7 +38,7 @@
 //     is refilled when its `empty` mbarrier says all 8 consumer warps are done with it.
 //     (Every operand by bulk copy, issued by lanes of one warp, ran ~1000 cycles a
 //     stage whatever the token count: 115 us at M = 1 on 8192 x 57344, see
-//     scripts/perf_notes.md);
+//     docs/notes/perf_notes.md);
 //   * two consumer warpgroups that only dequantize and multiply: warpgroup c takes the
 //     16-column tiles 2c, 2c + 1 of each warp's Marlin block (128 features, two
 //     `wgmma m64nTk16` per k-tile, weights as the register operand exactly as in
@@ -75,14 +75,14 @@
 // fed the stage's wgmma) before each consumer warp arrives on the slot's `empty` barrier,
 // which the producer's wait acquires before it issues the copy. A fence.proxy.async
 // between the two cost 9-16 % at 1-16 rows on an H200 and is left out
-// (scripts/streamk_variants/proxy_fence.patch, scripts/perf_notes.md); racecheck is clean.
+// (docs/notes/streamk_variants/proxy_fence.patch, docs/notes/perf_notes.md); racecheck is clean.
 //
 // B: Marlin's tile order, or (b_units = 1) the same 2 KB pieces unit-major: unit u's
 // k-tile t at (u K / 16 + t) x 2 KB, a last ragged unit padded to 4 column blocks
 // (kernels.prepare_b_units; reference.b_units is its twin). The weight stream's order is
 // the same; its addresses are one contiguous run per block instead of a 2 KB strip
 // down rows N / 2 int4 apart (which a read-only probe streamed 12-19 % slower,
-// scripts/perf_notes.md), so that one thread moves a stage by a few bulk copies.
+// docs/notes/perf_notes.md), so that one thread moves a stage by a few bulk copies.
 // MarlinLinear keeps B unit-major where this kernel serves every M.
 // B with the scales and deltas inline (b_units = 2, group size 128 only): per unit and
 // group, its 8 k-tiles' 2 KB pieces, then the group's 512-byte scale row and 512-byte delta
@@ -90,7 +90,7 @@
 // (kernels.prepare_b_stages; reference.b_stages is its twin). An 8-tile stage is then one
 // bulk copy of weights, scales and deltas (a slot holds W, S, D and then X in this mode),
 // where the separate copies were three: 2-6 % faster at 1-16 rows and 7-11 % at 32 on the
-// 70B layers of an H200, 0-3 % on the 7B ones (scripts/perf_notes.md). The global S and D
+// 70B layers of an H200, 0-3 % on the 7B ones (docs/notes/perf_notes.md). The global S and D
 // are then not read (the host gives this mode to groups of 128 only, never per-channel).
 //
 // Launch geometry (converter/gpu plans it): `xmap` encoded by converter/gpu/tensormap.py
@@ -119,7 +119,7 @@
 constexpr int PRODUCER_REGS = 56;
 constexpr int CONSUMER_REGS = 224;
 // How many more times a unit's first block reads the unit's counter, where the runs are
-// aligned, before it parks its own piece (12 L2 round trips at most; scripts/perf_notes.md
+// aligned, before it parks its own piece (12 L2 round trips at most; docs/notes/perf_notes.md
 // has the H200 measurements).
 constexpr int OWNER_POLLS = 12;
 // Register sets of A fragments a consumer warpgroup cycles through, one per k-tile: a
@@ -204,7 +204,7 @@ __device__ __forceinline__ void gs_close(float (&acc)[2][T / 2], const float (&g
 // ready: a k-tile's dequantization then starts without a shared-memory round trip of
 // its own (every load, fence and wgmma is a volatile asm the compiler keeps in order, so
 // it cannot hoist them itself), which had made each consumer warp's k-tile a serial
-// chain of ~140 cycles on an H200 (scripts/perf_notes.md).
+// chain of ~140 cycles on an H200 (docs/notes/perf_notes.md).
 template <int U, int W_TILE>
 __device__ __forceinline__ void stage_words(u32 sb_w, u32 (&bw)[U][2]) {
 #pragma unroll
@@ -371,7 +371,7 @@ marlin_streamk(const __grid_constant__ TensorMap xmap, const u16* __restrict__ A
                 // open group's scales (and deltas) one contiguous 128 x live bytes: thread 0
                 // copies them all by bulk copy: 0-4.8 % faster than Marlin's order by 128
                 // threads' cp.async on every row measured, M 1-64 on the 7B and 70B layers
-                // (scripts/bench_gemm_h200_b_order.json).
+                // (docs/notes/results/h200/bench_gemm_h200_b_order.json).
                 if (pt == 0) {  // the activations, read by wgmma through the async proxy
                     u32 bytes = L::X_BYTES;
                     if (inl) {

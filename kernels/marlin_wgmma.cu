@@ -74,7 +74,7 @@
 #include "wgmma_ops.cuh"
 #include "hopper_pipe.cuh"
 
-// Measurement switches (scripts/perf_notes.md, "where the time goes"): compile with
+// Measurement switches (docs/notes/perf_notes.md, "where the time goes"): compile with
 // -DWG_NODQ=1 to feed the raw words to wgmma, -DWG_NOMMA=1 to skip the products. The
 // results are wrong then; the time of what remains is what they are for. (With J = 1,
 // WG_NODQ makes ptxas add warpgroup arrives (C7519): not comparable with J = 4.)

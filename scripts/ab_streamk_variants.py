@@ -2,7 +2,7 @@
 """A/B of variants of the persistent Hopper kernel, timed in one run (needs an sm_90 GPU).
 
 Each variant is the shipped ``kernels/marlin_streamk.cu``, or that file with a unified diff
-applied (``scripts/streamk_variants/*.patch``), with optional ``-D`` defines and an optional
+applied (``docs/notes/streamk_variants/*.patch``), with optional ``-D`` defines and an optional
 forced run length (``Tuning.streamk_iters``). Every variant is built side by side from the
 names the planner picks for the rows (in parallel processes, which also fills CuPy's disk
 cache), then each row is timed as ``scripts/bench_gemm.py`` times ours: 16 calls in one
@@ -13,8 +13,8 @@ output has the first variant's bits (it should, unless the arithmetic or the spl
 order changed). Usage::
 
     PYTHONPATH=$PWD python3 scripts/ab_streamk_variants.py 8192:57344:1,28672:8192:64 out.json \\
-        main=- deep=scripts/streamk_variants/deep_wgmma_queue.patch \\
-        deep_gs=scripts/streamk_variants/deep_wgmma_queue.patch:GS_DEPTH=8 \\
+        main=- deep=docs/notes/streamk_variants/deep_wgmma_queue.patch \\
+        deep_gs=docs/notes/streamk_variants/deep_wgmma_queue.patch:GS_DEPTH=8 \\
         i55=-@55
 
 A variant is ``NAME=SOURCE[:DEF,DEF..][@ITERS]``, SOURCE ``-`` for the shipped kernel or a
@@ -23,7 +23,7 @@ helpers carries them). Limits: rows the planner gives the persistent kinds only 
 tile row has no ``marlin_streamk`` name to build), group 128, B unit-major always, the
 shipped launch geometry (``streamk_variants/two_blocks_per_sm.patch`` launches with other
 block sizes, so it is a ptxas check, not a variant to time here).
-Results: scripts/perf_notes.md (2026-12-03T18:30Z section).
+Results: docs/notes/perf_notes.md (2026-12-03T18:30Z section).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ the card power-caps under sustained load and the first timed would gain. Also me
 bandwidth (device-to-device, read + write bytes) and the fp16 matmul rate, which give the
 roofline floor of each row: max(bytes / BW, flops / rate).
 
-Usage: PYTHONPATH=$PWD python3 scripts/bench_gemm.py --json-out scripts/bench_gemm_h200.json
+Usage: PYTHONPATH=$PWD python3 scripts/bench_gemm.py --json-out docs/notes/results/h200/bench_gemm_h200.json
 The run ends with the targets of the kernel-performance issue, each PASS or MISS with
 the rows that miss.
 """

@@ -14,7 +14,7 @@ k-tile, 2 N words of 4 bytes):
                  runs, one block per multiprocessor (each block its own column strip at
                  its own rows: the persistent GEMM's stream-K order).
 Timing as scripts/bench_gemm.py: a CUDA graph of 16 calls rotating over copies of B past
-2 x the L2, median us per call. The table in scripts/perf_notes.md (2026-12-03T13:52Z)
+2 x the L2, median us per call. The table in docs/notes/perf_notes.md (2026-12-03T13:52Z)
 came from this script.
 
 Usage: PYTHONPATH=$PWD python3 scripts/bench_stream_patterns.py [--json-out FILE]

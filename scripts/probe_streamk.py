@@ -18,7 +18,7 @@ in memory; each patch asserts that its anchor text is still there) and runs them
   median / max over the blocks in us from the earliest entry, for the last of several
   back-to-back calls.
 
-The numbers in scripts/perf_notes.md ("A call's timeline, the fix-up's fences, unit-major
+The numbers in docs/notes/perf_notes.md ("A call's timeline, the fix-up's fences, unit-major
 B measured", 2026-12-03) came from this script's development copy, with the same patches;
 the script itself was then run on the H200 in both modes.
 

@@ -8,7 +8,7 @@ script reads the ``.text`` sections of a cubin built here and prints, per kernel
 opcode histogram of the stretch from the first ``SYNCS`` (mbarrier wait) before the
 first ``HGMMA`` to the branch after the last ``HGMMA`` of that run: the consumer's
 stage loop in ``kernels/marlin_streamk.cu``. Opcodes the listing never showed print
-as ``?xyz``. Used for scripts/perf_notes.md ("The instruction diet").
+as ``?xyz``. Used for docs/notes/perf_notes.md ("The instruction diet").
 
 Usage (GPU machine, once):  cuobjdump -sass some.cubin > listing.sass
         (here)  nvcc -std=c++17 -arch=sm_90a -cubin -Ikernels inst.cu -o k.cubin

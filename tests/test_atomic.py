@@ -103,7 +103,10 @@ def _check_kill(tmp_path: Path, src: Path) -> None:
     tmp = _kill_mid_write(src, out)
     # No partial artifact at the target: the old file is intact, byte for byte.
     assert out.read_bytes() == OLD
-    assert sorted(p.name for p in out.parent.iterdir()) == sorted([out.name, *(t.name for t in _temporaries(out))])
+    lock = out.parent / ".model.marlin.marlin-lock"  # the output's lock file; its lock died with the process
+    assert sorted(p.name for p in out.parent.iterdir()) == sorted(
+        [out.name, lock.name, *(t.name for t in _temporaries(out))]
+    )
     assert tmp in _temporaries(out)
     assert tmp.stat().st_size > len(OLD)  # it really was in the middle of a big write
     assert out.stat().st_size == len(OLD)
@@ -335,3 +338,54 @@ def test_interrupts_deferred_lets_a_failure_stand_and_skips_ignored_signals() ->
     finally:
         signal.signal(signal.SIGHUP, old_hup)
         signal.signal(signal.SIGTERM, old_term)
+
+
+# --------------------------------------------------------------------------- long output names (issue 42)
+
+
+@pytest.mark.parametrize("length", [210, 231, 243, 255])
+@pytest.mark.parametrize("sharded", [False, True])
+def test_every_legal_output_name_gets_a_legal_temporary(tmp_path: Path, length: int, sharded: bool) -> None:
+    """Temporaries are named by a hash of a long name: a 210-255-byte output works (before,
+    the 46 bytes a staged temporary adds failed it, naming a hidden ``.staged`` file)."""
+    from converter.atomic import STAGED_SUFFIX, TEMP_SUFFIX, temporary_name
+
+    out = tmp_path / ("m" * (length - len(".safetensors")) + ".safetensors")
+    staged = temporary_name(out, STAGED_SUFFIX)
+    assert len(staged.name) <= 255 and len(temporary_name(staged, TEMP_SUFFIX).name) <= 255
+    args = ["--max-shard-size", "300kB"] if sharded else []
+    r = run_cli("marlin-convert", SAMPLE, out, "-q", *args)
+    if not sharded or length <= 240:  # a shard is named 15 bytes longer
+        assert r.returncode == 0, r.stderr
+        art = out if not sharded else out.with_name(out.name + ".index.json")
+        assert run_cli("marlin-verify", art, "--shapes").returncode == 0
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+        return
+    # a shard's own name would be longer than 255 bytes: refused up front, by the user's path
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    line = r.stderr.strip()
+    assert "\n" not in line and line.startswith(f"error: {out}: output name too long"), line
+    assert ".staged" not in line and ".incomplete" not in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_255_byte_single_file_error_never_names_an_index(tmp_path: Path) -> None:
+    out = tmp_path / ("n" * 243 + ".safetensors")
+    out.write_bytes(b"x")
+    r = run_cli("marlin-convert", SAMPLE, out)
+    assert r.returncode == 2 and "index.json" not in r.stderr and "--force" in r.stderr, r.stderr
+    assert run_cli("marlin-convert", SAMPLE, out, "--force", "-q").returncode == 0
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]
+
+
+def test_a_dead_writers_hashed_temporary_is_cleaned(tmp_path: Path) -> None:
+    from converter.atomic import STAGED_SUFFIX, TEMP_SUFFIX, temporary_name
+
+    out = tmp_path / ("k" * 243 + ".safetensors")
+    staged = temporary_name(out, STAGED_SUFFIX)
+    inner = temporary_name(staged, TEMP_SUFFIX)
+    dead = temporary_name(out, TEMP_SUFFIX)
+    for p in (staged, inner, dead):
+        p.write_bytes(b"")
+    os.utime(staged, (0, 0))
+    assert sorted(remove_stale_temporaries(out)) == sorted([staged, inner, dead])

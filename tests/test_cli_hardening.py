@@ -626,8 +626,218 @@ def test_a_real_sigkill_mid_sharded_write_then_a_single_file_run(tmp_path: Path)
     proc.kill()
     proc.wait(timeout=60)
     left = sorted(os.listdir(out))
+    assert ".m.marlin-lock" in left  # the output's lock file, its lock gone with the process
+    left.remove(".m.marlin-lock")
     assert left and all(n.lstrip(".").startswith("m-0000") for n in left), left
     # A later process (staged files older than it, and no live lock: dead leftovers).
     res = run_cli("marlin-convert", src, out / "m.safetensors", "-q")
     assert res.returncode == 0, res.stderr
     assert sorted(os.listdir(out)) == ["m.safetensors"]
+
+
+# --------------------------------------------------------------------------- standard streams (issue 42)
+
+
+def _spawn(tool: str, *args: object, env: dict[str, str] | None = None, **kw: object) -> subprocess.Popen[bytes]:
+    from tests.helpers.clirun import _command, _env
+
+    return subprocess.Popen(_command(tool, args), cwd=REPO, env={**_env(), **(env or {})}, **kw)  # type: ignore[call-overload]
+
+
+def _close(fd: int) -> None:
+    os.close(fd)
+
+
+def test_a_closed_stdout_or_stderr_does_not_fail_the_import(tmp_path: Path) -> None:
+    art = tmp_path / "a.safetensors"
+    p = _spawn("marlin-convert", SAMPLE, art, stderr=subprocess.PIPE, preexec_fn=lambda: _close(1))
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert err == b""
+    p = _spawn("marlin-verify", art, "--json", stderr=subprocess.PIPE, preexec_fn=lambda: _close(1))
+    _, err = p.communicate(timeout=120)
+    assert (p.returncode, err) == (0, b"")
+    # stderr closed: the artifact is written, and nothing meant for stderr lands in it
+    art2 = tmp_path / "b.safetensors"
+    p = _spawn("marlin-convert", SAMPLE, art2, stdout=subprocess.PIPE, preexec_fn=lambda: _close(2))
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 0 and b"layers converted" in out
+    assert verify(art2, shapes_only=True).ok
+
+
+def test_a_full_stdout_is_one_line_and_the_artifact_stays_valid(tmp_path: Path) -> None:
+    art = tmp_path / "a.safetensors"
+    with open("/dev/full", "wb") as full:
+        p = _spawn("marlin-convert", SAMPLE, art, "--json", stdout=full, stderr=subprocess.PIPE)
+        _, err = p.communicate(timeout=120)
+    lines = err.decode().splitlines()
+    assert p.returncode == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: cannot write to standard output"), err
+    assert str(art) in lines[0] and "Traceback" not in err.decode()
+    assert verify(art, shapes_only=True).ok
+    assert [p.name for p in tmp_path.iterdir()] == ["a.safetensors"]
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_broken_pipe_exits_quietly_with_the_documented_code(tmp_path: Path, as_json: bool) -> None:
+    from converter.cli import BROKEN_PIPE_EXIT
+
+    art = tmp_path / "a.safetensors"
+    assert convert(SAMPLE, art).output
+    for tool, args in (("marlin-verify", [art]), ("marlin-convert", [SAMPLE, tmp_path / "b.safetensors", "--force"])):
+        p = _spawn(tool, *args, *(["--json"] if as_json else []), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert p.stdout is not None
+        p.stdout.close()  # the reader is gone before anything is printed (| head -c 0)
+        err = p.communicate(timeout=120)[1]
+        assert (p.returncode, err) == (BROKEN_PIPE_EXIT, b""), (tool, err)
+    assert BROKEN_PIPE_EXIT != 1
+    assert str(BROKEN_PIPE_EXIT) in (REPO / "README.md").read_text()
+
+
+def test_an_ascii_terminal_gets_ascii(tmp_path: Path) -> None:
+    art = tmp_path / "a.safetensors"
+    convert(SAMPLE, art)
+    p = _spawn("marlin-verify", art, env={"PYTHONIOENCODING": "ascii"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    text = out.decode("ascii")  # raises on anything else
+    assert "OK: 15 layers" in text and " ok " in text
+
+
+def test_consoles_are_created_lazily() -> None:
+    r = _run_code(
+        "import sys; sys.stdout = None\n"
+        "import converter.cli as c\n"
+        "assert c.out_console._console is None and c.err_console._console is None\n"
+        "c.err_console.print('made')\n"
+        "assert c.err_console._console is not None\n"
+    )
+    assert (r.returncode, r.stderr.strip()) == (0, "made"), r.stderr
+
+
+# --------------------------------------------------------------------------- races (issue 42)
+
+SLOW_COMMIT = """
+import sys, time
+from converter import atomic
+from converter.artifact import writer
+READY = sys.argv.pop(1)
+real = writer.commit_all
+def slow_commit(pairs, folder):
+    open(READY, "w").close()  # tell the test: staged, about to commit
+    time.sleep(4)
+    real(pairs, folder)
+writer.commit_all = slow_commit
+sys.argv[0] = "marlin-convert"
+from converter.cli import main_convert
+main_convert()
+"""
+
+
+def test_two_concurrent_folder_converts_to_one_output_do_not_mix(tmp_path: Path) -> None:
+    """The first run holds the output's lock from staging to commit: the second refuses
+    with one line, touches nothing of the first's (its temporaries survive), and OUT/
+    holds one model, complete."""
+    out = tmp_path / "OUT"
+    ready = tmp_path / "ready"
+    first = subprocess.Popen(
+        [sys.executable, "-c", SLOW_COMMIT, str(ready), str(SAMPLE), f"{out}/", "-q"],
+        cwd=REPO,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+        time.sleep(0.05)
+    staged = sorted(p.name for p in out.iterdir())
+    gptq = _ckpt(tmp_path / "other")
+    second = run_cli("marlin-convert", gptq, f"{out}/", "--force")
+    assert second.returncode == 2 and second.stdout == "", second.stderr
+    assert second.stderr.count("\n") == 1 and "another conversion is writing this output" in second.stderr
+    assert str(out) in second.stderr and "marlin-lock" not in second.stderr
+    assert sorted(p.name for p in out.iterdir()) == staged  # the first run's temporaries untouched
+    _, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert verify(out / "model.safetensors", against=SAMPLE, gpu=False).ok
+    # and once it is done, the second one goes through
+    assert run_cli("marlin-convert", gptq, f"{out}/", "--force", "-q").returncode == 0
+    assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
+
+
+def test_an_output_lock_is_refused_while_held_and_free_after(tmp_path: Path) -> None:
+    lock = atomic.OutputLock(tmp_path, "m", tmp_path / "m.safetensors")
+    with pytest.raises(ConverterError, match="another conversion is writing this output") as info:
+        convert(SAMPLE, tmp_path / "m.safetensors")
+    assert info.value.path == str(tmp_path / "m.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".m.marlin-lock"]
+    lock.release()
+    convert(SAMPLE, tmp_path / "m.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.safetensors"]
+
+
+@pytest.mark.parametrize("when", ["last read", "hashing"])
+def test_an_input_rewritten_in_place_during_conversion_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    """Same size, same inode, new bytes: re-stat after the last read and after hashing."""
+
+    convert_mod = sys.modules["converter.convert"]
+
+    src = tmp_path / "in.tinyloop"
+    src.write_bytes(SAMPLE.read_bytes())
+    os.utime(src, (1_000_000, 1_000_000))
+    out = tmp_path / "o.safetensors"
+
+    def rewrite() -> None:
+        with open(src, "r+b") as fh:  # in place: same inode, same size
+            fh.seek(-1, os.SEEK_END)
+            fh.write(b"\x00")
+
+    if when == "last read":
+        close = convert_mod._WriteBehind.close
+
+        def close_then_rewrite(self: object) -> None:
+            close(self)  # type: ignore[arg-type]
+            rewrite()
+
+        monkeypatch.setattr(convert_mod._WriteBehind, "close", close_then_rewrite)
+    else:
+        result = convert_mod.FileDigests.result
+
+        def hash_then_rewrite(self: object) -> object:
+            got = result(self)  # type: ignore[arg-type]
+            rewrite()
+            return got
+
+        monkeypatch.setattr(convert_mod.FileDigests, "result", hash_then_rewrite)
+    with pytest.raises(ConverterError, match="was modified .* while being converted; nothing was written") as info:
+        convert(src, out)
+    assert info.value.exit_code == 2 and info.value.path == str(src)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.tinyloop"]
+
+
+def test_verify_reads_the_artifact_it_opened_even_when_replaced_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An atomic replace of the artifact during marlin-verify is either before its open or
+    after: it checks the file it opened, by handle, and never reports it rewritten."""
+
+    verify_mod = sys.modules["converter.verify"]
+    art = tmp_path / "a.safetensors"
+    other = tmp_path / "b.safetensors"
+    convert(SAMPLE, art)
+    convert(_ckpt(tmp_path / "ck"), other)
+    real = verify_mod.check_artifact
+
+    def replace_then_check(a: object, **kw: object) -> object:
+        os.replace(other, art)  # what a concurrent marlin-convert --force does
+        return real(a, **kw)
+
+    monkeypatch.setattr(verify_mod, "check_artifact", replace_then_check)
+    report = verify(art, against=SAMPLE, gpu=False)
+    assert report.ok, [p.message for p in report.problems]
+    assert report.checked["layers"] == 15  # the sample's, not the replacement's one layer

@@ -3,7 +3,7 @@
 * ``converter/marlin/`` (the target layout, NumPy only) imports no reader, no artifact
   code and nothing of ``converter/gpu/``;
 * only ``converter/gpu/`` imports CuPy (and torch), and only inside functions, so that
-  importing it never needs a GPU; ``gpu/plan.py`` imports neither, nor the runtime; the
+  importing it never needs a GPU; ``gpu/plan/`` imports neither, nor the runtime; the
   one exception is ``gpu/torch_op.py``, which registers a torch op when it is imported,
   and which the rest of ``gpu/`` imports only inside functions;
 * readers (``converter/formats/``) never import ``converter/artifact/``;
@@ -89,7 +89,8 @@ def test_only_gpu_imports_cupy_and_only_lazily() -> None:
 def test_the_planner_is_pure() -> None:
     assert [
         m
-        for m, _ in _imports(PACKAGE / "gpu" / "plan.py")
+        for path in sorted((PACKAGE / "gpu" / "plan").glob("*.py"))
+        for m, _ in _imports(path)
         if m.split(".")[0] in ("cupy", "torch")
         or m.startswith(("converter.gpu.runtime", "converter.gpu.build", "converter.gpu.kernels"))
     ] == []

@@ -56,3 +56,18 @@ def test_the_license_pyproject_names_is_in_the_repository() -> None:
     assert hashlib.md5((REPO / "LICENSE").read_bytes()).hexdigest() == "3b83ef96387f14655fc854ddc3c6bd57"
     for fmt in ("GPTQ", "AWQ", "compressed-tensors", ".tinyloop"):
         assert fmt in meta["description"], fmt
+
+
+def test_every_link_in_the_readme_and_the_docs_resolves() -> None:
+    """issue 39: the README links to docs/ for everything else; every relative link of the
+    README and of docs/ (notes included) names a file that exists."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    broken = [
+        f"{page.relative_to(REPO)}: {target}"
+        for page in pages
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text("utf-8"))
+        if not target.startswith(("http://", "https://", "#", "mailto:"))
+        and target.split("#")[0]
+        and not (page.parent / target.split("#")[0]).exists()
+    ]
+    assert broken == []

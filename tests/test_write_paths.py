@@ -26,11 +26,22 @@ def _checkpoint(folder: Path, shards: int = 1) -> Path:
     return write_checkpoint(folder, tensors, gptq_config(4, 128), where="quantize_config.json", shards=shards)
 
 
+def _copy_every_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small pass-through tensors are written in batches (issue 42): these tests are of
+    the file-to-file copy of the others, so every tensor takes that path here."""
+    import sys
+
+    import converter.convert  # noqa: F401 - the module (the package attribute is the function)
+
+    monkeypatch.setattr(sys.modules["converter.convert"], "SMALL_TENSOR_BYTES", 0)
+
+
 @pytest.mark.parametrize("shards", [1, 2])
 def test_copied_passthrough_is_byte_identical_to_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shards: int
 ) -> None:
     src = _checkpoint(tmp_path / "src", shards)
+    _copy_every_tensor(monkeypatch)
     real = os.copy_file_range
     copied: list[int] = []
 
@@ -62,6 +73,7 @@ def test_source_truncated_during_the_copy_is_named(tmp_path: Path, monkeypatch: 
     bytes were hashed already): the copy comes up short and the error names the file
     and both sizes."""
     src = _checkpoint(tmp_path / "src")
+    _copy_every_tensor(monkeypatch)
     weights = src / "model.safetensors"
     sf = SafetensorsFile(weights)
     last = max(sf.infos, key=lambda n: sf.byte_range(n)[1])
@@ -140,3 +152,163 @@ def test_spliced_artifact_is_byte_identical_to_written(tmp_path: Path, monkeypat
     data = (tmp_path / "spliced.safetensors").read_bytes()
     assert (tmp_path / "refused.safetensors").read_bytes() == data
     assert (tmp_path / "written.safetensors").read_bytes() == data
+
+
+# --------------------------------------------------------------------------- amplification (issue 42)
+
+
+def _one_layer(rng: np.random.Generator, prefix: str = "model.layers.0.mlp.up_proj") -> dict[str, np.ndarray]:
+    return gptq_tensors(prefix, make_layer(rng, 128, 64, group_size=64), v1=True)
+
+
+def test_a_quant_config_that_would_make_a_header_above_the_limit_is_refused_up_front(tmp_path: Path) -> None:
+    """30 M backslashes in the quant config: the manifest's JSON doubles each (120 MB of
+    header, which our own reader refuses). Refused before anything is written or hashed."""
+    from tests.helpers.clirun import run_cli_rss
+
+    src = write_checkpoint(
+        tmp_path / "src", _one_layer(np.random.default_rng(0)), gptq_config(4, 64, note="\\" * 30_000_000)
+    )
+    out = tmp_path / "o.safetensors"
+    r, rss = run_cli_rss("marlin-convert", src, out)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr
+    assert "safetensors header would be" in lines[0] and "100000000-byte limit" in lines[0]
+    assert lines[0].startswith(f"error: {out}:") and len(lines[0]) < 1000
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["src"]
+
+
+def test_many_passthrough_names_that_would_overflow_the_header_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same rule for many long pass-through names (150 k such names made 117 MB);
+    the limit is lowered here so that the checkpoint stays small."""
+    from converter.artifact import writer as writer_mod
+
+    monkeypatch.setattr(writer_mod, "SAFETENSORS_MAX_HEADER_BYTES", 1_000_000)
+    t = _one_layer(np.random.default_rng(0))
+    for i in range(3000):
+        t[f"{'p' * 200}.{i}"] = np.zeros(1, np.uint8)
+    src = write_checkpoint(tmp_path / "src", t, gptq_config(4, 64))
+    with pytest.raises(SourceFormatError, match=r"header would be \d+ bytes, above the 1000000-byte limit"):
+        convert(src, tmp_path / "o.safetensors")
+    assert [p.name for p in tmp_path.iterdir()] == ["src"]
+
+
+def test_many_tiny_passthrough_tensors_are_linear_and_bounded(tmp_path: Path) -> None:
+    """100 k one-byte pass-through tensors (400 k took 106 s and 1.3 GB): hashed at once,
+    written in batches; the result verifies against its source."""
+    import time
+
+    from tests.helpers.clirun import run_cli, run_cli_rss
+
+    t = _one_layer(np.random.default_rng(0))
+    one = np.ones(1, np.uint8)
+    for i in range(100_000):
+        t[f"t.{i}"] = one
+    src = write_checkpoint(tmp_path / "src", t, gptq_config(4, 64))
+    out = tmp_path / "o.safetensors"
+    start = time.monotonic()
+    r, rss = run_cli_rss("marlin-convert", src, out, "-q")
+    took = time.monotonic() - start
+    assert r.returncode == 0, r.stderr
+    assert took < 60, took
+    assert rss < 600 << 20, rss
+    v = run_cli("marlin-verify", out, "--against", src, "--shapes", "-q")
+    assert v.returncode == 0, v.stdout + v.stderr
+
+
+def test_a_huge_tensor_name_gives_a_short_error_line(tmp_path: Path) -> None:
+    """A 5 M-character tensor name is shortened in the message: its start, its length and
+    a hash, never the whole name (a 5 MB error line)."""
+    from tests.helpers.clirun import run_cli
+
+    prefix = "L" * 5_000_000
+    t = _one_layer(np.random.default_rng(0), prefix)
+    t[f"{prefix}.marlin_B"] = np.zeros(4, np.float16)  # collides with the converted layer's B
+    src = write_checkpoint(tmp_path / "src", t, gptq_config(4, 64))
+    r = run_cli("marlin-convert", src, tmp_path / "o.safetensors")
+    assert r.returncode == 2, r.stderr[:500]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and len(lines[0]) < 1000, len(r.stderr)
+    assert "(5000009 chars, xxh3 " in lines[0] and "collides" in lines[0]
+
+
+def test_a_tinyloops_neighbour_files_are_not_copied(tmp_path: Path) -> None:
+    """``marlin-convert dir/m.tinyloop OUT/``: only the model's own files go into OUT/ (for
+    .tinyloop, none of its neighbours), and the manifest seals only what was written."""
+    import json
+    import shutil
+
+    from tests.helpers.clirun import run_cli
+    from tests.helpers.paths import SAMPLE
+
+    d = tmp_path / "dir"
+    d.mkdir()
+    shutil.copy(SAMPLE, d / "m.tinyloop")
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "vocab.json",
+        "generation_config.json",
+        "special_tokens_map.json",
+    ):
+        (d / name).write_text('{"auto_map": {"AutoTokenizer": ["evil.Tok", null]}}')
+    out = tmp_path / "OUT"
+    r = run_cli("marlin-convert", d / "m.tinyloop", f"{out}/", "-q")
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    meta = SafetensorsFile(out / "model.safetensors").metadata
+    files = json.loads(next(v for k, v in meta.items() if "manifest" in k))["checksums"]["files"]
+    assert [f["name"] for f in files] == ["config.json"]
+    assert run_cli("marlin-verify", out, "--shapes", "-q").returncode == 0
+
+
+# --------------------------------------------------------------------------- the old four (issue 42)
+
+
+def test_force_over_an_old_output_whose_config_json_is_a_folder_is_all_or_nothing(tmp_path: Path) -> None:
+    from tests.helpers.clirun import assert_one_line_error, run_cli, snapshot
+    from tests.helpers.paths import SAMPLE
+
+    out = tmp_path / "OUT"
+    assert run_cli("marlin-convert", SAMPLE, f"{out}/", "-q").returncode == 0
+    (out / "config.json").unlink()
+    (out / "config.json").mkdir()
+    (out / "config.json" / "keep").write_text("x")
+    before = snapshot(out)
+    r = run_cli("marlin-convert", _checkpoint(tmp_path / "src"), f"{out}/", "--force")
+    assert_one_line_error(
+        r, f"{out / 'config.json'}: is a folder where the output writes a file", "nothing was written"
+    )
+    assert snapshot(out) == before  # nothing committed, no .backup left
+
+
+def test_commit_all_refuses_a_folder_under_a_final_name_before_any_rename(tmp_path: Path) -> None:
+    from converter.atomic import commit_all
+    from converter.errors import ConverterError
+
+    (tmp_path / "a.new").write_text("a")
+    (tmp_path / "b.new").write_text("b")
+    (tmp_path / "a").write_text("old a")
+    (tmp_path / "b").mkdir()
+    with pytest.raises(ConverterError, match="is a folder where the output writes a file"):
+        commit_all([(tmp_path / "a.new", tmp_path / "a"), (tmp_path / "b.new", tmp_path / "b")], tmp_path)
+    assert (tmp_path / "a").read_text() == "old a"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "a.new", "b", "b.new"]
+
+
+def test_a_nul_byte_in_a_shard_name_of_the_index_is_one_line(tmp_path: Path) -> None:
+    import json
+
+    from tests.helpers.clirun import assert_one_line_error, run_cli
+
+    src = _checkpoint(tmp_path / "src", shards=2)
+    index = src / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    doc["weight_map"]["lm_head.weight"] = "model-00002-of-00002.safe\x00tensors"
+    index.write_text(json.dumps(doc))
+    r = run_cli("marlin-convert", src, tmp_path / "o.safetensors")
+    assert_one_line_error(r, str(index), "weight_map", "\\x00", "not a valid file name")
+    assert not (tmp_path / "o.safetensors").exists()

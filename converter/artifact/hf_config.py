@@ -74,13 +74,18 @@ def artifact_config(
 
 def copied_files(source: Source) -> dict[str, Path]:
     """The source's tokenizer (and generation-config) files that folder mode copies:
-    ``{name: path}``, from an HF checkpoint's folder or a ``.tinyloop`` file's.
+    ``{name: path}``, from an HF checkpoint's folder; none for a ``.tinyloop`` file,
+    whose neighbours are not part of it.
 
     Raises:
         SourceFormatError: one is a link that leaves the folder, or not a regular file
             (:func:`~converter.formats.hf_checkpoint.folder_member`).
     """
-    folder = source.ckpt.folder if isinstance(source, HFSource) else source.path.parent
+    if not isinstance(source, HFSource):
+        # A single-file format (.tinyloop) carries no tokenizer: the files beside it
+        # belong to whatever else lives in that folder, not to this model.
+        return {}
+    folder = source.ckpt.folder
     return {name: p for name in TOKENIZER_FILES if (p := folder_member(folder, name)) is not None}
 
 

@@ -267,7 +267,8 @@ def open_artifact_file(path: str | Path) -> SafetensorsFile | ShardedFile:
     if index is None:
         if not files[0].is_file():
             raise ConverterError("not a file", path=files[0])
-        single = SafetensorsFile(files[0], error=ArtifactError)
+        # Held open: verify reads the file it opened, even if it is replaced meanwhile.
+        single = SafetensorsFile(files[0], error=ArtifactError, hold=True)
         try:
             _refuse_lone_shard(single)
         except BaseException:

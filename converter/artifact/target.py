@@ -52,6 +52,22 @@ def artifact_stem(path: Path) -> str:
     return path.name[: -len(".safetensors")] if path.name.endswith(".safetensors") else path.name
 
 
+def _name_max(folder: Path) -> int:
+    """The longest file name (bytes) ``folder``'s filesystem takes (255 where unknown)."""
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+
+
+def _is_file(path: Path) -> bool:
+    """``path.is_file()``, False where the name itself is refused (too long)."""
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
+
+
 def _identity(path: Path) -> tuple[int, int] | None:
     try:
         st = os.stat(path)  # follows symlinks: a link to an input file is that file
@@ -170,7 +186,7 @@ class OutputTarget:
         finals = set(self.final_paths(count, extra_names))
         out: list[Path] = []
         files: set[str] = set()
-        if self.index.is_file():
+        if _is_file(self.index):  # a name too long for an index (a 250-byte OUT) has none
             try:
                 files = set(read_index(self.index, error=ConverterError, allow_empty=True).shard_names)
             except ConverterError:  # an unreadable old index orphans nothing we know of
@@ -261,9 +277,25 @@ class OutputTarget:
             # Folder mode writes config.json and tokenizer files: never into the source's folder.
             raise ConverterError("output folder is the input's folder; choose another folder", path=self.folder)
         finals = self.final_paths(count, extra_names)
+        limit = _name_max(self.folder if self.folder.is_dir() else self.folder.parent)
+        for p in finals:
+            if len(os.fsencode(p.name)) > limit:
+                what = "its index" if p == self.index else "a shard" if p.name.endswith(".safetensors") else p.name
+                raise ConverterError(
+                    f"output name too long: {what} would be named {len(os.fsencode(p.name))} bytes, above the "
+                    f"filesystem's limit of {limit}; choose a shorter name (or no --max-shard-size)",
+                    path=self.path,
+                )
         stale = self.stale_paths(count, extra_names)
         for p in finals:
             guard.check_write(p)
+            if p != self.path and os.path.isdir(p) and not os.path.islink(p):
+                # (the artifact path itself has its own message below)
+                raise ConverterError(
+                    "is a folder where the output writes a file; --force replaces files only: move it away; "
+                    "nothing was written",
+                    path=p,
+                )
         for p in stale:
             guard.check_delete(p)
         for p in stale:
@@ -317,7 +349,8 @@ class OutputTarget:
         """Check that the outputs can be written at all, before the input is hashed and
         before anything is written: the folder is writable, its filesystem has room for
         every file, no file exceeds the file-size limit (``ulimit -f``), and the
-        open-files limit allows writing all shards at once (see :func:`ensure_open_files`).
+        open-files limit allows the shards open at once (at most ``writer.OPEN_SHARDS``;
+        see :func:`ensure_open_files`).
 
         Args:
             sizes: ``{final path: bytes}`` of every file the write creates.
@@ -350,7 +383,10 @@ class OutputTarget:
                 path=biggest,
             )
         shards = sum(1 for p in sizes if p.name.endswith(".safetensors"))
-        ensure_open_files(shards, inputs, path=artifact)
+        # the writer keeps at most OPEN_SHARDS shard files open at once (it parks the rest)
+        from .writer import OPEN_SHARDS
+
+        ensure_open_files(min(shards, OPEN_SHARDS), inputs, path=artifact)
 
     def discard_created(self) -> None:
         """Remove the folder :meth:`check` created, while it is still empty."""

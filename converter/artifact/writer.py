@@ -19,6 +19,7 @@ one file, :mod:`converter.artifact.sharded_reader`.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -27,6 +28,7 @@ import numpy as np
 
 from ..atomic import (
     TEMP_SUFFIX,
+    OutputLock,
     commit_all,
     interrupts_deferred,
     note_committed,
@@ -34,17 +36,23 @@ from ..atomic import (
     remove_stale_temporaries,
     stage_placeholder,
     target_mode,
+    temp_stem,
     track,
     untrack,
     write_durably,
 )
+from ..constants import SAFETENSORS_MAX_HEADER_BYTES
 from ..dtypes import nbytes
+from ..errors import SourceFormatError
 from ..hf_index import index_bytes
 from ..safetensors_io import StreamingWriter, header_size_for
 from .manifest import metadata_for
 from .schema import Manifest, Shard
 from .shards import Layout
 from .target import SHARD_NAME_RE, InputGuard, OutputTarget, artifact_stem
+
+#: Shard writers that keep their descriptor open at once (the rest are parked).
+OPEN_SHARDS = 16
 
 
 class ArtifactWriter:
@@ -83,15 +91,19 @@ class ArtifactWriter:
         self.total_size = sum(nbytes(d, s) for shard in shards for _, d, s in shard)
         self._route: dict[str, StreamingWriter] = {}
         self._writers: list[StreamingWriter] = []
+        #: the shard writers with an open descriptor, least recently used first
+        self._live: list[StreamingWriter] = []
         #: every staged file (deleted by abort), and (staged, final) pairs to commit.
         self._temps: list[Path] = []
         self._commit: list[tuple[Path, Path]] = []
         self._done = False
-        # Left by a killed earlier run to this output, sharded or not, with any shard count.
-        for name in {*self.names, target.path.name, target.index.name, *_earlier_shard_names(target)}:
-            remove_stale_temporaries(target.folder / name, keep=guard.is_input)
+        # One run per output at a time, from here to the commit (a second one refuses).
+        self._lock = OutputLock(target.folder, artifact_stem(target.path), target.path)
         track(self, self.abort)
         try:
+            # Left by a killed earlier run to this output, sharded or not, with any shard count.
+            for name in {*self.names, target.path.name, target.index.name, *_earlier_shard_names(target)}:
+                remove_stale_temporaries(target.folder / name, keep=guard.is_input)
             for i, (shard, name) in enumerate(zip(self.shards, self.names, strict=True)):
                 meta = metadata_for(self._shard_manifest(manifest, i))
                 staged = self._stage_path(name)
@@ -99,6 +111,7 @@ class ArtifactWriter:
                     staged, shard, header_reserve=header_size_for(shard, meta), error_path=target.folder / name
                 )
                 self._writers.append(writer)
+                self._opened(writer)
                 self._commit.append((staged, target.folder / name))
                 for entry in shard:
                     self._route[entry[0]] = writer
@@ -116,7 +129,19 @@ class ArtifactWriter:
         count = len(shards)
         sizes: dict[Path, int] = {}
         for i, (shard, path) in enumerate(zip(shards, target.shard_paths(count), strict=True)):
-            reserve = header_size_for(shard, metadata_for(_shard_manifest(manifest, i, count)))
+            meta = metadata_for(_shard_manifest(manifest, i, count))
+            reserve = header_size_for(shard, meta)
+            if reserve > SAFETENSORS_MAX_HEADER_BYTES:
+                # what no reader of ours (nor the safetensors library) would open: refused before
+                # anything is written or hashed
+                manifest_bytes = sum(len(v) for v in meta.values())
+                raise SourceFormatError(
+                    f"the artifact's safetensors header would be {reserve} bytes, above the "
+                    f"{SAFETENSORS_MAX_HEADER_BYTES}-byte limit its readers enforce ({len(shard)} tensors, "
+                    f"{manifest_bytes} bytes of manifest: the input's tensor names and quant config); nothing "
+                    "was written",
+                    path=path,
+                )
             sizes[path] = 8 + reserve + (-reserve % 8) + sum(nbytes(d, s) for _, d, s in shard)
         for name, content in extra_files.items():
             sizes[target.folder / name] = len(content)
@@ -141,17 +166,32 @@ class ArtifactWriter:
     def _shard_manifest(self, manifest: Manifest, i: int) -> Manifest:
         return _shard_manifest(manifest, i, len(self.shards))
 
+    def _opened(self, writer: StreamingWriter) -> StreamingWriter:
+        """Note that ``writer`` is (about to be) written to: at most
+        :data:`OPEN_SHARDS` shard writers keep their descriptor open, the least recently
+        used others are parked (:meth:`StreamingWriter.park`; the output's lock keeps
+        cleaners away meanwhile), so hundreds of shards fit a small open-files limit."""
+        live = self._live
+        if live and live[-1] is writer:
+            return writer
+        if writer in live:
+            live.remove(writer)
+        live.append(writer)
+        while len(live) > OPEN_SHARDS:
+            live.pop(0).park()
+        return writer
+
     def write(self, name: str, data: np.ndarray, row_start: int = 0) -> None:
         """See :meth:`StreamingWriter.write`."""
-        self._route[name].write(name, data, row_start)
+        self._opened(self._route[name]).write(name, data, row_start)
 
     def write_flat(self, name: str, data: np.ndarray, elem_start: int) -> None:
         """See :meth:`StreamingWriter.write_flat`."""
-        self._route[name].write_flat(name, data, elem_start)
+        self._opened(self._route[name]).write_flat(name, data, elem_start)
 
     def copy_flat(self, name: str, fd: int, src_offset: int, byte_start: int, nbytes: int) -> int | None:
         """See :meth:`StreamingWriter.copy_flat`."""
-        return self._route[name].copy_flat(name, fd, src_offset, byte_start, nbytes)
+        return self._opened(self._route[name]).copy_flat(name, fd, src_offset, byte_start, nbytes)
 
     def finish(self, manifest: Manifest) -> list[Path]:
         """Write every header, stage the index and extra files, then rename all of
@@ -166,7 +206,9 @@ class ArtifactWriter:
         """
         try:
             for i, writer in enumerate(self._writers):
-                writer.finish(metadata_for(self._shard_manifest(manifest, i)))
+                writer.finish(metadata_for(self._shard_manifest(manifest, i)))  # reopens a parked one, closes it
+                if writer in self._live:
+                    self._live.remove(writer)
             for name, content in self.extra_files.items():
                 remove_stale_temporaries(self.target.folder / name, keep=self.guard.is_input)
                 self._commit.append((self._stage_bytes(name, content), self.target.folder / name))
@@ -200,6 +242,7 @@ class ArtifactWriter:
             self._temps.clear()
             for old in stale:
                 old.unlink(missing_ok=True)
+            self._lock.release()
         return [final for _, final in self._commit]
 
     def _stage_bytes(self, name: str, content: bytes) -> Path:
@@ -221,9 +264,10 @@ class ArtifactWriter:
         for tmp in self._temps:
             # A shard writer interrupted before it was registered leaves its temporary
             # beside its placeholder, under the placeholder's (random, so ours) name.
-            for orphan in tmp.parent.glob(f".{tmp.name}.*{TEMP_SUFFIX}"):
+            for orphan in tmp.parent.glob(f".{glob.escape(temp_stem(tmp.name))}.*{TEMP_SUFFIX}"):
                 orphan.unlink(missing_ok=True)
             tmp.unlink(missing_ok=True)
+        self._lock.release()
         if self.target.created:
             try:
                 self.target.folder.rmdir()  # only succeeds while empty

@@ -25,7 +25,7 @@ from ..safetensors_io import SafetensorsFile
 from .base import READERS, LayerPlan, Source, SourcePlan, TensorInfo
 from .hf_checkpoint import HFCheckpoint
 from .packing import act_order_perm
-from .scales import fp16_scales, kernel_range_error, scales_to_fp16
+from .scales import FP16_RANGE_REASON, fp16_scales, kernel_range_error, scales_to_fp16
 
 
 class HFSource(Source):
@@ -181,17 +181,18 @@ class HFSource(Source):
             :meth:`QuantWeight.marlin_delta` computes it; ``symmetric`` is ``not any(delta)``
             (a zero scale makes a group symmetric whatever its zero point).
 
-        Raises:
-            SourceFormatError: float16 cannot hold ``delta`` or a weight the codes form.
+        A layer whose ``delta`` (or a weight its codes form) float16 cannot hold is
+        marked not convertible (``reason`` starts with :data:`FP16_RANGE_REASON`): it
+        passes through, and the rest of the checkpoint converts.
         """
         s = np.ascontiguousarray(raw.T) if transposed else raw
         off = marlin_code_offset(layer.bits)
         delta = (np.float32(MARLIN_ZERO - off) - z.astype(np.float32)) * s
         why = kernel_range_error(s, delta, off, layer.bits)
         if why:
-            raise SourceFormatError(
-                f"layer {layer.name}: {why}", path=self.ckpt.file_of(scales.name), tensor=scales.name
-            )
+            # This layer alone cannot run on the kernels: it passes through unchanged,
+            # with the reason in the manifest; the rest of the checkpoint converts.
+            layer.convertible, layer.reason = False, f"{FP16_RANGE_REASON}: {why}"
         return delta
 
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..constants import HF_INDEX_NAME
 from ..digests import PLACEHOLDER, sha256_files
-from ..errors import ConfigError, SourceFormatError
+from ..errors import ConfigError, SourceFormatError, printable, short_name
 from ..hf_index import SHARD_NAME_RE, HFIndex, read_index
 from ..jsonio import not_regular, read_object, read_regular_file
 from ..quant_weight import Tensor, TensorInfo
@@ -65,6 +65,8 @@ def folder_member(folder: Path, name: str) -> Path | None:
         return None
     except OSError as exc:
         raise SourceFormatError(f"cannot read: {exc.strerror}", path=path) from None
+    except ValueError:  # a NUL byte in the name
+        raise SourceFormatError(f"{printable(repr(name))} is not a valid file name", path=folder) from None
     if stat.S_ISLNK(lst.st_mode):
         real = Path(os.path.realpath(path))
         if not real.exists():
@@ -229,6 +231,12 @@ class HFCheckpoint:
         index = read_index(path, error=SourceFormatError, json_error=ConfigError)
         files = []
         for name in index.shard_names:
+            if "\0" in name or not name:  # no file can have that name (the OS refuses a NUL byte)
+                raise SourceFormatError(
+                    f"shard {printable(repr(short_name(name)))} listed in the index is not a valid file name",
+                    path=path,
+                    tensor="weight_map",
+                )
             shard = folder_member(path.parent, name)
             if shard is None:
                 raise SourceFormatError(

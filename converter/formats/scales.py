@@ -22,6 +22,8 @@ from ..constants import MARLIN_ZERO
 from ..errors import SourceFormatError
 
 FP16_MAX = float(np.finfo(np.float16).max)
+#: The start of the pass-through reason of a layer the kernels' float16 cannot hold.
+FP16_RANGE_REASON = "outside the kernels' float16 range"
 
 
 def scales_to_fp16(s: np.ndarray, *, path: Path | str, tensor: str) -> np.ndarray:

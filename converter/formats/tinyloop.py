@@ -53,7 +53,7 @@ from ..jsonio import JsonRule, json_type
 from ..quant_weight import QuantWeight, Tensor, marlin_code_offset
 from ..safetensors_io import drop_pages, register_map_owner
 from .base import LayerPlan, Source, SourcePlan, TensorInfo
-from .scales import kernel_range_error
+from .scales import FP16_RANGE_REASON, kernel_range_error
 
 __all__ = ["CHANNEL_REASONS", "EXACT_INT4_REASON", "MAX_NDIM", "TinyloopSource", "sniff", "unpack_codes"]
 
@@ -311,8 +311,9 @@ class TinyloopSource(Source, format=SourceFormat.TINYLOOP, conventions=(ZeroConv
                 layer.convertible, layer.reason = False, EXACT_INT4_REASON
             if layer.convertible and layer.fit(pad):
                 why = kernel_range_error(np.asarray(scale), delta, marlin_code_offset(lin.bits), lin.bits)
-                if why:
-                    self._fail(f"layer {lin.name}: {why}", lin.scale)
+                if why:  # this layer alone passes through, with the reason; the rest converts
+                    layer.convertible, layer.reason = False, f"{FP16_RANGE_REASON}: {why}"
+            if layer.convertible:
                 for ch, tname in lin.channels.items():
                     reasons[tname] = CHANNEL_REASONS[ch]
                     channel_infos.append(self._info(tname))

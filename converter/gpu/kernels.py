@@ -498,7 +498,8 @@ class GemmLaunch:
         ws_floats, n_locks, at_halves: sizes of the fp32 partial sums, the zeroed lock
             counters and the fp16 activation buffer the launch needs.
         m_pad: A's rows padded to whole chunks (``at`` leads).
-        scalars: the kernel's int32 arguments after ``M``.
+        m, size_k: A's shape (the tensor map encodes it).
+        scalars: the kernel's int32 arguments, ``M`` first.
     """
 
     plan: GemmPlan

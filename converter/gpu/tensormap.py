@@ -9,7 +9,7 @@ copy engine writes with the 128-byte swizzle (16-byte chunk j of row r at chunk
 ``wgmma``'s 128-byte-swizzled K-major operand, read through the kernel's swizzled
 descriptor; a stage of U k-tiles takes U / 4 boxes. (The first map, of 16-byte rows
 laid out as the no-swizzle operand, lost 5-13 % to re-laying A out first from 48
-tokens: its boxes had 768+ rows. See scripts/perf_notes.md.)
+tokens: its boxes had 768+ rows. See docs/notes/perf_notes.md.)
 
 The map is encoded on the host by the driver (``cuTensorMapEncodeTiled``, through
 NVIDIA's ``cuda-bindings``) and passed to the kernel by value (128 bytes, a

@@ -152,22 +152,8 @@ def run_gemm(
     return out
 
 
-@torch.library.custom_op(f"{NAMESPACE}::gemm", mutates_args=(), device_types="cuda")
-def gemm(
-    x: torch.Tensor,
-    b: torch.Tensor,
-    scales: torch.Tensor,
-    delta: torch.Tensor | None,
-    perm: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    locks: torch.Tensor,
-    size_k: int,
-    size_n: int,
-    group_size: int,
-    n_out: int,
-) -> torch.Tensor:
-    """``torch.ops.marlin_convert.gemm``: :func:`run_gemm` as a torch op."""
-    return run_gemm(x, b, scales, delta, perm, bias, locks, size_k, size_n, group_size, n_out)
+#: ``torch.ops.marlin_convert.gemm``: :func:`run_gemm` registered as a torch op (CUDA only).
+gemm = torch.library.custom_op(f"{NAMESPACE}::gemm", run_gemm, mutates_args=(), device_types="cuda")
 
 
 @gemm.register_fake

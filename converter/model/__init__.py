@@ -31,8 +31,29 @@ class ModelError(ConverterError):
     transformers architecture); a ``model_type`` or architecture transformers does not
     know; artifact layers no module matches, or quantized modules left without a layer
     (all named); a tensor whose shape disagrees with the model; ``transformers`` or
-    ``torch`` not installed. Exit code 2 in the CLI.
+    ``torch`` not installed; a ``config.json`` that names remote code or a hub id, asks
+    for more layers or memory than the weights justify, or that transformers cannot
+    build (converter/model/guard.py). Exit code 2 in the CLI.
+
+    The message is one line of at most ``MESSAGE_LIMIT`` characters: a longer one (a
+    model with a thousand unmatched layers) is cut, keeping its length and a hash.
     """
+
+    MESSAGE_LIMIT = 2000
+
+    def __init__(self, message: str, *, path: str | Path | None = None, tensor: str | None = None) -> None:
+        message = " ".join(str(message).split("\n"))
+        if len(message) > self.MESSAGE_LIMIT:
+            import hashlib
+
+            digest = hashlib.sha256(message.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+            message = f"{message[: self.MESSAGE_LIMIT]}...[{len(message)} chars, sha256 {digest}]"
+        if tensor is not None and len(tensor) > 200:
+            import hashlib
+
+            digest = hashlib.sha256(tensor.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+            tensor = f"{tensor[:100]}...[{len(tensor)} chars, sha256 {digest}]"
+        super().__init__(message, path=path, tensor=tensor)
 
 
 def load_model(

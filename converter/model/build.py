@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import types
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -20,6 +21,8 @@ from typing import Any
 
 from ..constants import HF_WEIGHTS_KEY
 from . import ModelError
+from .guard import check_config, offline, short
+from .guard import names as name_list
 from .names import Binding, LayerSlot, LinearSlot, tie_groups
 
 #: Auto classes tried, in order, for the class that ``config.json["architectures"][0]`` names.
@@ -61,12 +64,139 @@ def quiet_transformers() -> Iterator[None]:
         hf_logging.set_verbosity(before)
 
 
-def hf_config(cfg: dict[str, Any], *, path: Path) -> Any:
-    """A transformers config from a ``config.json`` dict, without its ``quantization_config``
-    (and ``transformers_weights``).
+#: Fields that must be positive integers when present.
+_POSITIVE_INTS = (
+    "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+    "vocab_size", "max_position_embeddings", "head_dim", "num_layers", "n_layer", "n_embd", "n_head", "n_inner",
+    "n_positions", "type_vocab_size", "encoder_layers", "decoder_layers", "d_model", "num_heads", "d_ff",
+)  # fmt: skip
+#: Fields that must be finite numbers when present.
+_NUMBERS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", "initializer_range")
+#: Fields that name an activation transformers must know.
+_ACTIVATIONS = ("hidden_act", "hidden_activation", "activation_function")
+#: Fields that must be a token id inside the vocabulary (or null).
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id")
+#: Layer-count fields, bounded by the layers the weights hold (:func:`check_depth`).
+_DEPTHS = ("num_hidden_layers", "num_layers", "n_layer", "encoder_layers", "decoder_layers")
+#: The dtypes a model may be built in.
+_DTYPES = ("float32", "float16", "bfloat16")
+#: Ceiling of a field whose value transformers turns into a tensor size (before any weight is compared).
+_SIZE_CEILING = 1 << 40
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_fields(cfg: dict[str, Any], *, path: Path) -> None:
+    """Refuse, one line naming the field, what transformers would crash on or fetch:
+    remote code and hub ids (:func:`~converter.model.guard.check_config`), sizes that are
+    not positive integers, norms' epsilons that are not numbers, an unknown activation,
+    a token id outside the vocabulary, a dtype other than float32 / float16 / bfloat16.
 
     Raises:
-        ModelError: no ``model_type``, or one transformers does not know.
+        ModelError: the first such field.
+    """
+    from transformers.activations import ACT2FN
+
+    check_config(cfg, path=path)
+    for key in _POSITIVE_INTS:
+        v = cfg.get(key)
+        if v is not None and not (_is_int(v) and 0 < v <= _SIZE_CEILING):
+            raise ModelError(f"{short(repr(v), 40)} is not a positive integer (at most 2**40)", path=path, tensor=key)
+    for key in _NUMBERS:
+        v = cfg.get(key)
+        if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)):
+            raise ModelError(f"{short(repr(v), 40)} is not a finite number", path=path, tensor=key)
+    for key in _ACTIVATIONS:
+        v = cfg.get(key)
+        if v is not None and not (isinstance(v, str) and v in ACT2FN):
+            raise ModelError(f"{short(repr(v), 40)} is not an activation transformers knows", path=path, tensor=key)
+    vocab = cfg.get("vocab_size")
+    for key in _TOKEN_IDS:
+        v = cfg.get(key)
+        for tid in v if isinstance(v, list) else [v]:
+            if tid is None:
+                continue
+            if not _is_int(tid) or tid < 0 or (_is_int(vocab) and tid >= vocab):
+                raise ModelError(
+                    f"{short(repr(tid), 40)} is not a token id of the vocabulary (vocab_size {vocab})",
+                    path=path,
+                    tensor=key,
+                )
+    for key in ("dtype", "torch_dtype"):
+        v = cfg.get(key)
+        if v is not None and str(v).replace("torch.", "") not in _DTYPES:
+            raise ModelError(
+                f"{short(repr(v), 40)} is not a dtype a model is built in ({', '.join(_DTYPES)})", path=path, tensor=key
+            )
+    attn = cfg.get("attn_implementation", cfg.get("_attn_implementation"))
+    if attn is not None and attn not in ("eager", "sdpa"):
+        raise ModelError(
+            f"{short(repr(attn), 40)}: only 'eager' and 'sdpa' are built from a model folder",
+            path=path,
+            tensor="attn_implementation",
+        )
+
+
+def check_depth(cfg: dict[str, Any], tensor_names: Any, *, path: Path, what: str) -> None:
+    """Refuse a layer count above the layers the weights hold, before anything is built.
+
+    The weights' depth is one more than the largest integer component of any tensor
+    name (``model.layers.3.mlp...`` -> 4); a config may ask for fewer layers, never more.
+
+    Raises:
+        ModelError: naming the field, its value and the weights' depth.
+    """
+    depth = 0
+    for n in tensor_names:
+        for part in str(n).split("."):
+            if part.isdigit() and len(part) < 10:
+                depth = max(depth, int(part) + 1)
+    for key in _DEPTHS:
+        v = cfg.get(key)
+        if _is_int(v) and v > max(depth, 1):
+            raise ModelError(
+                f"is {v}, but the {what} holds {depth} layer(s): refused before building anything",
+                path=path,
+                tensor=key,
+            )
+
+
+def _field_of(exc: BaseException, cfg: dict[str, Any]) -> str | None:
+    """The config field an exception's message names (its key, or its value), if any."""
+    text = str(exc)
+    for key in sorted(cfg, key=lambda k: -len(str(k))):
+        if str(key) in text:
+            return str(key)
+    for key, v in cfg.items():
+        if isinstance(v, (str, int, float)) and not isinstance(v, bool) and len(str(v)) > 2 and str(v) in text:
+            return str(key)
+    return None
+
+
+def construction_error(exc: BaseException, cfg: dict[str, Any], *, path: Path, doing: str) -> ModelError:
+    """One :class:`ModelError` line for any exception out of transformers' config or model
+    construction, naming the file and (when its message tells) the field."""
+    if isinstance(exc, ModelError):
+        return exc
+    first = " ".join(str(exc).split())
+    field = _field_of(exc, cfg)
+    return ModelError(
+        f"transformers cannot {doing}: {type(exc).__name__}: {short(first, 300)}",
+        path=path,
+        tensor=short(field) if field else None,
+    )
+
+
+def hf_config(cfg: dict[str, Any], *, path: Path) -> Any:
+    """A transformers config from a ``config.json`` dict, without its ``quantization_config``
+    (and ``transformers_weights``), offline, after :func:`check_fields`.
+
+    Raises:
+        ModelError: no ``model_type``, or one transformers does not know; a field
+            :func:`check_fields` refuses; any exception out of transformers' config
+            class (one line, naming the file and the field where its message tells).
     """
     _, transformers = import_stack()
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -80,15 +210,17 @@ def hf_config(cfg: dict[str, Any], *, path: Path) -> Any:
         )
     if model_type not in CONFIG_MAPPING:
         raise ModelError(
-            f"model_type {model_type!r} is not an architecture transformers {transformers.__version__} knows",
+            f"model_type {short(repr(model_type), 60)} is not an architecture transformers "
+            f"{transformers.__version__} knows",
             path=path,
             tensor="model_type",
         )
+    check_fields(d, path=path)
     try:
-        with quiet_transformers():
+        with quiet_transformers(), offline(path):
             return CONFIG_MAPPING[model_type].from_dict(d)
-    except (TypeError, ValueError, KeyError) as exc:
-        raise ModelError(f"transformers cannot read this {model_type} config: {exc}", path=path) from None
+    except Exception as exc:  # any failure of transformers' config class is the input's
+        raise construction_error(exc, d, path=path, doing=f"read this {model_type} config") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,21 +232,85 @@ class ModelClass:
     cls: Any
     kind: str
 
-    def build(self, config: Any, *, dtype: Any, attn_implementation: str | None) -> Any:
-        """The model skeleton, in eval mode, without gradients; its ``nn.Linear`` and
-        ``nn.Embedding`` weights are on the meta device (see :func:`meta_weights`)."""
+    def build(
+        self, config: Any, *, dtype: Any, attn_implementation: str | None, path: Path | None = None, meta: bool = False
+    ) -> Any:
+        """The model skeleton, in eval mode, without gradients, built offline with
+        ``trust_remote_code=False``.
+
+        Args:
+            meta: every tensor on the meta device (nothing allocated: what
+                :func:`check_skeleton` compares); else its ``nn.Linear`` and
+                ``nn.Embedding`` weights only (see :func:`meta_weights`).
+
+        Raises:
+            ModelError: any exception out of transformers' construction, one line.
+        """
+        import torch
+
         kwargs: dict[str, Any] = {"dtype": dtype}
         if attn_implementation:
             kwargs["attn_implementation"] = attn_implementation
-        with quiet_transformers(), meta_weights():
-            model = (
-                self.auto.from_config(config, **kwargs)
-                if self.auto is not None
-                else self.cls._from_config(config, **kwargs)
-            )
+        where = path or Path("config.json")
+        try:
+            with quiet_transformers(), offline(where), torch.device("meta") if meta else meta_weights():
+                model = (
+                    self.auto.from_config(config, trust_remote_code=False, **kwargs)
+                    if self.auto is not None
+                    else self.cls._from_config(config, **kwargs)
+                )
+        except Exception as exc:  # any failure of transformers' construction is the input's
+            raise construction_error(
+                exc, config.to_dict() if hasattr(config, "to_dict") else {}, path=where, doing=f"build {self.name}"
+            ) from None
         model.eval()
         model.requires_grad_(False)
         return model
+
+
+_ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
+
+
+def weights_bytes(infos: Mapping[str, Any]) -> int:
+    """Bytes of a checkpoint's tensors, from their header facts (dtype, shape)."""
+    return sum(math.prod(i.shape) * _ITEMSIZE.get(i.dtype, 1) for i in infos.values())
+
+
+#: Bytes a skeleton may allocate beyond the weights' own (buffers, norms, unfed parameters).
+SKELETON_SLACK = 256 << 20
+
+
+def check_skeleton(model: Any, swapped: Any, *, weight_bytes: int, path: Path, what: str) -> None:
+    """Bound what the real build will allocate, on the meta skeleton (after the binding
+    compared its names and shapes with the weights): every parameter and buffer, but the
+    weights of swapped modules, at most the weights' own bytes plus the larger of
+    ``SKELETON_SLACK`` and those bytes again.
+
+    Raises:
+        ModelError: naming the largest tensors and the bound.
+    """
+    swapped = set(swapped)
+    seen: set[int] = set()
+    sizes: list[tuple[int, str]] = []
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        if mod_name in swapped:
+            continue
+        for table in (mod._parameters, mod._buffers):
+            for attr, t in table.items():
+                if t is None or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                sizes.append((t.numel() * t.element_size(), f"{mod_name}.{attr}" if mod_name else attr))
+    total = sum(n for n, _ in sizes)
+    limit = weight_bytes + max(SKELETON_SLACK, weight_bytes)
+    if total > limit:
+        top = sorted(sizes, reverse=True)[:3]
+        raise ModelError(
+            f"the model config.json describes needs {total} bytes of parameters and buffers, above the {limit} "
+            f"that the {what}'s {weight_bytes} bytes of weights justify (largest: "
+            f"{name_list([f'{n} {b} bytes' for b, n in top])}); refused before allocating anything",
+            path=path,
+        )
 
 
 @contextlib.contextmanager
@@ -166,7 +362,7 @@ def materialize_missing(model: Any, missing: list[str]) -> None:
                     stray.append(name)
                 mod._parameters[attr] = torch.nn.Parameter(torch.zeros(p.shape, dtype=p.dtype), requires_grad=False)
     if stray:
-        raise ModelError(f"internal: parameters left unloaded on the meta device: {', '.join(stray)}")
+        raise ModelError(f"internal: parameters left unloaded on the meta device: {name_list(stray)}")
 
 
 def model_class(config: Any, cfg: dict[str, Any], *, path: Path) -> ModelClass:
@@ -192,11 +388,11 @@ def model_class(config: Any, cfg: dict[str, Any], *, path: Path) -> ModelClass:
     if cls is not None and isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
         if getattr(cls, "config_class", None) not in (None, type(config)):
             raise ModelError(
-                f"architecture {arch} does not take a {type(config).__name__}", path=path, tensor="architectures"
+                f"architecture {short(arch)} does not take a {type(config).__name__}", path=path, tensor="architectures"
             )
         return ModelClass(arch, None, cls, OTHER)
     raise ModelError(
-        f"architecture {arch!r} is not a transformers {transformers.__version__} model class",
+        f"architecture {short(repr(arch))} is not a transformers {transformers.__version__} model class",
         path=path,
         tensor="architectures",
     )
@@ -224,12 +420,13 @@ def model_kind(model: Any) -> str:
 
 
 def config_dtype(cfg: dict[str, Any]) -> Any:
-    """The torch dtype ``config.json`` declares (``dtype`` or ``torch_dtype``), float32 if none."""
+    """The torch dtype ``config.json`` declares (``dtype`` or ``torch_dtype``), float32 if none
+    (:func:`check_fields` has refused any other than float32, float16, bfloat16)."""
     import torch
 
     name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     dt = getattr(torch, str(name).replace("torch.", ""), None)
-    return dt if isinstance(dt, torch.dtype) and dt.is_floating_point else torch.float32
+    return dt if dt in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
 
 
 # --------------------------------------------------------------------------- inventory
@@ -281,14 +478,16 @@ def binding_errors(b: Binding, *, what: str, arch: str, path: Path) -> None:
     if b.unmatched_layers:
         parts.append(
             f"{len(b.unmatched_layers)} layer(s) in the {what} match no module of {arch}: "
-            f"{', '.join(b.unmatched_layers)}"
+            f"{name_list(b.unmatched_layers)}"
         )
     if b.unbound_modules:
         parts.append(
             f"{len(b.unbound_modules)} linear module(s) of {arch} have no layer in the {what} "
-            f"(neither converted nor a weight): {', '.join(b.unbound_modules)}"
+            f"(neither converted nor a weight): {name_list(b.unbound_modules)}"
         )
-    parts += b.shape_errors
+    if b.shape_errors:
+        more = len(b.shape_errors) - 4
+        parts += [short(e, 300) for e in b.shape_errors[:4]] + ([f"... ({more} more)"] if more > 0 else [])
     if parts:
         raise ModelError("; ".join(parts), path=path)
 

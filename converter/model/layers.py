@@ -22,6 +22,7 @@ from ..marlin.layout import unpack_b, unpermute_scales
 from ..marlin.shapes import kernel_compatible
 from . import ModelError
 from .build import binding_errors, inventory, layer_slot
+from .guard import names as name_list
 from .names import Binding, bind
 
 #: ``kernel_factory(name, size_k, size_n, group_size, B, scales, delta, perm, bias, *, padded_n)``
@@ -218,7 +219,7 @@ class ConvertedLayers:
         binding_errors(b, what="artifact", arch=arch, path=self.folder)
         if b.missing and strict:
             raise ModelError(
-                f"{len(b.missing)} tensor(s) of {arch} have nothing in the artifact to load: {', '.join(b.missing)}",
+                f"{len(b.missing)} tensor(s) of {arch} have nothing in the artifact to load: {name_list(b.missing)}",
                 path=self.folder,
             )
         return b, groups

@@ -12,12 +12,16 @@ from ..errors import ConverterError, GpuUnavailableError
 from . import ModelError
 from .build import (
     apply_binding,
+    check_depth,
+    check_skeleton,
     config_dtype,
     hf_config,
     import_stack,
     materialize_missing,
     model_class,
+    weights_bytes,
 )
+from .guard import offline
 from .layers import ConvertedLayers, KernelFactory, LoadReport, dequantized_weight
 from .names import missing_names, untie
 
@@ -143,34 +147,59 @@ def build_converted(
     folder, cfg = read_converted_config(path)
     import_stack()
     dev = resolve_device(device)
-    layers = ConvertedLayers(folder, cfg, validate=validate)
-    try:
-        config = hf_config(cfg, path=folder / "config.json")
-        mc = model_class(config, cfg, path=folder / "config.json")
-        if dev.type == "cuda":
-            from ..gpu.runtime import cupy_module
+    cfg_path = folder / "config.json"
+    with offline(cfg_path):
+        layers = ConvertedLayers(folder, cfg, validate=validate)
+        try:
+            return _build(layers, folder, cfg, dev, strict, attn_implementation, kernel_factory)
+        finally:
+            layers.close()
 
-            cupy_module().cuda.Device(dev.index).use()
-        factory = kernel_factory or (_marlin_kernel if dev.type == "cuda" else None)
-        model = mc.build(config, dtype=config_dtype(cfg), attn_implementation=attn_implementation)
-        report = LoadReport(str(folder), str(dev), mc.name, mc.kind)
-        b, groups = layers.bind(model, arch=mc.name, strict=strict)
-        art = layers.art
-        report.warnings += untie(b, lambda a, o: same_tensor(art.file, a, art.file, o))
-        apply_binding(
-            model,
-            b,
-            make_layer=lambda module, layer: layers.module(module, layer, dev, report, factory),
-            load_tensor=layers.tensor,
-            path=folder,
-        )
-        materialize_missing(model, missing_names(groups, b.missing))
-        report.tensors = {t: list(n) for t, n in b.loads.items()}
-        report.missing = list(b.missing)
-        report.unused = list(b.unused)
-        model.to(dev)
-    finally:
-        layers.close()
+
+def _build(
+    layers: ConvertedLayers,
+    folder: Path,
+    cfg: dict[str, Any],
+    dev: Any,
+    strict: bool,
+    attn_implementation: str | None,
+    kernel_factory: KernelFactory | None,
+) -> tuple[Any, LoadReport]:
+    """Check before building: the layer count against the artifact; then a skeleton on
+    the meta device, its names and shapes bound to the artifact and its bytes bounded
+    (:func:`~converter.model.build.check_skeleton`); only then the real skeleton."""
+    cfg_path = folder / "config.json"
+    infos = layers.art.file.infos
+    check_depth(cfg, infos, path=cfg_path, what="artifact")
+    config = hf_config(cfg, path=cfg_path)
+    mc = model_class(config, cfg, path=cfg_path)
+    dtype = config_dtype(cfg)
+    skeleton = mc.build(config, dtype=dtype, attn_implementation=attn_implementation, path=cfg_path, meta=True)
+    b, _ = layers.bind(skeleton, arch=mc.name, strict=strict)
+    check_skeleton(skeleton, b.swaps, weight_bytes=weights_bytes(infos), path=cfg_path, what="artifact")
+    del skeleton, b
+    if dev.type == "cuda":
+        from ..gpu.runtime import cupy_module
+
+        cupy_module().cuda.Device(dev.index).use()
+    factory = kernel_factory or (_marlin_kernel if dev.type == "cuda" else None)
+    model = mc.build(config, dtype=dtype, attn_implementation=attn_implementation, path=cfg_path)
+    report = LoadReport(str(folder), str(dev), mc.name, mc.kind)
+    b, groups = layers.bind(model, arch=mc.name, strict=strict)
+    art = layers.art
+    report.warnings += untie(b, lambda a, o: same_tensor(art.file, a, art.file, o))
+    apply_binding(
+        model,
+        b,
+        make_layer=lambda module, layer: layers.module(module, layer, dev, report, factory),
+        load_tensor=layers.tensor,
+        path=folder,
+    )
+    materialize_missing(model, missing_names(groups, b.missing))
+    report.tensors = {t: list(n) for t, n in b.loads.items()}
+    report.missing = list(b.missing)
+    report.unused = list(b.unused)
+    model.to(dev)
     return model, report
 
 
@@ -187,7 +216,13 @@ def load_model(
 
     The model is built from the folder's ``config.json`` (its ``quantization_config`` is
     ignored) with transformers' own classes (``AutoModelForCausalLM`` / ``AutoModel`` ...
-    ``.from_config``, the class ``architectures`` names), no hub access. Then:
+    ``.from_config``, the class ``architectures`` names), never with remote code
+    (``trust_remote_code=False``), offline whatever the environment says: any network
+    attempt while building is a ModelError naming ``config.json``
+    (:mod:`converter.model.guard`). A ``config.json`` that names remote code or a hub id,
+    asks for more layers than the artifact holds, or describes tensors whose shapes or
+    bytes the artifact does not justify is refused on a skeleton built on the meta
+    device, before anything is allocated. Then:
 
     * every converted layer replaces its linear module: on CUDA our Marlin kernel
       (``MarlinLinearModule``; a layer outside its limits runs the exact path and is

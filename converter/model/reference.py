@@ -24,6 +24,8 @@ from .build import (
     ModelClass,
     apply_binding,
     binding_errors,
+    check_depth,
+    check_skeleton,
     config_dtype,
     hf_config,
     import_stack,
@@ -31,7 +33,10 @@ from .build import (
     layer_slot,
     materialize_missing,
     model_class,
+    weights_bytes,
 )
+from .guard import names as name_list
+from .guard import offline
 from .loader import dequantized_weight
 from .names import Binding, bind, missing_names, untie
 
@@ -84,7 +89,7 @@ def source_binding(source: Source, model: Any, mc: ModelClass, folder: Path) -> 
     absent = [m for m in b.missing if not m.endswith(".bias") or m.rsplit(".", 1)[0] not in plans]
     if absent:
         raise ModelError(
-            f"the source checkpoint has nothing for {len(absent)} tensor(s) of {mc.name}: {', '.join(absent)}",
+            f"the source checkpoint has nothing for {len(absent)} tensor(s) of {mc.name}: {name_list(absent)}",
             path=folder,
         )
     ckpt = source.ckpt
@@ -121,12 +126,20 @@ def build_reference(
     from .modules import DENSE_FP32, DEQUANT_FP16, DenseLinear, to_torch, to_torch_f32
 
     folder, cfg = source_config(source)
-    config = hf_config(cfg, path=folder / "config.json")
-    mc = model_class(config, cfg, path=folder / "config.json")
-    fp32 = precision == FP32
-    model = mc.build(
-        config, dtype=torch.float32 if fp32 else config_dtype(cfg), attn_implementation=attn_implementation
-    )
+    cfg_path = folder / "config.json"
+    with offline(cfg_path):
+        check_depth(cfg, source.ckpt.infos, path=cfg_path, what="source checkpoint")
+        config = hf_config(cfg, path=cfg_path)
+        mc = model_class(config, cfg, path=cfg_path)
+        fp32 = precision == FP32
+        dtype = torch.float32 if fp32 else config_dtype(cfg)
+        skeleton = mc.build(config, dtype=dtype, attn_implementation=attn_implementation, path=cfg_path, meta=True)
+        b, _ = source_binding(source, skeleton, mc, folder)
+        check_skeleton(
+            skeleton, b.swaps, weight_bytes=weights_bytes(source.ckpt.infos), path=cfg_path, what="source checkpoint"
+        )
+        del skeleton, b
+        model = mc.build(config, dtype=dtype, attn_implementation=attn_implementation, path=cfg_path)
     inventory_groups = inventory(model)[1]
     b, plans = source_binding(source, model, mc, folder)
 

@@ -28,9 +28,10 @@ import pytest
 from converter.convert import convert
 from converter.errors import ConfigError, SourceFormatError
 from converter.formats import patterns
+from converter.safetensors_io import SafetensorsFile
 from converter.verify import verify
 from tests.helpers.checkpoints import arr, st_bytes
-from tests.helpers.clirun import assert_refused, invoke, snapshot
+from tests.helpers.clirun import assert_refused, invoke, run_cli, snapshot
 from tests.helpers.paths import REPO, SAMPLE
 from tests.helpers.producers import (
     gptq_config,
@@ -583,9 +584,29 @@ def test_subnormal_bf16_scales_are_refused_with_numbers(tmp_path: Path) -> None:
         (9000.0, 8, "group columns form weights (q - 8) * s + delta that overflow float16"),
     ],
 )
-def test_delta_or_weight_beyond_fp16_is_refused(tmp_path: Path, scale: float, z: int, what: str) -> None:
-    src = _with_scales(tmp_path, np.full((2, 64), scale, dtype=np.float32), "F16", z=z)
-    _refused(tmp_path, src, tmp_path / "o.safetensors", needles=(f"layer {NAMES[0]}: ", what, "which the kernels use"))
+def test_delta_or_weight_beyond_fp16_passes_that_layer_through(tmp_path: Path, scale: float, z: int, what: str) -> None:
+    """One layer the kernels' float16 cannot hold no longer refuses the checkpoint: it
+    passes through unchanged with the reason in the manifest, and the rest converts."""
+    rng = np.random.default_rng(7)
+    bad = make_layer(rng, 128, 64, group_size=64)
+    bad.s = np.full((2, 64), scale, dtype=np.float32)
+    bad.z[:] = z
+    tensors = gptq_tensors(NAMES[0], bad, v1=False) | gptq_tensors(
+        NAMES[1], make_layer(rng, 128, 64, group_size=64), v1=False
+    )
+    src = write_checkpoint(tmp_path / "src", tensors | plain_tensors(rng), gptq_config(4, 64, fmt="gptq_v2"))
+    out = tmp_path / "o.safetensors"
+    r = run_cli("marlin-convert", src, out, "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(r.stdout)
+    assert [lay["name"] for lay in doc["converted"]] == [NAMES[1]]
+    (nc,) = doc["not_converted"]
+    assert nc["name"] == NAMES[0] and what in nc["reason"] and "float16 range" in nc["reason"]
+    art = SafetensorsFile(out)
+    manifest = json.loads(next(v for k, v in art.metadata.items() if "manifest" in k))
+    reasons = {p["name"]: p["reason"] for p in manifest["passthrough"]}
+    assert what in reasons[f"{NAMES[0]}.scales"]
+    assert verify(out, against=src, gpu=False).ok
 
 
 def test_all_zero_scales_convert_and_pass_shapes(tmp_path: Path) -> None:
@@ -821,3 +842,21 @@ def test_the_input_is_unchanged_by_every_refusal_above(tmp_path: Path, ckpt: Pat
         assert invoke("marlin-convert", *args, "--force").exit_code == 2
     (ckpt / "vocab.txt").unlink()
     assert snapshot(ckpt) == before
+
+
+def test_611_output_shards_within_an_open_files_limit_of_256(tmp_path: Path) -> None:
+    """Not every shard's writer is open at once: the writer parks all but a few (the
+    output's lock keeps cleaners away), so 611 shards fit ``ulimit -n 256``."""
+    rng = np.random.default_rng(0)
+    tensors = gptq_tensors(NAMES[0], make_layer(rng, 128, 64, group_size=64), v1=True)
+    for i in range(610):
+        tensors[f"model.extra.{i}.weight"] = rng.standard_normal(300).astype(np.float16)
+    src = write_checkpoint(tmp_path / "src", tensors, gptq_config(4, 64))
+    out = tmp_path / "o.safetensors"
+    res = _limited(256, 256, "marlin-convert", src, out, "--max-shard-size", "700B", "-q")
+    assert res.returncode == 0, res.stderr
+    shards = sorted(tmp_path.glob("o-*.safetensors"))
+    assert len(shards) == 611, len(shards)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    res = _limited(256, 256, "marlin-verify", tmp_path / "o.safetensors.index.json", "--against", src, "--cpu", "-q")
+    assert res.returncode == 0, res.stdout + res.stderr

@@ -1,4 +1,4 @@
-"""The GEMM planner (converter/gpu/plan.py) is pure: every input is an argument, so it is
+"""The GEMM planner (converter/gpu/plan/) is pure: every input is an argument, so it is
 tested here without CuPy or a GPU, against a made-up device."""
 
 from __future__ import annotations
@@ -60,55 +60,78 @@ def _plan(
     return plan_gemm(m, k, n, variant, regs=regs, device=H200(), tuning=tuning)
 
 
-def test_tuning_defaults_are_the_measured_values() -> None:
-    assert DEFAULT_TUNING == Tuning(
-        group_max_m=16,
-        decode_max_m=32,
-        wide_n=8192,
-        waves=1,
-        latency_tiles=6,
-        reduce_tiles=2.5,
-        a_weight=0.5,
-        force_wk=None,
-        force_splits=None,
-        occupancy_cap=(),
-        saturation=((KernelKind.DECODE, 9, 2), (KernelKind.TILE, 9, 2)),
-        hopper=True,
-        hopper_wide_n=14336,
-        hopper_wide_min_m=17,
-        hopper_big_kn=2**27,
-        hopper_big_min_m=17,
-        hopper_large_m=64,
-        hopper_huge_m=129,
-        hopper_small_kn=4096 * 4096,
-        hopper_fs_min_m=65,
-        hopper_fs_narrow_min_m=33,
-        hopper_fs_thin_min_m=33,
-        hopper_fs_thin_kn=8192 * 1024,
-        hopper_decode_small_kn=4096 * 4096,
-        hopper_sk_min_m=17,
-        hopper_sk_small_min_m=9,
-        hopper_sk_small_kn=8192 * 8192,
-        hopper_sk_mid_tok=64,
-        hopper_sk_mid_min_m=97,
-        hopper_sk_mid_max_m=128,
-        hopper_skg_min_m=1,
-        hopper_skg_max_m=16,
-        hopper_xmap_max_tok=128,
-        hopper_small_lo_kn=8192 * 1024,
-        hopper_small_min_m=8,
-        hopper_small_max_m=256,
-        hopper_small_n4096_max_m=128,
-        hopper_small_units=16,
-        hopper_small_max_tok=32,
-        hopper_small_skg_min_m=17,
-        hopper_small_skg_max_tok=16,
-        streamk_fix=1.0,
-        streamk_misalign=0.05,
-        streamk_iters=None,
-    )
+def test_tuning_is_frozen_and_every_knob_is_read() -> None:
+    """The knobs are one value per launch (hashable, frozen), and none is dead: each is
+    read by the planner or the launcher (``cap`` and ``saturates_at`` read the two tables)."""
+    from pathlib import Path
+
     with pytest.raises(dataclasses.FrozenInstanceError):
         DEFAULT_TUNING.waves = 2  # type: ignore[misc]
+    gpu = Path(__file__).resolve().parents[2] / "converter" / "gpu"
+    text = "".join(p.read_text() for p in gpu.rglob("*.py") if p.name != "tuning.py")
+    text += "occupancy_cap saturation"  # read through Tuning.cap and Tuning.saturates_at
+    assert [f.name for f in dataclasses.fields(Tuning) if f.name not in text] == []
+
+
+def _grid_plans():
+    """(device, K, N, group, M, plan) over the snapshot grid's shapes at the routes' edges."""
+    from tests.gpu import plan_grid
+
+    for dev, k, n, g in plan_grid.keys():
+        gs = k if g == -1 else g
+        for m in plan_grid.PLAN_MS:
+            pipe = default_pipe(m, k, n, gs // 16, dev.smem_per_block_optin, hopper=dev.hopper)
+            variant = kernel_variant(k, n, g, pipe, smem_limit=dev.smem_per_block_optin, arch=dev.arch)
+            yield dev, k, n, g, m, variant, plan_gemm(m, k, n, variant, regs=plan_grid.REGS, device=dev)
+
+
+def test_every_real_layer_gets_a_kernel_that_runs_it() -> None:
+    """Every layer of the seven models, every group size, on sm_80..90: the routed variant
+    is built, fits the device's shared memory, runs on that architecture, holds M, and its
+    K split covers K exactly once in whole steps; a persistent launch has at most one block
+    per multiprocessor, a split-K one at least one resident block."""
+    from converter.constants import MARLIN_TILE
+
+    seen = 0
+    for dev, k, n, g, m, variant, plan in _grid_plans():
+        seen += 1
+        spec, kt = plan.pipe.spec, k // MARLIN_TILE
+        assert plan.pipe in GEMM_PIPES and variant.smem <= dev.smem_per_block_optin >= plan.smem
+        assert dev.hopper or not spec.wgmma, (dev.arch, k, n, g, m, plan.pipe)
+        assert plan.m_chunks * plan.rows >= m > (plan.m_chunks - 1) * plan.rows
+        assert plan.tiles_per_split % plan.u == 0 and kt % plan.u == 0
+        if spec.persistent:
+            stages = kt // plan.u
+            units = plan.m_chunks * -(-n // 256)
+            iters = plan.tiles_per_split // plan.u
+            assert plan.blocks <= dev.sm_count and (plan.blocks - 1) * iters < units * stages <= plan.blocks * iters
+            assert plan.kind is not KernelKind.HOPPER_SKG or variant.per_channel or variant.group_tiles % 8 == 0
+        else:
+            assert plan.splits * plan.tiles_per_split >= kt > (plan.splits - 1) * plan.tiles_per_split
+            assert plan.resident_warps >= plan.threads // 32 and plan.tiles_per_split % (plan.u * plan.wk) == 0
+    assert seen == 368 * 18
+
+
+def test_the_route_map_in_the_docs_is_current() -> None:
+    """docs/routing-map.md is what the route tables give (regenerate:
+    ``python -m tests.gpu.plan_grid --write-map``)."""
+    from tests.gpu import plan_grid
+
+    assert plan_grid.ROUTE_MAP.read_text() == plan_grid.route_map()
+
+
+def test_route_tables_end_in_a_catch_all_and_name_their_evidence() -> None:
+    """Every call gets a row (the last one of each table holds always), every row's
+    kind is a built kind, and its evidence is a section of docs/notes/routing.md."""
+    from pathlib import Path
+
+    from converter.gpu.plan import ROUTES_SM80, ROUTES_SM90, GemmProblem
+
+    notes = (Path(__file__).resolve().parents[2] / "docs" / "notes" / "routing.md").read_text()
+    for table in (ROUTES_SM80, ROUTES_SM90):
+        assert table[-1].when(GemmProblem.of(10**6, 16, 64, 1))
+        for row in table:
+            assert row.kind in KINDS and f'<a id="{row.evidence}"></a>' in notes, row.name
 
 
 def test_routing_follows_the_tuning() -> None:
@@ -267,7 +290,7 @@ def test_hopper_routing() -> None:
 @pytest.mark.parametrize(
     ("m", "k", "n", "pipe"),
     [
-        # 8192 x 1024 (Llama-70B's k/v projections; H200, scripts/bench_gemm_h200_thin_splits.json,
+        # 8192 x 1024 (Llama-70B's k/v projections; H200, docs/notes/results/h200/bench_gemm_h200_thin_splits.json,
         # fused us, feature-split chunks against the tile kernel): 32 rows 16.9 / 15.6 (tile kept),
         # 48 17.6 / 20.8, 64 17.9 / 23.8, 96 20.1 / 24.0, 128 23.0 / 24.1, 256 in 64-row chunks 29.6 / 32.5
         (32, 8192, 1024, ("tile", 2, 4, 3)),
@@ -319,7 +342,7 @@ def test_small_layers_take_8_row_decode_chunks_at_9_to_16_rows(m: int, k: int, n
 @pytest.mark.parametrize(
     ("m", "k", "n", "group_tiles", "pipe"),
     [
-        # H200, scripts/bench_gemm_h200_small_chunks.json (Tuning.hopper_small_*,
+        # H200, docs/notes/results/h200/bench_gemm_h200_small_chunks.json (Tuning.hopper_small_*,
         # plan.small_chunk): 16 units of 256 features x one chunk, even chunks of <= 32
         (7, 8192, 1024, 8, ("decode", 1, 4, 3)),
         (8, 8192, 1024, 8, ("hopper_sk", 1, 4, 8)),
@@ -359,7 +382,7 @@ def test_small_layers_take_the_persistent_kernel_in_small_units(m: int, k: int, 
     ("k", "n", "m", "best", "was"),
     [
         # the planner's split count on the H200 sweep of the tile kernel's 32-row chunks
-        # (scripts/bench_gemm_h200_tile_splits.json, fused us; the fastest count unless
+        # (docs/notes/results/h200/bench_gemm_h200_tile_splits.json, fused us; the fastest count unless
         # noted); "was": the waves model's
         (14336, 4096, 16, 4, 6),  # 22.8; 25.0 at 6 (one wave of 3 blocks per SM)
         (14336, 4096, 24, 4, 6),  # 26.8; 28.8 at 6
@@ -403,7 +426,7 @@ def test_tile_saturation_leaves_plans_of_two_resident_blocks_alone(m, k, n, regs
 
 
 def test_feature_split_routing() -> None:
-    """The feature-split kernel (H200 sweep, scripts/perf_notes.md): every layer of at
+    """The feature-split kernel (H200 sweep, docs/notes/perf_notes.md): every layer of at
     least 4096 x 4096 weights from 65 rows, N = 4096 layers from 33; below that the
     token-split kernel or the tile kernel."""
     fs = KernelKind.HOPPER_FS
@@ -552,7 +575,7 @@ def test_hopper_split_follows_the_h200_sweep(k: int, n: int, m: int, regs: int, 
 def test_hopper_plan_occupancy_and_split() -> None:
     """The split fills the device once (28672 x 8192 at 32 rows: 32 units of 256
     columns, 3 blocks per SM); the wide 70B layer needs none at 64 and 128 rows (224
-    units; the H200 sweep's best, scripts/perf_notes.md); a two-warpgroup block holds
+    units; the H200 sweep's best, docs/notes/perf_notes.md); a two-warpgroup block holds
     one multiprocessor."""
     p32 = _plan(32, 28672, 8192, 128, regs=150, hopper=True, tuning=NO_SK)
     assert (p32.kind, p32.r, p32.threads) == (KernelKind.HOPPER, 4, 128)
@@ -699,7 +722,7 @@ def test_streamk_pieces_closed_form_matches_counting() -> None:
 def test_floor_sum_matches_the_sum() -> None:
     import random
 
-    from converter.gpu.plan import _floor_sum
+    from converter.gpu.plan.streamk import _floor_sum
 
     rnd = random.Random(11)
     for _ in range(2000):

@@ -1,0 +1,327 @@
+"""Exact export to asymmetric compressed-tensors (issue 41): the two proofs on every real
+producer and the synthetic 2/3/4-bit, act-order, bf16 and per-channel fixtures, the
+refusals, and the write guarantees."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from converter.errors import ConverterError, UnsupportedQuantError
+from converter.export import check_export, export_compressed_tensors, export_manifest, vllm_kernels
+from converter.export.compressed_tensors import EXPORT_META_KEY, pack_int32
+from converter.safetensors_io import SafetensorsFile
+from tests.export.ct_proof import assert_library_codes, assert_library_exact, assert_reader_roundtrip
+from tests.helpers.paths import SAMPLE
+from tests.helpers.producers import gptq_config, gptq_tensors, make_layer, ragged_gptq, write_checkpoint
+
+pytest.importorskip("compressed_tensors")
+
+LLAMA = (
+    "autoawq-gemm-w4g128-asym",
+    "autogptq-w4g128-sym",
+    "autoround-gptq-w4g128-asym",
+    "autoround-gptq-w4gchan-asym",
+    "gptqmodel-gptq-w4g128-asym-descact",
+    "gptqmodel-gptqv2-w4g128-asym",
+    "llmcompressor-packq-w4g128-asym",
+)
+MINILM = ("minilm-autoround-gptq-w4g128-asym-layers0-1", "minilm-autoround-gptq-w4g128-asym-full")
+
+
+def _real(realinput: Path, *parts: str) -> Path:
+    p = realinput.joinpath(*parts)
+    if not p.is_dir():
+        pytest.skip(f"{p} not present")
+    return p
+
+
+def _manifest(out: Path) -> dict:
+    files = sorted(out.glob("*.safetensors"))
+    metas = [SafetensorsFile(f).metadata for f in files]
+    assert all(m.get("format") == "pt" for m in metas)
+    assert len({m[EXPORT_META_KEY] for m in metas}) == 1
+    return json.loads(metas[0][EXPORT_META_KEY])
+
+
+def _check_folder(src: Path, out: Path, summary) -> None:
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
+    for group in qc["config_groups"].values():
+        w = group["weights"]
+        assert w["symmetric"] is False and w["type"] == "int"
+        assert w["strategy"] in ("group", "channel")
+        assert (w["group_size"] is None) == (w["strategy"] == "channel")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (src / name).is_file():
+            assert (out / name).read_bytes() == (src / name).read_bytes()
+    # The manifest records the sha256 of the source's files, as the Marlin artifact does.
+    files = _manifest(out)["source"]["files"]
+    assert files
+    for f in files:
+        assert f["sha256"] == hashlib.sha256((src / f["name"]).read_bytes()).hexdigest()
+    assert summary.exported
+
+
+@pytest.mark.parametrize("producer", LLAMA)
+def test_real_llama_tiny(realinput: Path, tmp_path: Path, producer: str) -> None:
+    src = _real(realinput, "llama-tiny", producer)
+    out = tmp_path / "out"
+    summary = export_compressed_tensors(src, out, legacy_act_order=True)
+    _check_folder(src, out, summary)
+    assert len(summary.exported) == 7 and not summary.passthrough
+    assert assert_reader_roundtrip(src, out) == 7
+    check = check_export(out, src)
+    assert len(check.checked) == 7 and not check.problems and not check.unchecked
+    assert assert_library_codes(src, out) == 7
+    assert assert_library_exact(src, out) == 7
+    for lay in summary.exported:
+        assert any(k.startswith("Marlin") for k in lay.kernels), lay
+
+
+@pytest.mark.parametrize("name", MINILM)
+def test_real_minilm_sharded(realinput: Path, tmp_path: Path, name: str) -> None:
+    src = _real(realinput, "minilm", name)
+    out = tmp_path / "out"
+    summary = export_compressed_tensors(src, out, max_shard_size="1MB")
+    _check_folder(src, out, summary)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {f.name for f in out.glob("model-*.safetensors")}
+    n = len(summary.exported)
+    assert assert_reader_roundtrip(src, out) == n
+    assert assert_library_exact(src, out) == n
+
+
+def test_act_order_refused_without_legacy(realinput: Path, tmp_path: Path) -> None:
+    src = _real(realinput, "llama-tiny", "gptqmodel-gptq-w4g128-asym-descact")
+    with pytest.raises(UnsupportedQuantError, match="act-order.*actorder 'group'"):
+        export_compressed_tensors(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- synthetic
+
+SIZES = {"model.layers.0.mlp.up_proj": (256, 128), "model.layers.0.mlp.down_proj": (128, 192)}
+
+
+def _synthetic(folder: Path, *, bits: int, group_size: int, act_order: bool = False, scale_dtype: str = "F16"):
+    rng = np.random.default_rng(bits * 100 + group_size + act_order)
+    layers = {
+        n: make_layer(rng, k, nn, bits=bits, group_size=group_size, act_order=act_order, scale_dtype=scale_dtype)
+        for n, (k, nn) in SIZES.items()
+    }
+    tensors = {t: a for n, lay in layers.items() for t, a in gptq_tensors(n, lay, v1=False).items()}
+    tensors["model.embed_tokens.weight"] = rng.standard_normal((32, 16)).astype(np.float16)
+    cfg = gptq_config(bits, group_size, fmt="gptq_v2", desc_act=act_order)
+    return write_checkpoint(folder, tensors, cfg, where="quantize_config.json", scale_dtype=scale_dtype)
+
+
+@pytest.mark.parametrize(
+    ("bits", "group_size", "act_order", "scale_dtype"),
+    [
+        (4, 64, False, "F16"),
+        (4, -1, False, "F16"),
+        (4, 32, True, "F16"),
+        (4, 64, False, "BF16"),
+        (3, 64, False, "F16"),
+        (3, 32, True, "F16"),
+        (2, 64, False, "F16"),
+        (2, 32, True, "F16"),
+    ],
+)
+def test_synthetic_exact(tmp_path: Path, bits: int, group_size: int, act_order: bool, scale_dtype: str) -> None:
+    src = _synthetic(tmp_path / "src", bits=bits, group_size=group_size, act_order=act_order, scale_dtype=scale_dtype)
+    out = tmp_path / "out"
+    summary = export_compressed_tensors(src, out, legacy_act_order=act_order)
+    assert len(summary.exported) == 2
+    assert all(lay.act_order == act_order for lay in summary.exported)
+    # Our reader reads 2- and 4-bit compressed-tensors (3-bit passes through it), so
+    # proof 1 covers those; proof 2 covers every width.
+    assert assert_reader_roundtrip(src, out) == (0 if bits == 3 else 2)
+    assert assert_library_codes(src, out) == 2
+    check = check_export(out, src)
+    assert not check.problems and len(check.checked) + len(check.unchecked) == 2
+    assert assert_library_exact(src, out) == 2
+    tensors = SafetensorsFile(next(out.glob("*.safetensors"))).infos
+    scale = tensors["model.layers.0.mlp.up_proj.weight_scale"]
+    assert scale.dtype == scale_dtype
+    assert ("model.layers.0.mlp.up_proj.weight_g_idx" in tensors) == act_order
+    if bits != 4:
+        assert all(lay.kernels == [] for lay in summary.exported)  # vLLM's wNa16: 4 and 8 bits only
+
+
+def test_pack_int32_matches_library() -> None:
+    import torch
+    from compressed_tensors.compressors.pack_quantized import pack_to_int32
+
+    rng = np.random.default_rng(0)
+    for bits in range(1, 9):
+        for axis in (0, 1):
+            q = rng.integers(0, 1 << bits, (37, 75), dtype=np.uint8)
+            signed = torch.from_numpy(q.astype(np.int16) - (1 << (bits - 1))).to(torch.int8)
+            ref = pack_to_int32(signed, bits, packed_dim=axis).numpy()
+            np.testing.assert_array_equal(pack_int32(q, bits, axis), ref, err_msg=f"bits={bits} axis={axis}")
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def test_ragged_refused_by_name_then_passthrough(tmp_path: Path) -> None:
+    src, layers = ragged_gptq(tmp_path / "src", np.random.default_rng(3), v1=False)
+    with pytest.raises(UnsupportedQuantError, match="ragged last group") as exc:
+        export_compressed_tensors(src, tmp_path / "out")
+    for name in layers:
+        assert name in str(exc.value)
+    assert "\n" not in str(exc.value)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(UnsupportedQuantError, match="no layer has an exact"):
+        export_compressed_tensors(src, tmp_path / "out", allow_passthrough=True)
+
+
+def test_passthrough_lists_ignore_and_copies_source_tensors(tmp_path: Path) -> None:
+    rng = np.random.default_rng(5)
+    good = make_layer(rng, 256, 128, group_size=64)
+    ragged = make_layer(rng, 200, 128, group_size=64)
+    tensors = {**gptq_tensors("m.good", good, v1=False), **gptq_tensors("m.ragged", ragged, v1=False)}
+    src = write_checkpoint(tmp_path / "src", tensors, gptq_config(4, 64, fmt="gptq_v2"), where="quantize_config.json")
+    out = tmp_path / "out"
+    summary = export_compressed_tensors(src, out, allow_passthrough=True)
+    assert [lay.name for lay in summary.exported] == ["m.good"]
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["ignore"] == ["m.ragged"]
+    got = SafetensorsFile(out / "model.safetensors")
+    ref = SafetensorsFile(src / "model.safetensors")
+    for name in ("m.ragged.qweight", "m.ragged.qzeros", "m.ragged.scales"):
+        assert bytes(got.raw(name)) == bytes(ref.raw(name))
+    assert assert_library_exact(src, out) == 1
+
+
+def test_padded_n_refused(tmp_path: Path) -> None:
+    lay = make_layer(np.random.default_rng(7), 128, 96, group_size=64)
+    src = write_checkpoint(
+        tmp_path / "src",
+        gptq_tensors("m.x", lay, v1=False),
+        gptq_config(4, 64, fmt="gptq_v2"),
+        where="quantize_config.json",
+    )
+    with pytest.raises(UnsupportedQuantError, match=r"m\.x: padded N"):
+        export_compressed_tensors(src, tmp_path / "out")
+
+
+def test_tinyloop_float_zero_refused(tmp_path: Path) -> None:
+    with pytest.raises(UnsupportedQuantError, match="float zero"):
+        export_compressed_tensors(SAMPLE, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_output_needs_force_and_input_is_untouched(tmp_path: Path) -> None:
+    src = _synthetic(tmp_path / "src", bits=4, group_size=64)
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    out = tmp_path / "out"
+    export_compressed_tensors(src, out)
+    first = (out / "model.safetensors").read_bytes()
+    with pytest.raises(ConverterError):
+        export_compressed_tensors(src, out)
+    export_compressed_tensors(src, out, force=True)
+    assert (out / "model.safetensors").read_bytes() == first  # deterministic
+    with pytest.raises(ConverterError):
+        export_compressed_tensors(src, src, force=True)  # never into the input's folder
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporaries left
+
+
+def test_vllm_kernel_rules() -> None:
+    both = vllm_kernels(4, 128, 4096, 4096, False)
+    assert [k.split()[0] for k in both] == ["Marlin", "Machete"]
+    assert [k.split()[0] for k in vllm_kernels(4, 64, 4096, 4096, False)] == ["Marlin"]
+    assert [k.split()[0] for k in vllm_kernels(4, 4096, 4096, 4096, False)] == ["Marlin", "Machete"]
+    assert vllm_kernels(4, 16, 4096, 4096, False) == []
+    assert vllm_kernels(3, 128, 4096, 4096, False) == []
+    assert [k.split()[0] for k in vllm_kernels(4, 128, 4096, 4160, False)] == ["Marlin"]  # N % 128 != 0
+
+
+# --------------------------------------------------------------------------- transformers
+
+
+@pytest.mark.parametrize("producer", [p for p in LLAMA if "descact" not in p])
+def test_transformers_loads_export_through_compressed_tensors(realinput: Path, tmp_path: Path, producer: str) -> None:
+    """Proof 3: the exported llama-tiny loads in transformers (CPU) through its
+    compressed-tensors quantizer, which dequantizes with compressed-tensors' own code,
+    and its logits equal the source's dequantized model's within fp16 rounding.
+
+    ``CompressedTensorsConfig(dequantize=True)``: with transformers 5.25 and
+    compressed-tensors 0.20.1 the default (compressed) load refuses every asymmetric
+    pack-quantized checkpoint, llm-compressor's own included (the meta model's
+    ``weight_zero_point`` is left unpacked, ``(N, G)`` against the file's
+    ``(N/8, G)``); :func:`test_transformers_default_load_same_as_producer` pins that.
+    """
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, CompressedTensorsConfig
+
+    from tests.export.ct_proof import source_layers
+
+    src = _real(realinput, "llama-tiny", producer)
+    out = tmp_path / "out"
+    export_compressed_tensors(src, out)
+    model = AutoModelForCausalLM.from_pretrained(
+        out, device_map="cpu", dtype=torch.float16, quantization_config=CompressedTensorsConfig(dequantize=True)
+    )
+    cfg = AutoConfig.from_pretrained(realinput / "llama-tiny" / "base-llama-config.json")
+    ref = AutoModelForCausalLM.from_config(cfg, dtype=torch.float16)
+    plain = {}
+    for f in src.glob("*.safetensors"):
+        plain.update(load_file(str(f)))
+    state = ref.state_dict()
+    for k, v in plain.items():
+        if k in state and state[k].shape == v.shape:
+            state[k].copy_(v.to(torch.float16))
+    layers = source_layers(src)
+    for name, layer in layers.items():
+        dense = torch.from_numpy(layer["w"].T.copy()).to(torch.float16)
+        ref.get_submodule(name).weight.data.copy_(dense)
+        # the dense weight transformers holds is the source's exact weight rounded once to fp16
+        got = model.get_submodule(name).weight.data
+        assert torch.equal(got.view(torch.int16), dense.view(torch.int16)), name
+    ids = torch.tensor([[1, 5, 9, 33, 100, 7, 250, 3]])
+    with torch.no_grad():
+        a, b = model(ids).logits.float(), ref(ids).logits.float()
+    torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+
+
+def test_transformers_default_load_same_as_producer(realinput: Path, tmp_path: Path) -> None:
+    """The default (compressed) transformers load treats our export exactly as it treats
+    llm-compressor's own asymmetric checkpoint: both load, or both fail alike."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    src = _real(realinput, "llama-tiny", "llmcompressor-packq-w4g128-asym")
+    out = tmp_path / "out"
+    export_compressed_tensors(src, out)
+
+    def outcome(path: Path) -> str:
+        try:
+            m = AutoModelForCausalLM.from_pretrained(path, device_map="cpu", dtype=torch.float16)
+        except RuntimeError as exc:
+            return f"error: {str(exc)[:80]}"
+        with torch.no_grad():
+            return str(m(torch.tensor([[1, 5, 9]])).logits[0, -1, :8].tolist())
+
+    assert outcome(out) == outcome(src)
+
+
+def test_check_export_finds_a_changed_source_and_rejects_a_non_export(tmp_path: Path) -> None:
+    src = _synthetic(tmp_path / "src", bits=4, group_size=64)
+    out = tmp_path / "out"
+    export_compressed_tensors(src, out)
+    assert export_manifest(src) is None
+    with pytest.raises(ConverterError, match="not a marlin-convert compressed-tensors export"):
+        check_export(src, src)
+    other = _synthetic(tmp_path / "other", bits=4, group_size=32)
+    check = check_export(out, other)
+    assert any("sha256 differs" in p for p in check.problems)
+    assert any("differ from the source" in p for p in check.problems)
