@@ -18,6 +18,7 @@ stderr stays empty, for usage errors and interrupts too.  Names that come from f
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import errno
 import functools
 import glob
@@ -374,12 +375,44 @@ def convert_cmd(
         bool,
         typer.Option("--verbose", "-v", help="The long summary: every layer, every passed-through tensor, every file."),
     ] = False,
+    to: Annotated[
+        str,
+        typer.Option(
+            "--to",
+            help="Output format: 'marlin' (the Marlin artifact, default) or 'compressed-tensors' (an exact "
+            "asymmetric pack-quantized model folder that vLLM and SGLang load; docs/export.md).",
+        ),
+    ] = "marlin",
+    allow_passthrough: Annotated[
+        bool,
+        typer.Option(
+            "--allow-passthrough",
+            help="With --to compressed-tensors: copy layers that have no exact compressed-tensors form "
+            "unconverted (listed in 'ignore') instead of refusing.",
+        ),
+    ] = False,
+    legacy_act_order: Annotated[
+        bool,
+        typer.Option(
+            "--legacy-act-order",
+            help="With --to compressed-tensors: write act-order layers with weight_g_idx (actorder: group), "
+            "which compressed-tensors 0.20 no longer reads but vLLM's Marlin path applies.",
+        ),
+    ] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", hidden=True)] = False,
     debug: DebugOpt = False,
     version: Annotated[bool, _version_option("marlin-convert")] = False,
 ) -> None:
     if overwrite:  # the name other tools use: point at ours
         _fail("no such option: --overwrite; to replace an existing output, pass --force", as_json)
+    if to not in EXPORT_FORMATS:
+        _fail(f"--to {to!r}: one of {', '.join(EXPORT_FORMATS)}", as_json)
+    if to != "marlin":
+        _export_cmd(source, output, to, force, dry_run, as_json, quiet, max_shard_size, pad, debug,
+                    allow_passthrough=allow_passthrough, legacy_act_order=legacy_act_order)  # fmt: skip
+        return
+    if allow_passthrough or legacy_act_order:
+        _fail("--allow-passthrough and --legacy-act-order go with --to compressed-tensors", as_json)
     with _errors_to_exit(debug, as_json), _progress(_show_progress(quiet, as_json)) as prog:
         from .convert import convert
 
@@ -390,6 +423,47 @@ def convert_cmd(
         _print_json(report.to_json())
     elif not quiet:
         _render_convert(report, verbose)
+
+
+#: What ``--to`` accepts: the Marlin artifact, or an exact export (converter.export).
+EXPORT_FORMATS = ("marlin", "compressed-tensors")
+
+
+def _export_cmd(
+    source: Path,
+    output: Path,
+    to: str,
+    force: bool,
+    dry_run: bool,
+    as_json: bool,
+    quiet: bool,
+    max_shard_size: str | None,
+    pad: bool,
+    debug: bool,
+    *,
+    allow_passthrough: bool,
+    legacy_act_order: bool,
+) -> None:
+    """``marlin-convert IN OUT --to compressed-tensors``: :func:`converter.export.export_compressed_tensors`."""
+    if dry_run or not pad:
+        _fail(f"--dry-run and --no-pad are for the Marlin artifact, not --to {to}", as_json)
+    with _errors_to_exit(debug, as_json):
+        from .artifact.shards import parse_size
+        from .export import export_compressed_tensors
+
+        summary = export_compressed_tensors(
+            source,
+            output,
+            allow_passthrough=allow_passthrough,
+            max_shard_size=None if max_shard_size is None else parse_size(max_shard_size),
+            force=force,
+            legacy_act_order=legacy_act_order,
+        )
+    if as_json:
+        _print_json(summary.to_json())
+    elif not quiet:
+        for line in summary.text().splitlines():
+            out_console.print(_show(line), soft_wrap=True, highlight=False)
 
 
 #: Lines of "not converted" groups, and of warnings, shown before "... more" (``--verbose``: all).
@@ -621,6 +695,13 @@ def verify_cmd(
             debug=debug,
             allow_source_mismatch=allow_source_mismatch,
         )
+    if artifact.is_dir():
+        with _errors_to_exit(debug, as_json):
+            from .export import export_manifest
+
+            exported = export_manifest(artifact) is not None
+        if exported:
+            _verify_export_cmd(artifact, against, as_json, quiet, debug)
     with _errors_to_exit(debug, as_json), _progress(_show_progress(quiet, as_json)) as prog:
         from .verify import verify
 
@@ -630,6 +711,33 @@ def verify_cmd(
     else:
         _render_verify(report, quiet, verbose)
     raise typer.Exit(0 if report.ok else 1)
+
+
+def _verify_export_cmd(folder: Path, against: Path | None, as_json: bool, quiet: bool, debug: bool) -> None:
+    """``marlin-verify EXPORT --against SRC`` on a ``--to compressed-tensors`` export:
+    :func:`converter.export.check_export` (codes, scales, zero points and act-order exactly,
+    the source's sha256). Exits 0 when it passes, 1 when it does not."""
+    if against is None:
+        _fail("a compressed-tensors export is checked against its source: pass --against SRC", as_json)
+    with _errors_to_exit(debug, as_json):
+        from .export import check_export
+
+        check = check_export(folder, against)
+    ok = not check.problems
+    if as_json:
+        _print_json({"ok": ok, "export": str(folder), "against": str(against), **dataclasses.asdict(check)})
+    else:
+        for problem in check.problems:
+            err_console.print(_show(f"problem: {problem}"), soft_wrap=True)
+        if not quiet or not ok:
+            status = (
+                f"OK: {len(check.checked)} exported layers equal the source exactly"
+                if ok
+                else f"FAILED: {len(check.problems)} problem(s)"
+            )
+            unchecked = f"; not read back: {len(check.unchecked)}" if check.unchecked else ""
+            out_console.print(_show(status + unchecked), soft_wrap=True)
+    raise typer.Exit(0 if ok else 1)
 
 
 def _verify_model_cmd(

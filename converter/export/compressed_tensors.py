@@ -52,7 +52,7 @@ from ..atomic import (
 )
 from ..constants import PRODUCER_NAME, ZeroConvention
 from ..digests import sha256_files
-from ..errors import ConverterError, UnsupportedQuantError
+from ..errors import ConverterError, UnsupportedQuantError, short_name
 from ..formats import open_source
 from ..formats.base import LayerPlan, Source
 from ..formats.hf import HFSource
@@ -217,6 +217,12 @@ def _scales_for(qw: QuantWeight) -> tuple[str, np.ndarray]:
 # --------------------------------------------------------------------------- planning
 
 
+def _names(names: list[str], shown: int = 4) -> str:
+    """The first few names (shortened), then how many more."""
+    head = ", ".join(short_name(n) for n in names[:shown])
+    return head + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
 def _unrepresentable(layer: LayerPlan, legacy_act_order: bool) -> str | None:
     """Why a planned layer has no exact compressed-tensors form (None: it may have one)."""
     if not layer.convertible:
@@ -230,8 +236,8 @@ def _unrepresentable(layer: LayerPlan, legacy_act_order: bool) -> str | None:
     if layer.act_order and not legacy_act_order:
         return (
             f"act-order (g_idx): compressed-tensors {COMPRESSED_TENSORS_VERSION} removed actorder 'group' "
-            "(its config refuses it and its decompression ignores weight_g_idx); legacy_act_order writes it "
-            "for older compressed-tensors and vLLM"
+            "(its config refuses it and its decompression ignores weight_g_idx); legacy_act_order "
+            "(--legacy-act-order) writes it for older compressed-tensors and vLLM"
         )
     return None
 
@@ -404,7 +410,11 @@ def export_compressed_tensors(
                 tensors[layer.bias.name] = (layer.bias.dtype, tuple(layer.bias.shape), layer.bias.name)
             info.kernels = vllm_kernels(layer.bits, g, layer.size_k, layer.size_n, layer.act_order)
         if refused and not allow_passthrough:
-            names = "; ".join(f"{n}: {r}" for n, r in refused)
+            by_reason: dict[str, list[str]] = {}
+            for n, r in refused:
+                by_reason.setdefault(r, []).append(n)
+            # one clause per reason: a whole model refused for one rule stays one readable line
+            names = "; ".join(f"{r}: {_names(ns)}" for r, ns in by_reason.items())
             raise UnsupportedQuantError(
                 f"{len(refused)} layer(s) have no exact compressed-tensors form ({names}); nothing was written "
                 "(allow_passthrough / --allow-passthrough copies them unconverted)",

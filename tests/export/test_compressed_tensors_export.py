@@ -208,7 +208,7 @@ def test_padded_n_refused(tmp_path: Path) -> None:
         gptq_config(4, 64, fmt="gptq_v2"),
         where="quantize_config.json",
     )
-    with pytest.raises(UnsupportedQuantError, match=r"m\.x: padded N"):
+    with pytest.raises(UnsupportedQuantError, match=r"\(padded N \(N = 96 would need padding to 128\): m\.x\)"):
         export_compressed_tensors(src, tmp_path / "out")
 
 
