@@ -9,7 +9,8 @@ reader of stdout went away (``| head``), quietly.
 One output policy for both: results (the summary or verification table, the problems
 found, the status line, ``--json``'s document) go to stdout; progress, notes, warnings
 and errors to stderr.  ``-q`` prints nothing but errors (with ``--json``, the document
-too); ``-v`` the long form.  With ``--json``, stdout is exactly one JSON document and
+too), except that ``marlin-verify`` also prints the problems that fail the check and the
+status line when it fails; ``-v`` the long form.  With ``--json``, stdout is exactly one JSON document and
 stderr stays empty, for usage errors and interrupts too.  Names that come from files
 (tensors, layers, file names) are printed with control characters escaped
 (:func:`converter.errors.printable`).
@@ -101,10 +102,15 @@ class _Console(Console):
         raise BrokenPipeError(errno.EPIPE, os.strerror(errno.EPIPE))
 
 
+#: The width of a console that is not a terminal: no line is ever wrapped there.
+UNWRAPPED_WIDTH = 1 << 20
+
+
 class _LazyConsole:
     """A rich :class:`Console` made on first use, not at import: a closed stdout or stderr
-    (``sys.stdout`` None) must not fail the import.  Piped output (logs, CI) gets wide
-    tables instead of 80-column wrapping."""
+    (``sys.stdout`` None) must not fail the import.  Output that is not a terminal (logs,
+    CI, a pipe) is never wrapped: tables at their natural width, every line whole (a grep
+    finds it), and no padding to a width."""
 
     def __init__(self, stderr: bool) -> None:
         self._stderr = stderr
@@ -113,7 +119,10 @@ class _LazyConsole:
     def get(self) -> Console:
         if self._console is None:
             stream = sys.stderr if self._stderr else sys.stdout
-            self._console = _Console(stderr=self._stderr, highlight=False, width=None if _isatty(stream) else 160)
+            tty = _isatty(stream)
+            self._console = _Console(
+                stderr=self._stderr, highlight=False, width=None if tty else UNWRAPPED_WIDTH, soft_wrap=not tty
+            )
         return self._console
 
     def __getattr__(self, name: str) -> Any:
@@ -170,6 +179,15 @@ DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks for err
 QuietOpt = Annotated[
     bool,
     typer.Option("--quiet", "-q", help="Print nothing but errors (with --json, the JSON document too)."),
+]
+VerifyQuietOpt = Annotated[
+    bool,
+    typer.Option(
+        "--quiet",
+        "-q",
+        help="Print only what fails: errors, and when the check fails its failing problems and the status line; "
+        "nothing when all is good (with --json, the JSON document too).",
+    ),
 ]
 
 
@@ -520,11 +538,14 @@ def _layer_cells(lay: Any) -> tuple[str, ...]:
 
 
 def _files_text(files: list[dict[str, Any]], verbose: bool) -> str:
-    """``name (size)`` of every file, or (not ``verbose``) the first few, a count, and the last (the index)."""
+    """``name (size)`` of every file, or (not ``verbose``, when more than one would be left
+    out) the first few, the index file if there is one, and ``... N more`` at the end."""
     items = [f"{f['name']} ({human_size(f['bytes'])})" for f in files]
-    if not verbose and len(items) > FILES_SHOWN:
-        items = [*items[: FILES_SHOWN - 1], f"... {len(items) - FILES_SHOWN} more (--verbose lists all)", items[-1]]
-    return ", ".join(items)
+    index = [i for i, f in enumerate(files) if str(f["name"]).endswith(".index.json")][:1]
+    if verbose or len(items) <= FILES_SHOWN + 1:  # hiding one file would save nothing
+        return ", ".join(items)
+    keep = [i for i in range(len(items)) if i not in index][: FILES_SHOWN - len(index)] + index
+    return ", ".join([*(items[i] for i in keep), f"... {len(items) - len(keep)} more (--verbose lists all)"])
 
 
 def _render_convert(report: Any, verbose: bool) -> None:
@@ -647,9 +668,15 @@ def verify_cmd(
     gpu: Annotated[bool, typer.Option("--gpu", help="Require GPU numerics (fail if no GPU).")] = False,
     cpu: Annotated[bool, typer.Option("--cpu", help="Skip GPU numerics even if a GPU is present.")] = False,
     as_json: JsonOpt = False,
-    quiet: QuietOpt = False,
+    quiet: VerifyQuietOpt = False,
     verbose: Annotated[
-        bool, typer.Option("--verbose", "-v", help="Every problem (not the first 30), and every note on stderr.")
+        bool,
+        typer.Option(
+            "--verbose",
+            "-v",
+            help="Every problem (not the first 30), and every note on stderr, among them which CPU loops ran "
+            "(compiled or NumPy: the cpu rel err figures depend on it).",
+        ),
     ] = False,
     model: Annotated[
         bool,
@@ -801,6 +828,16 @@ def _jsonable(obj: Any) -> Any:
 PROBLEM_LINES = 30
 
 
+def cpu_loops_line() -> str:
+    """``marlin-verify -v``'s note on which CPU loops computed ``cpu rel err``: the
+    compiled ones (:mod:`converter._native`) or the NumPy code; the figures differ
+    between the two (fp32 sums in another order)."""
+    from . import native
+
+    loops = "compiled loops" if native.lib() is not None else "NumPy code"
+    return f"CPU numerics: {loops} ({native.status()}); the cpu rel err figures depend on which ran"
+
+
 def _render_verify(report: Report, quiet: bool, verbose: bool = False) -> None:
     """The result on stdout: the table, the problems, the status line; ``quiet``: only
     the errors and, when there are any, the status line.  A note on GPU numerics that
@@ -808,6 +845,10 @@ def _render_verify(report: Report, quiet: bool, verbose: bool = False) -> None:
     (where installing CuPy, say, would make them run); elsewhere only with ``verbose``."""
     errors = [p for p in report.problems if p.severity == "error"]
     bad_layers = {p.tensor.rsplit(".", 1)[0] for p in errors} | {p.tensor for p in errors}
+    # A layer that does not match --against's source has no meaningful "cpu rel err": it
+    # would measure the artifact against a reference that is not its source.
+    unmatched = {p.tensor for p in report.problems if p.code == "source_mismatch"}
+    unmatched |= {t.rsplit(".", 1)[0] for t in unmatched}
     if not quiet and report.layers:
         with_gpu = any(isinstance(row.get("gpu"), dict) for row in report.layers)
         out_console.print(_show(report.artifact), soft_wrap=True)  # not a table title, which would wrap
@@ -831,7 +872,9 @@ def _render_verify(report: Report, quiet: bool, verbose: bool = False) -> None:
                 ),
                 "yes" if row["symmetric"] else "no",
                 ("yes" if all(exact) else "NO") if exact else "-",
-                f"{row['cpu_rel_err']:.2e}" if "cpu_rel_err" in row else "-",
+                f"{row['cpu_rel_err']:.2e}"
+                if "cpu_rel_err" in row and all(exact) and row["name"] not in unmatched
+                else "-",
             ]
             if with_gpu:
                 cells.append(
@@ -852,6 +895,8 @@ def _render_verify(report: Report, quiet: bool, verbose: bool = False) -> None:
         out_console.print(
             f"... and {len(rest)} more ({', '.join(codes)}); --verbose or --json lists every problem", soft_wrap=True
         )
+    if verbose and not quiet and report.checked.get("cpu_numerics"):
+        err_console.print(f"[dim]{_show(cpu_loops_line())}[/]", soft_wrap=True)
     gpu_note = report.checked.get("gpu_numerics")
     if isinstance(gpu_note, str) and not quiet:
         if nvidia_gpu_present():  # something can be done here: say what

@@ -91,6 +91,16 @@ class OutputExistsError(ConverterError):
     """The output exists and ``--force`` was not given."""
 
 
+class OutputPathError(ConverterError):
+    """The output's folder (or, for a new model folder, its parent) does not exist or
+    cannot be created."""
+
+
+class OptionValueError(ConverterError):
+    """A command-line option's value is malformed (``--max-shard-size`` without a unit, say);
+    ``tensor`` names the option."""
+
+
 class GpuUnavailableError(ConverterError):
     """CuPy or a suitable GPU (sm_80+) is not available."""
 

@@ -347,7 +347,7 @@ def test_the_summary_of_a_200_layer_conversion_fits_on_a_screen(two_hundred: Pat
     res = run_cli("marlin-convert", two_hundred, tmp_path / "a.safetensors")
     assert res.returncode == 0 and res.stderr == "", res.stderr
     lines = res.stdout.splitlines()
-    assert len(lines) == 22 and max(map(len, lines)) <= 160, res.stdout  # piped: a 160-column console
+    assert len(lines) == 20, res.stdout  # piped: no line wraps
     patterns = [f"model.layers.*.self_attn.{p}_proj" for p in "qkvo"] + [
         f"model.layers.*.mlp.{p}_proj" for p in ("gate", "up")
     ]
@@ -376,12 +376,14 @@ def test_verbose_gives_the_long_form(two_hundred: Path, tmp_path: Path) -> None:
     rows = [ln for ln in text.splitlines() if ln.startswith("│ ")]
     assert len(rows) == 174 and rows[0].split("│")[1].strip() == "model.layers.0.self_attn.q_proj"
     down = "model.layers.28.mlp.down_proj"
-    flat = " ".join(text.split())  # long lines wrap at 160 columns
+    # not a terminal: no line wraps, and none ends in padding
     assert (
-        f"pass-through: {down}.qweight, {down}.qzeros, {down}.scales, {down}.g_idx "
+        f"pass-through: {down}.qweight, {down}.qzeros, {down}.scales, {down}.g_idx  "
         f"(layer {down} not converted: size_k = 72 is not a multiple of 16 (Marlin tile))"
-    ) in flat
-    assert "model.layers.28.input_layernorm.weight" in text and len(text.splitlines()) > 300
+    ) in text.splitlines()
+    assert max(map(len, text.splitlines())) > 200
+    assert [ln for ln in text.splitlines() if ln != ln.rstrip()] == []
+    assert "model.layers.28.input_layernorm.weight" in text and len(text.splitlines()) > 200
 
 
 def test_json_keeps_every_tensor_and_no_pad_passes_through(two_hundred: Path, tmp_path: Path) -> None:
@@ -585,7 +587,40 @@ def test_shard_size_without_a_unit_is_refused(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
     res = run_cli("marlin-convert", SAMPLE, out, "--max-shard-size", "5", "--json")
     assert (res.returncode, res.stderr) == (2, "")
-    assert json.loads(res.stdout)["error"]["tensor"] == "--max-shard-size"
+    error = json.loads(res.stdout)["error"]
+    assert (error["type"], error["tensor"]) == ("OptionValueError", "--max-shard-size")
+
+
+@pytest.mark.parametrize("out", ["missing/o.safetensors", "missing/model"])
+def test_a_missing_output_parent_has_its_own_json_type(tmp_path: Path, out: str) -> None:
+    """7. A missing folder for the output is an OutputPathError in --json, not the generic ConverterError."""
+    for extra in ((), ("--dry-run",)):
+        res = run_cli("marlin-convert", SAMPLE, tmp_path / out, "--json", *extra)
+        assert (res.returncode, res.stderr) == (2, ""), res.stdout
+        assert json.loads(res.stdout)["error"]["type"] == "OutputPathError", (extra, res.stdout)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_files_line_hides_more_than_one_file_or_none() -> None:
+    """3. All files when at most one would be hidden; else the first few, the index, and the count last."""
+    from converter.cli import FILES_SHOWN, _files_text
+
+    def files(n: int, index: bool = True) -> list[dict[str, object]]:
+        shards = [{"name": f"o-{i:05d}.safetensors", "bytes": 1000} for i in range(1, n + 1)]
+        return [*shards, {"name": "o.safetensors.index.json", "bytes": 10}] if index else shards
+
+    everything = _files_text(files(FILES_SHOWN), False)  # FILES_SHOWN + 1 files: one would be hidden
+    assert "more" not in everything and everything.count(".safetensors (") == FILES_SHOWN
+    assert everything.endswith("o.safetensors.index.json (10 B)")
+    assert _files_text(files(FILES_SHOWN + 1), False) == (
+        "o-00001.safetensors (1.0 kB), o-00002.safetensors (1.0 kB), o-00003.safetensors (1.0 kB), "
+        "o.safetensors.index.json (10 B), ... 2 more (--verbose lists all)"
+    )
+    assert _files_text(files(9, index=False), False) == (
+        "o-00001.safetensors (1.0 kB), o-00002.safetensors (1.0 kB), o-00003.safetensors (1.0 kB), "
+        "o-00004.safetensors (1.0 kB), ... 5 more (--verbose lists all)"
+    )
+    assert "more" not in _files_text(files(20), True)
 
 
 def test_an_oversized_tensor_warns_and_the_files_line_is_bounded(tmp_path: Path) -> None:
@@ -604,7 +639,7 @@ def test_an_oversized_tensor_warns_and_the_files_line_is_bounded(tmp_path: Path)
     files = next(ln for ln in res.stdout.splitlines() if ln.startswith("files: "))
     assert files == (
         "files: wrote 17: o-00001-of-00016.safetensors (49.8 kB), o-00002-of-00016.safetensors (55.5 kB), "
-        "o-00003-of-00016.safetensors (49.4 kB), ... 13 more (--verbose lists all), o.safetensors.index.json (3.9 kB)"
+        "o-00003-of-00016.safetensors (49.4 kB), o.safetensors.index.json (3.9 kB), ... 13 more (--verbose lists all)"
     )
     res = run_cli("marlin-convert", SAMPLE, out, "--max-shard-size", "50kB", "--force", "--verbose")
     files = next(ln for ln in res.stdout.splitlines() if ln.startswith("files: "))
@@ -694,7 +729,7 @@ def test_gpu_note_only_where_it_helps_and_the_readme_example_matches(
     else:
         assert res.stderr == ""
         res = invoke("marlin-verify", art, "--against", SAMPLE, "-v")
-        assert res.stderr == "GPU numerics not run: no NVIDIA GPU on this machine\n"
+        assert res.stderr == f"{cli.cpu_loops_line()}\nGPU numerics not run: no NVIDIA GPU on this machine\n"
 
 
 def test_nvidia_gpu_present_looks_at_the_device_nodes_and_nvidia_smi(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -805,3 +840,116 @@ def test_a_path_without_the_suffix_is_a_model_folder(tmp_path: Path) -> None:
     for name in ("m.SafeTensors", "m.safetensors.index.json"):
         assert_refused(invoke("marlin-convert", SAMPLE, tmp_path / name), "output names neither a .safetensors file")
     assert (tmp_path / "taken").read_bytes() == b"x" and not (tmp_path / "m.SafeTensors").exists()
+
+
+def test_verbose_names_the_cpu_loops_that_ran(no_cupy: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """1. The cpu rel err figures depend on the compiled loops or the NumPy code: -v says
+    which ran (stderr, one line); without -v, and with --shapes (no CPU numerics), nothing."""
+    from converter import cli, native
+
+    monkeypatch.setattr(cli, "nvidia_gpu_present", lambda: False)
+    art = tmp_path / "a.safetensors"
+    convert(SAMPLE, art)
+    lines = {}
+    for path, (lib, why) in {
+        "compiled": (object(), "compiled, avx2 loops"),
+        "numpy": (None, "disabled by MARLIN_NATIVE=0"),
+    }.items():
+        monkeypatch.setattr(native, "_LIB", lib if path == "numpy" else native._LIB)
+        monkeypatch.setattr(native, "_WHY", why if path == "numpy" else native._WHY)
+        res = invoke("marlin-verify", art, "--cpu", "-v")
+        assert res.exit_code == 0, res.output
+        lines[path] = [ln for ln in res.stderr.splitlines() if ln.startswith("CPU numerics: ")]
+        assert len(lines[path]) == 1, res.stderr
+    assert lines["numpy"] == [
+        "CPU numerics: NumPy code (disabled by MARLIN_NATIVE=0); the cpu rel err figures depend on which ran"
+    ]
+    assert lines["compiled"] == [cli.cpu_loops_line()] and lines["compiled"] != lines["numpy"] or native.lib() is None
+    assert "CPU numerics: " not in invoke("marlin-verify", art, "--cpu").stderr
+    assert "CPU numerics: " not in invoke("marlin-verify", art, "--shapes", "-v").stderr
+    assert "CPU numerics: " not in invoke("marlin-verify", art, "--cpu", "-v", "-q").stderr
+
+
+def test_a_layer_that_does_not_match_its_source_shows_no_cpu_rel_err(monkeypatch: pytest.MonkeyPatch) -> None:
+    """2. Against a wrong source every row fails; its cpu rel err is "-", not a number that reads as a pass."""
+    from rich.console import Console
+
+    from converter import cli
+    from converter.artifact.problems import Report
+
+    rep = Report("a.safetensors", checked={"against": "src", "cpu_numerics": True, "layers": 3, "tensors": 9})
+    base = {"size_k": 128, "size_n": 128, "group_size": 64, "symmetric": False, "cpu_rel_err": 3.71e-07}
+    rep.layers = [
+        {**base, "name": "good", "codes_exact": True, "scales_exact": True, "delta_exact": True},
+        {**base, "name": "bad", "codes_exact": False, "scales_exact": True, "delta_exact": True},
+        {**base, "name": "extra"},  # in the artifact, not in the source: no exact columns
+    ]
+    rep.add("source_mismatch", "layer bad: codes not bit-identical to the source", "bad")
+    rep.add("source_mismatch", "layer extra is in the artifact but not converted from the source", "extra")
+    console = Console(record=True, width=200, highlight=False)
+    monkeypatch.setattr(cli, "out_console", console)
+    cli._render_verify(rep, quiet=False)
+    rows = {
+        cells[2]: cells[-2]
+        for ln in console.export_text().splitlines()
+        if len(cells := [c.strip() for c in ln.split("│")]) > 8
+    }
+    assert rows == {"good": "3.71e-07", "bad": "-", "extra": "-"}
+
+
+def test_verify_help_says_what_quiet_prints() -> None:
+    """6. -q of marlin-verify prints the failing problems and the status line too: its help says so."""
+    res = invoke("marlin-verify", "--help")
+    flat = " ".join(res.stdout.split())
+    assert "Print nothing but errors" not in flat
+    assert "errors, and when the check fails its failing problems and the status line" in flat
+    assert "Print nothing but errors" in " ".join(invoke("marlin-convert", "--help").stdout.split())
+
+
+def test_piped_output_is_never_wrapped_nor_padded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """4. Not a terminal: a long line stays one line, a table its natural width, no trailing spaces."""
+    import io
+
+    from rich.table import Table
+
+    from converter import cli
+
+    buf = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", buf)
+    console = cli._LazyConsole(stderr=False)
+    console.print("x " * 200 + "end")
+    table = Table()
+    table.add_column("layer")
+    table.add_row("y" * 300)
+    console.print(table)
+    lines = buf.getvalue().splitlines()
+    assert lines[0] == ("x " * 200 + "end") and len(lines) == 1 + 5
+    assert all(len(ln) == 304 for ln in lines[1:]) and all(ln == ln.rstrip() for ln in lines)
+
+
+def test_the_model_report_says_what_its_numbers_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    """4, 5. --model's title is a line of its own (not wrapped nor padded off a terminal);
+    the per-layer line says it is the error against the source."""
+    import io
+
+    from converter import cli
+    from converter.model.report import ModelReport, render
+
+    rep = ModelReport("out", "src", device="cpu", architecture="LlamaForCausalLM" + "X" * 150, output="logits")
+    rep.input = {"sequences": 2, "tokens": 16}
+    row = {"mean_rel_err": 1e-3, "max_rel_err": 2e-3, "top1": 1.0, "top5": 1.0}
+    rep.metrics = {"converted": row, "fp16_dequant": row, "fp32": row}
+    rep.layers = [{"name": "model.layers.0.mlp.up_proj", "rel_err": 1.76e-04, "fp16_rel_err": 2.60e-04}]
+    buf = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", buf)
+    console = cli._LazyConsole(stderr=False)
+    render(rep, console, console)
+    lines = buf.getvalue().splitlines()
+    assert lines[0].startswith("LlamaForCausalLMXXX") and lines[0].endswith(
+        ": logits against the fp32 model dequantized from the source, 2 x 16 tokens"
+    )
+    assert (
+        "largest per-layer error against the source (relative to fp16 dequantized's): "
+        "model.layers.0.mlp.up_proj 1.76e-04 (fp16 dequantized 2.60e-04)"
+    ) in lines
+    assert "furthest" not in buf.getvalue() and all(ln == ln.rstrip() for ln in lines)

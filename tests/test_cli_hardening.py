@@ -64,7 +64,7 @@ def _run_code(code: str, *args: object, timeout: float = 120) -> subprocess.Comp
         (
             "marlin-convert",
             ["{sample}", "{out}", "--max-shard-size", "5 parsecs"],
-            "ConverterError",
+            "OptionValueError",
             "--max-shard-size: '5 parsecs' is not a size",
         ),
         (

@@ -214,7 +214,7 @@ def test_many_tiny_passthrough_tensors_are_linear_and_bounded(tmp_path: Path) ->
     took = time.monotonic() - start
     assert r.returncode == 0, r.stderr
     assert took < 60, took
-    assert rss < 600 << 20, rss
+    assert rss < 450 << 20, rss  # measured 308 MiB (53 MiB with no tiny tensors): ~2.6 KB a tensor
     v = run_cli("marlin-verify", out, "--against", src, "--shapes", "-q")
     assert v.returncode == 0, v.stdout + v.stderr
 

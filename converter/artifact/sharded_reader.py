@@ -80,12 +80,27 @@ def missing_artifact(path: Path) -> ConverterError:
     return ConverterError("no such file or directory", path=path)
 
 
+def held_shards_budget() -> int:
+    """How many shards a reader may hold open: half the soft open-files limit (the rest is
+    the process's own), at least 16."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return 16
+    return 1 << 30 if soft == resource.RLIM_INFINITY else max(16, soft // 2)
+
+
 class ShardedFile:
     """The shards of a sharded artifact, read as one file.
 
     Same read interface as :class:`SafetensorsFile` (``infos``, ``in``, ``array``,
     ``raw``, ``tensor``, ``metadata``, ``close``); ``metadata`` is the first readable
-    shard's.  Each shard is opened and validated as a container on its own
+    shard's.  Each shard is opened once, held open and read by handle (an atomic replace
+    during a verify is before or after it) while there are at most
+    :func:`held_shards_budget` shards; more are reopened by path (a process under
+    ``ulimit -n 256`` still reads 611 shards). Each is validated as a container on its own
     (``ArtifactError`` if one is malformed).
 
     Attributes:
@@ -107,6 +122,7 @@ class ShardedFile:
         self._where: dict[str, SafetensorsFile] = {}
         wmap, total = index_file.weight_map, index_file.total_size
         unreadable: list[ArtifactError] = []
+        hold = len(files) <= held_shards_budget()
         try:
             for f in files:
                 if not f.is_file():
@@ -115,7 +131,9 @@ class ShardedFile:
                     )
                     continue
                 try:
-                    shard = SafetensorsFile(f, error=ArtifactError)
+                    # Held open: verify reads the shard it opened, even if it is replaced meanwhile
+                    # (beyond the open-files budget, shards are reopened by path instead).
+                    shard = SafetensorsFile(f, error=ArtifactError, hold=hold)
                 except ArtifactError as exc:
                     # Like a missing shard: reported, and the other shards still checked.
                     unreadable.append(exc)

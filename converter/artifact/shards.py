@@ -13,7 +13,7 @@ import re
 
 from ..constants import Suffix
 from ..dtypes import nbytes
-from ..errors import ConverterError
+from ..errors import OptionValueError
 
 #: ``[(tensor name, safetensors dtype code, shape)]`` in write order.
 Layout = list[tuple[str, str, tuple[int, ...]]]
@@ -33,7 +33,7 @@ def parse_size(text: str | int) -> int:
     A string needs its unit: ``5`` is refused, not read as 5 bytes (``5B`` is).
 
     Raises:
-        ConverterError: not a positive size, or a number without a unit (names the
+        OptionValueError: not a positive size, or a number without a unit (names the
             option and the value).
     """
     if isinstance(text, int):
@@ -41,18 +41,18 @@ def parse_size(text: str | int) -> int:
     else:
         m = _SIZE_RE.match(text)
         if not m:
-            raise ConverterError(
+            raise OptionValueError(
                 f"{text!r} is not a size (expected a number and a unit: {_UNITS_TEXT}; e.g. 5GB)",
                 tensor="--max-shard-size",
             )
         if m.group(2) is None:
-            raise ConverterError(
+            raise OptionValueError(
                 f"{text!r} has no unit; add one of {_UNITS_TEXT}, e.g. {m.group(1)}GB ({m.group(1)}B for bytes)",
                 tensor="--max-shard-size",
             )
         value = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
     if value <= 0:
-        raise ConverterError(f"must be positive, found {text!r}", tensor="--max-shard-size")
+        raise OptionValueError(f"must be positive, found {text!r}", tensor="--max-shard-size")
     return value
 
 

@@ -27,7 +27,7 @@ import xxhash
 
 from ..atomic import free_bytes
 from ..constants import META_MANIFEST, META_SCHEMA_VERSION
-from ..errors import ArtifactError, ConverterError, OutputExistsError
+from ..errors import ArtifactError, ConverterError, OutputExistsError, OutputPathError
 from ..hf_index import SHARD_NAME_RE, read_index
 from ..safetensors_io import MAX_MAPPED_FILES, SafetensorsFile, set_map_limit
 
@@ -326,16 +326,16 @@ class OutputTarget:
         if self.directory and not self.folder.exists() and not create:
             # a dry run creates nothing; the checks above (the input guard) still ran
             if not self.folder.parent.is_dir():
-                raise ConverterError("output folder's parent does not exist", path=self.folder.parent)
+                raise OutputPathError("output folder's parent does not exist", path=self.folder.parent)
             return
         if self.directory and not self.folder.exists():
             try:
                 self.folder.mkdir(parents=False)
                 self.created = True
             except OSError as exc:
-                raise ConverterError(f"cannot create the output folder: {exc.strerror}", path=self.folder) from None
+                raise OutputPathError(f"cannot create the output folder: {exc.strerror}", path=self.folder) from None
         if not self.folder.is_dir():
-            raise ConverterError("output folder does not exist", path=self.folder)
+            raise OutputPathError("output folder does not exist", path=self.folder)
         if self.path.is_dir():
             raise ConverterError(
                 "output is a directory; give a .safetensors file name, or end OUT with '/'", path=self.path

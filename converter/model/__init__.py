@@ -59,7 +59,7 @@ class ModelError(ConverterError):
 def load_model(
     path: str | Path, device: Any = "cuda", *, strict: bool = True, attn_implementation: str | None = None
 ) -> Any:
-    """Load a converted model folder (``marlin-convert IN OUTDIR/``) as a transformers model.
+    """Load a converted model folder (``marlin-convert IN OUTDIR``) as a transformers model.
 
     See :func:`converter.model.loader.load_model` for the full contract. Imports torch
     and transformers on first call.

@@ -168,7 +168,13 @@ def check_config(cfg: dict[str, Any], *, path: str | Path, field: str = "") -> N
                 path=path,
                 tensor=short(here),
             )
-        if key.endswith("_name_or_path") and key != "_name_or_path" and isinstance(value, str) and value:
+        if (
+            isinstance(key, str)
+            and key.endswith("_name_or_path")
+            and key != "_name_or_path"
+            and isinstance(value, str)
+            and value
+        ):
             # text_encoder_name_or_path, tokenizer_name_or_path ...: another repo to fetch.
             raise ModelError(
                 f"is {short(repr(value), 60)}: another checkpoint to fetch by name; model folders are built "

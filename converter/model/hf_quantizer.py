@@ -40,15 +40,22 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..artifact.problems import ProblemCode
-from ..constants import PRODUCER_NAME
+from ..constants import HF_WEIGHTS_KEY, PRODUCER_NAME
 from . import ModelError
 from .build import model_kind, promote_plain_linears
+from .guard import check_config, offline
 from .layers import ConvertedLayers, LoadReport
 from .modules import _TORCH_DTYPES  # the one safetensors-code -> torch dtype table
 from .names import candidates
 
 #: device_map strings that ask accelerate to spread the model: not supported here yet.
 _SPREAD_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def _model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` without what is ours, not the model's: ``quantization_config`` and folder
+    mode's guard (as :func:`~converter.model.build.hf_config` drops them)."""
+    return {k: v for k, v in cfg.items() if k not in ("quantization_config", HF_WEIGHTS_KEY)}
 
 
 class MarlinConvertConfig(QuantizationConfigMixin):
@@ -132,6 +139,7 @@ class MarlinConvertHfQuantizer(HfQuantizer):
         self._device_map: Mapping[str, Any] | None = None
         self._swaps: dict[str, str] = {}
         self._report: LoadReport | None = None
+        self._checked = False
 
     def validate_environment(self, *args: Any, device_map: Any = None, **kwargs: Any) -> None:
         """Raises ModelError for a device_map that spreads the model or names a device other
@@ -148,10 +156,38 @@ class MarlinConvertHfQuantizer(HfQuantizer):
                 resolve_device(f"cuda:{value}" if isinstance(value, int) else value)
 
     def update_tp_plan(self, config: Any) -> Any:  # transformers 5.17 calls this before resolving the weights
+        self._check_config(config)
         return self._claim_weights(config)
 
     def update_attn_implementation(self, config: Any) -> Any:  # transformers 5.25: same place
+        self._check_config(config)
         return self._claim_weights(config)
+
+    def _check_config(self, config: Any) -> None:
+        """The checks of :func:`~converter.model.build.check_fields` (remote code, backbone
+        repos, hub ids, sizes ...), offline, on the config transformers built and on the
+        folder's ``config.json`` as written: the first hook that sees the config, before
+        any weight file is resolved or any module built.
+
+        Raises:
+            ModelError: one line naming ``config.json`` and the field.
+        """
+        from ..formats.hf_checkpoint import read_json_file
+        from .build import check_fields
+
+        if self._checked:
+            return
+        name = str(getattr(config, "name_or_path", "") or "")
+        folder = Path(name) if name and Path(name).is_dir() else None
+        cfg_path = folder / "config.json" if folder is not None else Path("config.json")
+        with offline(cfg_path):
+            built = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+            check_config(_model_fields(built), path=cfg_path)
+            if folder is not None and cfg_path.is_file():
+                raw = read_json_file(cfg_path)
+                if isinstance(raw, dict):
+                    check_fields(_model_fields(raw), path=cfg_path)
+        self._checked = True
 
     def _claim_weights(self, config: Any) -> Any:
         """Point ``config.transformers_weights`` at the artifact, replacing folder mode's guard.
@@ -180,6 +216,15 @@ class MarlinConvertHfQuantizer(HfQuantizer):
         if not files:
             raise ModelError(f"a {PRODUCER_NAME} model loads from its folder's artifact: from_pretrained found none")
         folder, cfg = read_converted_config(Path(files[0]).parent)
+        with offline(folder / "config.json"):
+            return self._before_weight_loading(model, folder, cfg, kwargs)
+
+    def _before_weight_loading(self, model: Any, folder: Path, cfg: dict[str, Any], kwargs: dict[str, Any]) -> Any:
+        from .build import check_fields
+
+        check_fields(
+            _model_fields(cfg), path=folder / "config.json"
+        )  # the artifact's own folder, whatever the hub said
         self._device_map = kwargs.get("device_map")
         # A hub download holds config.json and the weights, not the tokenizer files the manifest lists.
         layers = ConvertedLayers(folder, cfg, tolerate=frozenset({ProblemCode.FOLDER_FILE_MISSING.value}))
@@ -220,11 +265,15 @@ class MarlinConvertHfQuantizer(HfQuantizer):
         self._report.unused = list(b.unused)
 
     def _process_model_after_weight_loading(self, model: Any, **kwargs: Any) -> Any:
-        from ..safetensors_io import release_mapped_pages
-
         layers, report = self._layers, self._report
         if layers is None or report is None:
             return model
+        with offline(Path(report.folder) / "config.json"):
+            return self._after_weight_loading(model, layers, report)
+
+    def _after_weight_loading(self, model: Any, layers: ConvertedLayers, report: LoadReport) -> Any:
+        from ..safetensors_io import release_mapped_pages
+
         try:
             devices = set()
             for module, layer in self._swaps.items():

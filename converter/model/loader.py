@@ -55,7 +55,7 @@ def read_converted_config(path: str | Path) -> tuple[Path, dict[str, Any]]:
     if not folder.exists():
         raise ConverterError("no such file or directory", path=folder)
     hint = (
-        "a model is loaded from the folder that marlin-convert IN OUTDIR/ writes "
+        "a model is loaded from the folder that marlin-convert IN OUTDIR writes "
         "(config.json, the artifact, the tokenizer)"
     )
     if not folder.is_dir():
@@ -69,7 +69,7 @@ def read_converted_config(path: str | Path) -> tuple[Path, dict[str, Any]]:
     if method != PRODUCER_NAME:
         raise ModelError(
             f"not a converted model folder: quantization_config.quant_method is {method!r}, not {PRODUCER_NAME!r} "
-            "(a source checkpoint? convert it first: marlin-convert IN OUTDIR/)",
+            "(a source checkpoint? convert it first: marlin-convert IN OUTDIR)",
             path=cfg_path,
             tensor="quantization_config",
         )
@@ -242,7 +242,7 @@ def load_model(
     bitwise the same outputs.
 
     Args:
-        path: the converted model folder (``marlin-convert IN OUTDIR/``).
+        path: the converted model folder (``marlin-convert IN OUTDIR``).
         device: ``"cuda"`` (default, needs CuPy and an sm_80+ GPU) or ``"cpu"``.
         strict: refuse a model parameter the artifact does not feed (default); with
             False it keeps its initial value and is listed in the report's ``missing``.

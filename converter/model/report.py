@@ -117,13 +117,15 @@ def render(report: ModelReport, out: Any, err: Any, *, quiet: bool = False) -> N
 
     m = report.metrics
     if not quiet and m:
-        table = Table(
-            title=escape(
+        # The title is a line of its own: a table's title wraps at the table's width and is padded to it.
+        out.print(
+            escape(
                 f"{report.architecture} on {report.device}: {report.output} against the fp32 model dequantized "
                 f"from the source, {report.input.get('sequences')} x {report.input.get('tokens')} tokens"
             ),
-            title_justify="left",
+            soft_wrap=True,
         )
+        table = Table()
         extra = [k for k in ("cosine", "ppl", "ppl_rel_diff") if k in m.get("converted", {})]
         # Hidden states have no top-1 / top-5 (an argmax over features means nothing).
         tops = m.get("converted", {}).get("top1") is not None
@@ -153,8 +155,14 @@ def render(report: ModelReport, out: Any, err: Any, *, quiet: bool = False) -> N
             key=lambda r: -(r["rel_err"] / max(r["fp16_rel_err"], 1e-30) if r["rel_err"] is not None else float("inf")),
         )[:3]
         if worst:
-            shown = ", ".join(f"{r['name']} {_fmt(r['rel_err'])} (fp16 {_fmt(r['fp16_rel_err'])})" for r in worst)
-            out.print(f"layers furthest from fp16 on the model's activations: {escape(shown)}", soft_wrap=True)
+            shown = ", ".join(
+                f"{r['name']} {_fmt(r['rel_err'])} (fp16 dequantized {_fmt(r['fp16_rel_err'])})" for r in worst
+            )
+            # rel_err: the layer's output on the model's own activations against the fp32 source layer's
+            out.print(
+                f"largest per-layer error against the source (relative to fp16 dequantized's): {escape(shown)}",
+                soft_wrap=True,
+            )
     for p in report.problems:
         if quiet and p.severity != "error":
             continue

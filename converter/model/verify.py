@@ -561,7 +561,7 @@ def verify_model(
     """Whole-model parity of a converted folder with its source checkpoint.
 
     Args:
-        path: the converted model folder (``marlin-convert SRC OUTDIR/``).
+        path: the converted model folder (``marlin-convert SRC OUTDIR``).
         against: the source checkpoint (folder, ``.safetensors`` or index).
         text: a UTF-8 text file to tokenize as input (else the fixed input; see
             :func:`input_ids`); with a causal LM also gives perplexities.

@@ -102,6 +102,47 @@ def test_sharded_output(tmp_path: Path, src: tuple[Path, dict]) -> None:
     assert not [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".")]
 
 
+@pytest.mark.parametrize("which", [0, -1])
+def test_verify_reads_the_shards_it_opened_even_when_one_is_replaced_meanwhile(
+    tmp_path: Path, src: tuple[Path, dict], monkeypatch: pytest.MonkeyPatch, which: int
+) -> None:
+    """An atomic replace of a shard during marlin-verify is either before its open or after:
+    every shard is opened once and read by handle (as the single file is), so verify checks
+    the shards it opened and never reports one rewritten."""
+    import sys
+
+    folder, _ = src
+    rng = np.random.default_rng(1)
+    other_layers = {n: make_layer(rng, 256, 128, act_order=n.endswith("down_proj"), bias=True) for n in NAMES}
+    tensors = {k: v for n, lay in other_layers.items() for k, v in gptq_tensors(n, lay, v1=False).items()}
+    tensors.update(plain_tensors(rng))
+    other_src = write_checkpoint(tmp_path / "src2", tensors, gptq_config(4, 128, fmt="gptq_v2", desc_act=True))
+    for name, source in (("out", folder), ("other", other_src)):
+        (tmp_path / name).mkdir()
+        convert(source, tmp_path / name / "model.safetensors", max_shard_size="40KB")
+    index = tmp_path / "out" / "model.safetensors.index.json"
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    assert shards == sorted(
+        set(json.loads((index.parent.parent / "other" / index.name).read_text())["weight_map"].values())
+    )
+    shard = shards[which]
+    before = (tmp_path / "out" / shard).read_bytes()
+    assert before != (tmp_path / "other" / shard).read_bytes()
+
+    verify_mod = sys.modules["converter.verify"]
+    real = verify_mod.check_artifact
+
+    def replace_then_check(a: object, **kw: object) -> object:
+        os.replace(tmp_path / "other" / shard, tmp_path / "out" / shard)  # a concurrent convert --force
+        return real(a, **kw)
+
+    monkeypatch.setattr(verify_mod, "check_artifact", replace_then_check)
+    report = verify(index, against=folder, gpu=False)
+    assert report.ok, [p.message for p in report.problems]
+    assert report.checked["layers"] == len(NAMES)
+    assert (tmp_path / "out" / shard).read_bytes() != before  # the replace did happen mid-verify
+
+
 def test_force_rewrite_removes_stale_shards(tmp_path: Path, src: tuple[Path, dict]) -> None:
     folder, _ = src
     out = tmp_path / "a.safetensors"

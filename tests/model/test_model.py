@@ -336,11 +336,12 @@ def test_error_not_a_converted_folder(tiny: tuple[Path, Path]) -> None:
     assert line == (
         f"error: {src / 'config.json'}: quantization_config: not a converted model folder: "
         "quantization_config.quant_method "
-        "is 'gptq', not 'marlin-convert' (a source checkpoint? convert it first: marlin-convert IN OUTDIR/)"
+        "is 'gptq', not 'marlin-convert' (a source checkpoint? convert it first: marlin-convert IN OUTDIR)"
     )
     line = one_line_error(invoke(out / "model.safetensors", "--model", "--against", src))
-    assert line.startswith(
-        f"error: {out / 'model.safetensors'}: not a converted model folder: a model is loaded from the folder"
+    assert line == (
+        f"error: {out / 'model.safetensors'}: not a converted model folder: a model is loaded from the folder "
+        "that marlin-convert IN OUTDIR writes (config.json, the artifact, the tokenizer), not from a single file"
     )
 
 

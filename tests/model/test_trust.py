@@ -123,6 +123,97 @@ def test_config_naming_code_or_a_hub_id_is_refused_in_one_line(
     assert no_network == []
 
 
+@pytest.mark.parametrize(
+    ("fields", "field", "words"),
+    [
+        ({"use_timm_backbone": False, "backbone": "evil/resnet"}, "backbone", "backbone fetched"),
+        ({"use_pretrained_backbone": True}, "use_pretrained_backbone", "backbone fetched"),
+        ({"auto_map": {"AutoModelForCausalLM": "evil.Model"}}, "auto_map", "names remote code"),
+        ({"backbone_config": "evil/cfg"}, "backbone_config", "a config to fetch by name"),
+        ({"hidden_act": "evil"}, "hidden_act", "not an activation"),
+    ],
+)
+def test_from_pretrained_refuses_a_planted_config_before_building(
+    tiny: tuple[Path, Path],
+    tmp_path: Path,
+    no_network: list[object],
+    monkeypatch: pytest.MonkeyPatch,
+    fields: dict,
+    field: str,
+    words: str,
+) -> None:
+    """``AutoModelForCausalLM.from_pretrained`` after ``import converter`` (our HfQuantizer)
+    applies load_model's config checks in its first hook that sees the config: one line
+    naming the field, no model class constructed, no connection attempted."""
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    import converter  # noqa: F401  (registers the quantizer)
+
+    folder = _edited(tiny[1], tmp_path / "m", **fields)
+    built: list[str] = []
+    real_init = LlamaForCausalLM.__init__
+
+    def init(self: object, *args: object, **kwargs: object) -> None:
+        built.append("LlamaForCausalLM")
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaForCausalLM, "__init__", init)
+    with pytest.raises(ModelError) as ei:
+        AutoModelForCausalLM.from_pretrained(folder)
+    line = str(ei.value)
+    assert "\n" not in line and line.startswith(f"{folder / 'config.json'}: {field}: ") and words in line, line
+    assert built == [] and no_network == []
+
+
+@pytest.mark.parametrize("hook", ["ConvertedLayers", "module"])
+def test_from_pretrained_hooks_run_offline(
+    tiny: tuple[Path, Path], no_network: list[object], monkeypatch: pytest.MonkeyPatch, hook: str
+) -> None:
+    """What our quantizer runs before and after weight loading runs with the socket layer
+    closed: a connection attempted there is a NetworkAttempt, and none reaches the socket."""
+    from transformers import AutoModelForCausalLM
+
+    import converter  # noqa: F401
+    from converter.model import hf_quantizer
+
+    seen: list[str] = []
+
+    def dial() -> None:
+        seen.append(os.environ.get("HF_HUB_OFFLINE", ""))
+        socket.create_connection(("huggingface.co", 443))
+
+    if hook == "ConvertedLayers":
+        real = hf_quantizer.ConvertedLayers
+
+        def layers(*args: object, **kwargs: object) -> object:
+            dial()
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(hf_quantizer, "ConvertedLayers", layers)
+    else:
+        real_module = hf_quantizer.ConvertedLayers.module
+
+        def module(self: object, *args: object, **kwargs: object) -> object:
+            dial()
+            return real_module(self, *args, **kwargs)
+
+        monkeypatch.setattr(hf_quantizer.ConvertedLayers, "module", module)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    with pytest.raises(NetworkAttempt, match="asks for a network connection"):
+        AutoModelForCausalLM.from_pretrained(tiny[1])
+    assert seen == ["1"] and no_network == []
+    assert os.environ["HF_HUB_OFFLINE"] == "0"  # restored
+
+
+def test_from_pretrained_still_loads_an_ordinary_folder(tiny: tuple[Path, Path], no_network: list[object]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    import converter  # noqa: F401
+
+    model = AutoModelForCausalLM.from_pretrained(tiny[1])
+    assert model.marlin_report.architecture == "LlamaForCausalLM" and no_network == []
+
+
 def test_tokenizer_remote_code_is_refused_and_never_imported(
     tiny: tuple[Path, Path], tmp_path: Path, no_network: list[object]
 ) -> None:
