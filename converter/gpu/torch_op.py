@@ -26,6 +26,7 @@ arguments and give bitwise the same result.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import numpy as np
 import torch
@@ -157,18 +158,8 @@ gemm = torch.library.custom_op(f"{NAMESPACE}::gemm", run_gemm, mutates_args=(), 
 
 
 @gemm.register_fake
-def _gemm_fake(
-    x: torch.Tensor,
-    b: torch.Tensor,
-    scales: torch.Tensor,
-    delta: torch.Tensor | None,
-    perm: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    locks: torch.Tensor,
-    size_k: int,
-    size_n: int,
-    group_size: int,
-    n_out: int,
-) -> torch.Tensor:
+def _gemm_fake(x: torch.Tensor, *operands: Any) -> torch.Tensor:
+    """The result's shape and dtype, for tracing: ``(M, n_out)`` float16 (operands as :func:`run_gemm`'s)."""
+    size_k, n_out = operands[6], operands[9]
     torch._check(x.shape[1] == size_k)
     return x.new_empty((x.shape[0], n_out), dtype=torch.float16)
