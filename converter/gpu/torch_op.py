@@ -122,10 +122,10 @@ def run_gemm(
         x = x.clone(memory_format=torch.contiguous_format)
     m = x.shape[0]
     dev = x.device
-    run = _launch(dev.index, m, size_k, size_n, group_size, delta is not None, perm is not None, units_mode(b), n_out)
     out = torch.empty((m, n_out), dtype=torch.float16, device=dev)
-    if m == 0:
+    if m == 0:  # an empty batch: nothing to plan or launch (the planner wants M >= 1)
         return out
+    run = _launch(dev.index, m, size_k, size_n, group_size, delta is not None, perm is not None, units_mode(b), n_out)
     stream = _stream(torch.cuda.current_stream(dev).cuda_stream)
     a = x
     if run.gather:

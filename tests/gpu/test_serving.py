@@ -169,3 +169,9 @@ def test_model_decode_step_in_a_cuda_graph(cp, tmp_path) -> None:
         assert torch.equal(runs[mode][0], runs[EAGER][0]), mode
     for a, b in zip(runs[GRAPH][1], runs[EAGER][1], strict=True):
         assert torch.equal(a, b)
+
+
+def test_an_empty_batch_gives_an_empty_result(cp, layers) -> None:
+    _, mod = layers[0]
+    y = mod(torch.empty(2, 0, mod.in_features, dtype=torch.float16, device="cuda"))
+    assert (tuple(y.shape), y.dtype) == ((2, 0, mod.out_features), torch.float16)
