@@ -68,15 +68,29 @@ def test_op_is_bitwise_the_cupy_launcher(cp, layers) -> None:
             assert np.array_equal(_bits(y), want), ("op", layer.size_k, layer.size_n, m)
 
 
-def test_op_follows_torchs_current_stream(cp, layers) -> None:
-    layer, mod = layers[0]
+def test_op_follows_torchs_current_stream(cp, layers, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every launch goes to the stream torch has current, and gives the same bits there."""
+    from converter.gpu import kernels
+
+    layer, mod = layers[1]  # act-order: the gather launches too
+    seen = []
+    for name in ("emit_gemm", "emit_gather"):
+        real = getattr(kernels, name)
+
+        def spy(*args, _real=real, **kw):
+            seen.append(args[-1].ptr)
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(kernels, name, spy)
     x = torch.randn(3, layer.size_k, dtype=torch.float16, device="cuda")
     want = _bits(mod(x))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
+    seen.clear()
     with torch.cuda.stream(side):
         y = mod(x)
     torch.cuda.current_stream().wait_stream(side)
+    assert seen and set(seen) == {side.cuda_stream}
     assert np.array_equal(_bits(y), want)
 
 
