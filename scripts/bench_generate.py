@@ -63,6 +63,8 @@ if str(REPO) not in sys.path:  # run as a plain script from a fresh checkout
 TARGETS = {1: 2.5, 8: 2.4, 32: 2.0, 64: 1.5}
 PREFILL_TARGET = 1.25
 MODELS = ("fp16", "ours")
+#: Extra models ``--with`` adds (timed, printed beside ``ours``; the rows stay fp16 vs ours).
+EXTRA_MODELS = ("ours-unfused",)
 #: Kernel classes, tried in this order: our CuPy kernels, attention, GEMMs (cuBLAS,
 #: cuBLASLt, CUTLASS, inductor's mm templates), everything else.
 ATTENTION_RE = re.compile(r"fmha|flash|attention|attn|sdpa", re.I)
@@ -201,7 +203,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prefill", type=int, default=2048)
     ap.add_argument("--mode", default="graph", help="graph | compile | both (graph,compile) | eager, or a comma list")
     ap.add_argument("--compile-mode", default=DEFAULT_COMPILE_MODE, help="torch.compile mode ('default' for none)")
-    ap.add_argument("--only", choices=MODELS)
+    ap.add_argument("--only", choices=MODELS + EXTRA_MODELS)
+    ap.add_argument(
+        "--with",
+        dest="extra",
+        default="",
+        help="also time these (comma list): ours-unfused = ours with MARLIN_FUSE off (every layer its own kernel)",
+    )
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-profile", action="store_true")
     ap.add_argument("--repeats", type=int, default=3, help="passes over the decode steps from one prefill")
@@ -216,7 +224,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = [m for m in a.modes if m not in ("eager", "graph", "compile")]
     if bad:
         ap.error(f"unknown --mode {','.join(bad)}")
-    a.models = [a.only] if a.only else list(MODELS)
+    extra = [m for m in a.extra.split(",") if m]
+    bad = [m for m in extra if m not in EXTRA_MODELS]
+    if bad:
+        ap.error(f"unknown --with {','.join(bad)}")
+    a.models = [a.only] if a.only else list(MODELS) + extra
     if a.compile_mode == "default":
         a.compile_mode = None
     return a
@@ -365,11 +377,11 @@ def build_fp16(folder: Path, dev: Any, attn: str | None) -> Any:
     return model.to(dev).eval().requires_grad_(False)
 
 
-def build_ours(folder: Path, dev: Any, attn: str | None) -> Any:
+def build_ours(folder: Path, dev: Any, attn: str | None, *, fuse: bool = True) -> Any:
     import converter
 
     kw = {"attn_implementation": attn} if attn else {}
-    return converter.load_model(folder, str(dev), **kw).eval()
+    return converter.load_model(folder, str(dev), fuse=fuse, **kw).eval()
 
 
 def load_paths(model: Any) -> dict[str, int]:
@@ -555,7 +567,10 @@ def run_model(kind: str, folder: Path, a: argparse.Namespace, res: dict, save: C
     entry["memory_before"] = memory_state(dev)
     t0 = time.perf_counter()
     try:
-        model = (build_ours if kind == "ours" else build_fp16)(folder, dev, a.attn)
+        if kind == "fp16":
+            model = build_fp16(folder, dev, a.attn)
+        else:
+            model = build_ours(folder, dev, a.attn, fuse=kind != "ours-unfused")
     except Exception as exc:
         entry["error"] = record_error(f"{kind}: load", exc, res)
         save()
@@ -618,7 +633,11 @@ def summarize(res: dict) -> None:
             f = models.get("fp16", {}).get("decode", {}).get(mode, {}).get(str(b), {})
             o = models.get("ours", {}).get("decode", {}).get(mode, {}).get(str(b), {})
             nbytes = {k: linear_bytes(shapes, batch=b, kind=k, group_size=cfg["group_size"]) for k in MODELS}
-            rows.setdefault(mode, []).append(limit_row(b, f, o, bandwidth_gbps=bw, bytes_=nbytes))
+            row = limit_row(b, f, o, bandwidth_gbps=bw, bytes_=nbytes)
+            u = models.get("ours-unfused", {}).get("decode", {}).get(mode, {}).get(str(b), {}).get("ms_median")
+            if u:
+                row.update(ours_unfused_ms=u, ratio_unfused=row["fp16_ms"] / u if row.get("fp16_ms") else None)
+            rows.setdefault(mode, []).append(row)
     res["rows"] = rows
     pf = [models.get(k, {}).get("prefill", {}).get("ms_median") for k in MODELS]
     res["prefill"] = {
@@ -676,6 +695,8 @@ def print_table(res: dict) -> None:
                 f"{_f(r.get('limit_ratio_90'), '.2f'):>6} {met:>4} {_f(r['fp16_nonlinear_ms']):>8} "
                 f"{_f(r['ours_nonlinear_ms']):>8} {_f(r['lm_head_ms']):>8} {(prof or {}).get('source', '-')[:14]:>14}"
             )
+            if r.get("ours_unfused_ms"):
+                print(f"{'':>5} {'':>8} {r['ours_unfused_ms']:>8.3f} {_f(r['ratio_unfused'], '.2f'):>9} ours-unfused")
         for r in rows:
             if r.get("limit_ratio") is not None:
                 print(

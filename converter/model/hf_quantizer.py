@@ -43,6 +43,7 @@ from ..artifact.problems import ProblemCode
 from ..constants import HF_WEIGHTS_KEY, PRODUCER_NAME
 from . import ModelError
 from .build import model_kind, promote_plain_linears
+from .fuse import enabled as fuse_enabled
 from .guard import check_config, offline
 from .layers import ConvertedLayers, LoadReport
 from .modules import _TORCH_DTYPES  # the one safetensors-code -> torch dtype table
@@ -246,6 +247,8 @@ class MarlinConvertHfQuantizer(HfQuantizer):
             parent = model.get_submodule(parent_name) if parent_name else model
             slot = layers.slots[layer]
             setattr(parent, child, PendingLayer(layer, slot.size_k, slot.size_n))
+        if fuse_enabled(None):
+            layers.plan_fusion(b.swaps)  # applies to the layers that land on a GPU
         for target, source in list((ties or {}).items()):
             if {target.rpartition(".")[0], source.rpartition(".")[0]} & b.swaps.keys():
                 del ties[target]  # a swapped module has no weight left to tie

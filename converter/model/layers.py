@@ -22,6 +22,7 @@ from ..marlin.layout import unpack_b, unpermute_scales
 from ..marlin.shapes import kernel_compatible
 from . import ModelError
 from .build import binding_errors, inventory, layer_slot
+from .fuse import FusedGroup, plan_fusion
 from .guard import names as name_list
 from .names import Binding, bind
 
@@ -56,6 +57,8 @@ class LoadReport:
         unused: artifact tensors no module uses (``cls.predictions.*`` when the config
             builds a bare ``BertModel``).
         warnings: tied tensors that differ, and the like.
+        fused: ``{group: [layers]}`` for sibling layers that run as one kernel
+            (:mod:`converter.model.fuse`); each layer's path is still ``marlin-kernel``.
     """
 
     folder: str
@@ -70,6 +73,7 @@ class LoadReport:
     missing: list[str] = dataclasses.field(default_factory=list)
     unused: list[str] = dataclasses.field(default_factory=list)
     warnings: list[str] = dataclasses.field(default_factory=list)
+    fused: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -181,6 +185,15 @@ class ConvertedLayers:
         for name, lp in self.dq_plans.items():
             own = set(lp.source_tensors) | ({lp.bias.name} if lp.bias else set())
             self.slots[name] = layer_slot(lp.size_k, lp.size_n, lp.bias is not None, own)
+        #: ``{model module: FusedGroup}`` (:meth:`plan_fusion`); empty: every layer alone.
+        self.fusion: dict[str, FusedGroup] = {}
+        self._fused: dict[str, tuple[Any, Any]] = {}
+
+    def plan_fusion(self, swaps: Mapping[str, str]) -> None:
+        """Fuse the sibling layers of ``swaps`` (``{module: layer}``) that can share one
+        kernel (:mod:`converter.model.fuse`); the kernel path of :meth:`module` then
+        builds each group once."""
+        self.fusion = plan_fusion(swaps, self.art.layers)
 
     def close(self) -> None:
         self.art.close()
@@ -244,7 +257,16 @@ class ConvertedLayers:
         """
         import torch
 
-        from .modules import DEQUANT_FP16, EXACT, KERNEL, DenseLinear, ExactMarlinLinear, KernelMarlinLinear, to_torch
+        from .modules import (
+            DEQUANT_FP16,
+            EXACT,
+            KERNEL,
+            DenseLinear,
+            ExactMarlinLinear,
+            FusedSlice,
+            KernelMarlinLinear,
+            to_torch,
+        )
 
         report.modules[layer] = name
         if layer in self.dq_plans:
@@ -256,6 +278,13 @@ class ConvertedLayers:
             return DenseLinear(layer, w, bias, DEQUANT_FP16).to(dev)
         art = self.art
         rec = art.layers[layer]
+        group = self.fusion.get(name) if factory is not None else None
+        if group is not None:
+            fused, fused_dev = self._fused.get(group.name) or self._fuse(group, dev, factory, report)
+            if fused_dev == dev:
+                start = sum(art.layers[lay].size_n for lay in group.layers[: group.layers.index(layer)])
+                report.layers[layer] = KERNEL
+                return FusedSlice(layer, fused, start, start + rec.size_n, rec.size_k)
         p = f"{layer}."
         B, S, D = (np.asarray(art.tensor(p + s.value)) for s in (Suffix.B, Suffix.SCALES, Suffix.DELTA))
         perm = np.asarray(art.tensor(p + Suffix.PERM.value)) if rec.act_order else None
@@ -275,3 +304,28 @@ class ConvertedLayers:
         scales = unpermute_scales(S, single=rec.shape.num_groups == 1)[:, :n]
         report.layers[layer] = EXACT
         return ExactMarlinLinear(layer, q, scales, D[:, :n], perm, bias, rec.group_size).to(dev)
+
+    def _fuse(self, group: FusedGroup, dev: Any, factory: KernelFactory, report: LoadReport) -> tuple[Any, Any]:
+        """Build ``group``'s one kernel on ``dev`` from its layers' tensors side by side."""
+        import torch
+
+        from .modules import FusedKernel
+
+        art = self.art
+        recs = [art.layers[lay] for lay in group.layers]
+
+        def cat(suffix: Suffix) -> np.ndarray:
+            return np.concatenate([np.asarray(art.tensor(f"{lay}.{suffix.value}")) for lay in group.layers], axis=1)
+
+        n = sum(r.size_n for r in recs)
+        bias = None
+        if recs[0].has_bias:
+            bias = torch.cat([self.tensor(f"{lay}.{Suffix.BIAS.value}").to(torch.float16) for lay in group.layers])
+            bias = bias.numpy()
+        B, S, D = cat(Suffix.B), cat(Suffix.SCALES), cat(Suffix.DELTA)
+        rec = recs[0]
+        kernel = factory(group.name, rec.size_k, n, rec.group_size, B, S, D, None, bias, padded_n=n)
+        built = (FusedKernel(group.name, kernel, len(group.layers)), dev)
+        self._fused[group.name] = built
+        report.fused[group.name] = list(group.layers)
+        return built

@@ -21,6 +21,7 @@ from .build import (
     model_class,
     weights_bytes,
 )
+from .fuse import enabled as fuse_enabled
 from .guard import offline
 from .layers import ConvertedLayers, KernelFactory, LoadReport, dequantized_weight
 from .names import missing_names, untie
@@ -135,6 +136,7 @@ def build_converted(
     attn_implementation: str | None = None,
     validate: bool = True,
     kernel_factory: KernelFactory | None = None,
+    fuse: bool | None = None,
 ) -> tuple[Any, LoadReport]:
     """Build the converted model; see :func:`load_model` (this also returns the report).
 
@@ -151,7 +153,7 @@ def build_converted(
     with offline(cfg_path):
         layers = ConvertedLayers(folder, cfg, validate=validate)
         try:
-            return _build(layers, folder, cfg, dev, strict, attn_implementation, kernel_factory)
+            return _build(layers, folder, cfg, dev, strict, attn_implementation, kernel_factory, fuse)
         finally:
             layers.close()
 
@@ -164,6 +166,7 @@ def _build(
     strict: bool,
     attn_implementation: str | None,
     kernel_factory: KernelFactory | None,
+    fuse: bool | None = None,
 ) -> tuple[Any, LoadReport]:
     """Check before building: the layer count against the artifact; then a skeleton on
     the meta device, its names and shapes bound to the artifact and its bytes bounded
@@ -186,6 +189,8 @@ def _build(
     model = mc.build(config, dtype=dtype, attn_implementation=attn_implementation, path=cfg_path)
     report = LoadReport(str(folder), str(dev), mc.name, mc.kind)
     b, groups = layers.bind(model, arch=mc.name, strict=strict)
+    if factory is not None and fuse_enabled(fuse):
+        layers.plan_fusion(b.swaps)
     art = layers.art
     report.warnings += untie(b, lambda a, o: same_tensor(art.file, a, art.file, o))
     apply_binding(
@@ -210,7 +215,12 @@ def same_tensor(fa: Any, a: str, fb: Any, b: str) -> bool:
 
 
 def load_model(
-    path: str | Path, device: Any = "cuda", *, strict: bool = True, attn_implementation: str | None = None
+    path: str | Path,
+    device: Any = "cuda",
+    *,
+    strict: bool = True,
+    attn_implementation: str | None = None,
+    fuse: bool | None = None,
 ) -> Any:
     """Load a converted model folder as a ``transformers`` model, offline.
 
@@ -247,6 +257,9 @@ def load_model(
         strict: refuse a model parameter the artifact does not feed (default); with
             False it keeps its initial value and is listed in the report's ``missing``.
         attn_implementation: passed to transformers (``"eager"``, ``"sdpa"``); None for its default.
+        fuse: on the GPU, run sibling layers that read one input (``q/k/v_proj``,
+            ``gate/up_proj``) as one kernel (:mod:`converter.model.fuse`); None: on unless
+            the environment sets ``MARLIN_FUSE=0``.
 
     Returns:
         The model in eval mode, on ``device``; ``model.marlin_report`` is a
@@ -262,6 +275,6 @@ def load_model(
         ArtifactError: the artifact fails ``marlin-verify --shapes``.
         GpuUnavailableError: ``device="cuda"`` without CuPy, a GPU, or torch CUDA.
     """
-    model, report = build_converted(path, device, strict=strict, attn_implementation=attn_implementation)
+    model, report = build_converted(path, device, strict=strict, attn_implementation=attn_implementation, fuse=fuse)
     model.marlin_report = report
     return model

@@ -175,6 +175,67 @@ class KernelMarlinLinear(_Swapped):
         return f"{self.layer_name}: in_features={self.in_features}, out_features={self.out_features}"
 
 
+class FusedKernel(nn.Module):
+    """One kernel module over sibling layers' concatenated columns (:mod:`converter.model.fuse`).
+
+    :meth:`result` gives the whole fp16 result ``(..., sum of N)`` for ``x``; the siblings
+    (:class:`FusedSlice`) each take their columns of it. The result of the last tensor is
+    held until every sibling has taken it, then dropped, so the group holds nothing
+    between two calls of the model (a compiled graph sees the same state each call).
+
+    Args:
+        name: the group's name.
+        kernel: as :class:`KernelMarlinLinear`'s, over the concatenated columns.
+        siblings: how many :class:`FusedSlice` share the result.
+    """
+
+    def __init__(self, name: str, kernel: nn.Module, siblings: int) -> None:
+        super().__init__()
+        self.group_name, self.kernel, self.siblings = name, kernel, siblings
+        self._held: tuple[torch.Tensor, torch.Tensor, int] | None = None
+
+    def result(self, x: torch.Tensor) -> torch.Tensor:
+        held = self._held
+        if held is not None and held[0] is x:
+            left = held[2] - 1
+            self._held = None if left == 0 else (x, held[1], left)
+            return held[1]
+        y = self.kernel(x.to(torch.float16).contiguous())
+        self._held = (x, y, self.siblings - 1) if self.siblings > 1 else None
+        return y
+
+    def extra_repr(self) -> str:
+        return f"{self.group_name}: siblings={self.siblings}"
+
+
+class FusedSlice(_Swapped):
+    """One converted layer of a fused group: columns ``start:stop`` of the group's result,
+    in ``x``'s dtype (a view: no copy in fp16).
+
+    Args:
+        name: the layer's artifact prefix.
+        fused: the group's :class:`FusedKernel` (one module, shared by the siblings).
+        start, stop: the layer's columns in the group's result.
+        in_features: K.
+    """
+
+    def __init__(self, name: str, fused: FusedKernel, start: int, stop: int, in_features: int) -> None:
+        super().__init__()
+        self.layer_name, self.path = name, KERNEL
+        self.in_features, self.out_features = in_features, stop - start
+        self.start, self.stop = start, stop
+        self.fused = fused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fused.result(x)[..., self.start : self.stop]
+        if self.keep_raw:
+            self.raw_output = y
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.layer_name}: in_features={self.in_features}, columns {self.start}:{self.stop} of the group"
+
+
 class DenseLinear(_Swapped):
     """``y = x @ weight.T + bias`` with a dense weight, computed in the weight's dtype.
 

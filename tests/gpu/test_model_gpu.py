@@ -87,6 +87,7 @@ def test_ragged_llama_runs_every_layer_on_the_kernel(cp, tmp_path: Path) -> None
     convert(src, str(out) + "/")
     gpu = load_model(out, "cuda")
     assert gpu.marlin_report.layers == {n: "marlin-kernel" for n in RAGGED_LAYERS}
+    assert list(gpu.marlin_report.fused) == ["model.layers.0.mlp.gate_proj+up_proj"]
     ids = torch.from_numpy(np.random.default_rng(2).integers(0, 200, (3, 33)))
     cpu = load_model(out, "cpu")
     with torch.no_grad():

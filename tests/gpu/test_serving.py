@@ -159,19 +159,23 @@ def test_op_refuses_a_wrong_input(cp, layers) -> None:
         )  # fmt: skip
 
 
-def test_model_decode_step_in_a_cuda_graph(cp, tmp_path) -> None:
+@pytest.mark.parametrize("which", ["tiny", "ragged"])
+def test_model_decode_step_in_a_cuda_graph(cp, tmp_path, which: str) -> None:
     """A converted Llama's one-token decode step on a static cache, captured once: every
     replay gives the eager step's logits bitwise, so greedy tokens agree; and the same
-    through torch.compile(fullgraph=True) then a graph (scripts/decode_loop.py)."""
+    through torch.compile(fullgraph=True) then a graph (scripts/decode_loop.py). The
+    ragged Llama's gate/up run fused (converter.model.fuse); the tiny one fuses nothing."""
     pytest.importorskip("transformers")
     from converter import load_model
     from converter.convert import convert
     from scripts.decode_loop import COMPILE, EAGER, GRAPH, greedy
-    from tests.helpers.model_fixture import write_tiny_llama
+    from tests.helpers.model_fixture import P, write_ragged_llama, write_tiny_llama
 
-    src = write_tiny_llama(tmp_path / "src")
+    src = (write_tiny_llama if which == "tiny" else write_ragged_llama)(tmp_path / "src")
     convert(src, str(tmp_path / "out") + "/")
     model = load_model(tmp_path / "out", "cuda")
+    want_fused = {} if which == "tiny" else {f"{P}.mlp.gate_proj+up_proj": [f"{P}.mlp.gate_proj", f"{P}.mlp.up_proj"]}
+    assert model.marlin_report.fused == want_fused
     prompt = torch.from_numpy(np.random.default_rng(5).integers(0, 200, (2, 9))).cuda()
     runs = {}
     for mode in (EAGER, GRAPH, COMPILE):

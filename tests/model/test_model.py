@@ -738,8 +738,8 @@ def test_kernel_factory_gets_the_padded_width(ragged: tuple[Path, Path]) -> None
         exact = exact_from_stored(name, size_n, group_size, B, scales, delta, perm, bias, padded_n)
         return FakeKernel(name, exact, calls)
 
-    model, r = build_converted(out, "cpu", kernel_factory=factory)
-    assert r.layers == {n: "marlin-kernel" for n in RAGGED_LAYERS}
+    model, r = build_converted(out, "cpu", kernel_factory=factory, fuse=False)
+    assert r.layers == {n: "marlin-kernel" for n in RAGGED_LAYERS} and r.fused == {}
     for name, (_, n, _, _) in RAGGED_LAYERS.items():
         p = RAGGED_PADDED.get(name, n)
         assert widths[name] == (n, p, p, p, p)
@@ -747,6 +747,48 @@ def test_kernel_factory_gets_the_padded_width(ragged: tuple[Path, Path]) -> None
         via_kernel = model(input_ids=_ids(), use_cache=False).logits
         exact = load_model(out, "cpu")(input_ids=_ids(), use_cache=False).logits
     assert torch.equal(via_kernel, exact)
+
+
+def test_fused_siblings_run_one_kernel_on_the_concatenated_layers(ragged: tuple[Path, Path]) -> None:
+    from converter.model.modules import FusedSlice
+    from tests.helpers.model_fixture import RAGGED_LAYERS, P
+
+    _, out = ragged
+    calls: list = []
+    built: dict = {}
+
+    def factory(name, size_k, size_n, group_size, B, scales, delta, perm, bias, *, padded_n):
+        built[name] = exact = exact_from_stored(name, size_n, group_size, B, scales, delta, perm, bias, padded_n)
+        return FakeKernel(name, exact, calls)
+
+    model, r = build_converted(out, "cpu", kernel_factory=factory)
+    gate_up = f"{P}.mlp.gate_proj+up_proj"
+    # q/k/v do not fuse: q is act-order and k/v are padded.
+    assert r.fused == {gate_up: [f"{P}.mlp.gate_proj", f"{P}.mlp.up_proj"]}
+    assert r.layers == {n: "marlin-kernel" for n in RAGGED_LAYERS}
+    assert set(built) == {n for n in RAGGED_LAYERS if ".mlp.gate_proj" not in n and ".mlp.up_proj" not in n} | {gate_up}
+    mlp = model.model.layers[0].mlp
+    assert isinstance(mlp.gate_proj, FusedSlice) and mlp.gate_proj.fused is mlp.up_proj.fused
+    assert (mlp.gate_proj.start, mlp.gate_proj.stop, mlp.up_proj.start, mlp.up_proj.stop) == (0, 320, 320, 640)
+    # The concatenated tensors are the concatenated layers: codes, scales and delta exact.
+    alone, _ = build_converted(out, "cpu", kernel_factory=factory, fuse=False)
+    want = torch.cat([built[f"{P}.mlp.{n}_proj"].weight_f32() for n in ("gate", "up")], dim=1)
+    assert torch.equal(built[gate_up].weight_f32(), want)
+    calls.clear()
+    x = torch.from_numpy(np.random.default_rng(3).standard_normal((2, 5, 192)).astype(np.float16))
+    with torch.inference_mode():
+        g, u = mlp.gate_proj(x), mlp.up_proj(x)
+        assert calls == [(gate_up, (2, 5, 192))]  # one kernel call for both siblings
+        assert mlp.gate_proj.fused._held is None  # released once both took their columns
+        g2 = mlp.gate_proj(x + 1)  # another tensor: the kernel runs again
+        assert len(calls) == 2 and mlp.gate_proj.fused._held is not None
+        ref = alone.model.layers[0].mlp
+        for got, mod in ((g, ref.gate_proj), (u, ref.up_proj), (g2, None)):
+            want = mod(x) if mod is not None else ref.gate_proj(x + 1)
+            assert got.shape == want.shape and torch.allclose(got.float(), want.float(), rtol=2e-3, atol=2e-3)
+        via_fused = model(input_ids=_ids(), use_cache=False).logits
+        via_alone = alone(input_ids=_ids(), use_cache=False).logits
+    assert float((via_fused - via_alone).abs().max()) <= 1e-2 * float(via_alone.abs().max())
 
 
 def test_verify_model_passes_on_the_ragged_llama(ragged: tuple[Path, Path]) -> None:
