@@ -7,7 +7,8 @@ Usage::
 
 For each layer shape it times, on the host clock, a burst of eager calls at M = 1 whose
 GPU work is shorter than their issue, so the burst's wall time over its calls is the
-host time of a call: the module's ``forward`` (the direct path eager mode takes), the
+host time of a call: the module's ``forward`` (the direct path eager mode takes, with
+the packed launch off and on: ``MARLIN_FAST_LAUNCH`` 0 and 1), the
 registered op through torch's dispatcher (``torch.ops.marlin_convert.gemm``, what a
 compiled graph calls), the ``KernelMarlinLinear`` wrapper a loaded model holds, and
 ``F.linear`` on the fp16 weight as the baseline, all in the same run. It also times the
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -93,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.nn.functional as F
 
     from converter.gpu.api import MarlinLinearModule
+    from converter.gpu.torch_op import FAST_LAUNCH_ENV
     from converter.model.modules import KernelMarlinLinear
 
     rows = []
@@ -111,21 +114,30 @@ def main(argv: list[str] | None = None) -> int:
         def fp16(x, w=w):
             return F.linear(x, w)
 
-        fns = {"module": mod, "op": op, "wrapper": wrapped, "fp16_linear": fp16}
+        # name -> (callable, MARLIN_FAST_LAUNCH): "wrapper" is what a loaded model holds,
+        # with the packed launch (the default); "*_unpacked" the same through run_gemm.
+        fns = {
+            "wrapper": (wrapped, "1"),
+            "wrapper_unpacked": (wrapped, "0"),
+            "module": (mod, "1"),
+            "module_unpacked": (mod, "0"),
+            "op": (op, "0"),
+            "fp16_linear": (fp16, "0"),
+        }
         row = {"K": k, "N": n, "M": 1}
-        for name, fn in fns.items():
+        for name, (fn, fast) in fns.items():
+            os.environ[FAST_LAUNCH_ENV] = fast
             row[f"host_us_{name}"] = round(_host_us(fn, x), 2)
             row[f"gpu_us_{name}"] = round(_gpu_us(fn, x), 2)
+        os.environ.pop(FAST_LAUNCH_ENV)
         rows.append(row)
     card = torch.cuda.get_device_name()
     print(f"card: {card}")
-    print(f"{'K x N':>13} | host us: module   op  wrapper  fp16 | gpu us: module  fp16")
+    cols = list(fns)
+    print(f"{'K x N':>13} | host us: " + " ".join(f"{c:>16}" for c in cols) + " | gpu us: wrapper fp16")
     for r in rows:
-        print(
-            f"{r['K']:>6} x {r['N']:<5} | {r['host_us_module']:>14.1f} {r['host_us_op']:>5.1f} "
-            f"{r['host_us_wrapper']:>7.1f} {r['host_us_fp16_linear']:>6.1f} | "
-            f"{r['gpu_us_module']:>13.1f} {r['gpu_us_fp16_linear']:>5.1f}"
-        )
+        host = " ".join(f"{r[f'host_us_{c}']:>16.1f}" for c in cols)
+        print(f"{r['K']:>6} x {r['N']:<5} | {host} | {r['gpu_us_wrapper']:>7.1f} {r['gpu_us_fp16_linear']:>4.1f}")
     if a.json:
         a.json.write_text(json.dumps({"card": card, "torch": torch.__version__, "rows": rows}, indent=1))
     return 0

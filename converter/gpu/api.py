@@ -225,6 +225,8 @@ def _make_module_class() -> Any:
         #: Lock counters each layer keeps (zeroed; every launch leaves them zeroed). 4096 covers
         #: every plan up to a few thousand rows; a call that needs more takes zeroed ones from torch.
         LOCKS = 4096
+        #: The buffers a packed launch holds the address of.
+        _OPERANDS = frozenset(("b", "scales", "delta", "perm", "bias", "locks"))
 
         def __init__(self, layer: MarlinLinear) -> None:
             super().__init__()
@@ -247,8 +249,51 @@ def _make_module_class() -> Any:
             self.register_buffer(
                 "locks", torch.zeros(self.LOCKS, dtype=torch.int32, device=self.b.device), persistent=False
             )
+            #: M -> the packed launch of that M (torch_op.FastGemm), built at the first eager call.
+            self._fast: dict[int, Any] = {}
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
+            # Eager calls take the packed launch when it is on; torch.compile traces the op.
+            if not torch.compiler.is_compiling() and torch_op.fast_launch_on():
+                y = self._fast_forward(x)
+                if y is not None:
+                    return y
+            return self._op_forward(x)
+
+        def _fast_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+            """The packed launch (:class:`~converter.gpu.torch_op.FastGemm`) of a float16,
+            C-contiguous, 16-byte aligned ``x`` on the layer's device, else None (the op's
+            path then checks, copies or refuses it)."""
+            k, nd = self.in_features, x.dim()
+            if x.dtype != torch.float16 or not nd or x.shape[-1] != k or not x.is_contiguous():
+                return None
+            x2 = x if nd == 2 else x.view(-1, k)
+            m, a_ptr = x2.shape[0], x2.data_ptr()
+            fast = self._fast.get(m)
+            if fast is None:
+                if m == 0 or a_ptr % 16 or x2.get_device() != self.b.get_device():
+                    return None
+                fast = self._fast[m] = torch_op.FastGemm(
+                    x2.get_device(), m, self.b, self.scales, self.delta, self.perm, self.bias, self.locks,
+                    k, self.size_n, self.group_size, self.out_features,
+                )  # fmt: skip
+            elif a_ptr % 16 or x2.get_device() != fast.device:
+                return None
+            y = fast(x2, a_ptr)
+            return y if nd == 2 else y.view(*x.shape[:-1], self.out_features)
+
+        def _apply(self, fn: Any, *args: Any, **kw: Any) -> Any:
+            # .to() / .cuda() / .half() may move the operands: the packed launches hold their addresses.
+            self._fast.clear()
+            return super()._apply(fn, *args, **kw)
+
+        def __setattr__(self, name: str, value: Any) -> None:
+            # Replacing an operand likewise drops the packed launches that hold its address.
+            if name in self._OPERANDS and "_fast" in self.__dict__:
+                self._fast.clear()
+            super().__setattr__(name, value)
+
+        def _op_forward(self, x: torch.Tensor) -> torch.Tensor:
             if x.dtype != torch.float16 or not x.is_cuda:
                 raise KernelError(
                     f"{self.layer_name}: expected a float16 CUDA tensor, got {x.dtype} on {x.device}",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -232,12 +232,13 @@ def emit_gather(A: Any, perm: Any, out: Any, m: int, k: int, stream: Any = None)
     """Launch ``gather_columns`` with no checks (arrays or ``np.uint64`` addresses, as
     :func:`emit_gemm`)."""
     if m * k:
-        build.function("marlin_gemm.cu", "gather_columns")(
-            (-(-m * k // GATHER_THREADS),),
-            (GATHER_THREADS,),
-            (A, perm, out, np.int32(m), np.int32(k)),
-            stream=stream,
-        )
+        gather_call(A, perm, out, m, k).launch(stream)
+
+
+def gather_call(A: Any, perm: Any, out: Any, m: int, k: int) -> KernelCall:
+    """:func:`emit_gather`'s launch (``m * k`` > 0), as a :class:`KernelCall`."""
+    fn = build.function("marlin_gemm.cu", "gather_columns")
+    return KernelCall(fn, (-(-m * k // GATHER_THREADS),), (GATHER_THREADS,), (A, perm, out, np.int32(m), np.int32(k)))
 
 
 def prepare_b_units(B: Any, size_k: int, size_n: int) -> Any:
@@ -634,16 +635,65 @@ def emit_gemm(
     address (the tensor map encodes it). ``stream``: anything with a ``ptr`` (CuPy's
     current stream when None).
     """
+    xmap = None
     if run.lead == "xmap":
-        lead = (tensormap.activation_map_at(a_ptr, run.m, run.size_k, run.plan.rows, run.plan.u).arg, _NULL)
+        xmap = tensormap.activation_map_at(a_ptr, run.m, run.size_k, run.plan.rows, run.plan.u).arg
+    first = gemm_prologue_call(run, A, perm, at)
+    if first is not None:
+        first.launch(stream)
+    gemm_call(run, A, xmap, b, scales, delta, bias, out, ws, locks, at).launch(stream)
+
+
+class KernelCall(NamedTuple):
+    """One kernel launch as CuPy's ``RawKernel`` call takes it: the kernel, grid and
+    block shapes, the argument tuple and the dynamic shared memory. Built by the
+    ``*_call`` helpers, which :func:`emit_gemm` launches and the torch op's packed
+    launcher (:mod:`converter.gpu.torch_op`) lays out once, so both pass the same
+    arguments."""
+
+    fn: Any
+    grid: tuple[int, ...]
+    block: tuple[int, ...]
+    args: tuple[Any, ...]
+    shared_mem: int = 0
+
+    def launch(self, stream: Any = None) -> None:
+        """Launch through CuPy on ``stream`` (CuPy's current stream when None)."""
+        self.fn(self.grid, self.block, self.args, shared_mem=self.shared_mem, stream=stream)
+
+
+def gemm_prologue_call(run: GemmLaunch, A: Any, perm: Any, at: Any) -> KernelCall | None:
+    """The launch that must precede ``run``'s GEMM: ``hopper_activations`` (A gathered by
+    ``perm`` into ``at``) for the ``"at"`` and ``"wgmma"`` leads, else None."""
+    if run.lead not in ("at", "wgmma"):
+        return None
+    tok = run.plan.rows if run.lead == "at" else run.m_pad
+    return activations_call(A, perm, at, run.m, run.size_k, run.m_pad, tok, swizzle=run.lead == "at")
+
+
+def gemm_call(
+    run: GemmLaunch,
+    A: Any,
+    xmap: Any,
+    b: Any,
+    scales: Any,
+    delta: Any,
+    bias: Any,
+    out: Any,
+    ws: Any,
+    locks: Any,
+    at: Any,
+) -> KernelCall:
+    """``run``'s GEMM launch (arguments as :func:`emit_gemm`'s; ``xmap``: A's tensor-map
+    argument, read for the ``"xmap"`` lead only)."""
+    if run.lead == "xmap":
+        lead = (xmap, _NULL)
     elif run.lead == "a":
         lead = (A,)
     else:
-        _activations(A, perm, at, run.m, run.size_k, run.m_pad, run.plan.rows if run.lead == "at" else run.m_pad,
-                     swizzle=run.lead == "at", stream=stream)  # fmt: skip
         lead = (at,) if run.lead == "wgmma" else (tensormap.unused().arg, at)
     args = (*lead, b, scales, _ptr_or_null(delta), _ptr_or_null(bias), out, ws, locks, *run.scalars)
-    run.fn((run.plan.blocks,), (run.plan.threads,), args, shared_mem=run.plan.smem, stream=stream)
+    return KernelCall(run.fn, (run.plan.blocks,), (run.plan.threads,), args, run.plan.smem)
 
 
 def _activations(
@@ -652,12 +702,19 @@ def _activations(
     """``hopper_activations``: A (gathered by ``perm``) into ``at`` in blocks of ``tok``
     token rows, swizzled as the persistent kernel's slots with ``swizzle``
     (``kernels/marlin_wgmma.cu``; twin ``reference.hopper_activations``)."""
+    activations_call(A, perm, at, m, size_k, m_pad, tok, swizzle=swizzle).launch(stream)
+
+
+def activations_call(
+    A: Any, perm: Any, at: Any, m: int, size_k: int, m_pad: int, tok: int, *, swizzle: bool = False
+) -> KernelCall:
+    """:func:`_activations`'s launch, as a :class:`KernelCall`."""
     pieces = size_k // AT_PIECE * m_pad
-    build.function("marlin_wgmma.cu", "hopper_activations")(
+    return KernelCall(
+        build.function("marlin_wgmma.cu", "hopper_activations"),
         (-(-pieces // GATHER_THREADS),),
         (GATHER_THREADS,),
         (A, _ptr_or_null(perm), at, np.int32(m), np.int32(size_k), np.int32(m_pad), np.int32(tok), np.int32(swizzle)),
-        stream=stream,
     )
 
 
@@ -839,3 +896,91 @@ def synchronize() -> None:
         raise
     except Exception as exc:
         raise KernelError(f"CUDA error after launch: {exc}") from None
+
+
+# ----------------------------------------------------------------------------- packed launches
+
+
+#: Alignment of a tensor-map argument (the driver's CUtensorMap is 64-byte aligned).
+_MAP_ALIGN = 64
+
+
+class Slot(NamedTuple):
+    """A placeholder in a :class:`KernelCall`'s arguments for a value that changes from
+    call to call (:func:`pack_args`): a device address patched into the packed buffer,
+    or, with ``by_ref``, an argument whose ``kernelParams`` pointer itself is patched to
+    point at bytes held elsewhere (a tensor map)."""
+
+    name: str
+    by_ref: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedArgs:
+    """Kernel arguments laid out for ``cuLaunchKernel``'s ``kernelParams``.
+
+    Attributes:
+        buf: every argument's value at its natural alignment (uint8; 64-byte aligned
+            start, a whole number of 8-byte words).
+        words: ``buf`` as uint64, where an address slot is patched (``words[offset // 8]``).
+        params: one uint64 address per argument, into ``buf`` (what ``kernelParams``
+            points at); a ``by_ref`` slot's entry is patched instead.
+        slots: slot name -> (argument index, byte offset in ``buf``).
+    """
+
+    buf: np.ndarray
+    words: np.ndarray
+    params: np.ndarray
+    slots: dict[str, tuple[int, int]]
+
+    @property
+    def params_ptr(self) -> int:
+        """The host address to pass as ``kernelParams``."""
+        return int(self.params.ctypes.data)
+
+
+def pack_args(args: tuple[Any, ...], maps: tuple[Any, ...] = ()) -> PackedArgs:
+    """Lay out a :class:`KernelCall`'s arguments once, for launches that only patch
+    their :class:`Slot` values (pure host work; no GPU).
+
+    The driver copies each argument's bytes from where ``kernelParams`` points when the
+    launch call is made, so the buffers may be patched again as soon as it returns.
+
+    Args:
+        args: NumPy scalars (``np.uint64`` addresses, ``np.int32`` sizes), :class:`Slot`
+            placeholders, and tensor-map arguments (the ``arg`` of one of ``maps``).
+        maps: the :class:`~converter.gpu.tensormap.TensorMapArg` objects whose ``arg``
+            may appear in ``args``; their 128 bytes are copied in.
+
+    Returns:
+        The :class:`PackedArgs` (slots zero until patched).
+
+    Raises:
+        KernelError: an argument of another kind (a CuPy array, a Python int, None).
+    """
+    raws = {id(m.arg): m.raw for m in maps}
+    pieces: list[tuple[int, np.ndarray]] = []
+    slots: dict[str, tuple[int, int]] = {}
+    end = 0
+    for i, a in enumerate(args):
+        if isinstance(a, Slot):
+            raw, align = np.zeros(8, dtype=np.uint8), 8
+        elif isinstance(a, np.generic):
+            raw, align = np.frombuffer(a.tobytes(), dtype=np.uint8), a.itemsize
+        elif id(a) in raws:
+            raw, align = raws[id(a)].view(np.uint8), _MAP_ALIGN
+        else:
+            raise KernelError(f"argument {i} ({type(a).__name__}) cannot be packed", tensor="args")
+        off = -(-end // align) * align
+        pieces.append((off, raw))
+        if isinstance(a, Slot):
+            slots[a.name] = (i, off)
+        end = off + raw.size
+    total = -(-max(end, 8) // 8) * 8
+    base = np.zeros(total + _MAP_ALIGN, dtype=np.uint8)
+    shift = -base.ctypes.data % _MAP_ALIGN
+    buf = base[shift : shift + total]  # keeps base alive
+    for off, raw in pieces:
+        buf[off : off + raw.size] = raw
+    params = np.array([buf.ctypes.data + off for off, _ in pieces], dtype=np.uint64)
+    return PackedArgs(buf=buf, words=buf.view(np.uint64), params=params, slots=slots)

@@ -26,13 +26,14 @@ arguments and give bitwise the same result.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..errors import KernelError
-from . import kernels, runtime
+from . import kernels, runtime, tensormap
 
 NAMESPACE = "marlin_convert"
 _NULL = np.uint64(0)
@@ -151,6 +152,183 @@ def run_gemm(
         stream,
     )
     return out
+
+
+# ----------------------------------------------------------------------------- fast launch
+
+#: Environment switch of the module's packed eager launch (:class:`FastGemm`): "1" on,
+#: "0" off (the launch through :func:`run_gemm`). Read at every call, so it can be flipped
+#: for an A/B run.
+FAST_LAUNCH_ENV = "MARLIN_FAST_LAUNCH"
+#: Whether the packed launch is on when the switch is unset.
+FAST_LAUNCH_DEFAULT = "1"
+#: Tensor maps a :class:`FastGemm` keeps by activation address before it starts over
+#: (the caching allocator hands a serving loop the same few addresses back).
+_MAPS_KEPT = 64
+
+
+def fast_launch_on() -> bool:
+    """The packed eager launch is switched on (:data:`FAST_LAUNCH_ENV`)."""
+    return os.environ.get(FAST_LAUNCH_ENV, FAST_LAUNCH_DEFAULT) != "0"
+
+
+def _raw_stream_fn() -> Any:
+    """``device index -> torch's current stream handle``, without building a
+    ``torch.cuda.Stream`` object per call (the private binding where torch has it)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw
+    return lambda index: torch.cuda.current_stream(index).cuda_stream
+
+
+class _Packed:
+    """One kernel's launch with its arguments packed (:func:`converter.gpu.kernels.pack_args`):
+    the per-call values are patched into the buffers, then the driver launches it."""
+
+    __slots__ = ("fn_ptr", "grid", "block", "smem", "args", "words", "params", "params_ptr", "slots")
+
+    def __init__(self, call: kernels.KernelCall, maps: tuple[Any, ...] = ()) -> None:
+        self.args = kernels.pack_args(call.args, maps)
+        self.fn_ptr = int(call.fn.kernel.ptr)  # the CUfunction of the current device
+        self.grid = (*call.grid, 1, 1)[:3]
+        self.block = (*call.block, 1, 1)[:3]
+        self.smem = int(call.shared_mem)
+        self.words, self.params, self.params_ptr = self.args.words, self.args.params, self.args.params_ptr
+        self.slots = self.args.slots
+
+    def word(self, name: str) -> int | None:
+        """Index into ``words`` of an address slot (None: the call has no such slot)."""
+        hit = self.slots.get(name)
+        return None if hit is None else hit[1] // 8
+
+    def launch(self, stream: int) -> None:
+        # cuLaunchKernel copies the arguments from the buffers before it returns.
+        (gx, gy, gz), (bx, by, bz) = self.grid, self.block
+        _launch_kernel(self.fn_ptr, gx, gy, gz, bx, by, bz, self.smem, stream, self.params_ptr, 0)
+
+
+_launch_kernel: Any = None
+
+
+def _driver_launch() -> Any:
+    """CuPy's binding of ``cuLaunchKernel`` (imported once)."""
+    global _launch_kernel
+    if _launch_kernel is None:
+        from cupy.cuda import driver
+
+        _launch_kernel = driver.launchKernel
+    return _launch_kernel
+
+
+class FastGemm:
+    """The launches of one layer at one ``M`` on one device, packed once: the same
+    kernels with the same arguments as :func:`run_gemm` (they come from the same
+    :class:`~converter.gpu.kernels.KernelCall` helpers :func:`~converter.gpu.kernels.emit_gemm`
+    launches), but a call only allocates from torch's caching allocator, patches the
+    addresses that change (A or its tensor map, the result, the partial sums, ``At``,
+    the gathered A) and calls ``cuLaunchKernel``: no lookup of the plan, no stream
+    object, no per-argument conversion by CuPy.
+
+    The operands (``b`` ... ``locks``) are packed as addresses: the owner must drop the
+    object when they move (``MarlinLinearModule`` does on ``_apply``). One object must
+    not be called from two threads at once (the buffers are patched in place).
+    """
+
+    def __init__(
+        self,
+        device: int,
+        m: int,
+        b: torch.Tensor,
+        scales: torch.Tensor,
+        delta: torch.Tensor | None,
+        perm: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        locks: torch.Tensor,
+        size_k: int,
+        size_n: int,
+        group_size: int,
+        n_out: int,
+    ) -> None:
+        self.device, self.m, self.size_k, self.n_out = device, m, size_k, n_out
+        self.dev = torch.device("cuda", device)
+        run = _launch(device, m, size_k, size_n, group_size, delta is not None, perm is not None, units_mode(b), n_out)
+        self.run = run
+        self.ws_floats, self.at_halves = run.ws_floats, run.at_halves
+        # A call that needs more counters than the layer holds takes zeroed ones per call.
+        self.own_locks = run.n_locks > locks.numel()
+        self.stream = _raw_stream_fn()
+        _driver_launch()
+        slot = kernels.Slot
+        a, at = slot("a"), slot("at")
+        lk = slot("locks") if self.own_locks else _ptr(locks)
+        maps = (tensormap.unused(),) if run.lead == "at" else ()
+        with runtime.cupy_module().cuda.Device(device):
+            gemm = kernels.gemm_call(
+                run, a, slot("xmap", by_ref=True), _ptr(b), _ptr(scales), _ptr(delta), _ptr(bias),
+                slot("out"), slot("ws") if run.ws_floats else _NULL, lk, at if run.at_halves else _NULL,
+            )  # fmt: skip
+            self.gemm = _Packed(gemm, maps)
+            first = kernels.gemm_prologue_call(run, a, _ptr(perm), at)
+            self.first = None if first is None else _Packed(first)
+            gather = kernels.gather_call(a, _ptr(perm), slot("gathered"), m, size_k) if run.gather else None
+            self.gather = None if gather is None else _Packed(gather)
+        g = self.gemm
+        self.w_a, self.w_out, self.w_ws = g.word("a"), g.word("out"), g.word("ws")
+        self.w_at, self.w_locks = g.word("at"), g.word("locks")
+        self.p_xmap = g.slots["xmap"][0] if "xmap" in g.slots else None
+        self.maps: dict[int, tuple[Any, int]] = {}
+        if self.gather is not None:
+            self.wg_a, self.wg_out = self.gather.word("a"), self.gather.word("gathered")
+        if self.first is not None:
+            self.wf_a, self.wf_at = self.first.word("a"), self.first.word("at")
+
+    def _map(self, a_ptr: int) -> tuple[Any, int]:
+        """A's tensor map (kept alive here) and its host address."""
+        hit = self.maps.get(a_ptr)
+        if hit is None:
+            if len(self.maps) >= _MAPS_KEPT:
+                self.maps.clear()
+            run = self.run
+            tmap = tensormap.activation_map_at(a_ptr, run.m, run.size_k, run.plan.rows, run.plan.u)
+            hit = self.maps[a_ptr] = (tmap, int(tmap.raw.ctypes.data))
+        return hit
+
+    def __call__(self, x: torch.Tensor, a_ptr: int) -> torch.Tensor:
+        """``x`` float16 ``(m, size_k)``, C-contiguous, 16-byte aligned at ``a_ptr``, on
+        ``device`` (the caller checks) -> float16 ``(m, n_out)``."""
+        dev = self.dev
+        out = torch.empty((self.m, self.n_out), dtype=torch.float16, device=dev)
+        stream = self.stream(self.device)
+        gemm, words = self.gemm, self.gemm.words
+        gathered = None
+        if self.gather is not None:  # act-order, A read as it is: gather it first
+            gathered = torch.empty_like(x)
+            g = self.gather
+            g.words[self.wg_a] = a_ptr
+            a_ptr = g.words[self.wg_out] = gathered.data_ptr()
+            g.launch(stream)
+        ws = torch.empty(self.ws_floats, dtype=torch.float32, device=dev) if self.ws_floats else None
+        at = torch.empty(self.at_halves, dtype=torch.float16, device=dev) if self.at_halves else None
+        if self.first is not None:  # A re-laid out (and gathered) into At first
+            f = self.first
+            f.words[self.wf_a] = a_ptr
+            f.words[self.wf_at] = at.data_ptr()
+            f.launch(stream)
+        if self.p_xmap is not None:
+            tmap, addr = self._map(a_ptr)  # tmap held until the launch has copied it
+            gemm.params[self.p_xmap] = addr
+        if self.w_a is not None:
+            words[self.w_a] = a_ptr
+        words[self.w_out] = out.data_ptr()
+        if ws is not None:
+            words[self.w_ws] = ws.data_ptr()
+        if at is not None:
+            words[self.w_at] = at.data_ptr()
+        if self.own_locks:
+            lk = torch.zeros(self.run.n_locks, dtype=torch.int32, device=dev)
+            words[self.w_locks] = lk.data_ptr()
+        gemm.launch(stream)
+        return out
 
 
 #: ``torch.ops.marlin_convert.gemm``: :func:`run_gemm` registered as a torch op (CUDA only).

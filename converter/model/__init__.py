@@ -57,7 +57,12 @@ class ModelError(ConverterError):
 
 
 def load_model(
-    path: str | Path, device: Any = "cuda", *, strict: bool = True, attn_implementation: str | None = None
+    path: str | Path,
+    device: Any = "cuda",
+    *,
+    strict: bool = True,
+    attn_implementation: str | None = None,
+    fuse: bool | None = None,
 ) -> Any:
     """Load a converted model folder (``marlin-convert IN OUTDIR``) as a transformers model.
 
@@ -66,7 +71,7 @@ def load_model(
     """
     from .loader import load_model as _load
 
-    return _load(path, device, strict=strict, attn_implementation=attn_implementation)
+    return _load(path, device, strict=strict, attn_implementation=attn_implementation, fuse=fuse)
 
 
 def verify_model(path: str | Path, against: str | Path, **kwargs: Any) -> Any:

@@ -10,33 +10,10 @@ import pytest
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 
-#: (K, N, group_size, act_order, bias, padded N): the routes a serving model meets on
-#: sm_80..90: persistent Hopper kernels with B unit-major or with the stages inline,
-#: the small-layer route, the decode and tile kernels, act-order, per-channel, a
-#: padded head.
-LAYERS = [
-    (4096, 4096, 128, False, False, None),
-    (4096, 1024, 128, True, False, None),
-    (4096, 14336, 128, False, False, None),
-    (1024, 4096, 64, True, True, None),
-    (512, 192, -1, False, True, None),
-    (256, 200, 128, False, False, 256),
-]
+from tests.helpers.serving_layers import LAYERS  # noqa: E402
+from tests.helpers.serving_layers import make_layer as _layer  # noqa: E402
+
 MS = (1, 5, 16, 33, 64, 130)
-
-
-def _layer(k: int, n: int, gs: int, act: bool, bias: bool, padded: int | None, seed: int):
-    from converter.gpu.api import MarlinLinear
-
-    rng = np.random.default_rng(seed)
-    p = padded or n
-    g = 1 if gs == -1 else k // gs
-    B = rng.integers(-(2**31), 2**31, (k // 16, 2 * p), dtype=np.int64).astype(np.int32)
-    s = rng.uniform(1e-3, 2e-2, (g, p)).astype(np.float16)
-    d = rng.uniform(-0.05, 0.05, (g, p)).astype(np.float32)
-    perm = rng.permutation(k).astype(np.int32) if act else None
-    b = rng.standard_normal(n).astype(np.float16) if bias else None
-    return MarlinLinear("layer", k, n, k if gs == -1 else gs, B, s, d, perm, b, padded_n=padded)
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +46,11 @@ def test_op_is_bitwise_the_cupy_launcher(cp, layers) -> None:
 
 
 def test_op_follows_torchs_current_stream(cp, layers, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every launch goes to the stream torch has current, and gives the same bits there."""
-    from converter.gpu import kernels
+    """Every launch goes to the stream torch has current, and gives the same bits there
+    (the launch through run_gemm; test_fast_launch.py checks the packed launch's stream)."""
+    from converter.gpu import kernels, torch_op
+
+    monkeypatch.setenv(torch_op.FAST_LAUNCH_ENV, "0")
 
     layer, mod = layers[1]  # act-order: the gather launches too
     seen = []

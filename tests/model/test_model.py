@@ -753,7 +753,7 @@ def test_fused_siblings_run_one_kernel_on_the_concatenated_layers(ragged: tuple[
     from converter.model.modules import FusedSlice
     from tests.helpers.model_fixture import RAGGED_LAYERS, P
 
-    _, out = ragged
+    src, out = ragged
     calls: list = []
     built: dict = {}
 
@@ -789,6 +789,11 @@ def test_fused_siblings_run_one_kernel_on_the_concatenated_layers(ragged: tuple[
         via_fused = model(input_ids=_ids(), use_cache=False).logits
         via_alone = alone(input_ids=_ids(), use_cache=False).logits
     assert float((via_fused - via_alone).abs().max()) <= 1e-2 * float(via_alone.abs().max())
+    # marlin-verify --model probes each fused layer on its own, like any other.
+    rep = verify_model(out, src, gpu=False, kernel_factory=factory)
+    assert rep.ok, [p.message for p in rep.problems]
+    assert {r["name"]: r["path"] for r in rep.layers} == {n: "marlin-kernel" for n in RAGGED_LAYERS}
+    assert all(r["rel_err"] is not None and r["rel_err"] < 1e-3 for r in rep.layers), rep.layers
 
 
 def test_verify_model_passes_on_the_ragged_llama(ragged: tuple[Path, Path]) -> None:
