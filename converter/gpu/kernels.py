@@ -31,6 +31,7 @@ from .plan import (
     Tuning,
     default_pipe,
     kernel_variant,
+    layer_groups,
     persistent_every_m,
     plan_gemm,
 )
@@ -146,8 +147,7 @@ def keeps_b_units(size_k: int, size_n: int, group_size: int, tuning: Tuning = DE
     Raises:
         KernelError: sizes the kernels do not take. GpuUnavailableError: no GPU.
     """
-    gs, _, per_channel = _layer_sizes(size_k, size_n, group_size)
-    group_tiles = (size_k if per_channel else gs) // MARLIN_TILE
+    _, group_tiles, _ = layer_groups(size_k, size_n, group_size)
     return hopper_device() and persistent_every_m(size_k, size_n, group_tiles, tuning)
 
 
@@ -179,12 +179,10 @@ def gemm_plan(
             too little shared memory.
         GpuUnavailableError: no CuPy / GPU.
     """
-    gs, _, _ = _layer_sizes(size_k, size_n, group_size)
+    _, group_tiles, _ = layer_groups(size_k, size_n, group_size)
     info = runtime.device_info()
     if pipe is None:
-        pipe = default_pipe(
-            m, size_k, size_n, gs // MARLIN_TILE, info.smem_per_block_optin, tuning, hopper=hopper_device()
-        )
+        pipe = default_pipe(m, size_k, size_n, group_tiles, info.smem_per_block_optin, tuning, hopper=hopper_device())
     pipe = Pipe.of(pipe)
     if pipe.spec.wgmma and not hopper_device():
         raise KernelError(f"GEMM variant {pipe} needs sm_90 (wgmma); this device is {info.arch}")
@@ -558,7 +556,7 @@ def _gemm_launch(
     pipe: tuple[str, int, int, int] | None,
     tuning: Tuning,
 ) -> GemmLaunch:
-    gs, _, per_channel = _layer_sizes(size_k, size_n, group_size)
+    _, gt, per_channel = layer_groups(size_k, size_n, group_size)
     plan = gemm_plan(m, size_k, size_n, group_size, delta=delta, pipe=pipe, tuning=tuning)
     units = units_mode > 0 and plan.pipe.spec.persistent
     if not has_b and not units:
@@ -567,7 +565,6 @@ def _gemm_launch(
     if fn.max_dynamic_shared_size_bytes < plan.smem:
         # Opt in above the default (48 KB less the kernel's static shared memory).
         fn.max_dynamic_shared_size_bytes = plan.smem
-    gt = size_k // MARLIN_TILE if per_channel else gs // MARLIN_TILE
     if units_mode == 2 and units and (per_channel or gt * MARLIN_TILE != STAGE_GROUP or plan.gpi != 1):
         # the kernel's inline runs are one group of 128 per 8 k-tiles; anything else would read it wrongly
         raise KernelError(

@@ -169,6 +169,39 @@ def test_model_decode_step_in_a_cuda_graph(cp, tmp_path, which: str) -> None:
         assert torch.equal(a, b)
 
 
+def test_generate_with_a_static_cache_compiles_and_follows_eager(cp, tmp_path) -> None:
+    """transformers' own ``generate(..., cache_implementation="static")`` on the ragged
+    Llama (gate/up fused) compiles its decode step through our op, and its greedy tokens
+    follow eager ``generate``'s: equal, or apart only from a step where eager's top-2
+    logit margin is within the two runs' logit difference (a near tie)."""
+    pytest.importorskip("transformers")
+    import torch._dynamo
+
+    from converter import load_model
+    from converter.convert import convert
+    from tests.helpers.model_fixture import write_ragged_llama
+
+    convert(write_ragged_llama(tmp_path / "src"), str(tmp_path / "out") + "/")
+    model = load_model(tmp_path / "out", "cuda")
+    ids = torch.from_numpy(np.random.default_rng(7).integers(0, 200, (2, 9))).cuda()
+    kw = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    eager = model.generate(ids, **kw)
+    torch._dynamo.reset()
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    static = model.generate(ids, cache_implementation="static", **kw)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > before  # the step was compiled
+    start = ids.shape[1]
+    for step, (le, ls) in enumerate(zip(eager.logits, static.logits, strict=True)):
+        diff = float((le.float() - ls.float()).abs().max())
+        te, ts = eager.sequences[:, start + step], static.sequences[:, start + step]
+        if not torch.equal(te, ts):
+            top2 = le.float().topk(2, dim=-1).values
+            margin = float((top2[:, 0] - top2[:, 1]).min())
+            assert margin <= 2 * diff, (step, margin, diff)
+            break
+        assert diff <= 0.02 * float(le.float().abs().max()), (step, diff)
+
+
 def test_an_empty_batch_gives_an_empty_result(cp, layers) -> None:
     _, mod = layers[0]
     y = mod(torch.empty(2, 0, mod.in_features, dtype=torch.float16, device="cuda"))
