@@ -1,5 +1,6 @@
-"""The repository keeps its promises: CI runs what the README says, and the README's map
-of the repository names every module of the package."""
+"""The repository keeps its promises: CI runs what the README says, and the map of the
+repository (docs/layout.md, moved from the README in issue 39) names every module of the
+package."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ def test_ci_runs_the_readme_command() -> None:
     assert "ruff check" in command and "ruff format --check" in command and "torch==2.13.0" in command
 
 
-def test_readme_layout_names_every_module() -> None:
-    readme = (REPO / "README.md").read_text()
-    layout = readme[readme.index("## Layout of the repository") :]
+def test_layout_names_every_module() -> None:
+    page = (REPO / "docs" / "layout.md").read_text()
+    layout = page[page.index("# Layout of the repository") :]
     layout = layout[: layout.index("```", layout.index("```") + 3)]
     package = REPO / "converter"
     modules = {p.name for p in package.rglob("*.py") if p.name != "__init__.py" and "__pycache__" not in p.parts}
@@ -30,15 +31,27 @@ def test_readme_layout_names_every_module() -> None:
     assert (package / "py.typed").is_file()
 
 
+# the README and the pages that hold what left it (issue 39); they name paths from the repository root
+README_PAGES = (
+    "README.md",
+    *(f"docs/{p}.md" for p in ("install", "convert", "verify", "model", "artifact", "gpu", "layout")),
+)
+
+
 def test_every_file_the_readme_cites_is_in_the_repository() -> None:
-    """Paths into the repository that the README names exist (the format specs it cites
-    included: docs/spec/), and it cites no spec that lives outside the repository."""
-    readme = (REPO / "README.md").read_text()
+    """Paths into the repository that the README (and the docs pages moved from it) name
+    exist (the format specs it cites included: docs/spec/), and it cites no spec that lives
+    outside the repository."""
     top = r"(?:converter|docs|schemas|scripts|tests|kernels)"
-    cited = set(re.findall(rf"(?<![\w./-])({top}/[\w./-]*\w\.(?:py|md|json|sh|cu|cuh|tinyloop))", readme))
-    assert {"docs/spec/checkpoint-formats.md", "docs/spec/tinyloop-v1.md"} <= cited
-    assert sorted(c for c in cited if not (REPO / c).is_file()) == []
-    assert "shared/spec" not in readme
+    pattern = rf"(?<![\w./-])({top}/[\w./-]*\w\.(?:py|md|json|sh|cu|cuh|tinyloop))"
+    texts = {page: (REPO / page).read_text() for page in README_PAGES}
+    assert {"docs/spec/checkpoint-formats.md", "docs/spec/tinyloop-v1.md"} <= set(
+        re.findall(pattern, texts["README.md"])
+    )
+    for page, text in texts.items():
+        cited = set(re.findall(pattern, text))
+        assert sorted(c for c in cited if not (REPO / c).is_file()) == [], page
+        assert "shared/spec" not in text, page
 
 
 def test_the_license_pyproject_names_is_in_the_repository() -> None:

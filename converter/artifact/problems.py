@@ -1,8 +1,8 @@
 """What ``marlin-verify`` finds: stable problem codes, one record per finding, the report.
 
 The codes are part of the ``--json`` output that CI parses, so they are declared once
-here (and listed, with what each means, in the README's ``marlin-verify`` section; a
-test keeps the two equal).  Retire a code by leaving its member commented out with
+here (and listed, with what each means, in docs/verify.md, "Problem codes"; a test
+keeps the two equal).  Retire a code by leaving its member commented out with
 the reason; never reuse one for something else.
 """
 

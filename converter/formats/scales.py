@@ -1,7 +1,7 @@
 """What the kernels' fp16 can hold: scales, ``delta`` and the weights formed from them.
 
 Marlin's scales are float16, and the kernels round ``delta`` to float16 and form the
-float16 weight ``(q - 8) * s (+ delta)`` in registers (README, "GPU").  So a layer
+float16 weight ``(q - 8) * s (+ delta)`` in registers (docs/gpu.md).  So a layer
 converts only when
 
 * every source scale is a float16 value, exactly: an f32 scale (or a bf16 scale below

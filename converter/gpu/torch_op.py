@@ -123,6 +123,10 @@ def run_gemm(
         x = x.clone(memory_format=torch.contiguous_format)
     m = x.shape[0]
     dev = x.device
+    if torch.cuda.current_device() != dev.index:
+        # The kernels are loaded and launched in the current device's context: enter the layer's.
+        with torch.cuda.device(dev):
+            return run_gemm(x, b, scales, delta, perm, bias, locks, size_k, size_n, group_size, n_out)
     out = torch.empty((m, n_out), dtype=torch.float16, device=dev)
     if m == 0:  # an empty batch: nothing to plan or launch (the planner wants M >= 1)
         return out
@@ -297,6 +301,10 @@ class FastGemm:
         """``x`` float16 ``(m, size_k)``, C-contiguous, 16-byte aligned at ``a_ptr``, on
         ``device`` (the caller checks) -> float16 ``(m, n_out)``."""
         dev = self.dev
+        if torch.cuda.current_device() != self.device:
+            # cuLaunchKernel runs in the current context; the packed function is the layer device's.
+            with torch.cuda.device(self.device):
+                return self(x, a_ptr)
         out = torch.empty((self.m, self.n_out), dtype=torch.float16, device=dev)
         stream = self.stream(self.device)
         gemm, words = self.gemm, self.gemm.words

@@ -206,3 +206,25 @@ def test_an_empty_batch_gives_an_empty_result(cp, layers) -> None:
     _, mod = layers[0]
     y = mod(torch.empty(2, 0, mod.in_features, dtype=torch.float16, device="cuda"))
     assert (tuple(y.shape), y.dtype) == ((2, 0, mod.out_features), torch.float16)
+
+
+@pytest.mark.parametrize("fast", ["0", "1"])
+def test_a_layer_on_another_gpu_launches_there(cp, monkeypatch: pytest.MonkeyPatch, fast: str) -> None:
+    """A layer on cuda:1 called while cuda:0 is current (a model spread by device_map):
+    the launch enters the layer's device, and gives the bits it gives there."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    from converter.gpu import torch_op
+    from converter.gpu.api import MarlinLinearModule
+
+    monkeypatch.setenv(torch_op.FAST_LAUNCH_ENV, fast)
+    with torch.cuda.device(1), cp.cuda.Device(1):
+        mod = MarlinLinearModule(_layer(*LAYERS[1], seed=3))  # act-order: the gather launches too
+        x = torch.randn(5, mod.in_features, dtype=torch.float16, device="cuda:1")
+        want = _bits(mod(x))
+    assert mod.b.device == torch.device("cuda", 1)
+    with torch.cuda.device(0):
+        y = mod(x)
+        assert torch.cuda.current_device() == 0
+    torch.cuda.synchronize(1)
+    assert y.device == torch.device("cuda", 1) and np.array_equal(_bits(y), want)
