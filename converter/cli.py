@@ -728,7 +728,7 @@ def verify_cmd(
 
             exported = export_manifest(artifact) is not None
         if exported:
-            _verify_export_cmd(artifact, against, as_json, quiet, debug)
+            _verify_export_cmd(artifact, against, as_json, quiet, debug, shapes=shapes)
     with _errors_to_exit(debug, as_json), _progress(_show_progress(quiet, as_json)) as prog:
         from .verify import verify
 
@@ -740,16 +740,19 @@ def verify_cmd(
     raise typer.Exit(0 if report.ok else 1)
 
 
-def _verify_export_cmd(folder: Path, against: Path | None, as_json: bool, quiet: bool, debug: bool) -> None:
+def _verify_export_cmd(
+    folder: Path, against: Path | None, as_json: bool, quiet: bool, debug: bool, *, shapes: bool = False
+) -> None:
     """``marlin-verify EXPORT --against SRC`` on a ``--to compressed-tensors`` export:
     :func:`converter.export.check_export` (codes, scales, zero points and act-order exactly,
-    the source's sha256). Exits 0 when it passes, 1 when it does not."""
+    the source's sha256, and unless ``shapes`` the CPU numerics). Exits 0 when it passes,
+    1 when it does not."""
     if against is None:
         _fail("a compressed-tensors export is checked against its source: pass --against SRC", as_json)
     with _errors_to_exit(debug, as_json):
         from .export import check_export
 
-        check = check_export(folder, against)
+        check = check_export(folder, against, numerics=not shapes)
     ok = not check.problems
     if as_json:
         _print_json({"ok": ok, "export": str(folder), "against": str(against), **dataclasses.asdict(check)})
@@ -763,7 +766,8 @@ def _verify_export_cmd(folder: Path, against: Path | None, as_json: bool, quiet:
                 else f"FAILED: {len(check.problems)} problem(s)"
             )
             unchecked = f"; not read back: {len(check.unchecked)}" if check.unchecked else ""
-            out_console.print(_show(status + unchecked), soft_wrap=True)
+            what = "; checked against source" + (", CPU numerics" if check.cpu_numerics else "")
+            out_console.print(_show(status + unchecked + what), soft_wrap=True)
     raise typer.Exit(0 if ok else 1)
 
 

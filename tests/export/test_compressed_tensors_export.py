@@ -16,6 +16,7 @@ from converter.export import check_export, export_compressed_tensors, export_man
 from converter.export.compressed_tensors import EXPORT_META_KEY, pack_int32
 from converter.safetensors_io import SafetensorsFile
 from tests.export.ct_proof import assert_library_codes, assert_library_exact, assert_reader_roundtrip
+from tests.export.fixtures import synthetic as _synthetic
 from tests.helpers.paths import SAMPLE
 from tests.helpers.producers import gptq_config, gptq_tensors, make_layer, ragged_gptq, write_checkpoint
 
@@ -104,20 +105,6 @@ def test_act_order_refused_without_legacy(realinput: Path, tmp_path: Path) -> No
 
 
 # --------------------------------------------------------------------------- synthetic
-
-SIZES = {"model.layers.0.mlp.up_proj": (256, 128), "model.layers.0.mlp.down_proj": (128, 192)}
-
-
-def _synthetic(folder: Path, *, bits: int, group_size: int, act_order: bool = False, scale_dtype: str = "F16"):
-    rng = np.random.default_rng(bits * 100 + group_size + act_order)
-    layers = {
-        n: make_layer(rng, k, nn, bits=bits, group_size=group_size, act_order=act_order, scale_dtype=scale_dtype)
-        for n, (k, nn) in SIZES.items()
-    }
-    tensors = {t: a for n, lay in layers.items() for t, a in gptq_tensors(n, lay, v1=False).items()}
-    tensors["model.embed_tokens.weight"] = rng.standard_normal((32, 16)).astype(np.float16)
-    cfg = gptq_config(bits, group_size, fmt="gptq_v2", desc_act=act_order)
-    return write_checkpoint(folder, tensors, cfg, where="quantize_config.json", scale_dtype=scale_dtype)
 
 
 @pytest.mark.parametrize(
