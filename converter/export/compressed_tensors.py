@@ -52,7 +52,7 @@ from ..atomic import (
 )
 from ..constants import PRODUCER_NAME, ZeroConvention
 from ..digests import sha256_files
-from ..errors import ConverterError, UnsupportedQuantError, short_name
+from ..errors import ConverterError, OutputPathError, UnsupportedQuantError, short_name
 from ..formats import open_source
 from ..formats.base import LayerPlan, Source
 from ..formats.hf import HFSource
@@ -376,6 +376,13 @@ def export_compressed_tensors(
             would touch the input, or a write error; the output folder is left as it was.
     """
     src = Path(src)
+    if Path(out_folder).suffix.lower() in (".safetensors", ".json"):
+        # an export is a model folder; a file-like name is a mistaken OUT, not a folder to make
+        raise OutputPathError(
+            "an export is a model folder (config.json, weights, tokenizer): give OUT without "
+            f"{Path(out_folder).suffix}",
+            path=out_folder,
+        )
     max_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
     with open_source(src) as source:
         plan = source.plan(pad=True)

@@ -72,8 +72,8 @@ def _import_cupy() -> ModuleType:
     except Exception as exc:  # ImportError, or a broken CUDA install raising anything
         raise GpuUnavailableError(
             "CuPy is not available (" + _one_line(exc) + "); on a machine without an NVIDIA GPU, run on the CPU "
-            'instead: load_model(path, device="cpu") or marlin-verify --cpu; with one, install the GPU extra: '
-            "pip install -e '.[cuda12]' (or '.[cuda13]') from the checkout"
+            'instead: from_pretrained(..., device_map="cpu"), load_model(path, device="cpu") or marlin-verify '
+            "--cpu; with one, install the GPU extra: pip install -e '.[cuda12]' (or '.[cuda13]') from the checkout"
         ) from None
     return cupy
 

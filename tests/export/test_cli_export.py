@@ -71,3 +71,13 @@ def test_bad_to_and_misplaced_flags_are_usage_errors(tmp_path: Path) -> None:
     r = run_cli("marlin-convert", AWQ, tmp_path / "z", "--to", "compressed-tensors", "--dry-run")
     assert r.returncode == 2 and "--dry-run and --no-pad are for the Marlin artifact" in r.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_a_file_like_output_name_is_refused_not_made_a_folder(tmp_path: Path) -> None:
+    out = tmp_path / "ct.safetensors"
+    r = run_cli("marlin-convert", AWQ, out, "--to", "compressed-tensors")
+    assert r.returncode == 2 and not out.exists()
+    assert r.stderr.strip().endswith(
+        "an export is a model folder (config.json, weights, tokenizer): give OUT without .safetensors"
+    ), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
