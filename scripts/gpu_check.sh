@@ -13,5 +13,5 @@ if [[ $what == sanitize || $what == all ]]; then
   timeout 240 bash scripts/gpu_sanitize.sh "$out"
 fi
 if [[ $what == bench || $what == all ]]; then
-  timeout 500 python3 scripts/bench_gemm.py --json-out "$out/bench_gemm_h200.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" | tail -60
+  timeout 500 python3 benchmarks/bench_gemm.py --json-out "$out/bench_gemm_h200.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" | tail -60
 fi

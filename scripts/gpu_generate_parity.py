@@ -17,7 +17,7 @@ producers; MiniLM is skipped and listed): convert it into ``--work``, load it wi
 every quantized layer dequantized by the source format's own reader, rounded to fp16) and
 the fp32 one, and greedy-decode ``--new`` tokens from a fixed prompt (the folder's
 tokenizer on a fixed sentence for row 0, seeded random ids for the other rows) with
-``scripts/decode_loop.py``: the reference eagerly, ours in every ``--modes``.
+``benchmarks/decode_loop.py``: the reference eagerly, ours in every ``--modes``.
 
 A divergence (ours picks another token than the reference, at the first step where the
 two differ) is a *near tie* when the reference's logit gap between its token and ours is
@@ -154,7 +154,7 @@ def decode(model: Any, prompt: Any, new: int, mode: str, variant: str) -> tuple[
     CPU; ``distinct``: tokens already in the row at -inf)."""
     import torch
 
-    from scripts.decode_loop import greedy
+    from benchmarks.decode_loop import greedy
 
     steps: list[Any] = []
     keep = lambda i, logits: steps.append(logits.float().cpu())  # noqa: E731

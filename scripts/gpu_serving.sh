@@ -15,11 +15,11 @@ case $what in
     timeout 200 python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_serving.py \
       tests/gpu/test_model_gpu.py tests/model/test_hf_quantizer.py -k "serving or gpu or cuda" 2>&1 | tee "$out/serving.log" | tail -15
     timeout 120 python3 scripts/gpu_generate_parity.py --shared .shared --json "$out/parity.json" 2>&1 | tail -10
-    timeout 60 python3 scripts/bench_op_host.py --json "$out/op_host.json" 2>&1 | tail -7 ;;
+    timeout 60 python3 benchmarks/bench_op_host.py --json "$out/op_host.json" 2>&1 | tail -7 ;;
   graph)
-    timeout 500 python3 scripts/bench_generate.py --mode graph --json "$out/bench_graph.json" 2>&1 | tail -25 ;;
+    timeout 500 python3 benchmarks/bench_generate.py --mode graph --json "$out/bench_graph.json" 2>&1 | tail -25 ;;
   compile)
-    timeout 560 python3 scripts/bench_generate.py --mode compile --compile-mode default --skip-prefill \
+    timeout 560 python3 benchmarks/bench_generate.py --mode compile --compile-mode default --skip-prefill \
       --json "$out/bench_compile.json" 2>&1 | tail -20 ;;
   *) echo "usage: $0 tests|graph|compile" >&2; exit 2 ;;
 esac

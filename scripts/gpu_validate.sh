@@ -8,7 +8,7 @@
 #       marlin-verify --gpu on every real checkpoint (scripts/gpu_verify_all.sh) and
 #       whole-model parity (scripts/gpu_model_parity.sh)
 #   bash scripts/gpu_validate.sh bench
-#       scripts/bench_gemm.py (JSON with the upstream peer's columns and the target
+#       benchmarks/bench_gemm.py (JSON with the upstream peer's columns and the target
 #       verdicts) and an ncu profile of the Hopper kernel (scripts/gpu_profile.sh)
 # REALINPUT: a copy of shared/realinput inside the checkout (e.g. .realinput).
 set -u
@@ -31,7 +31,7 @@ if [[ $what == correctness ]]; then
   timeout 120 bash scripts/gpu_model_parity.sh "$real" "$out/model-parity" > "$out/model_parity.log" 2>&1
   echo "exit $?"; tail -14 "$out/model_parity.log"
 elif [[ $what == bench ]]; then
-  timeout 420 python3 scripts/bench_gemm.py --json-out "$out/bench_gemm_h200.json" --reps 9 --calls 16 \
+  timeout 420 python3 benchmarks/bench_gemm.py --json-out "$out/bench_gemm_h200.json" --reps 9 --calls 16 \
     > "$out/bench.log" 2>&1
   echo "bench exit $?"; grep -A40 "^# targets" "$out/bench.log" | head -30
   PROF_CASES=${PROF_CASES:-16:8192:57344:1,64:8192:57344:1,128:28672:8192:1} \

@@ -13,7 +13,7 @@ has three) with their mean lateness.
 
 Usage: PYTHONPATH=$PWD python3 scripts/probe_block_skew.py K:N:M,... [--reps 12] [--json-out FILE]
 The numbers in docs/notes/perf_notes.md (2026-12-03T17:58Z) and
-docs/notes/results/h200/streamk_block_skew_h200.json (a summary of its output) came from a development copy
+benchmarks/results/h200/streamk_block_skew_h200.json (a summary of its output) came from a development copy
 of this script, with the same patch.
 """
 

@@ -6,7 +6,7 @@ in memory; each patch asserts that its anchor text is still there) and runs them
 ``kernels.marlin_gemm`` on the planner's own plans:
 
 * ``--variants``: the kernel with parts of its work removed, timed like
-  ``scripts/bench_gemm.py`` (a CUDA graph of 16 back-to-back calls over weight copies
+  ``benchmarks/bench_gemm.py`` (a CUDA graph of 16 back-to-back calls over weight copies
   past 2 x the L2, median us per call; each variant twice, in A B B A order):
   ``base`` (unchanged), ``noload`` (the producer copies nothing: the consumers' work and
   the skeleton), ``nodq_nomma`` (no dequantization, no ``wgmma``: the operand stream and
@@ -56,8 +56,8 @@ def main() -> int:
 
     import cupy as cp
     import numpy as np
-    from bench_gemm import timed_graph
 
+    from benchmarks.bench_gemm import timed_graph
     from converter.gpu import build, kernels
     from converter.gpu.plan import Pipe
     from tests.helpers.streamk_probe import (

@@ -4,7 +4,7 @@
 Each row (K:N:M, group 128, fused path, B as ``MarlinLinear`` keeps it) is warmed up with
 three calls, then called once between ``cudaProfilerStart`` and ``cudaProfilerStop``, so
 that ``ncu --profile-from-start off`` profiles exactly that call. The command behind
-docs/notes/results/h200/ncu_streamk_h200.json:
+benchmarks/results/h200/ncu_streamk_h200.json:
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight \\
         --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats \\

@@ -514,9 +514,9 @@ def test_no_cupy_message_names_the_cpu_device(no_cupy: None, tmp_path: Path) -> 
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith("CuPy is not available (ModuleNotFoundError: ")
     assert msg.endswith(
-        '; on a machine without an NVIDIA GPU, run on the CPU instead: load_model(path, device="cpu") or '
-        "marlin-verify --cpu; with one, install the GPU extra: pip install -e '.[cuda12]' (or '.[cuda13]') "
-        "from the checkout"
+        '; on a machine without an NVIDIA GPU, run on the CPU instead: from_pretrained(..., device_map="cpu"), '
+        'load_model(path, device="cpu") or marlin-verify --cpu; with one, install the GPU extra: '
+        "pip install -e '.[cuda12]' (or '.[cuda13]') from the checkout"
     )
     pytest.importorskip("torch")
     pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""scripts/decode_loop.py on the CPU: its greedy loop on a static cache gives
+"""benchmarks/decode_loop.py on the CPU: its greedy loop on a static cache gives
 ``model.generate``'s tokens, eagerly and through the graph mode's warm-up and state
 restore (emulated without CUDA); and the benchmark's pure arithmetic."""
 
@@ -9,8 +9,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from scripts import bench_generate as bench  # noqa: E402
-from scripts.decode_loop import EAGER, GRAPH, Decoder, greedy, make_runner  # noqa: E402
+from benchmarks import bench_generate as bench  # noqa: E402
+from benchmarks.decode_loop import EAGER, GRAPH, Decoder, greedy, make_runner  # noqa: E402
 
 PROMPT, NEW = 7, 12
 

@@ -10,7 +10,7 @@ measurement is ``@pytest.mark.slow`` and needs ``MARLIN_BIG=1``; the benchmark s
 reports the same numbers (docs/performance-cpu.md); tests/test_scale.py converts and
 verifies a 70B-class layer.
 
-Speed is not asserted here (no timed assertions in tests): scripts/bench_convert.py.
+Speed is not asserted here (no timed assertions in tests): benchmarks/bench_convert.py.
 """
 
 from __future__ import annotations

@@ -290,7 +290,7 @@ def test_hopper_routing() -> None:
 @pytest.mark.parametrize(
     ("m", "k", "n", "pipe"),
     [
-        # 8192 x 1024 (Llama-70B's k/v projections; H200, docs/notes/results/h200/bench_gemm_h200_thin_splits.json,
+        # 8192 x 1024 (Llama-70B's k/v projections; H200, benchmarks/results/h200/bench_gemm_h200_thin_splits.json,
         # fused us, feature-split chunks against the tile kernel): 32 rows 16.9 / 15.6 (tile kept),
         # 48 17.6 / 20.8, 64 17.9 / 23.8, 96 20.1 / 24.0, 128 23.0 / 24.1, 256 in 64-row chunks 29.6 / 32.5
         (32, 8192, 1024, ("tile", 2, 4, 3)),
@@ -342,7 +342,7 @@ def test_small_layers_take_8_row_decode_chunks_at_9_to_16_rows(m: int, k: int, n
 @pytest.mark.parametrize(
     ("m", "k", "n", "group_tiles", "pipe"),
     [
-        # H200, docs/notes/results/h200/bench_gemm_h200_small_chunks.json (Tuning.hopper_small_*,
+        # H200, benchmarks/results/h200/bench_gemm_h200_small_chunks.json (Tuning.hopper_small_*,
         # plan.small_chunk): 16 units of 256 features x one chunk, even chunks of <= 32
         (7, 8192, 1024, 8, ("decode", 1, 4, 3)),
         (8, 8192, 1024, 8, ("hopper_sk", 1, 4, 8)),
@@ -382,7 +382,7 @@ def test_small_layers_take_the_persistent_kernel_in_small_units(m: int, k: int, 
     ("k", "n", "m", "best", "was"),
     [
         # the planner's split count on the H200 sweep of the tile kernel's 32-row chunks
-        # (docs/notes/results/h200/bench_gemm_h200_tile_splits.json, fused us; the fastest count unless
+        # (benchmarks/results/h200/bench_gemm_h200_tile_splits.json, fused us; the fastest count unless
         # noted); "was": the waves model's
         (14336, 4096, 16, 4, 6),  # 22.8; 25.0 at 6 (one wave of 3 blocks per SM)
         (14336, 4096, 24, 4, 6),  # 26.8; 28.8 at 6

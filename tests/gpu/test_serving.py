@@ -143,12 +143,12 @@ def test_op_refuses_a_wrong_input(cp, layers) -> None:
 def test_model_decode_step_in_a_cuda_graph(cp, tmp_path, which: str) -> None:
     """A converted Llama's one-token decode step on a static cache, captured once: every
     replay gives the eager step's logits bitwise, so greedy tokens agree; and the same
-    through torch.compile(fullgraph=True) then a graph (scripts/decode_loop.py). The
+    through torch.compile(fullgraph=True) then a graph (benchmarks/decode_loop.py). The
     ragged Llama's gate/up run fused (converter.model.fuse); the tiny one fuses nothing."""
     pytest.importorskip("transformers")
+    from benchmarks.decode_loop import COMPILE, EAGER, GRAPH, greedy
     from converter import load_model
     from converter.convert import convert
-    from scripts.decode_loop import COMPILE, EAGER, GRAPH, greedy
     from tests.helpers.model_fixture import P, write_ragged_llama, write_tiny_llama
 
     src = (write_tiny_llama if which == "tiny" else write_ragged_llama)(tmp_path / "src")

@@ -3,7 +3,7 @@
 
 Usage::
 
-    PYTHONPATH=$PWD python3 scripts/bench_op_host.py [--json PATH]
+    PYTHONPATH=$PWD python3 benchmarks/bench_op_host.py [--json PATH]
 
 For each layer shape it times, on the host clock, a burst of eager calls at M = 1 whose
 GPU work is shorter than their issue, so the burst's wall time over its calls is the

@@ -4,13 +4,13 @@ w4g128 model against the same config in fp16, both under one treatment (issue 38
 
 On the GPU machine (one command, well under 10 minutes in graph mode)::
 
-    PYTHONPATH=$PWD python3 scripts/bench_generate.py --json $OUT/bench_generate.json
-    PYTHONPATH=$PWD python3 scripts/bench_generate.py --mode compile --only fp16 --json $OUT/c16.json
-    PYTHONPATH=$PWD python3 scripts/bench_generate.py --merge $OUT/c16.json $OUT/cours.json   # one table
+    PYTHONPATH=$PWD python3 benchmarks/bench_generate.py --json $OUT/bench_generate.json
+    PYTHONPATH=$PWD python3 benchmarks/bench_generate.py --mode compile --only fp16 --json $OUT/c16.json
+    PYTHONPATH=$PWD python3 benchmarks/bench_generate.py --merge $OUT/c16.json $OUT/cours.json   # one table
 
 On the CPU (a smoke test of every phase at tiny sizes)::
 
-    python3 scripts/bench_generate.py --device cpu --blocks 2 --hidden 256 --intermediate 512 --kv 128 \\
+    python3 benchmarks/bench_generate.py --device cpu --blocks 2 --hidden 256 --intermediate 512 --kv 128 \\
         --head-dim 64 --vocab 512 --batches 1,2 --prompt 8 --new 8 --prefill 32 --mode both --repeats 1
 
 What it does:
@@ -24,7 +24,7 @@ What it does:
 3. For each model (``fp16``: ``AutoModelForCausalLM.from_config`` with random fp16 weights
    on the device; ``ours``: ``converter.load_model(out, device)``), each mode and batch:
    prefill ``--prompt`` random tokens eagerly into a ``StaticCache`` of ``prompt + new``,
-   then ``new - 1`` decode steps (``scripts/decode_loop.py``: ``graph`` = the step captured
+   then ``new - 1`` decode steps (``benchmarks/decode_loop.py``: ``graph`` = the step captured
    once with ``torch.cuda.graph`` and replayed; ``compile`` = the step under
    ``torch.compile(fullgraph=True, mode=--compile-mode)``, then captured the same way;
    ``eager`` = no graph), ``--repeats`` times from the same prefilled state; CUDA events
@@ -183,7 +183,7 @@ def limit_row(batch: int, fp16: dict, ours: dict, *, bandwidth_gbps: float | Non
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from scripts.decode_loop import DEFAULT_COMPILE_MODE
+    from benchmarks.decode_loop import DEFAULT_COMPILE_MODE
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--json", type=Path, help="write every measurement here (rewritten after each phase)")
@@ -497,7 +497,7 @@ def decode_case(model: Any, kind: str, mode: str, batch: int, a: argparse.Namesp
     """Prefill, set up the step in ``mode``, time ``new - 1`` steps ``--repeats`` times, profile."""
     import torch
 
-    from scripts.decode_loop import Decoder, make_runner
+    from benchmarks.decode_loop import Decoder, make_runner
 
     gen = torch.Generator().manual_seed(1000 + batch)
     prompt = torch.randint(0, a.vocab, (batch, a.prompt), generator=gen).to(dev)
@@ -536,7 +536,7 @@ def prefill_case(model: Any, a: argparse.Namespace, dev: Any, reps: int = 5) -> 
     """One ``--prefill``-token prompt, eager, into a static cache of that size: median of ``reps``."""
     import torch
 
-    from scripts.decode_loop import cache_keyword, static_cache
+    from benchmarks.decode_loop import cache_keyword, static_cache
 
     cache = static_cache(model, a.prefill)
     ids = torch.randint(0, a.vocab, (1, a.prefill), generator=torch.Generator().manual_seed(7)).to(dev)

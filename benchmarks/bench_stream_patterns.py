@@ -13,11 +13,11 @@ k-tile, 2 N words of 4 bytes):
   runs_cwC_ksS   the same rectangles numbered K slice fastest and dealt in contiguous
                  runs, one block per multiprocessor (each block its own column strip at
                  its own rows: the persistent GEMM's stream-K order).
-Timing as scripts/bench_gemm.py: a CUDA graph of 16 calls rotating over copies of B past
+Timing as benchmarks/bench_gemm.py: a CUDA graph of 16 calls rotating over copies of B past
 2 x the L2, median us per call. The table in docs/notes/perf_notes.md (2026-12-03T13:52Z)
 came from this script.
 
-Usage: PYTHONPATH=$PWD python3 scripts/bench_stream_patterns.py [--json-out FILE]
+Usage: PYTHONPATH=$PWD python3 benchmarks/bench_stream_patterns.py [--json-out FILE]
 """
 
 from __future__ import annotations
@@ -111,8 +111,7 @@ def main() -> int:
     except ImportError as exc:
         print(f"bench_stream_patterns.py needs a GPU machine with CuPy: {exc}", file=sys.stderr)
         return 2
-    sys.path.insert(0, "scripts")
-    from bench_gemm import timed_graph
+    from benchmarks.bench_gemm import timed_graph
 
     fn = cp.RawModule(code=KERNEL, options=("-std=c++17",)).get_function("probe")
     out = cp.zeros(1, cp.uint32)

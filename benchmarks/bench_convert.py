@@ -4,9 +4,9 @@
 Usage::
 
     python scripts/make_big_gptq.py /tmp/big-gptq          # once: ~2.1 GB, 4 shards, 98 layers
-    python scripts/bench_convert.py /tmp/big-gptq --runs 5 --json /tmp/bench.json
-    python scripts/bench_convert.py /tmp/big-gptq --runs 5 --base-hashes /tmp/base_hashes.txt
-    python scripts/bench_convert.py --packer-only          # just the 8192x8192 packer race
+    python benchmarks/bench_convert.py /tmp/big-gptq --runs 5 --json /tmp/bench.json
+    python benchmarks/bench_convert.py /tmp/big-gptq --runs 5 --base-hashes /tmp/base_hashes.txt
+    python benchmarks/bench_convert.py --packer-only          # just the 8192x8192 packer race
 
 Each run is one pair, in this order: ``cp`` of the input's weight files plus ``sync -f``
 on the copy (the converter fsyncs too), ``marlin-convert``, then ``marlin-verify OUT

@@ -1,7 +1,7 @@
 """Greedy decoding with a static KV cache, one decode step at a time: eager, captured in a
 CUDA graph, or compiled (``torch.compile(fullgraph=True)``) and then captured.
 
-Shared by ``scripts/bench_generate.py`` (timing) and ``scripts/gpu_generate_parity.py``
+Shared by ``benchmarks/bench_generate.py`` (timing) and ``scripts/gpu_generate_parity.py``
 (token parity); ``tests/test_decode_loop.py`` checks it against ``model.generate`` on the CPU.
 
 How a step is made static (transformers 5.17 and 5.25 alike):

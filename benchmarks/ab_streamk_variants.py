@@ -5,14 +5,14 @@ Each variant is the shipped ``kernels/marlin_streamk.cu``, or that file with a u
 applied (``docs/notes/streamk_variants/*.patch``), with optional ``-D`` defines and an optional
 forced run length (``Tuning.streamk_iters``). Every variant is built side by side from the
 names the planner picks for the rows (in parallel processes, which also fills CuPy's disk
-cache), then each row is timed as ``scripts/bench_gemm.py`` times ours: 16 calls in one
+cache), then each row is timed as ``benchmarks/bench_gemm.py`` times ours: 16 calls in one
 CUDA graph rotating over weight copies past 3 x 60 MB, B unit-major as ``MarlinLinear``
 keeps it, fused path, group 128, 7 replays, the median per call; the variants in the order
 A B .. B A, twice, and the mean of the four medians. ``same`` says whether a variant's
 output has the first variant's bits (it should, unless the arithmetic or the split-K
 order changed). Usage::
 
-    PYTHONPATH=$PWD python3 scripts/ab_streamk_variants.py 8192:57344:1,28672:8192:64 out.json \\
+    PYTHONPATH=$PWD python3 benchmarks/ab_streamk_variants.py 8192:57344:1,28672:8192:64 out.json \\
         main=- deep=docs/notes/streamk_variants/deep_wgmma_queue.patch \\
         deep_gs=docs/notes/streamk_variants/deep_wgmma_queue.patch:GS_DEPTH=8 \\
         i55=-@55
@@ -113,11 +113,9 @@ def main() -> int:
     import cupy as cp
     import numpy as np
 
+    from benchmarks.bench_gemm import timed_graph
     from converter.gpu import build as gbuild
     from converter.gpu import kernels as K
-
-    sys.path.insert(0, str(REPO / "scripts"))
-    from bench_gemm import timed_graph
 
     mods = {v: build(code, defs, names) for v, (code, defs, _) in variants.items()}
     current = {"v": None}

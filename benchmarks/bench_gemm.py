@@ -24,7 +24,7 @@ the card power-caps under sustained load and the first timed would gain. Also me
 bandwidth (device-to-device, read + write bytes) and the fp16 matmul rate, which give the
 roofline floor of each row: max(bytes / BW, flops / rate).
 
-Usage: PYTHONPATH=$PWD python3 scripts/bench_gemm.py --json-out docs/notes/results/h200/bench_gemm_h200.json
+Usage: PYTHONPATH=$PWD python3 benchmarks/bench_gemm.py --json-out benchmarks/results/h200/bench_gemm_h200.json
 The run ends with the targets of the kernel-performance issue, each PASS or MISS with
 the rows that miss.
 """
@@ -537,7 +537,7 @@ def main() -> int:
             "cupy": cp.__version__,
             "int4pack_note": int4_note,
             "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "command": "PYTHONPATH=$PWD python3 scripts/bench_gemm.py " + " ".join(sys.argv[1:]),
+            "command": "PYTHONPATH=$PWD python3 benchmarks/bench_gemm.py " + " ".join(sys.argv[1:]),
             "results": results,
             "targets": [{"target": t, "pass": ok, "misses": mi} for t, ok, mi in verdicts],
             "peer": str(getattr(peer, "__file__", None)) if peer is not None else None,
