@@ -322,10 +322,14 @@ class WriteBack:
         drop: drop ranges from the page cache once waited for.
     """
 
+    #: Adjacent ranges are recorded (and later waited for) as one up to this many bytes.
+    MERGE_BYTES = 8 << 20
+
     def __init__(self, fd: int, window: int, *, drop: bool = False) -> None:
         self.fd = fd
         self.window = window
         self.drop = drop
+        self._merge = min(self.MERGE_BYTES, window // 16)
         self._ranges: deque[tuple[int, int]] = deque()
         self._inflight = 0
         self._lock = threading.Lock()  # several writer threads report their ranges
@@ -338,7 +342,16 @@ class WriteBack:
         # only lose the overlap; the final fsync reports real I/O errors.
         _SYNC_FILE_RANGE(self.fd, offset, length, _SYNC_WRITE)
         with self._lock:
-            self._ranges.append((offset, length))
+            ranges = self._ranges
+            # A write that continues the last range extends it, up to a sixteenth of the
+            # window (so ranges are still waited for a little at a time) and MERGE_BYTES:
+            # 100 k tiny tensors written one after another keep a few records, not 100 k
+            # (issue 42).
+            last = ranges[-1] if ranges else None
+            if last is not None and last[0] + last[1] == offset and last[1] + length <= self._merge:
+                ranges[-1] = (last[0], last[1] + length)
+            else:
+                ranges.append((offset, length))
             self._inflight += length
             due = []
             while self._inflight > self.window and self._ranges:

@@ -113,7 +113,8 @@ class ConvertReport:
     warnings: list[str] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        # asdict would first deep-copy the per-tensor lists, replaced just below.
+        d = dataclasses.asdict(dataclasses.replace(self, converted=[], passthrough=[], tensors=[], not_converted=[]))
         d["converted"] = [lay.to_json() for lay in self.converted]
         d["passthrough"] = [p.to_json() for p in self.passthrough]
         d["not_converted"] = [
@@ -286,15 +287,14 @@ def convert(
         guard = InputGuard([*source.input_files(), *copied], source.checkpoint_folder)
         # A dry run checks the output too, so it fails exactly when the real run would.
         target.check(guard, force, count=len(shards), extra_names=extras, create=not dry_run)
-        # Placeholder checksums of the final length size the headers before any data.
+        # Placeholder checksums of the final length size the headers before any data; the
+        # same map is filled with the real ones as the tensors are written (one map of
+        # every tensor, one placeholder string: issue 42).
         manifest = new_manifest(desc, layers, passthrough, files=file_checksums(extras))
-        manifest = dataclasses.replace(
-            manifest,
-            checksums=dataclasses.replace(
-                manifest.checksums, tensors={n: "0" * CHECKSUM_HEX_LEN for n, _, _ in layout}
-            ),
-        )
-        sizes = ArtifactWriter.file_sizes(target, shards, manifest, extras)
+        checksums = dict.fromkeys((n for n, _, _ in layout), _PLACEHOLDER)
+        manifest = dataclasses.replace(manifest, checksums=dataclasses.replace(manifest.checksums, tensors=checksums))
+        reserves = ArtifactWriter.header_reserves(target, shards, manifest)  # each manifest text built once
+        sizes = ArtifactWriter.file_sizes(target, shards, manifest, extras, reserves=reserves)
         try:
             target.preflight(sizes, artifact=artifact_path, inputs=len(source.input_files()))
         except BaseException:
@@ -327,15 +327,19 @@ def convert(
             progress("", 1)
         if digests is None:
             return report
-        _write(source, plan, layout, manifest, target, shards, guard, extras, digests, report, progress, stats)
+        _write(source, plan, manifest, reserves, target, shards, guard, extras, digests, report, progress, stats)
     return report
+
+
+#: The placeholder checksum (of the final length) of every tensor until it is written.
+_PLACEHOLDER = "0" * CHECKSUM_HEX_LEN
 
 
 def _write(
     source: Source,
     plan: SourcePlan,
-    layout: Layout,
     manifest: Manifest,
+    reserves: list[int],
     target: OutputTarget,
     shards: list[Layout],
     guard: InputGuard,
@@ -346,13 +350,15 @@ def _write(
     stats: InputStats,
 ) -> None:
     """Write the planned artifact: the layers, then the pass-through tensors, then the
-    manifest sealed with the tensors' checksums and the input's sha256."""
+    manifest sealed with the tensors' checksums (filled into ``manifest``'s placeholder
+    map, in place) and the input's sha256."""
     steps = len(report.converted) + len(report.passthrough)
     if progress:
         progress(f"converting {Path(report.source).name}", steps)
-    with ArtifactWriter(target, shards, manifest, guard=guard, extra_files=extras) as writer:
+    with ArtifactWriter(target, shards, manifest, guard=guard, extra_files=extras, reserves=reserves) as writer:
         report.output = str(writer.artifact_path)
-        sums: dict[str, str] = {}
+        sums = manifest.checksums.tensors
+        planned = len(sums)
         # One write-behind pool for all layers and pass-through tensors, so the pipeline
         # never drains between them; the digests are read once it has written everything.
         behind = _WriteBehind(writer)
@@ -388,15 +394,17 @@ def _write(
             finally:
                 for fd in fds.values():
                     os.close(fd)
-        sums.update({n: h.hexdigest() for n, h in hashers.items()})
+        for n, h in hashers.items():
+            sums[n] = h.hexdigest()
         del hashers
+        unsealed = next((n for n, v in sums.items() if v is _PLACEHOLDER), None)
+        if unsealed is not None or len(sums) != planned:
+            raise AssertionError(f"tensor {unsealed!r} was not written")  # a bug of ours, never an input's
         stats.recheck()  # after the last read
         hashed = digests.result()
         stats.recheck()  # after hashing: the sha256 is of the bytes that were converted
         manifest = dataclasses.replace(
-            manifest,
-            source=from_json(SourceInfo, source.describe(digests=hashed), "source"),
-            checksums=dataclasses.replace(manifest.checksums, tensors={n: sums[n] for n, _, _ in layout}),
+            manifest, source=from_json(SourceInfo, source.describe(digests=hashed), "source")
         )
         writer.finish(manifest)
 

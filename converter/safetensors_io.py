@@ -10,6 +10,7 @@ that ``safetensors.safe_open`` reads what we write.
 
 from __future__ import annotations
 
+import array
 import errno
 import fcntl
 import json
@@ -21,7 +22,7 @@ import struct
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +43,10 @@ from .errors import ConverterError, SourceFormatError
 from .jsonio import not_regular, parse_object
 from .quant_weight import Tensor, TensorInfo
 
+#: Each dtype code once (a header's copies of ``"F16"`` are replaced by these), and its itemsize.
+_DTYPE_CODES = {code: code for code in SAFETENSORS_DTYPES}
+_DTYPES = {code: np.dtype(t) for code, t in SAFETENSORS_DTYPES.items()}
+_ITEMSIZE = {code: dt.itemsize for code, dt in _DTYPES.items()}
 #: Array limits (NumPy's): at most 64 dimensions, each below 2**63.
 MAX_NDIM = 64
 MAX_DIM = 2**63 - 1
@@ -211,13 +216,21 @@ class SafetensorsFile:
         if meta is not None and (not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values())):
             self._fail("__metadata__ must be a map of strings to strings", SAFETENSORS_METADATA_KEY)
         self.metadata: dict[str, str] = dict(meta or {})
+        # Per tensor only its TensorInfo (dtype code and shape shared with the other
+        # tensors of the same dtype and shape) and its begin offset are kept: a header of
+        # many tiny tensors costs little beyond its own size (issue 42).
         self._infos: dict[str, TensorInfo] = {}
-        self._offsets: dict[str, tuple[int, int]] = {}
+        self._offsets: dict[str, int] = {}
+        shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
         data_len = self.file_size - self.data_start
-        for name, entry in header.items():
-            self._infos[name], self._offsets[name] = self._parse_entry(name, entry, data_len)
+        for name in list(header):
+            info, begin, end = self._parse_entry(name, header.pop(name), data_len, shapes)
+            self._infos[name] = info
+            self._offsets[name] = begin
+        del header
         expect = 0
-        for name, (begin, end) in sorted(self._offsets.items(), key=lambda kv: kv[1]):
+        for name in sorted(self._offsets, key=self._span):  # stable: ties in header order
+            begin, end = self._span(name)
             if begin != expect:
                 kind = "overlaps the previous tensor" if begin < expect else "leaves a gap after the previous tensor"
                 self._fail(f"data_offsets [{begin}, {end}) {kind} (expected begin {expect})", name)
@@ -228,7 +241,10 @@ class SafetensorsFile:
                 f"(data ends at {expect}, buffer is {data_len})"
             )
 
-    def _parse_entry(self, name: str, entry: object, data_len: int) -> tuple[TensorInfo, tuple[int, int]]:
+    def _parse_entry(
+        self, name: str, entry: object, data_len: int, shapes: dict[tuple[int, ...], tuple[int, ...]]
+    ) -> tuple[TensorInfo, int, int]:
+        """``(info, begin, end)`` of one header entry; ``shapes`` interns the shape tuples."""
         if not isinstance(entry, dict):
             self._fail("header entry must be an object with dtype, shape, data_offsets", name)
         dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
@@ -263,7 +279,14 @@ class SafetensorsFile:
         nbytes = math.prod(shape) * itemsize
         if nbytes != end - begin:
             self._fail(f"shape {shape} of {dtype} needs {nbytes} bytes, data_offsets span {end - begin}", name)
-        return TensorInfo(name, dtype, tuple(shape)), (begin, end)
+        shape_t = tuple(shape)
+        return TensorInfo(name, _DTYPE_CODES[dtype], shapes.setdefault(shape_t, shape_t)), begin, end
+
+    def _span(self, name: str) -> tuple[int, int]:
+        """``[begin, end)`` of a tensor's bytes in the data buffer."""
+        begin = self._offsets[name]
+        info = self._infos[name]
+        return begin, begin + math.prod(info.shape) * _ITEMSIZE[info.dtype]
 
     # -- access ---------------------------------------------------------------------
     @property
@@ -276,7 +299,7 @@ class SafetensorsFile:
 
     def byte_range(self, name: str) -> tuple[int, int]:
         """Absolute ``[begin, end)`` file offsets of a tensor's bytes."""
-        begin, end = self._offsets[name]
+        begin, end = self._span(name)
         return self.data_start + begin, self.data_start + end
 
     def array(self, name: str) -> np.ndarray:
@@ -442,12 +465,81 @@ def release_mapped_pages() -> None:
 
 
 # -- writing ------------------------------------------------------------------------
-def _header_bytes(entries: Mapping[str, dict], metadata: Mapping[str, str], reserve: int = 0) -> bytes:
-    header = {SAFETENSORS_METADATA_KEY: dict(metadata), **entries}
-    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    size = max(len(raw), reserve)
-    size += -size % 8  # keep tensor data 8-byte aligned, as the reference writer does
-    return raw + b" " * (size - len(raw))
+#: Characters of header JSON gathered before they are encoded and written (or counted).
+HEADER_CHUNK_CHARS = 1 << 18
+_encode_str = json.encoder.encode_basestring  # the string encoder of json.dumps(ensure_ascii=False)
+
+
+def _json_text(value: object) -> Iterator[str]:
+    """``value`` as ``json.dumps(value, separators=(",", ":"), ensure_ascii=False)``
+    writes it, a long string in slices (each character is escaped on its own, so the
+    slices' escapes join into the whole's)."""
+    if type(value) is not str or len(value) <= HEADER_CHUNK_CHARS:
+        yield json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+        return
+    yield '"'
+    for i in range(0, len(value), HEADER_CHUNK_CHARS):
+        yield _encode_str(value[i : i + HEADER_CHUNK_CHARS])[1:-1]
+    yield '"'
+
+
+def _header_text(
+    items: Iterable[tuple[str, str, tuple[int, ...]]], offsets: Iterable[int] | None, metadata: Mapping[str, str]
+) -> Iterator[str]:
+    """The header JSON in pieces: exactly ``json.dumps({"__metadata__": dict(metadata),
+    **entries}, separators=(",", ":"), ensure_ascii=False)`` for the entries
+    ``{name: {"dtype", "shape", "data_offsets"}}`` of ``items`` in order, without building
+    that map or the whole text (a header of 100 k tensors was built three times over).
+
+    Args:
+        items: ``(name, dtype, shape)`` in data order.
+        offsets: each tensor's begin and, after the last, the end of the data; None puts
+            the widest offsets (10**15) everywhere (what :func:`header_size_for` reserves).
+    """
+    yield '{"' + SAFETENSORS_METADATA_KEY + '":{'
+    for i, (key, value) in enumerate(dict(metadata).items()):
+        yield ("," if i else "") + _encode_str(key) + ":"
+        yield from _json_text(value)
+    yield "}"
+    if offsets is None:
+        for name, dtype, shape in items:
+            yield (
+                f',{_encode_str(name)}:{{"dtype":{_encode_str(dtype)},"shape":[{",".join(map(str, shape))}],'
+                f'"data_offsets":[{_WIDEST},{_WIDEST}]}}'
+            )
+    else:
+        it = iter(offsets)
+        begin = next(it, 0)
+        for (name, dtype, shape), end in zip(items, it, strict=True):
+            yield (
+                f',{_encode_str(name)}:{{"dtype":{_encode_str(dtype)},"shape":[{",".join(map(str, shape))}],'
+                f'"data_offsets":[{begin},{end}]}}'
+            )
+            begin = end
+    yield "}"
+
+
+#: The offset :func:`header_size_for` reserves room for (a petabyte: 16 digits).
+_WIDEST = 10**15
+
+
+def _encoded_chunks(pieces: Iterable[str]) -> Iterator[bytes]:
+    """UTF-8 bytes of ``pieces`` joined, in chunks of about :data:`HEADER_CHUNK_CHARS`
+    characters (a lone surrogate in a name raises UnicodeEncodeError, as ``str.encode`` does)."""
+    buf: list[str] = []
+    size = 0
+    for piece in pieces:
+        buf.append(piece)
+        size += len(piece)
+        if size >= HEADER_CHUNK_CHARS:
+            yield "".join(buf).encode("utf-8")
+            buf, size = [], 0
+    if buf:
+        yield "".join(buf).encode("utf-8")
+
+
+def _padded_size(size: int) -> int:
+    return size + (-size % 8)  # keep tensor data 8-byte aligned, as the reference writer does
 
 
 class StreamingWriter:
@@ -488,20 +580,23 @@ class StreamingWriter:
     ) -> None:
         self.path = Path(path)
         self._error_path = Path(error_path) if error_path is not None else self.path
-        items = list(layout)
-        order = sorted(range(len(items)), key=lambda i: -np.dtype(SAFETENSORS_DTYPES[items[i][1]]).itemsize)
-        self.entries: dict[str, dict] = {}
-        self._spans: dict[str, tuple[int, int, np.dtype]] = {}
+        # Per tensor: the caller's (name, dtype, shape) tuple, its position and its offset
+        # (8 bytes); the header is written from these by :meth:`finish` (issue 42).
+        items = sorted(layout, key=lambda item: -_ITEMSIZE[item[1]])  # stable
+        #: ``(name, dtype, shape)`` in data order
+        self._items = items
+        #: ``{name: position in _items}``
+        self._index = {item[0]: i for i, item in enumerate(items)}
+        if len(self._index) != len(items) or SAFETENSORS_METADATA_KEY in self._index:
+            raise ValueError(f"tensor names must be unique and not {SAFETENSORS_METADATA_KEY!r}")
+        #: each tensor's begin in the data buffer, then the buffer's size
+        self._offsets = array.array("q", [0]) * (len(items) + 1)
         offset = 0
-        for i in order:
-            name, dtype, shape = items[i]
-            dt = np.dtype(SAFETENSORS_DTYPES[dtype])
-            nbytes = math.prod(shape) * dt.itemsize
-            self.entries[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-            self._spans[name] = (offset, nbytes, dt)
-            offset += nbytes
+        for i, (_, dtype, shape) in enumerate(items):
+            offset += math.prod(shape) * _ITEMSIZE[dtype]
+            self._offsets[i + 1] = offset
         self.data_size = offset
-        self.header_reserve = header_reserve + (-header_reserve % 8)
+        self.header_reserve = _padded_size(header_reserve)
         self.data_start = 8 + self.header_reserve
         remove_stale_temporaries(self.path)
         # The lock is held until the file is renamed or deleted (converter.atomic).
@@ -535,6 +630,27 @@ class StreamingWriter:
         except BaseException:  # SIGTERM/Ctrl-C during a long fallocate: no temporary may stay
             self.abort()
             raise
+
+    def _span(self, name: str) -> tuple[int, int, np.dtype, tuple[int, ...]]:
+        """``(offset in the data, bytes, storage dtype, shape)`` of tensor ``name``.
+
+        Raises:
+            KeyError: not a tensor of the layout.
+        """
+        i = self._index[name]
+        _, dtype, shape = self._items[i]
+        offset = self._offsets[i]
+        return offset, self._offsets[i + 1] - offset, _DTYPES[dtype], shape
+
+    @property
+    def entries(self) -> dict[str, dict]:
+        """The header's tensor entries, ``{name: {"dtype", "shape", "data_offsets"}}`` in
+        data order (built on each call: for tests and tools, not the write path)."""
+        off = self._offsets
+        return {
+            name: {"dtype": dtype, "shape": list(shape), "data_offsets": [off[i], off[i + 1]]}
+            for i, (name, dtype, shape) in enumerate(self._items)
+        }
 
     @property
     def parked(self) -> bool:
@@ -577,22 +693,21 @@ class StreamingWriter:
         Raises:
             ValueError: dtype mismatch or the rows fall outside the tensor.
         """
-        offset, nbytes, dt = self._spans[name]
+        offset, nbytes, dt, shape = self._span(name)
         data = np.ascontiguousarray(data)
         if data.dtype.newbyteorder("<") != dt.newbyteorder("<") and not (
             data.dtype.kind == dt.kind and data.dtype.itemsize == dt.itemsize
         ):
             raise ValueError(f"{name}: dtype {data.dtype} does not match {dt}")
-        shape = self.entries[name]["shape"]
         row_bytes = dt.itemsize * math.prod(shape[1:]) if len(shape) > 1 else dt.itemsize
         start = offset + row_start * row_bytes
         if row_start < 0 or start + data.nbytes > offset + nbytes:
-            raise ValueError(f"{name}: rows [{row_start}, +{len(data)}) fall outside shape {shape}")
+            raise ValueError(f"{name}: rows [{row_start}, +{len(data)}) fall outside shape {list(shape)}")
         self._pwrite(data, start)
 
     def write_flat(self, name: str, data: np.ndarray, elem_start: int) -> None:
         """Write a 1-D slice of tensor ``name``'s flattened elements at ``elem_start``."""
-        offset, nbytes, dt = self._spans[name]
+        offset, nbytes, dt, _ = self._span(name)
         data = np.ascontiguousarray(data)
         start = offset + elem_start * dt.itemsize
         if data.dtype.itemsize != dt.itemsize or start + data.nbytes > offset + nbytes:
@@ -617,7 +732,7 @@ class StreamingWriter:
             ValueError: the bytes fall outside the tensor.
             ConverterError: the output's disk is full, or another write error.
         """
-        offset, size, _ = self._spans[name]
+        offset, size, _, _ = self._span(name)
         if byte_start < 0 or byte_start + nbytes > size:
             raise ValueError(f"{name}: copy of {nbytes} bytes at byte {byte_start} does not fit")
         copy = getattr(os, "copy_file_range", None)
@@ -663,17 +778,15 @@ class StreamingWriter:
         Raises:
             ValueError: the header outgrew ``header_reserve``.
         """
-        raw = _header_bytes(self.entries, metadata, self.header_reserve)
-        if len(raw) != self.header_reserve:
-            self.abort()
-            raise ValueError(f"header needs {len(raw)} bytes, only {self.header_reserve} reserved")
         try:
-            self._ensure_open()
-            os.pwrite(self._fd, struct.pack("<Q", len(raw)) + raw, 0)
+            self._write_header(metadata)
             os.fsync(self._fd)
         except OSError as exc:
             self.abort()
             raise output_write_error(exc, self._error_path, self.file_size) from None
+        except BaseException:
+            self.abort()
+            raise
         # Rename while still holding the lock, so no cleaner can take the file first.
         os.replace(self.tmp_path, self.path)
         os.close(self._fd)
@@ -681,6 +794,35 @@ class StreamingWriter:
         self._done = True
         untrack(self)
         return self.path
+
+    def _write_header(self, metadata: Mapping[str, str]) -> None:
+        """Write the 8-byte length and the header (JSON padded with spaces to the
+        reserve) chunk by chunk (:func:`_header_text`); the reserve is checked before
+        each chunk, so a header that outgrows it never reaches the tensor data.
+
+        Raises:
+            ValueError: the header outgrew ``header_reserve``.
+        """
+        self._ensure_open()
+        reserve = self.header_reserve
+        pos = 0
+        for chunk in _encoded_chunks(_header_text(self._items, self._offsets, metadata)):
+            if pos + len(chunk) > reserve:
+                rest = sum(map(len, _encoded_chunks(_header_text(self._items, self._offsets, metadata))))
+                raise ValueError(f"header needs {_padded_size(rest)} bytes, only {reserve} reserved")
+            self._pwrite_all(chunk, 8 + pos)
+            pos += len(chunk)
+        while pos < reserve:
+            pad = min(reserve - pos, HEADER_CHUNK_CHARS)
+            self._pwrite_all(b" " * pad, 8 + pos)
+            pos += pad
+        self._pwrite_all(struct.pack("<Q", reserve), 0)
+
+    def _pwrite_all(self, data: bytes, pos: int) -> None:
+        view = memoryview(data)
+        while view:
+            done = os.pwrite(self._fd, view, pos)
+            view, pos = view[done:], pos + done
 
     def abort(self) -> None:
         """Delete the temporary file; the target path is left as it was."""
@@ -721,6 +863,5 @@ def _cache_budget() -> int:
 
 def header_size_for(entries_layout: Iterable[tuple[str, str, tuple[int, ...]]], metadata: Mapping[str, str]) -> int:
     """Bytes the header will take for this layout and metadata (offsets at worst-case width)."""
-    big = 10**15
-    entries = {n: {"dtype": d, "shape": list(s), "data_offsets": [big, big]} for n, d, s in entries_layout}
-    return len(_header_bytes(entries, metadata))
+    size = sum(len(chunk) for chunk in _encoded_chunks(_header_text(entries_layout, None, metadata)))
+    return _padded_size(size)

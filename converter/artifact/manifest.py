@@ -7,8 +7,13 @@ it cheaply, and the manifest's own xxh3-128 under ``marlin.manifest_checksum``.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
+from collections.abc import Iterator, Mapping
 from typing import Any
+
+import xxhash
 
 from .. import __version__
 from ..constants import (
@@ -34,9 +39,10 @@ from .schema import (
     SourceInfo,
     checksum,
     from_json,
+    to_json,
 )
 
-__all__ = ["checksum", "dump_manifest", "layer_entry", "metadata_for", "new_manifest"]
+__all__ = ["checksum", "dump_manifest", "layer_entry", "manifest_text", "metadata_for", "new_manifest"]
 
 
 def layer_entry(layer: LayerPlan) -> LayerEntry:
@@ -97,12 +103,84 @@ def dump_manifest(data: dict[str, Any], *, allow_nan: bool = False) -> str:
     return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=allow_nan)
 
 
+#: A container this long is written item by item (:func:`manifest_text`); a shorter one at once.
+_WHOLE_ITEMS = 256
+_dump = functools.partial(json.dumps, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+_encode_str = json.encoder.encode_basestring  # how json.dumps(ensure_ascii=False) writes a str
+#: Characters of manifest text gathered before they are joined (and hashed).
+_CHUNK_CHARS = 1 << 16
+
+
+def _large(value: object) -> bool:
+    return isinstance(value, (list, tuple, dict)) and len(value) > _WHOLE_ITEMS
+
+
+def _json_pieces(value: Any) -> Iterator[str]:
+    """``dump_manifest(to_json(value))`` in pieces, without building the JSON objects of
+    a long container (the ``passthrough`` list and the tensor checksums of a model of
+    100 k tensors) at once: each of its items is converted and dumped on its own
+    (issue 42).  A container written item by item is written as ``json.dumps`` would
+    (keys sorted, no spaces); everything else goes through ``json.dumps`` itself."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {
+            f.name: getattr(value, f.name)
+            for f in dataclasses.fields(value)
+            if f.default is dataclasses.MISSING or not getattr(value, f.name) == f.default
+        }  # the fields to_json writes
+        if any(_large(v) or dataclasses.is_dataclass(v) for v in fields.values()):
+            yield from _object_pieces(fields)
+            return
+    elif isinstance(value, (list, tuple)) and len(value) > _WHOLE_ITEMS:
+        yield "["
+        for i, item in enumerate(value):
+            if i:
+                yield ","
+            yield from _json_pieces(item)
+        yield "]"
+        return
+    elif _large(value) and all(type(k) is str for k in value):
+        yield from _object_pieces(value)
+        return
+    yield _dump(to_json(value))
+
+
+def _object_pieces(obj: Mapping[str, Any]) -> Iterator[str]:
+    yield "{"
+    for i, key in enumerate(sorted(obj)):
+        yield ("," if i else "") + _encode_str(key) + ":"
+        yield from _json_pieces(obj[key])
+    yield "}"
+
+
+def manifest_text(manifest: Manifest) -> tuple[str, str]:
+    """The manifest's canonical JSON text (``dump_manifest(manifest.to_json())``) and its
+    xxh3-128, built from pieces (:func:`_json_pieces`) joined a chunk at a time: at most
+    about twice the text's size at once, never the JSON objects of every tensor."""
+    hasher = xxhash.xxh3_128()
+    chunks: list[str] = []
+    buf: list[str] = []
+    size = 0
+    for piece in _json_pieces(manifest):
+        buf.append(piece)
+        size += len(piece)
+        if size >= _CHUNK_CHARS:
+            chunks.append("".join(buf))
+            hasher.update(chunks[-1].encode("utf-8"))
+            buf, size = [], 0
+    if buf:
+        chunks.append("".join(buf))
+        hasher.update(chunks[-1].encode("utf-8"))
+    del buf
+    text = chunks[0] if len(chunks) == 1 else "".join(chunks)
+    return text, hasher.hexdigest()
+
+
 def metadata_for(manifest: Manifest) -> dict[str, str]:
     """The safetensors ``__metadata__`` map carrying the manifest."""
-    text = dump_manifest(manifest.to_json())
+    text, digest = manifest_text(manifest)
     return {
         META_FORMAT: META_FORMAT_VALUE,
         META_SCHEMA_VERSION: str(manifest.schema_version),
         META_MANIFEST: text,
-        META_MANIFEST_CHECKSUM: checksum(text.encode("utf-8")),
+        META_MANIFEST_CHECKSUM: digest,
     }

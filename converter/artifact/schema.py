@@ -62,6 +62,8 @@ T = TypeVar("T")
 class SchemaObject:
     """Base of the manifest's dataclasses: :meth:`to_json` gives the stored JSON object."""
 
+    __slots__ = ()  # so that a subclass with slots (one object per tensor) has no __dict__
+
     def to_json(self) -> dict[str, Any]:
         """The JSON object this is stored as (see :func:`to_json`)."""
         return to_json(self)
@@ -159,9 +161,10 @@ class LayerEntry(SchemaObject):
         return self.shape.layout_n
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Passthrough(SchemaObject):
-    """A tensor carried over unchanged (same name, dtype, shape, bytes), and why."""
+    """A tensor carried over unchanged (same name, dtype, shape, bytes), and why (one per
+    tensor: slots keep it small, issue 42)."""
 
     name: str
     reason: str

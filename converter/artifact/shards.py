@@ -106,6 +106,8 @@ def plan_shards(layout: Layout, layer_names: list[str], max_bytes: int | None) -
     Returns:
         The shards' layouts, in order; never empty (one empty shard for an empty layout).
     """
+    if max_bytes is None:
+        return [list(layout)]
     suffixes = {s.value for s in Suffix}
     layers = set(layer_names)
     units: dict[str, Layout] = {}
@@ -114,8 +116,6 @@ def plan_shards(layout: Layout, layer_names: list[str], max_bytes: int | None) -
         prefix, _, suffix = name.rpartition(".")
         key = f"layer:{prefix}" if prefix in layers and suffix in suffixes else f"tensor:{name}"
         units.setdefault(key, []).append(entry)
-    if max_bytes is None:
-        return [list(layout)]
     shards: list[Layout] = []
     current: Layout = []
     size = 0

@@ -68,6 +68,8 @@ class ArtifactWriter:
         manifest: the manifest with placeholder checksums of final length (sizes the headers).
         guard: the input's files: nothing the commit deletes may be one of them.
         extra_files: folder-mode files ``{name: bytes}`` committed with the shards.
+        reserves: :meth:`header_reserves` of ``shards`` and ``manifest``, when the caller
+            has them already (each builds the manifest's text once per shard).
 
     Raises:
         ConverterError: the folder is not writable.
@@ -81,6 +83,7 @@ class ArtifactWriter:
         *,
         guard: InputGuard,
         extra_files: Mapping[str, bytes] | None = None,
+        reserves: list[int] | None = None,
     ) -> None:
         self.target = target
         self.guard = guard
@@ -89,7 +92,8 @@ class ArtifactWriter:
         self.names = [p.name for p in target.shard_paths(count)]
         self.extra_files = dict(extra_files or {})
         self.total_size = sum(nbytes(d, s) for shard in shards for _, d, s in shard)
-        self._route: dict[str, StreamingWriter] = {}
+        #: ``{tensor: its shard's writer}`` when there are several (one shard needs no map)
+        self._route: dict[str, StreamingWriter] | None = None
         self._writers: list[StreamingWriter] = []
         #: the shard writers with an open descriptor, least recently used first
         self._live: list[StreamingWriter] = []
@@ -104,30 +108,30 @@ class ArtifactWriter:
             # Left by a killed earlier run to this output, sharded or not, with any shard count.
             for name in {*self.names, target.path.name, target.index.name, *_earlier_shard_names(target)}:
                 remove_stale_temporaries(target.folder / name, keep=guard.is_input)
-            for i, (shard, name) in enumerate(zip(self.shards, self.names, strict=True)):
-                meta = metadata_for(self._shard_manifest(manifest, i))
+            if reserves is None:
+                reserves = self.header_reserves(target, shards, manifest)
+            for shard, name, reserve in zip(self.shards, self.names, reserves, strict=True):
                 staged = self._stage_path(name)
-                writer = StreamingWriter(
-                    staged, shard, header_reserve=header_size_for(shard, meta), error_path=target.folder / name
-                )
+                writer = StreamingWriter(staged, shard, header_reserve=reserve, error_path=target.folder / name)
                 self._writers.append(writer)
                 self._opened(writer)
                 self._commit.append((staged, target.folder / name))
-                for entry in shard:
-                    self._route[entry[0]] = writer
+            if count > 1:
+                self._route = {entry[0]: w for shard, w in zip(shards, self._writers, strict=True) for entry in shard}
         except BaseException:
             self.abort()
             raise
 
     @staticmethod
-    def file_sizes(
-        target: OutputTarget, shards: list[Layout], manifest: Manifest, extra_files: Mapping[str, bytes]
-    ) -> dict[Path, int]:
-        """``{final path: bytes}`` of every file a write of ``shards`` creates, in commit
-        order (shards, extra files, the index), exact when ``manifest`` holds checksums and
-        digests of their final lengths: what the free-space check compares."""
+    def header_reserves(target: OutputTarget, shards: list[Layout], manifest: Manifest) -> list[int]:
+        """Bytes each shard's header takes, exact when ``manifest`` holds checksums and
+        digests of their final lengths.
+
+        Raises:
+            SourceFormatError: a header would be larger than its readers accept.
+        """
         count = len(shards)
-        sizes: dict[Path, int] = {}
+        reserves = []
         for i, (shard, path) in enumerate(zip(shards, target.shard_paths(count), strict=True)):
             meta = metadata_for(_shard_manifest(manifest, i, count))
             reserve = header_size_for(shard, meta)
@@ -142,6 +146,33 @@ class ArtifactWriter:
                     "was written",
                     path=path,
                 )
+            reserves.append(reserve)
+        return reserves
+
+    @staticmethod
+    def file_sizes(
+        target: OutputTarget,
+        shards: list[Layout],
+        manifest: Manifest,
+        extra_files: Mapping[str, bytes],
+        *,
+        reserves: list[int] | None = None,
+    ) -> dict[Path, int]:
+        """``{final path: bytes}`` of every file a write of ``shards`` creates, in commit
+        order (shards, extra files, the index), exact when ``manifest`` holds checksums and
+        digests of their final lengths: what the free-space check compares.
+
+        Args:
+            reserves: :meth:`header_reserves` (computed here when not given).
+
+        Raises:
+            SourceFormatError: a header would be larger than its readers accept.
+        """
+        count = len(shards)
+        if reserves is None:
+            reserves = ArtifactWriter.header_reserves(target, shards, manifest)
+        sizes: dict[Path, int] = {}
+        for shard, path, reserve in zip(shards, target.shard_paths(count), reserves, strict=True):
             sizes[path] = 8 + reserve + (-reserve % 8) + sum(nbytes(d, s) for _, d, s in shard)
         for name, content in extra_files.items():
             sizes[target.folder / name] = len(content)
@@ -181,17 +212,20 @@ class ArtifactWriter:
             live.pop(0).park()
         return writer
 
+    def _writer_of(self, name: str) -> StreamingWriter:
+        return self._writers[0] if self._route is None else self._route[name]
+
     def write(self, name: str, data: np.ndarray, row_start: int = 0) -> None:
         """See :meth:`StreamingWriter.write`."""
-        self._opened(self._route[name]).write(name, data, row_start)
+        self._opened(self._writer_of(name)).write(name, data, row_start)
 
     def write_flat(self, name: str, data: np.ndarray, elem_start: int) -> None:
         """See :meth:`StreamingWriter.write_flat`."""
-        self._opened(self._route[name]).write_flat(name, data, elem_start)
+        self._opened(self._writer_of(name)).write_flat(name, data, elem_start)
 
     def copy_flat(self, name: str, fd: int, src_offset: int, byte_start: int, nbytes: int) -> int | None:
         """See :meth:`StreamingWriter.copy_flat`."""
-        return self._opened(self._route[name]).copy_flat(name, fd, src_offset, byte_start, nbytes)
+        return self._opened(self._writer_of(name)).copy_flat(name, fd, src_offset, byte_start, nbytes)
 
     def finish(self, manifest: Manifest) -> list[Path]:
         """Write every header, stage the index and extra files, then rename all of
