@@ -50,8 +50,13 @@ def no_network(monkeypatch: pytest.MonkeyPatch) -> list[object]:
         attempts.append(args)
         raise OSError("test: network attempted")
 
+    def getaddrinfo(*args: object, **kwargs: object) -> None:
+        attempts.append(args)
+        raise OSError("test: name lookup attempted")
+
     monkeypatch.setattr(socket.socket, "connect", connect)
     monkeypatch.setattr(socket, "create_connection", create_connection)
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
     return attempts
 
 
@@ -205,7 +210,13 @@ def test_from_pretrained_hooks_run_offline(
     assert os.environ["HF_HUB_OFFLINE"] == "0"  # restored
 
 
-def test_from_pretrained_still_loads_an_ordinary_folder(tiny: tuple[Path, Path], no_network: list[object]) -> None:
+def test_from_pretrained_still_loads_an_ordinary_folder(
+    tiny: tuple[Path, Path], no_network: list[object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole call, config object included (built before any quantizer hook), makes no
+    connection and no name lookup for a local folder, with the hub's offline switches unset."""
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
     from transformers import AutoModelForCausalLM
 
     import converter  # noqa: F401
