@@ -12,7 +12,7 @@ Importing the package also registers ``quant_method: "marlin-convert"`` with tra
 
 __version__ = "0.1.0"
 
-# First: in the two commands' processes, a Ctrl-C during the imports below (and cli.py's)
+# First: in the two commands' processes, a Ctrl-C during the imports below (and converter.cli's)
 # exits 130 with one line instead of a traceback (see converter/faults.py).
 from . import faults as _faults  # noqa: F401
 from . import hf_hook as _hf_hook

@@ -414,8 +414,8 @@ def test_verify_prints_the_first_problems_and_counts_the_rest(monkeypatch: pytes
     PROBLEM_LINES and a count by code; --json keeps them all."""
     from rich.console import Console
 
-    from converter import cli
     from converter.artifact.problems import Report
+    from converter.cli import verify_cmd
 
     rep = Report("a.safetensors")
     rep.add("source_differs", "the source is not the one this artifact was converted from")
@@ -423,11 +423,11 @@ def test_verify_prints_the_first_problems_and_counts_the_rest(monkeypatch: pytes
         rep.add("source_mismatch", f"t{i}: a conversion of the source has this tensor; the artifact lacks it", f"t{i}")
     rep.add("non_finite", "t.marlin_delta: 1 NaN or Inf value(s); delta must be finite", "t.marlin_delta")
     console = Console(record=True, width=200, highlight=False)
-    monkeypatch.setattr(cli, "out_console", console)
-    cli._render_verify(rep, quiet=True)
+    monkeypatch.setattr(verify_cmd, "out_console", console)
+    verify_cmd._render_verify(rep, quiet=True)
     lines = console.export_text().splitlines()
-    assert len(lines) == cli.PROBLEM_LINES + 2 and lines[0].startswith("problem [source_differs]")
-    assert lines[cli.PROBLEM_LINES - 1] == (
+    assert len(lines) == verify_cmd.PROBLEM_LINES + 2 and lines[0].startswith("problem [source_differs]")
+    assert lines[verify_cmd.PROBLEM_LINES - 1] == (
         "problem [source_mismatch] t28: a conversion of the source has this tensor; the artifact lacks it"
     )
     assert lines[-2] == "... and 12 more (non_finite, source_mismatch); --verbose or --json lists every problem"
@@ -478,13 +478,13 @@ def test_the_summary_marks_act_order_layers(tmp_path: Path) -> None:
 
 def test_command_line_processes_turn_numpy_huge_pages_off() -> None:
     """Both CLIs switch off NumPy's huge-page advice for arrays (the writers' buffers;
-    cli._no_huge_pages_for_arrays), in their own process: checked in a child, so this
+    converter.cli.entry._no_huge_pages_for_arrays), in their own process: checked in a child, so this
     test process keeps NumPy's default."""
     import subprocess
 
     code = (
-        "import numpy as np; from converter import cli; m = np._core.multiarray; "
-        "m._set_madvise_hugepage(True); print(cli._no_huge_pages_for_arrays(), m._get_madvise_hugepage())"
+        "import numpy as np; from converter.cli import entry; m = np._core.multiarray; "
+        "m._set_madvise_hugepage(True); print(entry._no_huge_pages_for_arrays(), m._get_madvise_hugepage())"
     )
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert got.stdout.split() == ["True", "False"]
@@ -603,7 +603,7 @@ def test_a_missing_output_parent_has_its_own_json_type(tmp_path: Path, out: str)
 
 def test_the_files_line_hides_more_than_one_file_or_none() -> None:
     """3. All files when at most one would be hidden; else the first few, the index, and the count last."""
-    from converter.cli import FILES_SHOWN, _files_text
+    from converter.cli.convert_cmd import FILES_SHOWN, _files_text
 
     def files(n: int, index: bool = True) -> list[dict[str, object]]:
         shards = [{"name": f"o-{i:05d}.safetensors", "bytes": 1000} for i in range(1, n + 1)]
@@ -702,9 +702,9 @@ def test_gpu_note_only_where_it_helps_and_the_readme_example_matches(
     start's command; where a GPU is, the note says what to install."""
     import re
 
-    from converter import cli
+    from converter.cli import verify_cmd
 
-    monkeypatch.setattr(cli, "nvidia_gpu_present", lambda: nvidia)
+    monkeypatch.setattr(verify_cmd, "nvidia_gpu_present", lambda: nvidia)
     command, expected = _readme_verify_example()
     quick_start = (REPO / "README.md").read_text("utf-8").split("## Quick start", 1)[1].split("```bash\n", 1)[1]
     assert command.replace("$ marlin-verify ", "marlin-verify ") in quick_start.split("\n", 1)[0].replace(
@@ -729,20 +729,24 @@ def test_gpu_note_only_where_it_helps_and_the_readme_example_matches(
     else:
         assert res.stderr == ""
         res = invoke("marlin-verify", art, "--against", SAMPLE, "-v")
-        assert res.stderr == f"{cli.cpu_loops_line()}\nGPU numerics not run: no NVIDIA GPU on this machine\n"
+        assert res.stderr == f"{verify_cmd.cpu_loops_line()}\nGPU numerics not run: no NVIDIA GPU on this machine\n"
 
 
 def test_nvidia_gpu_present_looks_at_the_device_nodes_and_nvidia_smi(monkeypatch: pytest.MonkeyPatch) -> None:
-    from converter import cli
+    from converter.cli import verify_cmd
 
-    monkeypatch.setattr(cli.glob, "glob", lambda pattern: [])
-    monkeypatch.setattr(cli.shutil, "which", lambda name: None)
-    assert cli.nvidia_gpu_present() is False
-    monkeypatch.setattr(cli.glob, "glob", lambda pattern: ["/dev/nvidia0"] if pattern.startswith("/dev/") else [])
-    assert cli.nvidia_gpu_present() is True
-    monkeypatch.setattr(cli.glob, "glob", lambda pattern: [])
-    monkeypatch.setattr(cli.shutil, "which", lambda name: "/usr/bin/nvidia-smi" if name == "nvidia-smi" else None)
-    assert cli.nvidia_gpu_present() is True
+    monkeypatch.setattr(verify_cmd.glob, "glob", lambda pattern: [])
+    monkeypatch.setattr(verify_cmd.shutil, "which", lambda name: None)
+    assert verify_cmd.nvidia_gpu_present() is False
+    monkeypatch.setattr(
+        verify_cmd.glob, "glob", lambda pattern: ["/dev/nvidia0"] if pattern.startswith("/dev/") else []
+    )
+    assert verify_cmd.nvidia_gpu_present() is True
+    monkeypatch.setattr(verify_cmd.glob, "glob", lambda pattern: [])
+    monkeypatch.setattr(
+        verify_cmd.shutil, "which", lambda name: "/usr/bin/nvidia-smi" if name == "nvidia-smi" else None
+    )
+    assert verify_cmd.nvidia_gpu_present() is True
 
 
 def test_the_upstream_column_is_explained_where_it_says_no(realinput: Path, tmp_path: Path) -> None:
@@ -845,9 +849,10 @@ def test_a_path_without_the_suffix_is_a_model_folder(tmp_path: Path) -> None:
 def test_verbose_names_the_cpu_loops_that_ran(no_cupy: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """1. The cpu rel err figures depend on the compiled loops or the NumPy code: -v says
     which ran (stderr, one line); without -v, and with --shapes (no CPU numerics), nothing."""
-    from converter import cli, native
+    from converter import native
+    from converter.cli import verify_cmd
 
-    monkeypatch.setattr(cli, "nvidia_gpu_present", lambda: False)
+    monkeypatch.setattr(verify_cmd, "nvidia_gpu_present", lambda: False)
     art = tmp_path / "a.safetensors"
     convert(SAMPLE, art)
     lines = {}
@@ -864,7 +869,11 @@ def test_verbose_names_the_cpu_loops_that_ran(no_cupy: None, tmp_path: Path, mon
     assert lines["numpy"] == [
         "CPU numerics: NumPy code (disabled by MARLIN_NATIVE=0); the cpu rel err figures depend on which ran"
     ]
-    assert lines["compiled"] == [cli.cpu_loops_line()] and lines["compiled"] != lines["numpy"] or native.lib() is None
+    assert (
+        lines["compiled"] == [verify_cmd.cpu_loops_line()]
+        and lines["compiled"] != lines["numpy"]
+        or native.lib() is None
+    )
     assert "CPU numerics: " not in invoke("marlin-verify", art, "--cpu").stderr
     assert "CPU numerics: " not in invoke("marlin-verify", art, "--shapes", "-v").stderr
     assert "CPU numerics: " not in invoke("marlin-verify", art, "--cpu", "-v", "-q").stderr
@@ -874,8 +883,8 @@ def test_a_layer_that_does_not_match_its_source_shows_no_cpu_rel_err(monkeypatch
     """2. Against a wrong source every row fails; its cpu rel err is "-", not a number that reads as a pass."""
     from rich.console import Console
 
-    from converter import cli
     from converter.artifact.problems import Report
+    from converter.cli import verify_cmd
 
     rep = Report("a.safetensors", checked={"against": "src", "cpu_numerics": True, "layers": 3, "tensors": 9})
     base = {"size_k": 128, "size_n": 128, "group_size": 64, "symmetric": False, "cpu_rel_err": 3.71e-07}
@@ -887,8 +896,8 @@ def test_a_layer_that_does_not_match_its_source_shows_no_cpu_rel_err(monkeypatch
     rep.add("source_mismatch", "layer bad: codes not bit-identical to the source", "bad")
     rep.add("source_mismatch", "layer extra is in the artifact but not converted from the source", "extra")
     console = Console(record=True, width=200, highlight=False)
-    monkeypatch.setattr(cli, "out_console", console)
-    cli._render_verify(rep, quiet=False)
+    monkeypatch.setattr(verify_cmd, "out_console", console)
+    verify_cmd._render_verify(rep, quiet=False)
     rows = {
         cells[2]: cells[-2]
         for ln in console.export_text().splitlines()
@@ -912,11 +921,11 @@ def test_piped_output_is_never_wrapped_nor_padded(monkeypatch: pytest.MonkeyPatc
 
     from rich.table import Table
 
-    from converter import cli
+    from converter.cli.streams import _LazyConsole
 
     buf = io.StringIO()
     monkeypatch.setattr(sys, "stdout", buf)
-    console = cli._LazyConsole(stderr=False)
+    console = _LazyConsole(stderr=False)
     console.print("x " * 200 + "end")
     table = Table()
     table.add_column("layer")
@@ -932,7 +941,7 @@ def test_the_model_report_says_what_its_numbers_are(monkeypatch: pytest.MonkeyPa
     the per-layer line says it is the error against the source."""
     import io
 
-    from converter import cli
+    from converter.cli.streams import _LazyConsole
     from converter.model.report import ModelReport, render
 
     rep = ModelReport("out", "src", device="cpu", architecture="LlamaForCausalLM" + "X" * 150, output="logits")
@@ -942,7 +951,7 @@ def test_the_model_report_says_what_its_numbers_are(monkeypatch: pytest.MonkeyPa
     rep.layers = [{"name": "model.layers.0.mlp.up_proj", "rel_err": 1.76e-04, "fp16_rel_err": 2.60e-04}]
     buf = io.StringIO()
     monkeypatch.setattr(sys, "stdout", buf)
-    console = cli._LazyConsole(stderr=False)
+    console = _LazyConsole(stderr=False)
     render(rep, console, console)
     lines = buf.getvalue().splitlines()
     assert lines[0].startswith("LlamaForCausalLMXXX") and lines[0].endswith(
