@@ -27,9 +27,10 @@ def chunked(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Small chunks, so a 512-row layer is checked in several (8 with the compiled
     loops' half-size chunks, 16 with the NumPy unpackers' quarter-size ones); the
     teardown checks that it was."""
-    # converter.convert and .verify (the modules) are shadowed by the functions the package exports.
-    monkeypatch.setattr(sys.modules["converter.convert"], "CHUNK_CODE_BYTES", 128 * N)
-    verify_mod = sys.modules["converter.verify"]
+    # Patched where they are used: converter.convert and .verify (the packages) are shadowed
+    # by the functions the package exports, and a patch on a re-export would change nothing.
+    monkeypatch.setattr(sys.modules["converter.convert.plan"], "CHUNK_CODE_BYTES", 128 * N)
+    verify_mod = sys.modules["converter.verify.layer_pass"]
     seen: dict[str, int] = {}
     real = verify_mod._artifact_chunks
 
@@ -235,7 +236,7 @@ def test_passthrough_chunks_compared_in_halves_find_any_byte(
     """Pass-through bytes compared in 1000-byte chunks, each in two halves on the pool:
     a byte changed in either half of a chunk (or the last one) is found, and an
     unchanged tensor passes."""
-    verify_mod = sys.modules["converter.verify"]
+    verify_mod = sys.modules["converter.verify.against"]
     monkeypatch.setattr(verify_mod, "COMPARE_CHUNK_BYTES", 1000)
     monkeypatch.setattr(verify_mod, "SPLIT_COMPARE_BYTES", 200)
     src = _checkpoint(tmp_path / "src")

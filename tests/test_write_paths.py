@@ -31,9 +31,9 @@ def _copy_every_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
     the file-to-file copy of the others, so every tensor takes that path here."""
     import sys
 
-    import converter.convert  # noqa: F401 - the module (the package attribute is the function)
+    import converter.convert.stream  # noqa: F401 - the module that reads it (the package attribute is the function)
 
-    monkeypatch.setattr(sys.modules["converter.convert"], "SMALL_TENSOR_BYTES", 0)
+    monkeypatch.setattr(sys.modules["converter.convert.stream"], "SMALL_TENSOR_BYTES", 0)
 
 
 @pytest.mark.parametrize("shards", [1, 2])

@@ -6,13 +6,19 @@ Modules (torch and transformers are imported only when a function here is called
 
     names:     which artifact layer and tensor feeds which module and parameter (pure Python).
     modules:   the ``torch.nn.Module`` linears swapped into the model.
-    build:     transformers config and model skeleton, module swap, tensor loading.
+    config:    the transformers config from ``config.json``, its fields checked first.
+    skeleton:  the model class, its skeleton (meta weights) and the bound on what it allocates.
+    build:     the inventory and the binding: module swap, tensor loading (re-exports the two above).
     layers:    a converted folder's layers as modules: what the two loaders below share.
     loader:    :func:`load_model` (the converted folder).
     hf_quantizer: transformers' ``from_pretrained`` on the folder (``quant_method:
                "marlin-convert"``, registered by ``import converter``; docs/serving.md).
     reference: fp32 / fp16 reference models dequantized from the *source* checkpoint.
-    verify:    :func:`verify_model`, the metrics and the pass rule.
+    inputs:    the tokens the models run on (the fixed input, or ``--text``).
+    metrics:   a model's output against the fp32 reference's, in numbers.
+    probe:     per-layer outputs and pass-through tensors of the converted model against the source.
+    judge:     the pass rule and its findings.
+    verify:    :func:`verify_model`: the three models, stage by stage.
     report:    the report's data classes and the CLI rendering.
 """
 

@@ -129,7 +129,7 @@ def test_verify_reads_the_shards_it_opened_even_when_one_is_replaced_meanwhile(
     before = (tmp_path / "out" / shard).read_bytes()
     assert before != (tmp_path / "other" / shard).read_bytes()
 
-    verify_mod = sys.modules["converter.verify"]
+    verify_mod = sys.modules["converter.verify.run"]
     real = verify_mod.check_artifact
 
     def replace_then_check(a: object, **kw: object) -> object:

@@ -133,7 +133,7 @@ def test_numerics_read_in_chunks(
         product(y, x, qw, k0, k1, width, factored=factored)
 
     # One 32-row unit per chunk.
-    monkeypatch.setattr(importlib.import_module("converter.convert"), "CHUNK_CODE_BYTES", 1)
+    monkeypatch.setattr(importlib.import_module("converter.convert.plan"), "CHUNK_CODE_BYTES", 1)
     monkeypatch.setattr(export_verify, "_product", counting)
     chunked = check_export(out, src)
     assert set(calls) == {32} and len(calls) == 2 * sum(k // 32 for k, _ in SIZES.values())

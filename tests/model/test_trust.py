@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 
 from converter.convert import convert
 from converter.model import ModelError, load_model
+from converter.model import inputs as model_inputs
 from converter.model import verify as mv
 from converter.model.guard import NetworkAttempt, check_config, offline, short
 from converter.model.verify import input_ids, output_metrics, position_errors, reference_decisions, top1_verdict
@@ -383,12 +384,14 @@ def test_text_reads_only_what_the_token_budget_needs(
         for _ in range(24 * 1024 * 1024 // len(line)):
             f.write(line)
     seen: list[int] = []
-    real = mv._encode
-    monkeypatch.setattr(mv, "_encode", lambda tok, content, path: seen.append(len(content)) or real(tok, content, path))
+    real = model_inputs._encode
+    monkeypatch.setattr(
+        model_inputs, "_encode", lambda tok, content, path: seen.append(len(content)) or real(tok, content, path)
+    )
     t = time.perf_counter()
     ids, info = input_ids(folder, {"vocab_size": 200, "max_position_embeddings": 256}, text)
     assert info["tokens"] == 256 and ids.shape == (1, 256)
-    assert max(seen) <= mv.TEXT_CHUNK_CHARS and time.perf_counter() - t < 10
+    assert max(seen) <= model_inputs.TEXT_CHUNK_CHARS and time.perf_counter() - t < 10
     # the prefix gives the same tokens as the whole text's beginning
     whole = tok.encode(text.read_text()[:100_000]).ids[:256]
     assert ids[0].tolist() == whole
