@@ -17,20 +17,12 @@ from converter.export.compressed_tensors import EXPORT_META_KEY, pack_int32
 from converter.safetensors_io import SafetensorsFile
 from tests.export.ct_proof import assert_library_codes, assert_library_exact, assert_reader_roundtrip
 from tests.export.fixtures import synthetic as _synthetic
-from tests.helpers.paths import SAMPLE
+from tests.helpers.paths import LLAMA_TINY, SAMPLE
 from tests.helpers.producers import gptq_config, gptq_tensors, make_layer, ragged_gptq, write_checkpoint
 
 pytest.importorskip("compressed_tensors")
 
-LLAMA = (
-    "autoawq-gemm-w4g128-asym",
-    "autogptq-w4g128-sym",
-    "autoround-gptq-w4g128-asym",
-    "autoround-gptq-w4gchan-asym",
-    "gptqmodel-gptq-w4g128-asym-descact",
-    "gptqmodel-gptqv2-w4g128-asym",
-    "llmcompressor-packq-w4g128-asym",
-)
+LLAMA = LLAMA_TINY
 MINILM = ("minilm-autoround-gptq-w4g128-asym-layers0-1", "minilm-autoround-gptq-w4g128-asym-full")
 
 

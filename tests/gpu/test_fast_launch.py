@@ -4,13 +4,15 @@ replayed, and picked by the switch."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 
-from tests.helpers.serving_layers import LAYERS  # noqa: E402
+from tests.helpers.serving_layers import LAYERS, assert_replays_match_eager  # noqa: E402
 from tests.helpers.serving_layers import make_layer as _layer  # noqa: E402
 
 MS = (1, 8, 64, 3, 130)
@@ -102,32 +104,16 @@ def test_fast_graph_capture_and_replay(cp, mods, monkeypatch: pytest.MonkeyPatch
     from converter.gpu import torch_op
 
     monkeypatch.setenv(torch_op.FAST_LAUNCH_ENV, "1")
-    xs = {m: [torch.zeros(m, mod.in_features, dtype=torch.float16, device="cuda") for mod in mods] for m in (1, 8, 64)}
 
-    def step() -> list:
-        return [mod(x) for m in xs for mod, x in zip(mods, xs[m], strict=True)]
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    for _ in range(3):
-        for m in xs:
-            for x in xs[m]:
-                x.copy_(torch.randn(x.shape, generator=gen, device="cuda", dtype=torch.float16))
-        graph.replay()
-        torch.cuda.synchronize()
+    @contextlib.contextmanager
+    def unpacked():  # the eager reference runs through run_gemm
         monkeypatch.setenv(torch_op.FAST_LAUNCH_ENV, "0")
-        eager = step()
-        monkeypatch.setenv(torch_op.FAST_LAUNCH_ENV, "1")
-        for got, want in zip(outs, eager, strict=True):
-            assert np.array_equal(_bits(got), _bits(want))
+        try:
+            yield
+        finally:
+            monkeypatch.setenv(torch_op.FAST_LAUNCH_ENV, "1")
+
+    assert_replays_match_eager(mods, unpacked)
 
 
 def test_moving_the_module_drops_the_packed_launches(cp, mods, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,7 +10,7 @@ import pytest
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 
-from tests.helpers.serving_layers import LAYERS  # noqa: E402
+from tests.helpers.serving_layers import LAYERS, assert_replays_match_eager  # noqa: E402
 from tests.helpers.serving_layers import make_layer as _layer  # noqa: E402
 
 MS = (1, 5, 16, 33, 64, 130)
@@ -77,31 +77,7 @@ def test_op_follows_torchs_current_stream(cp, layers, monkeypatch: pytest.Monkey
 def test_graph_capture_and_replay(cp, layers) -> None:
     """A chain of every layer at several M, captured once: replays on new inputs give the
     eager bits."""
-    mods = [mod for _, mod in layers]
-    xs = {m: [torch.zeros(m, mod.in_features, dtype=torch.float16, device="cuda") for mod in mods] for m in (1, 8, 64)}
-
-    def step() -> list:
-        return [mod(x) for m in xs for mod, x in zip(mods, xs[m], strict=True)]
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    for _ in range(3):
-        for m in xs:
-            for x in xs[m]:
-                x.copy_(torch.randn(x.shape, generator=gen, device="cuda", dtype=torch.float16))
-        graph.replay()
-        torch.cuda.synchronize()
-        eager = step()
-        for got, want in zip(outs, eager, strict=True):
-            assert np.array_equal(_bits(got), _bits(want))
+    assert_replays_match_eager([mod for _, mod in layers])
 
 
 def test_compile_fullgraph_traces_the_op(cp, layers) -> None:

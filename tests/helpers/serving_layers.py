@@ -34,3 +34,39 @@ def make_layer(k: int, n: int, gs: int, act: bool, bias: bool, padded: int | Non
     perm = rng.permutation(k).astype(np.int32) if act else None
     b = rng.standard_normal(n).astype(np.float16) if bias else None
     return MarlinLinear("layer", k, n, k if gs == -1 else gs, B, s, d, perm, b, padded_n=padded)
+
+
+def assert_replays_match_eager(mods: list[Any], eager: Any = None, replays: int = 3) -> None:
+    """Chain ``mods`` at M = 1, 8 and 64 and capture the chain once in a CUDA graph (after
+    two warm-up calls on a side stream); each replay on new inputs must give, bit for bit,
+    what the chain gives eagerly on them. ``eager``: a context-manager factory entered
+    around the eager reference run (to switch the launch path), or None."""
+    import contextlib
+
+    import torch
+
+    xs = {m: [torch.zeros(m, mod.in_features, dtype=torch.float16, device="cuda") for mod in mods] for m in (1, 8, 64)}
+
+    def step() -> list:
+        return [mod(x) for m in xs for mod, x in zip(mods, xs[m], strict=True)]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for _ in range(replays):
+        for m in xs:
+            for x in xs[m]:
+                x.copy_(torch.randn(x.shape, generator=gen, device="cuda", dtype=torch.float16))
+        graph.replay()
+        torch.cuda.synchronize()
+        with eager() if eager is not None else contextlib.nullcontext():
+            want = step()
+        for got, w in zip(outs, want, strict=True):
+            assert np.array_equal(got.cpu().numpy().view(np.uint16), w.cpu().numpy().view(np.uint16))

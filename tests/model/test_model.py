@@ -42,17 +42,9 @@ from tests.helpers.model_fixture import (  # noqa: E402
     LAYERS,
     write_tiny_llama,
 )
-from tests.helpers.paths import REPO, SAMPLE  # noqa: E402
+from tests.helpers.paths import LLAMA_TINY, REPO, SAMPLE  # noqa: E402
 
-LLAMA = [
-    "autoawq-gemm-w4g128-asym",
-    "autogptq-w4g128-sym",
-    "autoround-gptq-w4g128-asym",
-    "autoround-gptq-w4gchan-asym",
-    "gptqmodel-gptq-w4g128-asym-descact",
-    "gptqmodel-gptqv2-w4g128-asym",
-    "llmcompressor-packq-w4g128-asym",
-]
+LLAMA = list(LLAMA_TINY)
 MINILM = "minilm-autoround-gptq-w4g128-asym-full"
 Q = "model.layers.0.self_attn.q_proj"
 
