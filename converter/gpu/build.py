@@ -1,11 +1,15 @@
-"""NVRTC modules for ``kernels/*.cu``, built once per process and device.
+"""NVRTC builds of ``kernels/*.cu``: each kernel compiled on first use, once per process
+and device.
 
-One CuPy ``RawModule`` per ``.cu`` file and device, built on first use and kept for
-the life of the process (CuPy also caches the cubin on disk).  Templates are reached
-through ``name_expressions`` (:data:`NAMES`); every one is fetched at build time, so a
-compile error shows up at once as one :class:`KernelError` carrying NVRTC's log
-(``err.nvrtc_log``), and the same error object is raised again on later calls instead
-of recompiling.
+A model touches a handful of the ~190 template instantiations (one per route it takes),
+so each is compiled by itself when a launch first asks for it (:func:`function`), not
+every variant of a file up front: a fresh machine then pays for what it runs. Tools
+that want everything at once (the GPU test session, benchmarks) call :func:`prebuild`,
+which compiles whole files in parallel. CuPy also caches each cubin on disk.
+
+A compile error shows up as one :class:`KernelError` carrying NVRTC's log
+(``err.nvrtc_log``); the same error object is raised again on later calls instead of
+recompiling.
 
 Kernel sources are found by :func:`kernel_dir`: ``converter/_kernels`` inside an
 installed wheel, else the repository's top-level ``kernels/``.
@@ -14,6 +18,7 @@ installed wheel, else the repository's top-level ``kernels/``.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +39,7 @@ SOURCES = (
     "hopper_pipe.cuh",
     "marlin_streamk.cu",
 )
-#: ``.cu`` file -> the kernels (template instantiations included) it is built for.
+#: ``.cu`` file -> the kernels (template instantiations included) it can build.
 NAMES: dict[str, list[str]] = {
     "marlin_gemm.cu": [*kernel_names("marlin_gemm.cu"), "gather_columns"],
     "marlin_decode.cu": kernel_names("marlin_decode.cu"),
@@ -65,50 +70,86 @@ def kernel_dir() -> Path:
     raise KernelError("kernel sources not found; looked in " + ", ".join(str(c) for c in candidates))
 
 
+# One lock for the caches only: compiles run outside it, so prebuild's threads overlap
+# (NVRTC releases the GIL) and a launch never waits on an unrelated file's compile.
 _lock = threading.Lock()
-_modules: dict[tuple[str, int], Any] = {}
-_failures: dict[tuple[str, int], KernelError] = {}
+_functions: dict[tuple[str, str, int], Any] = {}
+_failures: dict[tuple[str, str, int], KernelError] = {}
+#: NVRTC invocations so far, as (source, names): what a fresh process really compiled.
+compiled: list[tuple[str, tuple[str, ...]]] = []
 
 
-def module(source: str) -> Any:
-    """The compiled ``RawModule`` for ``source`` (e.g. ``"marlin_gemm.cu"``) on this device.
+def function(source: str, name: str) -> Any:
+    """One kernel of ``source`` (a CuPy ``RawKernel``), compiled on first use.
 
     Raises:
         GpuUnavailableError: no CuPy / GPU / sm_80+.
-        KernelError: NVRTC failed; ``err.nvrtc_log`` holds the full log. Raised once
-            per process per file and device, then re-raised without recompiling.
+        KernelError: ``name`` is not a kernel of ``source``, the file needs sm_90, or
+            NVRTC failed (``err.nvrtc_log`` holds the full log). Raised once per
+            process, kernel and device, then re-raised without recompiling.
     """
-    cp = runtime.cupy_module()
-    info = runtime.device_info()
-    key = (source, info.index)
+    key = (source, name, runtime.device_info().index)
     with _lock:
-        if key in _modules:
-            return _modules[key]
+        fn = _functions.get(key)
+        if fn is not None:
+            return fn
         if key in _failures:
             raise _failures[key]
-        folder = kernel_dir()
+    _compile(source, (name,))
+    with _lock:
+        if key in _failures:
+            raise _failures[key]
+        return _functions[key]
+
+
+def prebuild(sources: tuple[str, ...] | None = None, workers: int = 8) -> None:
+    """Compile every kernel of ``sources`` (default: every file this device runs), one
+    NVRTC call per file, files in parallel. Failures are kept for :func:`function` to
+    raise; this raises nothing but :class:`GpuUnavailableError`."""
+    info = runtime.device_info()
+    todo = [
+        s
+        for s in (sources or tuple(NAMES))
+        if s not in ARCH_SPECIFIC or info.compute_capability == 90
+        if any((s, n, info.index) not in _functions for n in NAMES[s])
+    ]
+    with ThreadPoolExecutor(max(1, min(workers, len(todo)))) as pool:
+        list(pool.map(lambda s: _compile(s, tuple(NAMES[s])), todo))
+
+
+def _compile(source: str, names: tuple[str, ...]) -> None:
+    """Build ``names`` of ``source`` in one NVRTC call and file each kernel, or its
+    error, under (source, name, device)."""
+    cp = runtime.cupy_module()
+    info = runtime.device_info()
+    folder = kernel_dir()
+    err: KernelError | None = None
+    fns: dict[str, Any] = {}
+    ran = False
+    unknown = [n for n in names if n not in NAMES.get(source, ())]
+    arch = info.arch + "a" if source in ARCH_SPECIFIC else info.arch
+    if unknown:
+        err = KernelError(f"{source} has no kernel {unknown[0]}", path=folder / source)
+    elif source in ARCH_SPECIFIC and info.compute_capability != 90:
+        err = KernelError(f"{source} needs sm_90 (wgmma); this device is {info.arch}", path=folder / source)
+    else:
+        ran = True
         code = (folder / source).read_text(encoding="utf-8")
-        arch = info.arch + "a" if source in ARCH_SPECIFIC else info.arch
-        if source in ARCH_SPECIFIC and info.compute_capability != 90:
-            err = KernelError(f"{source} needs sm_90 (wgmma); this device is {info.arch}", path=folder / source)
-            _failures[key] = err
-            raise err
         options = ("-std=c++17", f"--gpu-architecture={arch}", f"-I{folder}")
         try:
-            mod = cp.RawModule(code=code, options=options, name_expressions=NAMES[source])
-            for name in NAMES[source]:
-                mod.get_function(name)  # forces the compile now, not at first launch
+            mod = cp.RawModule(code=code, options=options, name_expressions=list(names))
+            fns = {n: mod.get_function(n) for n in names}  # forces the compile now, not at first launch
         except Exception as exc:  # cupy.cuda.compiler.CompileException and driver errors
             log = str(exc)
             first = next((ln.strip() for ln in log.splitlines() if "error" in ln), log.strip()[:200])
             err = KernelError(f"NVRTC could not build {source} for {arch}: {first}", path=folder / source)
             err.nvrtc_log = log  # type: ignore[attr-defined]
-            _failures[key] = err
-            raise err from None
-        _modules[key] = mod
-        return mod
-
-
-def function(source: str, name: str) -> Any:
-    """One kernel of ``source``'s module (a CuPy ``RawKernel``)."""
-    return module(source).get_function(name)
+    with _lock:
+        if ran:
+            compiled.append((source, names))
+        for n in names:
+            key = (source, n, info.index)
+            if err is not None:
+                _failures.setdefault(key, err)
+            else:
+                _functions.setdefault(key, fns[n])

@@ -13,77 +13,82 @@ built by :mod:`converter.gpu.build`.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from ..constants import KERNEL_N_MULTIPLE, MARLIN_TILE
 from ..errors import GpuUnavailableError, KernelError
-from ..marlin.layout import permute_scales
-from ..marlin.shapes import kernel_layer_sizes, resolve_group_size
-from . import build, runtime, tensormap
-from .plan import (
-    DEFAULT_TUNING,
-    GemmPlan,
-    Pipe,
-    Tuning,
-    default_pipe,
-    kernel_variant,
-    layer_groups,
-    persistent_every_m,
-    plan_gemm,
+from ..marlin.shapes import resolve_group_size
+from . import build, runtime
+from .checks import _NULL, _dev, _layer_sizes, _n_out, _ptr_or_null
+from .launches import (
+    AT_PIECE,
+    BLOCK_THREADS,
+    GATHER_THREADS,
+    GemmLaunch,
+    KernelCall,
+    _activations,
+    _gemm_launch,
+    _plan,
+    activations_call,
+    emit_gather,
+    emit_gemm,
+    gather_call,
+    gemm_call,
+    gemm_launch,
+    gemm_plan,
+    gemm_prologue_call,
+    hopper_device,
 )
+from .operands import STAGE_GROUP, STAGE_RUN_INT32, _scale_order, prepare_b_stages, prepare_b_units, prepare_delta
+from .packed_args import PackedArgs, Slot, pack_args
+from .plan import DEFAULT_TUNING, Tuning, layer_groups, persistent_every_m
 
-#: Threads per block of every kernel but the gather (4 warps; ``kernels/*.cu`` launch geometry).
-BLOCK_THREADS = 128
-#: Threads per block of ``gather_columns`` and ``hopper_activations``.
-GATHER_THREADS = 256
-#: Bytes of At (``hopper_activations``) per 16-byte piece: 8 fp16 values of one row.
-AT_PIECE = 8
-
-
-# ----------------------------------------------------------------------------- checks
-
-
-def _dev(x: Any, name: str, dtype: Any, shape: tuple[int, ...] | None) -> Any:
-    """Check one argument (before any launch) and return it as a CuPy array."""
-    cp = runtime.cupy_module()
-    if x is None:
-        raise KernelError(f"{name} is required", tensor=name)
-    if isinstance(x, np.ndarray):
-        if x.dtype != np.dtype(dtype):
-            raise KernelError(f"{name} must be {np.dtype(dtype)}, got {x.dtype}", tensor=name)
-        x = cp.asarray(np.ascontiguousarray(x))
-    elif not isinstance(x, cp.ndarray):
-        if hasattr(x, "__dlpack__"):
-            x = cp.from_dlpack(x)
-        else:
-            raise KernelError(f"{name} must be a CuPy/NumPy/DLPack array, got {type(x).__name__}", tensor=name)
-    if x.dtype != np.dtype(dtype):
-        raise KernelError(f"{name} must be {np.dtype(dtype)}, got {x.dtype}", tensor=name)
-    if shape is not None and tuple(x.shape) != tuple(shape):
-        raise KernelError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}", tensor=name)
-    if not x.flags.c_contiguous:
-        raise KernelError(f"{name} must be C-contiguous", tensor=name)
-    if x.data.ptr % 16 and x.size:
-        raise KernelError(f"{name} must be 16-byte aligned (got address {x.data.ptr:#x})", tensor=name)
-    if x.data.device_id != runtime.device_info().index:
-        raise KernelError(f"{name} is on device {x.data.device_id}, not the current device", tensor=name)
-    return x
-
-
-def _layer_sizes(size_k: int, size_n: int, group_size: int) -> tuple[int, int, bool]:
-    """(group_size, num_groups, per_channel) after checking the kernels' limits."""
-    return kernel_layer_sizes(size_k, size_n, group_size, error=KernelError)
-
-
-_NULL = np.uint64(0)
-
-
-def _ptr_or_null(x: Any) -> Any:
-    return _NULL if x is None else x
+# The launchers' helpers live in checks / operands / launches / packed_args; callers and
+# tests reach them here as before.
+__all__ = [
+    "AT_PIECE",
+    "BLOCK_THREADS",
+    "GATHER_THREADS",
+    "STAGE_GROUP",
+    "STAGE_RUN_INT32",
+    "GemmLaunch",
+    "KernelCall",
+    "PackedArgs",
+    "Slot",
+    "_NULL",
+    "_activations",
+    "_dev",
+    "_gemm_launch",
+    "_layer_sizes",
+    "_n_out",
+    "_plan",
+    "_ptr_or_null",
+    "_scale_order",
+    "activations_call",
+    "add_correction",
+    "dequant",
+    "emit_gather",
+    "emit_gemm",
+    "gather_call",
+    "gather_columns",
+    "gemm_call",
+    "gemm_launch",
+    "gemm_plan",
+    "gemm_prologue_call",
+    "group_sums",
+    "hopper_device",
+    "keeps_b_stages",
+    "keeps_b_units",
+    "marlin_gemm",
+    "marlin_gemm_two_kernel",
+    "pack_args",
+    "prepare_b_stages",
+    "prepare_b_units",
+    "prepare_delta",
+    "synchronize",
+]
 
 
 # ----------------------------------------------------------------------------- workspace
@@ -109,17 +114,6 @@ def _workspace(ws_floats: int, n_locks: int, at_halves: int = 0) -> tuple[Any, A
     if ws.get("at") is None or ws["at"].size < at_halves:
         ws["at"] = cp.empty(max(at_halves, 1), dtype=cp.float16)
     return ws["ws"], ws["locks"], ws["at"]
-
-
-def hopper_device() -> bool:
-    """The current device runs the Hopper kernel (sm_90: wgmma, built for sm_90a)."""
-    return runtime.device_info().compute_capability == 90
-
-
-#: The group size of :func:`prepare_b_stages`'s copy: one group per 8-tile stage.
-STAGE_GROUP = 128
-#: int32 per (unit, group) run of that copy: 8 k-tile pieces of 512, a scale and a delta row of 128.
-STAGE_RUN_INT32 = 8 * 512 + 2 * 128
 
 
 def keeps_b_stages(size_k: int, size_n: int, group_size: int, delta: bool, tuning: Tuning = DEFAULT_TUNING) -> bool:
@@ -151,53 +145,6 @@ def keeps_b_units(size_k: int, size_n: int, group_size: int, tuning: Tuning = DE
     return hopper_device() and persistent_every_m(size_k, size_n, group_tiles, tuning)
 
 
-# ----------------------------------------------------------------------------- launch plans
-
-
-def gemm_plan(
-    m: int,
-    size_k: int,
-    size_n: int,
-    group_size: int,
-    *,
-    delta: bool = False,
-    pipe: tuple[str, int, int, int] | None = None,
-    tuning: Tuning = DEFAULT_TUNING,
-) -> GemmPlan:
-    """Kernel variant and K split the GEMM launcher uses for one call on this device
-    (:func:`converter.gpu.plan.plan_gemm`, with the variant's compiled register count).
-
-    Args:
-        m, size_k, size_n, group_size: the problem (group_size -1 / size_k: per-channel).
-        delta: fused asymmetric variant.
-        pipe: ``(kind, R, U, NS)`` override of :func:`~converter.gpu.plan.default_pipe`
-            (benchmarking).
-        tuning: the planner's knobs.
-
-    Raises:
-        KernelError: K not a multiple of 16 U (64 always works), an unknown pipe, or
-            too little shared memory.
-        GpuUnavailableError: no CuPy / GPU.
-    """
-    _, group_tiles, _ = layer_groups(size_k, size_n, group_size)
-    info = runtime.device_info()
-    if pipe is None:
-        pipe = default_pipe(m, size_k, size_n, group_tiles, info.smem_per_block_optin, tuning, hopper=hopper_device())
-    pipe = Pipe.of(pipe)
-    if pipe.spec.wgmma and not hopper_device():
-        raise KernelError(f"GEMM variant {pipe} needs sm_90 (wgmma); this device is {info.arch}")
-    return _plan(m, size_k, size_n, group_size, delta, pipe, tuning, info)
-
-
-@functools.lru_cache(maxsize=4096)
-def _plan(
-    m: int, size_k: int, size_n: int, group_size: int, delta: bool, pipe: Pipe, tuning: Tuning, info: runtime.DeviceInfo
-) -> GemmPlan:
-    variant = kernel_variant(size_k, size_n, group_size, pipe, smem_limit=info.smem_per_block_optin, arch=info.arch)
-    regs = int(build.function(pipe.spec.source, variant.name(delta)).num_regs)
-    return plan_gemm(m, size_k, size_n, variant, regs=regs, device=info, tuning=tuning)
-
-
 # ----------------------------------------------------------------------------- launchers
 
 
@@ -224,125 +171,6 @@ def gather_columns(A: Any, perm: Any, *, out: Any = None) -> Any:
     out = cp.empty((m, k), dtype=cp.float16) if out is None else _dev(out, "out", np.float16, (m, k))
     emit_gather(A, perm, out, m, k)
     return out
-
-
-def emit_gather(A: Any, perm: Any, out: Any, m: int, k: int, stream: Any = None) -> None:
-    """Launch ``gather_columns`` with no checks (arrays or ``np.uint64`` addresses, as
-    :func:`emit_gemm`)."""
-    if m * k:
-        gather_call(A, perm, out, m, k).launch(stream)
-
-
-def gather_call(A: Any, perm: Any, out: Any, m: int, k: int) -> KernelCall:
-    """:func:`emit_gather`'s launch (``m * k`` > 0), as a :class:`KernelCall`."""
-    fn = build.function("marlin_gemm.cu", "gather_columns")
-    return KernelCall(fn, (-(-m * k // GATHER_THREADS),), (GATHER_THREADS,), (A, perm, out, np.int32(m), np.int32(k)))
-
-
-def prepare_b_units(B: Any, size_k: int, size_n: int) -> Any:
-    """``B`` re-laid out unit-major for the persistent Hopper kinds (``b_units`` of
-    :func:`marlin_gemm`): each unit's (256 features') 2 KB k-tile pieces one after
-    another, so that a block's run of the weight stream is one contiguous stretch
-    (twin: :func:`converter.gpu.reference.b_units`). The artifact's ``marlin_B`` is not
-    changed; this is a load-time operand, as :func:`prepare_delta` is.
-
-    Args:
-        B: int32 ``(size_k // 16, 2 * size_n)``, Marlin tile order (artifact ``marlin_B``).
-        size_k, size_n: K and N (N a multiple of 64).
-
-    Returns:
-        int32 ``(ceil(N / 256), size_k // 16, 512)`` CuPy array (the last unit padded
-        with zero codes when N / 64 is not a multiple of 4).
-
-    Raises:
-        KernelError: ``B`` is not that shape or dtype. GpuUnavailableError: no GPU.
-    """
-    cp = runtime.cupy_module()
-    if size_n % KERNEL_N_MULTIPLE or size_k % MARLIN_TILE:
-        raise KernelError(f"K={size_k}, N={size_n}: K must be a multiple of 16 and N of 64", tensor="B")
-    B = _dev(B, "B", np.int32, (size_k // MARLIN_TILE, 2 * size_n))
-    kt, units = size_k // MARLIN_TILE, -(-size_n // 256)
-    rows = cp.zeros((kt, units * 512), dtype=cp.int32)
-    rows[:, : 2 * size_n] = B
-    return cp.ascontiguousarray(rows.reshape(kt, units, 512).transpose(1, 0, 2))
-
-
-def prepare_b_stages(B: Any, scales: Any, delta: Any, size_k: int, size_n: int) -> Any:
-    """``B`` with each stage's scales and deltas inline, for the persistent Hopper kinds
-    on group-128 layers (``b_units`` of :func:`marlin_gemm`): per unit (256 features) and
-    group, the group's 8 k-tile pieces of 2 KB, then its 512-byte scale row and its
-    512-byte delta row of the unit's features, as the kernels read them (Marlin's scale
-    order, zero past N). An 8-tile stage is then one bulk copy of all three
-    (``kernels/marlin_streamk.cu``); twin: :func:`converter.gpu.reference.b_stages`. A
-    load-time operand, as :func:`prepare_delta` is; the artifact is not changed.
-
-    Args:
-        B: int32 ``(size_k // 16, 2 * size_n)``, Marlin tile order (artifact ``marlin_B``).
-        scales: float16 ``(size_k // 128, size_n)``, permuted (artifact ``marlin_s``).
-        delta: float16 ``(size_k // 128, size_n)`` from :func:`prepare_delta`, or None
-            (zero rows: a symmetric layer is better served by :func:`prepare_b_units`,
-            which does not stream them).
-        size_k, size_n: K (a multiple of 128) and N (a multiple of 64).
-
-    Returns:
-        int32 ``(ceil(N / 256), size_k // 128, STAGE_RUN_INT32)`` CuPy array.
-
-    Raises:
-        KernelError: a shape, dtype or size above is not met. GpuUnavailableError: no GPU.
-    """
-    cp = runtime.cupy_module()
-    if size_n % KERNEL_N_MULTIPLE or size_k % STAGE_GROUP:
-        raise KernelError(f"K={size_k}, N={size_n}: K must be a multiple of {STAGE_GROUP} and N of 64", tensor="B")
-    g = size_k // STAGE_GROUP
-    units = prepare_b_units(B, size_k, size_n)
-    n_units = units.shape[0]
-
-    def rows(x: Any, name: str) -> Any:
-        full = cp.zeros((g, n_units * 256), dtype=cp.float16)
-        if x is not None:
-            full[:, :size_n] = _dev(x, name, np.float16, (g, size_n))
-        return full.view(cp.int32).reshape(g, n_units, 128).transpose(1, 0, 2)
-
-    parts = (units.reshape(n_units, g, 8 * 512), rows(scales, "scales"), rows(delta, "delta"))
-    return cp.ascontiguousarray(cp.concatenate(parts, axis=2))
-
-
-def prepare_delta(delta: Any) -> Any:
-    """The artifact's ``marlin_delta`` as the fused GEMM's delta operand.
-
-    Both GEMM kernels multiply by ``fp16(delta)``, and they read it at the offsets where
-    they read the scales, so the operand is ``fp16(delta)`` in Marlin's scale order
-    (checkpoint-formats.md 4.4; the per-channel list when ``G == 1``). Convert once at
-    load time (``MarlinLinear`` does); :func:`marlin_gemm` converts an fp32 ``delta``
-    on every call.
-
-    Args:
-        delta: float32 ``(G, N)``, natural column order (artifact ``marlin_delta``),
-            N % 64 == 0.
-
-    Returns:
-        float16 ``(G, N)`` CuPy array, round-to-nearest-even (overflow gives inf, as the
-        kernels' own conversion did).
-
-    Raises:
-        KernelError: not a 2-D float32 array with N % 64 == 0.
-        GpuUnavailableError: no CuPy / GPU.
-    """
-    cp = runtime.cupy_module()
-    if getattr(delta, "ndim", 0) != 2:
-        raise KernelError(f"delta must be 2-D (G, N), got {getattr(delta, 'shape', None)}", tensor="delta")
-    g, n = (int(v) for v in delta.shape)
-    if n % KERNEL_N_MULTIPLE:
-        raise KernelError(f"delta: N={n} must be a multiple of {KERNEL_N_MULTIPLE}", tensor="delta")
-    d = _dev(delta, "delta", np.float32, (g, n))
-    order = cp.asarray(_scale_order(n, g == 1))
-    return cp.ascontiguousarray(d.astype(cp.float16)[:, order])
-
-
-@functools.lru_cache(maxsize=64)
-def _scale_order(size_n: int, single: bool) -> np.ndarray:
-    """Source column of each position of a permuted scale row (layout.permute_scales)."""
-    return permute_scales(np.arange(size_n, dtype=np.int64)[None, :], single=single)[0]
 
 
 def marlin_gemm(
@@ -478,250 +306,6 @@ def marlin_gemm(
         a_ptr = int(A.data.ptr)
     emit_gemm(run, A, a_ptr, perm, b_units if run.units else B, scales, delta, bias, out, ws, locks, at)
     return out
-
-
-@dataclasses.dataclass(frozen=True)
-class GemmLaunch:
-    """Everything about one GEMM launch that the problem's sizes fix: the same for every
-    call of a layer at one M, so a serving loop works it out once (:func:`gemm_launch`).
-
-    Attributes:
-        plan: the planner's :class:`~converter.gpu.plan.GemmPlan`.
-        fn: the kernel (CuPy ``RawKernel``), its shared-memory opt-in already raised.
-        lead: how A reaches the kernel: ``"xmap"`` (read in place through a tensor map),
-            ``"at"`` (re-laid out by ``hopper_activations`` into the ``at`` buffer,
-            swizzled), ``"wgmma"`` (likewise, unswizzled) or ``"a"`` (A itself).
-        gather: A must be gathered by ``perm`` (``gather_columns``) first: the ``"xmap"``
-            and ``"a"`` leads (``hopper_activations`` gathers as it re-lays out).
-        units: the kernel streams ``B`` unit-major (``b_units``), not Marlin's ``B``.
-        ws_floats, n_locks, at_halves: sizes of the fp32 partial sums, the zeroed lock
-            counters and the fp16 activation buffer the launch needs.
-        m_pad: A's rows padded to whole chunks (``at`` leads).
-        m, size_k: A's shape (the tensor map encodes it).
-        scalars: the kernel's int32 arguments, ``M`` first.
-    """
-
-    plan: GemmPlan
-    fn: Any
-    lead: str
-    gather: bool
-    units: bool
-    ws_floats: int
-    n_locks: int
-    at_halves: int
-    m_pad: int
-    m: int
-    size_k: int
-    scalars: tuple[Any, ...]
-
-
-def gemm_launch(
-    m: int,
-    size_k: int,
-    size_n: int,
-    group_size: int,
-    *,
-    delta: bool,
-    act_order: bool,
-    units_mode: int,
-    n_out: int,
-    has_b: bool = True,
-    pipe: tuple[str, int, int, int] | None = None,
-    tuning: Tuning = DEFAULT_TUNING,
-) -> GemmLaunch:
-    """The :class:`GemmLaunch` of one call on the current device (cached per device and
-    arguments). ``units_mode``: 0 no ``b_units``, 1 unit-major, 2 with the scales and
-    deltas inline; ``has_b``: Marlin's ``B`` is there too.
-
-    Raises:
-        KernelError: as :func:`marlin_gemm` for the sizes, the pipe, the inline copy, or
-            no ``B`` where the kernel that serves ``m`` reads it.
-    """
-    info = runtime.device_info()
-    return _gemm_launch(info, m, size_k, size_n, group_size, delta, act_order, units_mode, n_out, has_b, pipe, tuning)
-
-
-@functools.lru_cache(maxsize=8192)
-def _gemm_launch(
-    info: runtime.DeviceInfo,
-    m: int,
-    size_k: int,
-    size_n: int,
-    group_size: int,
-    delta: bool,
-    act_order: bool,
-    units_mode: int,
-    n_out: int,
-    has_b: bool,
-    pipe: tuple[str, int, int, int] | None,
-    tuning: Tuning,
-) -> GemmLaunch:
-    _, gt, per_channel = layer_groups(size_k, size_n, group_size)
-    plan = gemm_plan(m, size_k, size_n, group_size, delta=delta, pipe=pipe, tuning=tuning)
-    units = units_mode > 0 and plan.pipe.spec.persistent
-    if not has_b and not units:
-        raise KernelError(f"the {plan.kind} kernel that serves M={m} reads B in Marlin's order: pass B", tensor="B")
-    fn = build.function(plan.pipe.spec.source, plan.pipe.name(plan.gpi, delta))
-    if fn.max_dynamic_shared_size_bytes < plan.smem:
-        # Opt in above the default (48 KB less the kernel's static shared memory).
-        fn.max_dynamic_shared_size_bytes = plan.smem
-    if units_mode == 2 and units and (per_channel or gt * MARLIN_TILE != STAGE_GROUP or plan.gpi != 1):
-        # the kernel's inline runs are one group of 128 per 8 k-tiles; anything else would read it wrongly
-        raise KernelError(
-            f"b_units with the scales inline needs groups of {STAGE_GROUP} (K={size_k} is one group, or the "
-            f"{plan.kind} variant holds {plan.gpi} group slots a stage)",
-            tensor="b_units",
-        )
-    m_pad = plan.m_chunks * plan.rows
-    # Every GEMM kernel: (activation operands..., B, S, D, bias, C, ws, locks, M, scalars...).
-    if plan.pipe.spec.persistent:
-        # Stream-K over the multiprocessors: two slots of T x 256 partial sums per block
-        # (the piece that starts its run, the one that ends it), one counter per block
-        # (the cut unit starting there). A read in place through a swizzled tensor map,
-        # or re-laid out first (Tuning.hopper_xmap_max_tok; without cuda-bindings).
-        ws_floats = 2 * plan.blocks * plan.rows * 256 if plan.splits > 1 else 0
-        xmap = plan.rows <= tuning.hopper_xmap_max_tok and tensormap.available()
-        lead, n_locks, at_halves = ("xmap", plan.blocks, 0) if xmap else ("at", plan.blocks, m_pad * size_k)
-        scalars = (size_k, size_n, n_out, gt, int(per_channel), plan.tiles_per_split // plan.u, units_mode * units)
-    elif plan.pipe.spec.wgmma:
-        # The unit is 256 columns x one m-chunk; partials are kept in register order.
-        n_locks = plan.m_chunks * -(-(size_n // KERNEL_N_MULTIPLE) // 4)
-        ws_floats = plan.splits * n_locks * plan.rows * 256 if plan.splits > 1 else 0
-        lead, at_halves = "wgmma", m_pad * size_k
-        scalars = (m_pad, size_k, size_n, n_out, gt, int(per_channel), plan.splits, plan.tiles_per_split)
-    else:
-        lead, at_halves = "a", 0
-        ws_floats = plan.splits * m * size_n if plan.splits > 1 else 0
-        n_locks = plan.m_chunks * (size_n // KERNEL_N_MULTIPLE)
-        scalars = (size_k, size_n, n_out, gt, int(per_channel), plan.splits, plan.tiles_per_split, plan.wk)
-    return GemmLaunch(
-        plan=plan,
-        fn=fn,
-        lead=lead,
-        gather=act_order and lead in ("xmap", "a"),
-        units=units,
-        ws_floats=ws_floats,
-        n_locks=n_locks,
-        at_halves=at_halves,
-        m_pad=m_pad,
-        m=m,
-        size_k=size_k,
-        scalars=(np.int32(m), *(np.int32(v) for v in scalars)),
-    )
-
-
-def emit_gemm(
-    run: GemmLaunch,
-    A: Any,
-    a_ptr: int,
-    perm: Any,
-    b: Any,
-    scales: Any,
-    delta: Any,
-    bias: Any,
-    out: Any,
-    ws: Any,
-    locks: Any,
-    at: Any,
-    stream: Any = None,
-) -> None:
-    """Launch ``run`` (no checks: :func:`marlin_gemm` and the torch op check first).
-
-    Every array argument is a CuPy array or a device address (``np.uint64``; None for
-    an absent operand). ``A`` is already gathered where ``run.gather``; ``a_ptr`` is its
-    address (the tensor map encodes it). ``stream``: anything with a ``ptr`` (CuPy's
-    current stream when None).
-    """
-    xmap = None
-    if run.lead == "xmap":
-        xmap = tensormap.activation_map_at(a_ptr, run.m, run.size_k, run.plan.rows, run.plan.u).arg
-    first = gemm_prologue_call(run, A, perm, at)
-    if first is not None:
-        first.launch(stream)
-    gemm_call(run, A, xmap, b, scales, delta, bias, out, ws, locks, at).launch(stream)
-
-
-class KernelCall(NamedTuple):
-    """One kernel launch as CuPy's ``RawKernel`` call takes it: the kernel, grid and
-    block shapes, the argument tuple and the dynamic shared memory. Built by the
-    ``*_call`` helpers, which :func:`emit_gemm` launches and the torch op's packed
-    launcher (:mod:`converter.gpu.torch_op`) lays out once, so both pass the same
-    arguments."""
-
-    fn: Any
-    grid: tuple[int, ...]
-    block: tuple[int, ...]
-    args: tuple[Any, ...]
-    shared_mem: int = 0
-
-    def launch(self, stream: Any = None) -> None:
-        """Launch through CuPy on ``stream`` (CuPy's current stream when None)."""
-        self.fn(self.grid, self.block, self.args, shared_mem=self.shared_mem, stream=stream)
-
-
-def gemm_prologue_call(run: GemmLaunch, A: Any, perm: Any, at: Any) -> KernelCall | None:
-    """The launch that must precede ``run``'s GEMM: ``hopper_activations`` (A gathered by
-    ``perm`` into ``at``) for the ``"at"`` and ``"wgmma"`` leads, else None."""
-    if run.lead not in ("at", "wgmma"):
-        return None
-    tok = run.plan.rows if run.lead == "at" else run.m_pad
-    return activations_call(A, perm, at, run.m, run.size_k, run.m_pad, tok, swizzle=run.lead == "at")
-
-
-def gemm_call(
-    run: GemmLaunch,
-    A: Any,
-    xmap: Any,
-    b: Any,
-    scales: Any,
-    delta: Any,
-    bias: Any,
-    out: Any,
-    ws: Any,
-    locks: Any,
-    at: Any,
-) -> KernelCall:
-    """``run``'s GEMM launch (arguments as :func:`emit_gemm`'s; ``xmap``: A's tensor-map
-    argument, read for the ``"xmap"`` lead only)."""
-    if run.lead == "xmap":
-        lead = (xmap, _NULL)
-    elif run.lead == "a":
-        lead = (A,)
-    else:
-        lead = (at,) if run.lead == "wgmma" else (tensormap.unused().arg, at)
-    args = (*lead, b, scales, _ptr_or_null(delta), _ptr_or_null(bias), out, ws, locks, *run.scalars)
-    return KernelCall(run.fn, (run.plan.blocks,), (run.plan.threads,), args, run.plan.smem)
-
-
-def _activations(
-    A: Any, perm: Any, at: Any, m: int, size_k: int, m_pad: int, tok: int, *, swizzle: bool = False, stream: Any = None
-) -> None:
-    """``hopper_activations``: A (gathered by ``perm``) into ``at`` in blocks of ``tok``
-    token rows, swizzled as the persistent kernel's slots with ``swizzle``
-    (``kernels/marlin_wgmma.cu``; twin ``reference.hopper_activations``)."""
-    activations_call(A, perm, at, m, size_k, m_pad, tok, swizzle=swizzle).launch(stream)
-
-
-def activations_call(
-    A: Any, perm: Any, at: Any, m: int, size_k: int, m_pad: int, tok: int, *, swizzle: bool = False
-) -> KernelCall:
-    """:func:`_activations`'s launch, as a :class:`KernelCall`."""
-    pieces = size_k // AT_PIECE * m_pad
-    return KernelCall(
-        build.function("marlin_wgmma.cu", "hopper_activations"),
-        (-(-pieces // GATHER_THREADS),),
-        (GATHER_THREADS,),
-        (A, _ptr_or_null(perm), at, np.int32(m), np.int32(size_k), np.int32(m_pad), np.int32(tok), np.int32(swizzle)),
-    )
-
-
-def _n_out(n_out: int | None, size_n: int) -> int:
-    """The result's columns: ``size_n``, or fewer for a padded layer."""
-    if n_out is None:
-        return size_n
-    if not 0 < int(n_out) <= size_n:
-        raise KernelError(f"n_out={n_out} must be in 1..size_n={size_n}", tensor="n_out")
-    return int(n_out)
 
 
 def dequant(
@@ -893,91 +477,3 @@ def synchronize() -> None:
         raise
     except Exception as exc:
         raise KernelError(f"CUDA error after launch: {exc}") from None
-
-
-# ----------------------------------------------------------------------------- packed launches
-
-
-#: Alignment of a tensor-map argument (the driver's CUtensorMap is 64-byte aligned).
-_MAP_ALIGN = 64
-
-
-class Slot(NamedTuple):
-    """A placeholder in a :class:`KernelCall`'s arguments for a value that changes from
-    call to call (:func:`pack_args`): a device address patched into the packed buffer,
-    or, with ``by_ref``, an argument whose ``kernelParams`` pointer itself is patched to
-    point at bytes held elsewhere (a tensor map)."""
-
-    name: str
-    by_ref: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class PackedArgs:
-    """Kernel arguments laid out for ``cuLaunchKernel``'s ``kernelParams``.
-
-    Attributes:
-        buf: every argument's value at its natural alignment (uint8; 64-byte aligned
-            start, a whole number of 8-byte words).
-        words: ``buf`` as uint64, where an address slot is patched (``words[offset // 8]``).
-        params: one uint64 address per argument, into ``buf`` (what ``kernelParams``
-            points at); a ``by_ref`` slot's entry is patched instead.
-        slots: slot name -> (argument index, byte offset in ``buf``).
-    """
-
-    buf: np.ndarray
-    words: np.ndarray
-    params: np.ndarray
-    slots: dict[str, tuple[int, int]]
-
-    @property
-    def params_ptr(self) -> int:
-        """The host address to pass as ``kernelParams``."""
-        return int(self.params.ctypes.data)
-
-
-def pack_args(args: tuple[Any, ...], maps: tuple[Any, ...] = ()) -> PackedArgs:
-    """Lay out a :class:`KernelCall`'s arguments once, for launches that only patch
-    their :class:`Slot` values (pure host work; no GPU).
-
-    The driver copies each argument's bytes from where ``kernelParams`` points when the
-    launch call is made, so the buffers may be patched again as soon as it returns.
-
-    Args:
-        args: NumPy scalars (``np.uint64`` addresses, ``np.int32`` sizes), :class:`Slot`
-            placeholders, and tensor-map arguments (the ``arg`` of one of ``maps``).
-        maps: the :class:`~converter.gpu.tensormap.TensorMapArg` objects whose ``arg``
-            may appear in ``args``; their 128 bytes are copied in.
-
-    Returns:
-        The :class:`PackedArgs` (slots zero until patched).
-
-    Raises:
-        KernelError: an argument of another kind (a CuPy array, a Python int, None).
-    """
-    raws = {id(m.arg): m.raw for m in maps}
-    pieces: list[tuple[int, np.ndarray]] = []
-    slots: dict[str, tuple[int, int]] = {}
-    end = 0
-    for i, a in enumerate(args):
-        if isinstance(a, Slot):
-            raw, align = np.zeros(8, dtype=np.uint8), 8
-        elif isinstance(a, np.generic):
-            raw, align = np.frombuffer(a.tobytes(), dtype=np.uint8), a.itemsize
-        elif id(a) in raws:
-            raw, align = raws[id(a)].view(np.uint8), _MAP_ALIGN
-        else:
-            raise KernelError(f"argument {i} ({type(a).__name__}) cannot be packed", tensor="args")
-        off = -(-end // align) * align
-        pieces.append((off, raw))
-        if isinstance(a, Slot):
-            slots[a.name] = (i, off)
-        end = off + raw.size
-    total = -(-max(end, 8) // 8) * 8
-    base = np.zeros(total + _MAP_ALIGN, dtype=np.uint8)
-    shift = -base.ctypes.data % _MAP_ALIGN
-    buf = base[shift : shift + total]  # keeps base alive
-    for off, raw in pieces:
-        buf[off : off + raw.size] = raw
-    params = np.array([buf.ctypes.data + off for off, _ in pieces], dtype=np.uint64)
-    return PackedArgs(buf=buf, words=buf.view(np.uint64), params=params, slots=slots)

@@ -9,10 +9,16 @@ from converter.errors import GpuUnavailableError
 
 @pytest.fixture(scope="session")
 def cp():
-    """The ``cupy`` module on an sm_80+ GPU; skips the test when there is none."""
-    from converter.gpu import runtime
+    """The ``cupy`` module on an sm_80+ GPU; skips the test when there is none.
+
+    The suite touches nearly every variant, so it builds whole files up front and in
+    parallel (a served model compiles each kernel on first use instead:
+    tests/gpu/test_build.py)."""
+    from converter.gpu import build, runtime
 
     try:
-        return runtime.cupy_module()
+        cp = runtime.cupy_module()
     except GpuUnavailableError as exc:
         pytest.skip(str(exc))
+    build.prebuild()
+    return cp
