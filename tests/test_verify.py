@@ -213,9 +213,9 @@ def test_progress_names_each_stage(tmp_path: Path, kw: dict, stages: list[str]) 
 
 
 def test_checksums_in_blocks_catch_a_late_flip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import converter.artifact.validate as validate
+    import converter.artifact.validate_bytes as validate_bytes
 
-    monkeypatch.setattr(validate, "HASH_CHUNK_BYTES", 1000)  # every sample tensor above 1000 bytes in blocks
+    monkeypatch.setattr(validate_bytes, "HASH_CHUNK_BYTES", 1000)  # every sample tensor above 1000 bytes in blocks
     art = Path(convert(SAMPLE, tmp_path / "s.safetensors").output)
     assert verify(art, shapes_only=True).ok
     with open_artifact(art) as a:

@@ -23,73 +23,69 @@ matching modules from quantization, ``+:`` or a bare key overrides ``bits``,
 ``group_size``, ``sym``, ``desc_act`` for them; first match wins, as in GPTQModel's
 ``dynamic_get``), HF's ``modules_to_not_convert`` (substring match, as in
 transformers) and GPTQModel's ``lm_head`` flag.
+
+The reader's parts: :mod:`~converter.formats.gptq_config` (per-module settings),
+:mod:`~converter.formats.gptq_zeros` (zero conventions), :mod:`~converter.formats.gptq_load`
+(reading a planned layer).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from typing import Any
 
 import numpy as np
 
-from ..constants import MARLIN_TILE, SourceFormat, ZeroConvention
+from ..constants import SourceFormat, ZeroConvention
 from ..dtypes import FLOAT_DTYPES
 from ..errors import ConfigError, SourceFormatError, UnsupportedQuantError
-from ..marlin.layout import pack_b_from_gptq4
-from ..quant_weight import QuantWeight
 from .base import LayerPlan, SourcePlan, TensorInfo
+from .gptq_config import (
+    CONVERTIBLE_BITS,
+    DYNAMIC_KEYS,
+    LM_HEAD,
+    MARLIN_FORMATS,
+    PASSTHROUGH_BITS,
+    GptqLayerConfigs,
+    LayerConfig,
+)
+from .gptq_load import GptqLoading
+from .gptq_zeros import GptqZeroConventions, _zeros_show
 from .hf import (
     HFSource,
     already_marlin,
     assemble_plan,
     config_field,
-    integer_zero_weight,
-    not_convert_match,
     string_list,
 )
 from .hf_checkpoint import HFCheckpoint
-from .packing import (
-    codes_per_word,
-    decode_gptq_zeros,
-    field_ones,
-    gather_rows,
-    packed_len,
-    symmetric_zero,
-    unpack_words,
-    unpacked_len,
-)
-from .patterns import ConfigPattern
+from .packing import packed_len, symmetric_zero, unpacked_len
+
+# Everything this module defined before the split (issue 39) stays importable from here.
+__all__ = [
+    "CONVERTIBLE_BITS",
+    "DYNAMIC_KEYS",
+    "GPTQ_SUFFIXES",
+    "LM_HEAD",
+    "MARLIN_FORMATS",
+    "PASSTHROUGH_BITS",
+    "GptqSource",
+    "LayerConfig",
+    "_ALREADY_MARLIN",
+    "_zeros_show",
+]
 
 GPTQ_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "bias")
-#: Bit widths whose codes convert to Marlin 4-bit losslessly: a b-bit code is a valid
-#: 4-bit code and ``delta`` absorbs the offset (issue 4, "Bit widths").
-CONVERTIBLE_BITS = (2, 3, 4)
-PASSTHROUGH_BITS = (8,)
-#: ``checkpoint_format`` values that mean "already Marlin-packed" (spec 5.1).
-MARLIN_FORMATS = ("marlin",)
-#: Keys a ``dynamic`` override may set that change how we read a layer.
-DYNAMIC_KEYS = ("bits", "group_size", "sym", "desc_act")
-LM_HEAD = "lm_head"
 
 
-@dataclasses.dataclass(frozen=True)
-class LayerConfig:
-    """The quantization settings that apply to one module after ``dynamic`` overrides.
-
-    ``skip`` is the reason a config excludes the module from quantization ("" if not).
-    """
-
-    bits: int
-    group_size: int
-    sym: bool
-    desc_act: bool
-    skip: str = ""
-    rule: str = ""
-
-
+# The mixins come before HFSource so that their load_packed and load_words replace Source's defaults.
 class GptqSource(
-    HFSource, format=SourceFormat.GPTQ, methods=("gptq",), conventions=(ZeroConvention.GPTQ_V1, ZeroConvention.GPTQ_V2)
+    GptqLoading,
+    GptqZeroConventions,
+    GptqLayerConfigs,
+    HFSource,
+    format=SourceFormat.GPTQ,
+    methods=("gptq",),
+    conventions=(ZeroConvention.GPTQ_V1, ZeroConvention.GPTQ_V2),
 ):
     """Reader for HF GPTQ checkpoints; see the module docstring for the conventions.
 
@@ -160,108 +156,6 @@ class GptqSource(
         self.lm_head = config_field(qc, "lm_head", bool, None, path=cfg_path)
         self.not_convert = string_list(qc, "modules_to_not_convert", path=cfg_path)
         self.dynamic = self._parse_dynamic(qc.get("dynamic"))
-
-    def _format_conflict(self, fmt: str) -> tuple[str, str] | None:
-        inner = self.ckpt.config.get("quantization_config")
-        if self.ckpt.quant_config_file in (None, "config.json") or not isinstance(inner, dict):
-            return None
-        if str(inner.get("quant_method", "gptq")).lower() != "gptq":
-            return None
-        other = inner.get("checkpoint_format") or inner.get("format") or "gptq"
-        other = other.lower() if isinstance(other, str) else other
-        if other in ("gptq", "gptq_v2") and other != fmt:
-            return fmt, other
-        return None
-
-    def _settle_format(self, prefixes: list[str]) -> ZeroConvention:
-        """The zero convention when the two configs disagree: what the data shows.
-
-        A layer whose stored zeros are all the symmetric value of one convention shows
-        it (spec 1.6); every such layer must show the same one, and there must be one.
-
-        Raises:
-            ConfigError: no layer's zeros tell v1 from v2, or two layers disagree.
-        """
-        assert self.format_conflict is not None
-        mine, theirs = self.format_conflict
-        said = f"{self.ckpt.quant_config_file} says checkpoint_format {mine!r} but config.json says {theirs!r}"
-        shown: dict[ZeroConvention, str] = {}
-        for prefix in prefixes:
-            bits = self.layer_config(prefix).bits
-            if bits not in (*CONVERTIBLE_BITS, *PASSTHROUGH_BITS) or f"{prefix}.qzeros" not in self.ckpt:
-                continue
-            data = _zeros_show(self._stored_zeros(prefix, bits), bits)
-            if data is not None:
-                shown.setdefault(data, prefix)
-        if len(shown) == 1:
-            ((convention, layer),) = shown.items()
-            self._conflict_note = (
-                f"{said}; the zeros of {layer} (all the symmetric value of {convention.value}) decide: "
-                f"decoded as {convention.value} (data wins)"
-            )
-            return convention
-        why = (
-            "and layers' zeros show both (" + ", ".join(f"{c.value}: {n}" for c, n in shown.items()) + ")"
-            if shown
-            else "and no layer's zeros tell v1 from v2 (none is all the symmetric value)"
-        )
-        raise ConfigError(
-            f"{said}, {why}; correct the config that is wrong", path=self.cfg_path, tensor="checkpoint_format"
-        )
-
-    def _stored_zeros(self, prefix: str, bits: int) -> np.ndarray:
-        """A layer's ``qzeros`` fields as stored (uint8 ``(G, N)``, no convention applied)."""
-        return unpack_words(np.asarray(self.ckpt.array(f"{prefix}.qzeros")), bits, axis=1)
-
-    def _parse_dynamic(self, dyn: Any) -> list[tuple[str, ConfigPattern, dict[str, Any]]]:
-        if dyn is None:
-            return []
-        if not isinstance(dyn, dict):
-            raise ConfigError(
-                f"expected an object of regex -> overrides, found {type(dyn).__name__}",
-                path=self.cfg_path,
-                tensor="dynamic",
-            )
-        rules = []
-        for key, overrides in dyn.items():
-            pattern = key[2:] if key.startswith(("-:", "+:")) else key
-            rx = ConfigPattern(pattern, entry=f"key {key!r}", field="dynamic", path=self.cfg_path)
-            if not isinstance(overrides, dict):
-                raise ConfigError(
-                    f"value of {key!r} must be an object of overrides, found {json.dumps(overrides)[:200]}",
-                    path=self.cfg_path,
-                    tensor="dynamic",
-                )
-            for k in DYNAMIC_KEYS:
-                if k in overrides:
-                    want = bool if k in ("sym", "desc_act") else int
-                    config_field(overrides, k, want, None, path=self.cfg_path, field=f"dynamic[{key!r}].{k}")
-            rules.append((key, rx, overrides))
-        return rules
-
-    def layer_config(self, module: str) -> LayerConfig:
-        """The settings for ``module`` after ``dynamic`` and ``modules_to_not_convert``.
-
-        ``dynamic`` follows GPTQModel's ``dynamic_get``: keys are tried in order with
-        ``re.match``; the first match wins; ``-:`` means "not quantized".
-        """
-        base = LayerConfig(self.bits, self.group_size, self.sym, self.desc_act)
-        entry = not_convert_match(module, self.not_convert)
-        if entry is not None:
-            return dataclasses.replace(base, skip=f"module matches modules_to_not_convert entry {entry!r}", rule=entry)
-        for key, rx, overrides in self.dynamic:
-            if not rx.match(module):
-                continue
-            if key.startswith("-:"):
-                return dataclasses.replace(base, skip=f"excluded from quantization by dynamic rule {key!r}", rule=key)
-            return LayerConfig(
-                bits=overrides.get("bits", base.bits),
-                group_size=overrides.get("group_size", base.group_size),
-                sym=overrides.get("sym", base.sym),
-                desc_act=overrides.get("desc_act", base.desc_act),
-                rule=key,
-            )
-        return base
 
     # -- planning --------------------------------------------------------------------
     def plan(self, *, pad: bool = True) -> SourcePlan:
@@ -471,126 +365,9 @@ class GptqSource(
             warnings=warnings,
         )
 
-    def _layer_convention(self, prefix: str, bits: int) -> tuple[ZeroConvention, list[str]]:
-        """The zero convention of one layer: the config's, unless the stored zeros are
-        all the symmetric value of the other convention (spec 1.6 table and trap)."""
-        warnings: list[str] = []
-        stored = self._stored_zeros(prefix, bits)
-        data = _zeros_show(stored, bits)
-        if data is not None and data is not self.convention:
-            label = {
-                ZeroConvention.GPTQ_V1: "gptq (v1: stored = z - 1)",
-                ZeroConvention.GPTQ_V2: "gptq_v2 (stored = z)",
-            }
-            value = symmetric_zero(bits) - (data is ZeroConvention.GPTQ_V1)
-            warnings.append(
-                f"config says checkpoint_format {label[self.convention]} but every stored zero is {value}, "
-                f"the symmetric value of {label[data]}; decoded as {data.value} (data wins)"
-            )
-            return data, warnings
-        convention = self.convention
-        if convention is ZeroConvention.GPTQ_V1:
-            wrapped = int(np.count_nonzero(stored == (1 << bits) - 1))
-            if wrapped:
-                how = (
-                    "decoded per field as (stored + 1) mod 8 (GPTQModel's 3-bit rule)"
-                    if bits == 3
-                    else f"decoded by the whole-word add of 0x{int(field_ones(bits)):08X}, "
-                    "which undoes GPTQModel's borrow"
-                )
-                warnings.append(
-                    f"{wrapped} v1 zero field(s) store {(1 << bits) - 1}, i.e. z - 1 = -1: a true zero of 0 that "
-                    f"decodes out of range per field; {how}; a producer that clamped or wrapped it otherwise "
-                    "would need a different reading"
-                )
-        return convention, warnings
-
-    def _decode_zeros(
-        self, prefix: str, bits: int, convention: ZeroConvention, g0: int = 0, g1: int | None = None
-    ) -> np.ndarray:
-        words = np.asarray(self.ckpt.array(f"{prefix}.qzeros")[g0:g1])
-        return decode_gptq_zeros(words, bits, v1=convention is ZeroConvention.GPTQ_V1)
-
-    # -- loading ---------------------------------------------------------------------
-    def load_layer(
-        self, layer: LayerPlan, k_start: int = 0, k_stop: int | None = None, *, codes: bool = True
-    ) -> QuantWeight:
-        """Read Marlin rows ``[k_start, k_stop)`` of a convertible layer.
-
-        ``k_start``/``k_stop`` are multiples of the source's group size (or of 32 for a
-        per-channel layer, so 3-bit blocks are never split; ``k_stop`` may be K).
-        Returns codes uint8 ``(rows, N)`` in Marlin row order (act-order rows gathered
-        by ``perm``: source groups in order, the short one last), fp16 scales, true
-        zeros uint8, ``delta = (8 - z) * s`` in float32 from the scales as stored
-        (spec 4.6), at the artifact's group size.
-
-        Raises:
-            SourceFormatError: a scale overflows fp16 (bf16 sources) or is not finite.
-        """
-        k_stop = layer.size_k if k_stop is None else k_stop
-        g, num_groups = layer.source_groups
-        b = layer.bits
-        qweight = self.ckpt.array(f"{layer.name}.qweight")
-        perm = None
-        if layer.act_order:
-            perm = self.act_order(f"{layer.name}.g_idx", g, num_groups)
-            assert perm is not None
-            q = gather_rows(qweight, perm[k_start:k_stop], b) if codes else np.zeros((0, layer.size_n), np.uint8)
-        elif not codes:  # load_packed: B is made from the words directly
-            q = np.zeros((0, layer.size_n), np.uint8)
-        else:
-            w0, w1 = packed_len(k_start, b), packed_len(k_stop, b)
-            if w0 is None or w1 is None:
-                q = gather_rows(qweight, np.arange(k_start, k_stop), b)
-            else:
-                q = unpack_words(np.asarray(qweight[w0:w1]), b, axis=0)
-        g0, g1 = k_start // g, -(-k_stop // g)
-        z = self._decode_zeros(layer.name, b, layer.zero_convention, g0, g1)
-        return integer_zero_weight(
-            self.ckpt, layer, q=q, z=z, scales=f"{layer.name}.scales", g0=g0, g1=g1, perm=perm, rows=(k_start, k_stop)
-        )
-
-    def load_packed(
-        self, layer: LayerPlan, k_start: int = 0, k_stop: int | None = None
-    ) -> tuple[np.ndarray, QuantWeight] | None:
-        """:meth:`Source.load_packed`: Marlin ``B`` for rows ``[k_start, k_stop)`` made
-        straight from the 4-bit ``qweight`` words (:func:`pack_b_from_gptq4`), plus the
-        chunk's scales and delta (its ``q`` is empty).  None where it does not apply
-        (not 4-bit, act-order, rows not on 16-row tiles, a padded layer: the converter
-        pads the codes of :meth:`load_layer`).
-        """
-        k_stop = layer.size_k if k_stop is None else k_stop
-        if layer.bits != 4 or layer.act_order or layer.padded_n or k_start % MARLIN_TILE or k_stop % MARLIN_TILE:
-            return None
-        per = codes_per_word(4)
-        words = np.asarray(self.ckpt.array(f"{layer.name}.qweight")[k_start // per : k_stop // per])
-        return pack_b_from_gptq4(words), self.load_layer(layer, k_start, k_stop, codes=False)
-
-    def load_words(
-        self, layer: LayerPlan, k_start: int = 0, k_stop: int | None = None
-    ) -> tuple[np.ndarray, QuantWeight] | None:
-        """:meth:`Source.load_words`: the 4-bit ``qweight`` words of rows ``[k_start,
-        k_stop)`` as stored (a view of the file), plus the chunk's scales and delta (its
-        ``q`` is empty).  None where it does not apply (not 4-bit, act-order, a padded
-        layer, rows not on whole words)."""
-        k_stop = layer.size_k if k_stop is None else k_stop
-        per = codes_per_word(4)
-        if layer.bits != 4 or layer.act_order or layer.padded_n or k_start % per or k_stop % per:
-            return None
-        words = np.asarray(self.ckpt.array(f"{layer.name}.qweight")[k_start // per : k_stop // per])
-        return words, self.load_layer(layer, k_start, k_stop, codes=False)
-
 
 _ALREADY_MARLIN = already_marlin(
     "checkpoint is",
     "AutoGPTQ checkpoint_format 'marlin': tensors B and s, symmetric only, spec 5.1",
     advice="use the file as it is, or convert from the original GPTQ checkpoint",
 )
-
-
-def _zeros_show(stored: np.ndarray, bits: int) -> ZeroConvention | None:
-    """The convention a layer's stored zeros show by being all one symmetric value, or None."""
-    if not stored.size or not np.all(stored == stored.flat[0]):
-        return None
-    sym = symmetric_zero(bits)
-    return {sym - 1: ZeroConvention.GPTQ_V1, sym: ZeroConvention.GPTQ_V2}.get(int(stored.flat[0]))

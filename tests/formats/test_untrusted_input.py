@@ -347,14 +347,14 @@ def test_input_truncated_between_chunks_is_a_clean_error(
 SIGBUS_SCRIPT = """
 import os, sys
 sys.argv[0] = "marlin-convert"
-import converter.formats.gptq as gptq
+import converter.formats.gptq_load as gptq_load
 weights = sys.argv[1]
-pack = gptq.pack_b_from_gptq4
+pack = gptq_load.pack_b_from_gptq4
 def truncate_then_pack(words):
     # After the size check, before the pages are read: the one window left.
     os.truncate(weights, 0)
     return pack(words)
-gptq.pack_b_from_gptq4 = truncate_then_pack
+gptq_load.pack_b_from_gptq4 = truncate_then_pack
 from converter.cli import main_convert
 sys.argv[1:] = sys.argv[2:]
 main_convert()
