@@ -8,9 +8,9 @@ one-line message when CuPy or a suitable GPU (compute capability 8.0+) is missin
 Modules:
     runtime:   CuPy import on demand, device checks.
     plan:      pure GEMM planning: kernel kinds, variants, routing, the K split, ``Tuning``.
-    build:     one NVRTC ``RawModule`` per ``.cu`` file, built once per process and device.
-    kernels:   the checked launchers.
-    reference: NumPy twins of every launcher, same signatures.
+    build:     NVRTC builds, each kernel compiled on first use (``prebuild`` for whole files).
+    kernels:   the checked launchers (their pieces: checks, operands, launches, packed_args).
+    reference: NumPy twins of every launcher, same signatures (gathered from reference_*).
     verify:    :func:`verify_layer_gpu` for ``marlin-verify --gpu``.
     api:       :func:`load_artifact_gpu`, :class:`MarlinLinear`, ``MarlinLinearModule``.
 """
