@@ -224,7 +224,9 @@ def test_write_back_starts_each_range_and_waits_beyond_the_window(monkeypatch: p
     import converter.atomic as atomic
 
     calls: list[tuple] = []
-    monkeypatch.setattr(atomic, "_SYNC_FILE_RANGE", lambda fd, off, n, flags: calls.append(("sync", off, n, flags)))
+    monkeypatch.setattr(
+        atomic.writeback, "_SYNC_FILE_RANGE", lambda fd, off, n, flags: calls.append(("sync", off, n, flags))
+    )
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append(("drop", off, n, advice)))
     wait = atomic._SYNC_WAIT_BEFORE | atomic._SYNC_WRITE | atomic._SYNC_WAIT_AFTER
     wb = atomic.WriteBack(7, window=100)
@@ -251,7 +253,7 @@ def test_streaming_writer_starts_write_back_of_what_it_writes(tmp_path: Path, mo
     import converter.atomic as atomic
 
     calls: list[tuple[int, int, int]] = []
-    monkeypatch.setattr(atomic, "_SYNC_FILE_RANGE", lambda fd, off, n, flags: calls.append((off, n, flags)))
+    monkeypatch.setattr(atomic.writeback, "_SYNC_FILE_RANGE", lambda fd, off, n, flags: calls.append((off, n, flags)))
     with StreamingWriter(tmp_path / "o.safetensors", [("t", "I32", (4, 8))], header_reserve=120) as w:
         w.write("t", np.arange(16, dtype=np.int32).reshape(2, 8), 2)
         assert calls == [(w.data_start + 64, 64, atomic._SYNC_WRITE)]
@@ -269,10 +271,10 @@ def test_streaming_writer_waits_only_for_an_output_it_drops(
     import converter.safetensors_io as sio
 
     calls: list[tuple[int, int, int]] = []
-    monkeypatch.setattr(atomic, "_SYNC_FILE_RANGE", lambda fd, off, n, flags: calls.append((off, n, flags)))
+    monkeypatch.setattr(atomic.writeback, "_SYNC_FILE_RANGE", lambda fd, off, n, flags: calls.append((off, n, flags)))
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n, -1)))
-    monkeypatch.setattr(sio, "WRITEBACK_WINDOW", 100)
-    monkeypatch.setattr(sio, "_cache_budget", lambda: 0 if dropped else 1 << 40)
+    monkeypatch.setattr(sio.writer, "WRITEBACK_WINDOW", 100)
+    monkeypatch.setattr(sio.writer, "_cache_budget", lambda: 0 if dropped else 1 << 40)
     with StreamingWriter(tmp_path / "o.safetensors", [("t", "I32", (4, 16))], header_reserve=120) as w:
         for row in range(4):
             w.write("t", np.full((1, 16), row, dtype=np.int32), row)

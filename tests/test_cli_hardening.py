@@ -242,8 +242,8 @@ def test_a_full_disk_at_write_time_names_the_output_not_a_temporary(
     def full(fd: int, offset: int, size: int) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(safetensors_io.os, "posix_fallocate", full)
-    monkeypatch.setattr(atomic, "free_bytes", lambda folder: 4096)
+    monkeypatch.setattr(safetensors_io.writer.os, "posix_fallocate", full)
+    monkeypatch.setattr(atomic.disk_space, "free_bytes", lambda folder: 4096)
     for out, name in ((tmp_path / "o.safetensors", "o.safetensors"), (tmp_path / "dir", "model.safetensors")):
         arg = out if out.suffix else str(out) + "/"
         line = assert_refused(invoke("marlin-convert", SAMPLE, arg))
@@ -430,7 +430,7 @@ import os, signal, sys
 from converter import atomic
 SIG = getattr(signal, sys.argv.pop(1))
 AT = int(sys.argv.pop(1))
-real = atomic.os.replace
+real = atomic.commit.os.replace
 renames = []
 def replace_then_signal(src, dst):
     real(src, dst)
@@ -438,7 +438,7 @@ def replace_then_signal(src, dst):
         renames.append(dst)
         if len(renames) == AT:  # after the AT-th new file's rename
             os.kill(os.getpid(), SIG)
-atomic.os.replace = replace_then_signal
+atomic.commit.os.replace = replace_then_signal
 sys.argv[0] = "marlin-convert"
 from converter.cli import main_convert
 main_convert()

@@ -98,7 +98,9 @@ def test_the_header_written_in_pieces_is_the_one_json_dumps_writes(
     chunks (``chunk`` characters: every escape lands on a chunk boundary somewhere)."""
     import converter.safetensors_io as st
 
-    monkeypatch.setattr(st, "HEADER_CHUNK_CHARS", chunk)
+    # the header text is chunked in header_json, padded in writer: both read the constant
+    monkeypatch.setattr(st.header_json, "HEADER_CHUNK_CHARS", chunk)
+    monkeypatch.setattr(st.writer, "HEADER_CHUNK_CHARS", chunk)
     layout = [
         (f"{n}.{i}", ("U8", "F32", "F16")[i % 3], ((i % 4) + 1, 2) if i % 5 else ())
         for i, n in enumerate(ODD_NAMES * 3)

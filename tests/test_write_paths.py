@@ -113,12 +113,12 @@ def test_splice_write_puts_the_bytes_at_the_offset(tmp_path: Path) -> None:
     got = path.read_bytes()
     assert got[:40] == b"\xee" * 40 and got[40 + data.nbytes :] == b"\xee" * 60
     assert got[40 : 40 + data.nbytes] == data.tobytes()
-    saved = atomic._VMSPLICE
+    saved = atomic.splice._VMSPLICE
     try:
-        atomic._VMSPLICE = None
+        atomic.splice._VMSPLICE = None
         assert atomic.splice_write(0, data.ctypes.data, data.nbytes, 0) == 0
     finally:
-        atomic._VMSPLICE = saved
+        atomic.splice._VMSPLICE = saved
 
 
 def test_spliced_artifact_is_byte_identical_to_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -131,13 +131,13 @@ def test_spliced_artifact_is_byte_identical_to_written(tmp_path: Path, monkeypat
 
     src = _checkpoint(tmp_path / "src")
     calls: list[int] = []
-    real = atomic._VMSPLICE
+    real = atomic.splice._VMSPLICE
 
     def counting(*args: object) -> int:
         calls.append(1)
         return real(*args)
 
-    monkeypatch.setattr(atomic, "_VMSPLICE", counting)
+    monkeypatch.setattr(atomic.splice, "_VMSPLICE", counting)
     convert(src, tmp_path / "spliced.safetensors")
     assert calls
 
@@ -145,9 +145,9 @@ def test_spliced_artifact_is_byte_identical_to_written(tmp_path: Path, monkeypat
         ctypes.set_errno(errno.EINVAL)
         return -1
 
-    monkeypatch.setattr(atomic, "_VMSPLICE", refusing)
+    monkeypatch.setattr(atomic.splice, "_VMSPLICE", refusing)
     convert(src, tmp_path / "refused.safetensors")
-    monkeypatch.setattr(atomic, "_VMSPLICE", None)
+    monkeypatch.setattr(atomic.splice, "_VMSPLICE", None)
     convert(src, tmp_path / "written.safetensors")
     data = (tmp_path / "spliced.safetensors").read_bytes()
     assert (tmp_path / "refused.safetensors").read_bytes() == data

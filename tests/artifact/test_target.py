@@ -244,7 +244,7 @@ def test_a_failed_rename_midway_leaves_every_old_file(tmp_path: Path, monkeypatc
                 raise OSError(5, "Input/output error")
         real(a, b)
 
-    monkeypatch.setattr(atomic.os, "replace", flaky)
+    monkeypatch.setattr(atomic.commit.os, "replace", flaky)
     with pytest.raises(
         ConverterError,
         match=r"out: could not rename the new artifact into place \(Input/output error\); "
@@ -271,7 +271,7 @@ def test_a_failed_rollback_names_the_files_it_left_new(tmp_path: Path, monkeypat
                 raise OSError(5, "Input/output error")
         real(a, b)
 
-    monkeypatch.setattr(atomic.os, "replace", flaky)
+    monkeypatch.setattr(atomic.commit.os, "replace", flaky)
     first = sorted(out.glob("model-*.safetensors"))[0]
     with pytest.raises(
         ConverterError,
