@@ -290,21 +290,23 @@ def test_hopper_routing() -> None:
 @pytest.mark.parametrize(
     ("m", "k", "n", "pipe"),
     [
-        # 8192 x 1024 (Llama-70B's k/v projections; H200, benchmarks/results/h200/bench_gemm_h200_thin_splits.json,
-        # fused us, feature-split chunks against the tile kernel): 32 rows 16.9 / 15.6 (tile kept),
-        # 48 17.6 / 20.8, 64 17.9 / 23.8, 96 20.1 / 24.0, 128 23.0 / 24.1, 256 in 64-row chunks 29.6 / 32.5
+        # The thin layers' persistent route replaced the feature-split wgmma kernel, which the
+        # persistent kind beat on every row it served (H100, fused us, hopper_fs / hopper_sk in
+        # 4-tile stages, benchmarks/results/h100/wgmma_retire_h100.json): 8192 x 1024 at 512
+        # rows 44.3 / 30.8, 18944 x 3584 at 33 / 128 / 2048 rows 68.7 / 26.1, 124.0 / 48.5,
+        # 992.0 / 578.4, 3584² at 1024 108.7 / 50.7
         (32, 8192, 1024, ("tile", 2, 4, 3)),
-        (33, 8192, 1024, ("hopper_fs", 4, 4, 6)),
-        (128, 8192, 1024, ("hopper_fs", 4, 4, 6)),
-        (129, 8192, 1024, ("hopper_fs", 8, 4, 6)),
-        (256, 8192, 2048, ("hopper_fs", 8, 4, 6)),
+        (33, 8192, 1024, ("hopper_sk", 6, 4, 8)),
+        (128, 8192, 1024, ("hopper_sk", 16, 4, 8)),
+        (129, 8192, 1024, ("hopper_sk", 16, 4, 8)),
+        (256, 8192, 2048, ("hopper_sk", 16, 4, 8)),
         (64, 4096, 1024, ("tile", 4, 2, 3)),  # fewer weights than the sweep's layer: not measured
         (64, 8192, 512, ("tile", 4, 2, 3)),
-        (64, 16384, 4032, ("hopper_fs", 4, 4, 6)),  # just under N = 4096
+        (64, 16384, 4032, ("hopper_sk", 8, 4, 8)),  # just under N = 4096
         (64, 2048, 4096 - 64, ("tile", 4, 2, 3)),  # K N just under 2^23
     ],
 )
-def test_thin_layers_take_feature_split_chunks(m: int, k: int, n: int, pipe) -> None:
+def test_thin_layers_take_the_persistent_kernel(m: int, k: int, n: int, pipe) -> None:
     """With the small layers' persistent route off (the rule below it)."""
     assert default_pipe(m, k, n, 8, H200.smem_per_block_optin, NO_SMALL, hopper=True) == pipe
     assert default_pipe(m, k, n, 8, H200.smem_per_block_optin, hopper=False)[0] == "tile"
@@ -353,7 +355,7 @@ def test_small_layers_take_8_row_decode_chunks_at_9_to_16_rows(m: int, k: int, n
         (64, 8192, 1024, 8, ("hopper_skg", 2, 8, 6)),
         (80, 8192, 1024, 8, ("hopper_sk", 3, 4, 8)),  # 20 wanted: 24-token chunks, per weight
         (256, 8192, 1024, 8, ("hopper_sk", 4, 4, 8)),  # N < 4096: up to 256 rows
-        (257, 8192, 1024, 8, ("hopper_fs", 8, 4, 6)),  # beyond, the thin layers' 64-token chunks
+        (257, 8192, 1024, 8, ("hopper_sk", 16, 4, 8)),  # beyond, the thin layers' route
         (8, 4096, 4096, 8, ("hopper_sk", 1, 4, 8)),
         (16, 4096, 4096, 8, ("hopper_sk", 2, 4, 8)),  # 16 column blocks: one chunk up to 32
         (24, 4096, 4096, 8, ("hopper_sk", 3, 4, 8)),  # 4-tile stages, not the large layers' 8
@@ -666,7 +668,7 @@ def test_persistent_kernel_routing() -> None:
             assert default_pipe(m, k, n, 4, limit, hopper=True) == want and want.kind is not skg
             assert want.u == 4 or want.kind is not sk
     assert gemm_path(64, 8192, hopper=True, size_k=1024) is KernelKind.HOPPER  # below 4096 x 4096
-    assert gemm_path(64, 1024, NO_SMALL, hopper=True, size_k=8192) is KernelKind.HOPPER_FS  # thin
+    assert gemm_path(64, 1024, NO_SMALL, hopper=True, size_k=8192) is KernelKind.HOPPER_SK  # thin
     ms = (8, 16, 17, 24, 25, 32, 33, 40, 64, 65, 100, 128, 129, 999)
     pipes = [default_pipe(m, 8192, 57344, 8, limit, hopper=True) for m in ms]
     assert [(p.kind, p.r, p.u, p.ns) for p in pipes] == [

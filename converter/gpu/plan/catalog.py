@@ -141,11 +141,9 @@ HOPPER_MAX_T = 64
 #: and n48) serve M = 17-24, 33-48 and 65-96 (the last only on the layers ``hopper_fs``
 #: does not take; docs/notes/routing.md).
 HOPPER_RS = (1, 2, 3, 4, 6, 8, 12)
-#: The same for the feature-split kind (``hopper_fs``), routed from 33 rows: 48, 64, 96
-#: and 128 tokens. Its 32- and 64-token blocks (r = 4, 8) also serve the thin layers
-#: (1024 <= N < 4096 with K N >= 2^23, ``Tuning.hopper_fs_thin_min_m``) in chunks where
-#: the small layers' persistent route does not (above 4096² weights, or beyond its rows,
-#: ``Tuning.hopper_small_*``).
+#: The same for the feature-split kind (``hopper_fs``): 48, 64, 96 and 128 tokens. No
+#: default route takes it since the persistent kind measured faster on every row it served
+#: (docs/notes/routing.md#thin-layers); it serves a forced pipe or held-back persistent kinds.
 HOPPER_FS_RS = (6, 8, 12)
 
 

@@ -167,8 +167,8 @@ def _sk(p: GemmProblem) -> tuple[int, int, int]:
     return (r, 8, 6) if p.stage8 and r in HOPPER_SK8_RS else (r, 4, 8)
 
 
-def _fs_thin(p: GemmProblem) -> tuple[int, int, int]:
-    return (4 if p.m <= 128 else 8), 4, 6
+def _thin_sk(p: GemmProblem) -> tuple[int, int, int]:
+    return _fewest(HOPPER_SK_RS, min(p.m, 128), HOPPER_SK_RS[-1]), 4, 8
 
 
 def _fs(p: GemmProblem) -> tuple[int, int, int]:
@@ -283,10 +283,10 @@ ROUTES_SM90: tuple[Route, ...] = (
         "hopper-sk-mid",
     ),
     Route(
-        "thin layers, feature-split wgmma (hopper_fs_thin_*)",
-        lambda p: 1024 <= p.n < 4096 and p.kn >= p.t.hopper_fs_thin_kn and p.m >= p.t.hopper_fs_thin_min_m,
-        KernelKind.HOPPER_FS,
-        _fs_thin,
+        "thin layers, persistent in 4-tile stages (hopper_thin_*)",
+        lambda p: 1024 <= p.n < 4096 and p.kn >= p.t.hopper_thin_kn and p.m >= p.t.hopper_thin_min_m,
+        KernelKind.HOPPER_SK,
+        _thin_sk,
         "thin-layers",
     ),
     Route(
