@@ -27,6 +27,19 @@ def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """bf16 raw bits (uint16) of float32 ``x``, rounded to nearest, ties to even, as the
+    kernels' ``cvt.rn.bf16x2.f32`` rounds (the bf16 twins' final rounding). NaN stays a
+    quiet NaN of the same sign; values beyond bf16's largest finite value round to inf.
+    """
+    u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    # adding 0x7FFF plus the kept part's lowest bit rounds the dropped 16 bits to nearest,
+    # ties to even; a carry into the exponent is the right next value (or inf)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(np.asarray(x, dtype=np.float32))
+    return np.where(nan, ((u >> 16) | 0x0040).astype(np.uint16), rounded)
+
+
 def as_f32(arr: np.ndarray, dtype: str) -> np.ndarray:
     """float32 copy of an F16/BF16/F32 array as stored (BF16 as raw uint16 bits).
 
