@@ -132,6 +132,16 @@ class CompressedTensorsSource(
                 path=self.cfg_path,
                 tensor="sparsity_config.format",
             )
+        transform = qc.get("transform_config")
+        if transform and (not isinstance(transform, dict) or transform.get("config_groups")):
+            # An online transform (a Hadamard rotation, say) makes the model x -> (x T) W:
+            # Marlin would run W alone, a different model with no error anywhere.
+            raise UnsupportedQuantError(
+                "online transforms (rotations applied at run time) are not supported: the weights are only "
+                "right after the transform, and Marlin would run them without it",
+                path=self.cfg_path,
+                tensor="transform_config",
+            )
         self.status = qc.get("quantization_status")
         ignore = qc.get("ignore") or []
         if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):

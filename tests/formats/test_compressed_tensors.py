@@ -146,6 +146,28 @@ def test_marlin24_format_is_refused(tmp_path: Path) -> None:
         convert(src, tmp_path / "a.safetensors")
 
 
+@pytest.mark.parametrize("to", ["a.safetensors", "ct/"])
+def test_an_online_transform_is_refused_not_dropped(tmp_path: Path, to: str) -> None:
+    """A transform_config with groups (llm-compressor's Hadamard rotations) changes what the
+    weights mean; converting or exporting without it would give another model, silently."""
+    from converter.export import export_compressed_tensors
+
+    rng = np.random.default_rng(8)
+    cfg = ct_config()
+    hadamard = {"type": "hadamard", "apply": [{"targets": ["re:.*o_proj$"], "location": "input"}]}
+    cfg["transform_config"] = {"config_groups": {"R3": hadamard}}
+    src = write_checkpoint(tmp_path / "src", {**ct_tensors(P, make_layer(rng, 128, 64), sym=False)}, cfg)
+    run = convert if to.endswith(".safetensors") else export_compressed_tensors
+    with pytest.raises(
+        UnsupportedQuantError, match=r"config.json: transform_config: online transforms .* not supported"
+    ):
+        run(src, tmp_path / to)
+    assert not (tmp_path / to).exists()
+    cfg["transform_config"] = {"config_groups": {}}  # an empty one is no transform
+    src = write_checkpoint(tmp_path / "src2", {**ct_tensors(P, make_layer(rng, 128, 64), sym=False)}, cfg)
+    assert [r.name for r in convert(src, tmp_path / "b.safetensors").converted] == [P]
+
+
 def test_weight_shape_disagreeing_with_packed_is_a_format_error(tmp_path: Path) -> None:
     rng = np.random.default_rng(6)
     lay = make_layer(rng, 128, 64)
