@@ -55,6 +55,15 @@ def test_peak_rss_bounded_on_a_checkpoint_larger_than_the_bound(tmp_path: Path) 
     )
     in_bytes, bound, rss = _check_memory(src, tmp_path / "out.safetensors")
     assert in_bytes > bound  # holding the input (or its touched pages) would break the bound
+    # The compressed-tensors export and its check read every layer too (their planning
+    # pass once held the whole mapped input: 387 MB file-backed on a 358 MB input).
+    ct = tmp_path / "ct"
+    for tool, args in (
+        ("marlin-convert", (src, f"{ct}/", "--to", "compressed-tensors")),
+        ("marlin-verify", (ct, "--against", src)),
+    ):
+        got = peak_rss_of(tool, *args, "--quiet")
+        assert got <= bound, f"{tool} {args[1:]}: peak RSS {got / MIB:.0f} MiB > {bound / MIB:.0f} MiB"
 
 
 @pytest.mark.slow

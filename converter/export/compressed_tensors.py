@@ -46,6 +46,7 @@ from ..errors import OutputPathError, UnsupportedQuantError, short_name
 from ..formats import open_source
 from ..formats.base import LayerPlan
 from ..formats.hf_checkpoint import read_member_bytes
+from ..safetensors_io import release_mapped_pages
 from .folder_writer import _TensorSource, _write
 from .layer_tensors import _layer_tensors, _scales_for, _unrepresentable, _zero_problem, pack_int32
 from .quant_config import COMPRESSED_TENSORS_VERSION, _config_json, _weights_args, quantization_config
@@ -138,6 +139,9 @@ def export_compressed_tensors(
         refused: list[tuple[str, str]] = []
         warnings: list[str] = []
         for layer in plan.layers:
+            # this pass reads every layer once; without this the whole mapped input stays resident
+            release_mapped_pages()
+            source.release_pages()
             why = _unrepresentable(layer, legacy_act_order)
             qw = None
             if why is None:

@@ -24,7 +24,7 @@ from ..atomic import (
 from ..errors import ConverterError
 from ..formats.base import LayerPlan, Source
 from ..hf_index import index_bytes
-from ..safetensors_io import StreamingWriter, header_size_for
+from ..safetensors_io import StreamingWriter, header_size_for, release_mapped_pages
 from .layer_tensors import _layer_tensors
 
 
@@ -32,18 +32,38 @@ class _TensorSource:
     """The export's tensor data by name: plain tensors from the source as stored, a
     layer's tensors recomputed from the source (the last layer cached)."""
 
+    #: Input bytes read between two page releases: bounds the mapped input held in RSS
+    #: without a release call for each of many tiny tensors.
+    RELEASE_BYTES = 64 * 2**20
+
     def __init__(self, source: Source, tensors: Mapping[str, tuple[str, tuple[int, ...], str | LayerPlan]]) -> None:
         self.source = source
         self.tensors = tensors
         self._cached: tuple[str, dict[str, tuple[str, np.ndarray]]] | None = None
+        self._touched = 0
 
     def __getitem__(self, name: str) -> np.ndarray:
         where = self.tensors[name][2]
         if isinstance(where, str):
+            self._read(self.tensors[name])
             return np.asarray(self.source.load_tensor(where).data)
         if self._cached is None or self._cached[0] != where.name:
+            self._cached = None
+            self._read(self.tensors[name], layer=where)
             self._cached = (where.name, _layer_tensors(self.source.load_layer(where), where))
         return self._cached[1][name][1]
+
+    def _read(self, entry: tuple[str, tuple[int, ...], str | LayerPlan], layer: LayerPlan | None = None) -> None:
+        """Before a read: drop the input pages read so far once they pass RELEASE_BYTES
+        (a layer always counts as large), as the Marlin stream does; the mapped input
+        would otherwise stay resident to the end of the export."""
+        from ..dtypes import nbytes
+
+        self._touched += self.RELEASE_BYTES if layer is not None else nbytes(entry[0], entry[1])
+        if self._touched >= self.RELEASE_BYTES:
+            self._touched = 0
+            release_mapped_pages()
+            self.source.release_pages()
 
     def total_bytes(self) -> int:
         from ..dtypes import nbytes

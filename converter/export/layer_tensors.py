@@ -17,9 +17,22 @@ def pack_int32(values: np.ndarray, bits: int, axis: int) -> np.ndarray:
     """compressed-tensors ``pack_to_int32`` on unsigned codes: a dense LSB-first bit
     stream along ``axis`` (32 codes in ``bits`` words), zero-padded, ``ceil(n*bits/32)``
     words.  ``values`` are the *unsigned* codes (the library's signed code + 2^(b-1))."""
-    v = np.asarray(values, dtype=np.uint64)
+    vals = np.asarray(values)
     if axis == 0:
-        v = v.T
+        vals = vals.T
+    rows, cols = vals.shape
+    out = np.empty((rows, -(-cols * bits // 32)), dtype=np.int32)
+    # The bit arithmetic runs in uint64, 8 bytes a code: rows in chunks of ~2M codes keep
+    # it to tens of MB where a whole layer at once took ~16x the layer's codes.
+    step = max(1, 2**21 // max(cols, 1))
+    for r0 in range(0, rows, step):
+        out[r0 : r0 + step] = _pack_rows(vals[r0 : r0 + step], bits)
+    return np.ascontiguousarray(out.T if axis == 0 else out)
+
+
+def _pack_rows(values: np.ndarray, bits: int) -> np.ndarray:
+    """:func:`pack_int32` along the last axis of ``values`` (rows, cols)."""
+    v = np.asarray(values, dtype=np.uint64)
     rows, cols = v.shape
     blocks = -(-cols // 32)
     padded = np.zeros((rows, blocks * 32), dtype=np.uint64)
@@ -33,8 +46,7 @@ def pack_int32(values: np.ndarray, bits: int, axis: int) -> np.ndarray:
         words[:, :, w] |= shifted & np.uint64(0xFFFFFFFF)
         words[:, :, w + 1] |= shifted >> np.uint64(32)
     out = words[:, :, :bits].reshape(rows, blocks * bits)[:, : -(-cols * bits // 32)]
-    out = out.astype(np.uint32).view(np.int32)
-    return np.ascontiguousarray(out.T if axis == 0 else out)
+    return out.astype(np.uint32).view(np.int32)
 
 
 def _scales_for(qw: QuantWeight) -> tuple[str, np.ndarray]:

@@ -107,7 +107,7 @@ class AwqSource(HFSource, format=SourceFormat.AWQ, methods=("awq",), conventions
                 NaN/Inf or fp16-overflowing scales.
             UnsupportedQuantError: a Marlin-packed ``qweight`` under a gemm label.
         """
-        layers = [self._plan_layer(n[: -len(".qweight")], pad) for n in self.ckpt.infos if n.endswith(".qweight")]
+        layers = self._plan_layers([n[: -len(".qweight")] for n in self.ckpt.infos if n.endswith(".qweight")], pad)
         return assemble_plan(layers, self.ckpt.infos, self._plain_reason)
 
     def _plain_reason(self, module: str) -> str | None:

@@ -224,9 +224,8 @@ class CompressedTensorsSource(
             UnsupportedQuantError: no packed layer while ``quantization_status`` is
                 not ``compressed`` (weights still in float).
         """
-        layers = [
-            self._plan_layer(n[: -len(".weight_packed")], pad) for n in self.ckpt.infos if n.endswith(".weight_packed")
-        ]
+        prefixes = [n[: -len(".weight_packed")] for n in self.ckpt.infos if n.endswith(".weight_packed")]
+        layers = self._plan_layers(prefixes, pad)
         if not layers and self.status not in (None, "compressed"):
             raise UnsupportedQuantError(
                 f"no weight_packed tensors and quantization_status is {self.status!r}, not 'compressed': "

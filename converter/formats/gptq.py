@@ -175,7 +175,7 @@ class GptqSource(
         prefixes = [n[: -len(".qweight")] for n in self.ckpt.infos if n.endswith(".qweight")]
         if self.format_conflict is not None:
             self.convention = self._settle_format(prefixes)
-        layers = [self._plan_layer(prefix, pad) for prefix in prefixes]
+        layers = self._plan_layers(prefixes, pad)
         plan = assemble_plan(layers, self.ckpt.infos, self._plain_reason)
         for info in plan.tensors:
             prefix, _, suffix = info.name.rpartition(".")

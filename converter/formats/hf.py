@@ -21,7 +21,7 @@ from ..constants import MARLIN_ZERO
 from ..dtypes import as_f32
 from ..errors import ConfigError, SourceFormatError
 from ..quant_weight import QuantWeight, Tensor, marlin_code_offset
-from ..safetensors_io import SafetensorsFile
+from ..safetensors_io import SafetensorsFile, release_mapped_pages
 from .base import READERS, LayerPlan, Source, SourcePlan, TensorInfo
 from .hf_checkpoint import HFCheckpoint
 from .packing import act_order_perm
@@ -90,6 +90,16 @@ class HFSource(Source):
 
     def digest_files(self) -> list[Path]:
         return self.ckpt.digest_paths()
+
+    def _plan_layers(self, prefixes: list[str], pad: bool) -> list[LayerPlan]:
+        """``_plan_layer`` of each prefix in turn. Planning reads every layer's scales
+        (and zeros); the pages it maps are dropped after each layer, or the mapped input
+        would stay resident through the whole conversion."""
+        layers = []
+        for prefix in prefixes:
+            layers.append(self._plan_layer(prefix, pad))  # type: ignore[attr-defined]
+            release_mapped_pages()
+        return layers
 
     def load_tensor(self, name: str) -> Tensor:
         return self.ckpt.tensor(name)
