@@ -482,6 +482,32 @@ def test_interrupt_during_the_commit_also_waits_for_the_old_artifacts_leftovers(
     assert run_cli("marlin-verify", out, "--shapes").returncode == 0
 
 
+WHILE_PRINTING = """
+import os, signal, sys, time
+from converter.cli import convert_cmd
+real = convert_cmd.out_console.print
+def print_then_interrupt(*a, **k):
+    real(*a, **k)
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the summary prints, after the commit
+    time.sleep(0.05)
+convert_cmd.out_console.print = print_then_interrupt
+sys.argv[0] = "marlin-convert"
+from converter.cli import main_convert
+main_convert()
+"""
+
+
+def test_interrupt_while_the_summary_prints_says_the_output_is_complete(tmp_path: Path) -> None:
+    """A Ctrl-C after the export's commit, while its summary prints, lands outside our
+    handlers, where typer would end with a bare 130 that reads as "nothing written" (a
+    break-it pass saw it): the line says which output is complete."""
+    src, out = _ckpt(tmp_path / "src"), tmp_path / "ct"
+    res = _run_code(WHILE_PRINTING, src, f"{out}/", "--to", "compressed-tensors")
+    assert res.returncode == 130, res.stderr
+    assert res.stderr == f"interrupted after the output was written: {out / 'model.safetensors'} is complete\n"
+    assert run_cli("marlin-verify", out, "--against", src, "-q").returncode == 0
+
+
 def test_exit_130_is_documented() -> None:
     for tool in ("marlin-convert", "marlin-verify"):
         res = run_cli(tool, "--help")

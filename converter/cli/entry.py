@@ -5,11 +5,13 @@ exit statuses."""
 from __future__ import annotations
 
 import ctypes
+import signal
 import sys
 
 import typer
 
 from ..faults import INTERRUPTED_EXIT, error_document, interrupted_message, wants_json
+from . import output
 from .convert_cmd import convert_app
 from .streams import _standard_streams, _stream_failed, _StreamError, err_console
 from .verify_cmd import verify_app
@@ -29,6 +31,10 @@ def _main(app: typer.Typer, prog: str) -> None:
     _standard_streams()
     try:
         code = _run(app, prog, wants_json(sys.argv[1:]))
+        # Said and done: an interrupt while the process flushes and shuts down would only
+        # turn the status into a bare 130 (or a traceback from threading's shutdown).
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
         for stream in (sys.stdout, sys.stderr):
             if stream is not None:
                 stream.flush()
@@ -40,8 +46,16 @@ def _main(app: typer.Typer, prog: str) -> None:
 
 
 def _run(app: typer.Typer, prog: str, as_json: bool) -> int:
+    output._failed[0] = False
     try:
         code = app(prog_name=prog, standalone_mode=False)
+        if code == INTERRUPTED_EXIT and not output._failed[0]:
+            # typer's own exit for a Ctrl-C outside our handlers: the work was done and its
+            # result was printing, so say what stands instead of a silent 130
+            if as_json:
+                print(error_document("KeyboardInterrupt", interrupted_message()))
+            else:
+                err_console.print(interrupted_message(), soft_wrap=True, highlight=False, markup=False)
     except typer.Abort:
         if not as_json:
             err_console.print("Aborted!")

@@ -53,6 +53,11 @@ def _json_safe(obj: Any) -> Any:
     return obj
 
 
+#: Whether this invocation printed its error line (an interrupt's included); an exit 130
+#: without one is typer's own, for a Ctrl-C that landed outside our handlers.
+_failed = [False]
+
+
 def _fail(
     message: str,
     as_json: bool,
@@ -64,6 +69,7 @@ def _fail(
     tag: str = "[bold red]error:[/] ",
 ) -> NoReturn:
     """One error line on stderr, or (``--json``) one error document on stdout; then exit."""
+    _failed[0] = True
     if as_json:
         print(error_document(kind, message, file, tensor))
     else:
