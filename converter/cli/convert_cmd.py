@@ -27,8 +27,8 @@ convert_app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_ex
     "folder (any other OUT).\n\n"
     "The summary goes to stdout; progress, warnings and errors to stderr.\n\n"
     "Exit codes: 0 ok; 1 a bug (InternalError, traceback with --debug); 2 bad input or usage (nothing is "
-    "written); 130 interrupted (nothing is written, or the line names the output that was already "
-    "complete); 141 stdout's reader went away (| head).",
+    "written, unless the line says the output is complete); 130 interrupted (the same); 141 stdout's "
+    "reader went away (| head).",
     epilog="Example: marlin-convert model.tinyloop model.marlin.safetensors",
 )
 @_guard_streams

@@ -24,7 +24,8 @@ verify_app = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exc
 @verify_app.command(
     cls=_Command,
     help="Verify a Marlin artifact: structure and checksums (--shapes, no GPU), exact agreement with its source "
-    "(--against), and numerics on CPU and GPU.\n\n"
+    "(--against), and numerics on CPU and GPU. On a --to compressed-tensors export, --against SRC checks it "
+    "exactly against its source (docs/export.md).\n\n"
     "The table, the problems and the status line go to stdout; progress, notes and errors to stderr.\n\n"
     "Exit codes: 0 all good; 1 problems found; 2 unreadable input or bad usage; 130 interrupted; 141 stdout's "
     "reader went away (| head).",
