@@ -215,7 +215,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3, help="passes over the decode steps from one prefill")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--profile-steps", type=int, default=3)
-    ap.add_argument("--attn", default=None, help="attn_implementation for both models (transformers' default)")
+    ap.add_argument(
+        "--attn",
+        default=None,
+        help="attn_implementation for both models (transformers' default); sdpa_kv_heads:\n"
+        "converter.model.attention, a decode step's query heads folded onto the kv heads",
+    )
     ap.add_argument("--merge", nargs="+", type=Path, help="merge earlier --json files, print their table, exit")
     a = ap.parse_args(argv)
     a.batch_list = [int(b) for b in a.batches.split(",") if b]
@@ -370,6 +375,9 @@ def build_fp16(folder: Path, dev: Any, attn: str | None) -> Any:
     config = hf_config(json.loads((folder / "config.json").read_text()), path=folder / "config.json")
     kw: dict[str, Any] = {"dtype": torch.float16}
     if attn:
+        from converter.model import attention
+
+        attention.register()  # so that --attn may name sdpa_kv_heads for this model too
         kw["attn_implementation"] = attn
     torch.manual_seed(0)
     with torch.device(dev):

@@ -144,8 +144,12 @@ class MarlinConvertHfQuantizer(HfQuantizer):
 
     def validate_environment(self, *args: Any, device_map: Any = None, **kwargs: Any) -> None:
         """Raises ModelError for a device_map that spreads the model or names a device other
-        than the CPU or CUDA, and GpuUnavailableError for CUDA without CuPy or a usable GPU."""
+        than the CPU or CUDA, and GpuUnavailableError for CUDA without CuPy or a usable GPU.
+        Registers the ``sdpa_kv_heads`` attention, so ``attn_implementation`` may name it."""
+        from .attention import register as register_attention
         from .loader import resolve_device
+
+        register_attention()  # transformers is fully imported here; the model is not built yet
 
         if isinstance(device_map, str) and device_map in _SPREAD_MAPS:
             raise ModelError(

@@ -148,6 +148,11 @@ def build_converted(
     """
     folder, cfg = read_converted_config(path)
     import_stack()
+    if attn_implementation is not None:
+        from . import attention
+
+        if attn_implementation == attention.NAME:
+            attention.register()
     dev = resolve_device(device)
     cfg_path = folder / "config.json"
     with offline(cfg_path):

@@ -258,3 +258,26 @@ def test_from_pretrained_on_cuda_is_load_model_bitwise(real: dict[str, Path]) ->
     assert {str(b.device) for mod in swapped_modules(m).values() for b in mod.buffers()} == {"cuda:0"}
     ids = _ids(384).cuda()
     assert torch.equal(_logits(m, ids), _logits(ref, ids))
+
+
+def test_both_loaders_take_the_kv_heads_attention_by_name(tiny: Path) -> None:
+    """``attn_implementation="sdpa_kv_heads"`` needs no registration call of its own: in a
+    fresh interpreter ``import converter`` is enough for from_pretrained and load_model, and
+    the two give bitwise the same greedy step (converter.model.attention)."""
+    code = f"""
+import torch, converter
+from transformers import AutoModelForCausalLM
+a = AutoModelForCausalLM.from_pretrained({str(tiny)!r}, device_map="cpu", attn_implementation="sdpa_kv_heads")
+b = converter.load_model({str(tiny)!r}, "cpu", attn_implementation="sdpa_kv_heads")
+ids = torch.arange(1, 9).reshape(1, 8)
+outs = []
+for m in (a, b):
+    assert m.config._attn_implementation == "sdpa_kv_heads", m.config._attn_implementation
+    with torch.inference_mode():
+        outs.append(m.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0))
+assert torch.equal(outs[0], outs[1]), outs
+print("ok", outs[0].shape[1])
+"""
+    r = python(code)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[-2:] == ["ok", "12"]
