@@ -145,6 +145,44 @@ def test_model_decode_step_in_a_cuda_graph(cp, tmp_path, which: str) -> None:
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("which", ["tiny", "ragged"])
+def test_kv_heads_attention_in_a_graph_and_compiled(cp, tmp_path, which: str) -> None:
+    """``attn_implementation="sdpa_kv_heads"`` (converter.model.attention) on our kernels:
+    graph replays give its eager step bitwise, compile gives its greedy tokens, and its
+    logits follow the ``sdpa`` model's to fp16 rounding (GQA 4/2 and 6/1)."""
+    pytest.importorskip("transformers")
+    from benchmarks.decode_loop import COMPILE, EAGER, GRAPH, greedy
+    from converter import load_model
+    from converter.convert import convert
+    from tests.helpers.model_fixture import write_ragged_llama, write_tiny_llama
+
+    src = (write_tiny_llama if which == "tiny" else write_ragged_llama)(tmp_path / "src")
+    convert(src, str(tmp_path / "out") + "/")
+    prompt = torch.from_numpy(np.random.default_rng(6).integers(0, 200, (2, 9))).cuda()
+    runs = {}
+    for attn, modes in (("sdpa", (EAGER,)), ("sdpa_kv_heads", (EAGER, GRAPH, COMPILE))):
+        model = load_model(tmp_path / "out", "cuda", attn_implementation=attn)
+        assert model.config._attn_implementation == attn
+        for mode in modes:
+            logits = []
+            keep = lambda i, lg, out=logits: out.append(lg.float().cpu().clone())  # noqa: E731
+            toks = greedy(model, prompt, 8, mode, on_step=keep, compile_mode="default")
+            runs[attn, mode] = (toks.cpu(), logits)
+    ours = runs["sdpa_kv_heads", EAGER]
+    for mode in (GRAPH, COMPILE):
+        assert torch.equal(runs["sdpa_kv_heads", mode][0], ours[0]), mode
+    for a, b in zip(runs["sdpa_kv_heads", GRAPH][1], ours[1], strict=True):
+        assert torch.equal(a, b)
+    ref = runs["sdpa", EAGER]
+    for step, (a, b) in enumerate(zip(ours[1], ref[1], strict=True)):
+        diff = float((a - b).abs().max())
+        assert diff <= 0.01 * float(b.abs().max()), (step, diff)
+        if not torch.equal(ours[0][:, step], ref[0][:, step]):
+            top2 = b.topk(2, dim=-1).values  # apart only after a near tie of the sdpa model's
+            assert float((top2[:, 0] - top2[:, 1]).min()) <= 2 * diff, step
+            break
+
+
 def test_generate_with_a_static_cache_compiles_and_follows_eager(cp, tmp_path) -> None:
     """transformers' own ``generate(..., cache_implementation="static")`` on the ragged
     Llama (gate/up fused) compiles its decode step through our op, and its greedy tokens
