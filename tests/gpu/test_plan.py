@@ -39,6 +39,7 @@ NO_SK = Tuning(
     hopper_sk_small_min_m=10**9,
     hopper_skg_min_m=10**9,
     hopper_small_min_m=10**9,
+    hopper_thin_k_min_m=10**9,
 )
 #: The rules without the small layers' persistent route (Tuning.hopper_small_*).
 NO_SMALL = Tuning(hopper_small_min_m=10**9)
@@ -310,6 +311,30 @@ def test_thin_layers_take_the_persistent_kernel(m: int, k: int, n: int, pipe) ->
     """With the small layers' persistent route off (the rule below it)."""
     assert default_pipe(m, k, n, 8, H200.smem_per_block_optin, NO_SMALL, hopper=True) == pipe
     assert default_pipe(m, k, n, 8, H200.smem_per_block_optin, hopper=False)[0] == "tile"
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "n", "pipe"),
+    [
+        # H100 2026-12-06 (docs/notes/routing.md#thin-k): the persistent kind in 4-tile
+        # stages beat the token-split kind (and the tile kernel) on every row of these layers
+        (16, 1024, 8192, ("decode", 2, 8, 3)),  # not timed: the decode kernel stays
+        (17, 1024, 8192, ("hopper_sk", 3, 4, 8)),
+        (32, 512, 14336, ("hopper_sk", 4, 4, 8)),
+        (64, 1024, 14336, ("hopper_sk", 8, 4, 8)),
+        (65, 1024, 14336, ("hopper_sk", 8, 8, 6)),  # two 64-token chunks at 65-128 rows
+        (128, 1024, 8192, ("hopper_sk", 8, 8, 6)),
+        (129, 1024, 8192, ("hopper_sk", 16, 4, 8)),
+        (1024, 512, 14336, ("hopper_sk", 16, 4, 8)),
+        (64, 2048, 8192, ("hopper_sk", 8, 8, 6)),  # 4096² weights: the large layers' route
+        (64, 1024, 4096, ("tile", 4, 2, 3)),  # N < 8192: not this route
+    ],
+)
+def test_wide_layers_of_a_short_k_take_the_persistent_kernel(m: int, k: int, n: int, pipe) -> None:
+    assert default_pipe(m, k, n, 8, H200.smem_per_block_optin, hopper=True) == pipe
+    if pipe[0] == "hopper_sk" and k < 2048:  # held back: the token-split kind, as before
+        held = default_pipe(m, k, n, 8, H200.smem_per_block_optin, NO_SK, hopper=True)
+        assert held[0] == ("hopper" if m >= 64 or n >= 14336 else "tile")
 
 
 @pytest.mark.parametrize(
@@ -667,7 +692,8 @@ def test_persistent_kernel_routing() -> None:
             want = default_pipe(m, k, n, 4, limit, no_skg, hopper=True)
             assert default_pipe(m, k, n, 4, limit, hopper=True) == want and want.kind is not skg
             assert want.u == 4 or want.kind is not sk
-    assert gemm_path(64, 8192, hopper=True, size_k=1024) is KernelKind.HOPPER  # below 4096 x 4096
+    assert gemm_path(64, 8192, hopper=True, size_k=1024) is KernelKind.HOPPER_SK  # below 4096 x 4096: thin-k
+    assert gemm_path(64, 8192, NO_SK, hopper=True, size_k=1024) is KernelKind.HOPPER  # ... held back
     assert gemm_path(64, 1024, NO_SMALL, hopper=True, size_k=8192) is KernelKind.HOPPER_SK  # thin
     ms = (8, 16, 17, 24, 25, 32, 33, 40, 64, 65, 100, 128, 129, 999)
     pipes = [default_pipe(m, 8192, 57344, 8, limit, hopper=True) for m in ms]

@@ -171,6 +171,15 @@ def _thin_sk(p: GemmProblem) -> tuple[int, int, int]:
     return _fewest(HOPPER_SK_RS, min(p.m, 128), HOPPER_SK_RS[-1]), 4, 8
 
 
+def _thin_k_sk(p: GemmProblem) -> tuple[int, int, int]:
+    """As :func:`_thin_sk`, but two 64-token chunks in 8-tile stages (where they hold the
+    group) at ``hopper_thin_k_tok64_m`` rows."""
+    lo, hi = p.t.hopper_thin_k_tok64_m
+    if p.stage8 and lo <= p.m <= hi:
+        return 8, 8, 6
+    return _thin_sk(p)
+
+
 def _fs(p: GemmProblem) -> tuple[int, int, int]:
     r = _fewest(HOPPER_FS_RS, p.m, 16)
     return r, 4, (6 if r <= 8 else 4)
@@ -288,6 +297,13 @@ ROUTES_SM90: tuple[Route, ...] = (
         KernelKind.HOPPER_SK,
         _thin_sk,
         "thin-layers",
+    ),
+    Route(
+        "wide layers of a short K, persistent (hopper_thin_k_*)",
+        lambda p: p.n >= 8192 and p.kn < p.t.hopper_small_kn and p.m >= p.t.hopper_thin_k_min_m,
+        KernelKind.HOPPER_SK,
+        _thin_k_sk,
+        "thin-k",
     ),
     Route(
         "large layers, feature-split wgmma (hopper_fs_*; only with hopper_sk held back)",

@@ -67,6 +67,8 @@ class Tuning:
     hopper_fs_narrow_min_m: int = 33
     hopper_thin_min_m: int = 33
     hopper_thin_kn: int = 8192 * 1024
+    hopper_thin_k_min_m: int = 17
+    hopper_thin_k_tok64_m: tuple[int, int] = (65, 128)
     hopper_decode_small_kn: int = 4096 * 4096
     hopper_sk_min_m: int = 17
     hopper_sk_small_min_m: int = 9
