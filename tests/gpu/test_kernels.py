@@ -84,6 +84,11 @@ def test_gemm_matches_twin(cp, m, k, n, group_size, act_order, asym):
         (129, 4096, 4096, 128, False, True, "hopper_sk"),
         # a mid-sized layer at 97-128 rows: two 64-token chunks (the second ragged)
         (100, 4608, 4096, 128, True, True, "hopper_sk"),
+        # wide layers of a short K (plan.Tuning.hopper_thin_k_*): 4-tile stages, and two
+        # 64-token chunks of 8-tile stages at 65-128 rows (the second ragged)
+        (17, 1024, 8192, 128, False, True, "hopper_sk"),
+        (100, 512, 14336, 128, True, True, "hopper_sk"),
+        (300, 1024, 8192, -1, False, True, "hopper_sk"),
     ],
 )
 def test_small_layer_routes_match_twin(cp, m, k, n, group_size, act_order, asym, kind):
