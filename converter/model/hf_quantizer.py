@@ -49,8 +49,8 @@ from .layers import ConvertedLayers, LoadReport
 from .modules import _TORCH_DTYPES  # the one safetensors-code -> torch dtype table
 from .names import candidates
 
-#: device_map strings that ask accelerate to spread the model: not supported here yet.
-_SPREAD_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+#: The buffer of a :class:`PendingLayer` that stands for its layer's bytes.
+SIZE_BUFFER = "marlin_bytes"
 
 
 def _model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -73,12 +73,19 @@ class MarlinConvertConfig(QuantizationConfigMixin):
 
 class PendingLayer(nn.Module):
     """A quantized linear's place while transformers loads the other tensors: it holds no
-    tensor, so transformers neither allocates, loads nor initializes one for it; the
-    quantizer replaces it with the layer's module once loading is done."""
+    weight, so transformers neither allocates, loads nor initializes one for it; the
+    quantizer replaces it with the layer's module once loading is done.
 
-    def __init__(self, layer: str, in_features: int, out_features: int) -> None:
+    Its one buffer, ``marlin_bytes`` (one byte, on ``meta``), stands for the layer's
+    device memory when accelerate sizes the modules for a ``device_map`` such as ``"auto"``:
+    the quantizer's :meth:`~MarlinConvertHfQuantizer.param_element_size` reports ``nbytes``
+    for it, so a placement counts each layer at its size while loading allocates one byte."""
+
+    def __init__(self, layer: str, in_features: int, out_features: int, nbytes: int = 1) -> None:
         super().__init__()
         self.layer_name, self.in_features, self.out_features = layer, in_features, out_features
+        self.nbytes = max(1, int(nbytes))
+        self.register_buffer(SIZE_BUFFER, torch.empty(1, dtype=torch.uint8, device="meta"), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise ModelError("not loaded: from_pretrained stopped before building this layer", tensor=self.layer_name)
@@ -143,22 +150,59 @@ class MarlinConvertHfQuantizer(HfQuantizer):
         self._checked = False
 
     def validate_environment(self, *args: Any, device_map: Any = None, **kwargs: Any) -> None:
-        """Raises ModelError for a device_map that spreads the model or names a device other
-        than the CPU or CUDA, and GpuUnavailableError for CUDA without CuPy or a usable GPU.
-        Registers the ``sdpa_kv_heads`` attention, so ``attn_implementation`` may name it."""
+        """Check a ``device_map`` of modules to devices; transformers calls this with the map
+        the caller gave, and again with the one accelerate inferred for ``"auto"``,
+        ``"balanced"``, ``"sequential"`` (and ``max_memory``), which is kept for placing the
+        layers. Registers the ``sdpa_kv_heads`` attention, so ``attn_implementation`` may name it.
+
+        Raises:
+            ModelError: a module on disk (a converted model is not offloaded), a device other
+                than the CPU or CUDA, or a converted layer on the CPU beside a GPU.
+            GpuUnavailableError: CUDA without CuPy or a usable GPU.
+        """
         from .attention import register as register_attention
         from .loader import resolve_device
 
         register_attention()  # transformers is fully imported here; the model is not built yet
-
-        if isinstance(device_map, str) and device_map in _SPREAD_MAPS:
+        if not isinstance(device_map, Mapping):
+            return
+        disk = sorted(k for k, v in device_map.items() if v == "disk")
+        if disk:
+            more = f" and {len(disk) - 2} more" if len(disk) > 2 else ""
             raise ModelError(
-                f"device_map={device_map!r} is not supported for a {PRODUCER_NAME} model yet: pass one device "
-                "(device_map='cuda' or 'cpu') or a dict of modules to devices"
+                f"device_map puts {', '.join(disk[:2])}{more} on disk: a {PRODUCER_NAME} model is not offloaded; "
+                "give the GPUs or the CPU more max_memory",
+                tensor="device_map",
             )
-        if isinstance(device_map, Mapping):
-            for value in device_map.values():
-                resolve_device(f"cuda:{value}" if isinstance(value, int) else value)
+        for value in device_map.values():
+            resolve_device(f"cuda:{value}" if isinstance(value, int) else value)
+        self._device_map = dict(device_map)
+        self._check_placement(self._device_map)
+
+    def _check_placement(self, device_map: Mapping[str, Any]) -> None:
+        """A converted layer may sit on the CPU only when no module sits on a GPU: beside
+        a GPU, accelerate runs a CPU-mapped module on the GPU with its weights offloaded,
+        which a converted layer cannot do."""
+        if not self._swaps or not any(device_of("", {"": v}).type == "cuda" for v in device_map.values()):
+            return
+        on_cpu = sorted(m for m in self._swaps if device_of(m, device_map).type == "cpu")
+        if on_cpu:
+            more = f" and {len(on_cpu) - 1} more" if len(on_cpu) > 1 else ""
+            raise ModelError(
+                f"device_map puts converted layer {on_cpu[0]}{more} on the CPU beside a GPU: accelerate would run "
+                "it on the GPU with its weights offloaded, which a converted layer cannot do; map it to a GPU "
+                "(max_memory) or put the whole model on the CPU",
+                tensor=on_cpu[0],
+            )
+
+    def param_element_size(self, model: Any, param_name: str, param: Any) -> float:
+        """Bytes an element of ``param_name`` takes on the device, for accelerate's module
+        sizes: a :class:`PendingLayer`'s one-byte stand-in counts its whole layer."""
+        if param_name.rpartition(".")[2] == SIZE_BUFFER:
+            holder = model.get_submodule(param_name.rpartition(".")[0])
+            if isinstance(holder, PendingLayer):
+                return float(holder.nbytes)
+        return float(param.element_size())
 
     def update_tp_plan(self, config: Any) -> Any:  # transformers 5.17 calls this before resolving the weights
         self._check_config(config)
@@ -230,7 +274,8 @@ class MarlinConvertHfQuantizer(HfQuantizer):
         check_fields(
             _model_fields(cfg), path=folder / "config.json"
         )  # the artifact's own folder, whatever the hub said
-        self._device_map = kwargs.get("device_map")
+        given = kwargs.get("device_map")
+        self._device_map = dict(given) if isinstance(given, Mapping) else None  # "auto": inferred later
         # A hub download holds config.json and the weights, not the tokenizer files the manifest lists.
         layers = ConvertedLayers(folder, cfg, tolerate=frozenset({ProblemCode.FOLDER_FILE_MISSING.value}))
         # Closed after loading, or with the quantizer if transformers stops before that.
@@ -250,7 +295,7 @@ class MarlinConvertHfQuantizer(HfQuantizer):
             parent_name, _, child = module.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             slot = layers.slots[layer]
-            setattr(parent, child, PendingLayer(layer, slot.size_k, slot.size_n))
+            setattr(parent, child, PendingLayer(layer, slot.size_k, slot.size_n, layers.device_bytes(layer)))
         if fuse_enabled(None):
             layers.plan_fusion(b.swaps)  # applies to the layers that land on a GPU
         for target, source in list((ties or {}).items()):
@@ -281,7 +326,12 @@ class MarlinConvertHfQuantizer(HfQuantizer):
     def _after_weight_loading(self, model: Any, layers: ConvertedLayers, report: LoadReport) -> Any:
         from ..safetensors_io import release_mapped_pages
 
+        inferred = getattr(model, "hf_device_map", None)
+        if self._device_map is None and isinstance(inferred, Mapping):
+            self._device_map = dict(inferred)
         try:
+            if self._device_map is not None:
+                self._check_placement(self._device_map)
             devices = set()
             for module, layer in self._swaps.items():
                 dev = device_of(module, self._device_map)

@@ -237,6 +237,19 @@ class ConvertedLayers:
             )
         return b, groups
 
+    def device_bytes(self, layer: str) -> int:
+        """About what ``layer``'s module holds on its device, for placing it: the artifact
+        tensors it is built from (a layer dequantized to fp16: ``K x N x 2`` and its bias)."""
+        import math
+
+        from ..safetensors_io import _ITEMSIZE
+
+        if layer in self.dq_plans:
+            lp = self.dq_plans[layer]
+            return 2 * lp.size_k * lp.size_n + (2 * lp.size_n if lp.bias is not None else 0)
+        infos = self.art.file.infos
+        return sum(math.prod(infos[t].shape) * _ITEMSIZE[infos[t].dtype] for t in self.slots[layer].tensors)
+
     def owned_tensors(self, b: Binding) -> set[str]:
         """Every artifact tensor the swapped layers of ``b`` consume (never a model parameter)."""
         return set().union(*(self.slots[layer].tensors for layer in b.swaps.values()))

@@ -179,9 +179,57 @@ def test_from_pretrained_takes_a_per_module_device_map_and_shards(tiny: Path, tm
     assert torch.equal(_logits(m, ids), _logits(load_model(tiny, "cpu"), ids))
 
 
-def test_spreading_device_maps_are_refused(tiny: Path) -> None:
-    with pytest.raises(ModelError, match=r"device_map='auto' is not supported for a marlin-convert model yet"):
-        AutoModelForCausalLM.from_pretrained(tiny, device_map="auto")
+def test_auto_device_map_sizes_each_layer_by_its_bytes_and_loads_bitwise(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``device_map="auto"`` (issue 44): accelerate sizes every converted layer at the bytes
+    it is built from (a placeholder holds no weight), the inferred map places the layers, and
+    the model is load_model's, bitwise. Here the only device is the CPU (``max_memory``)."""
+    from transformers.integrations import accelerate as hf_acc
+
+    from converter.model.layers import ConvertedLayers
+    from converter.model.loader import read_converted_config
+
+    seen: list[dict[str, int]] = []
+    real = hf_acc.compute_module_sizes
+
+    def spy(model, hf_quantizer=None, *a, **k):
+        sizes = real(model, hf_quantizer, *a, **k)
+        if hf_quantizer is not None and not k.get("buffers_only"):  # the whole model's, as placed
+            seen.append(dict(sizes[0]))
+        return sizes
+
+    monkeypatch.setattr(hf_acc, "compute_module_sizes", spy)
+    m = AutoModelForCausalLM.from_pretrained(tiny, device_map="auto", max_memory={"cpu": "8GiB"})
+    folder, cfg = read_converted_config(tiny)
+    layers = ConvertedLayers(folder, cfg)
+    try:
+        want = {mod: layers.device_bytes(layer) for layer, mod in m.marlin_report.modules.items()}
+    finally:
+        layers.close()
+    assert seen and want
+    for mod, nbytes in want.items():
+        assert seen[-1][mod] == nbytes, mod
+    assert nbytes > 1000  # a real layer's size, not the placeholder's one byte
+    assert str(m.marlin_report.device) == "cpu"
+    ids = _ids(200)
+    assert torch.equal(_logits(m, ids), _logits(load_model(tiny, "cpu"), ids))
+
+
+def test_a_map_that_offloads_to_disk_is_refused(tiny: Path) -> None:
+    with pytest.raises(ModelError, match=r"device_map puts .* on disk: a marlin-convert model is not offloaded"):
+        AutoModelForCausalLM.from_pretrained(tiny, device_map="auto", max_memory={"cpu": 4096})
+
+
+def test_a_converted_layer_on_the_cpu_beside_a_gpu_is_refused() -> None:
+    """accelerate runs a CPU-mapped module on the GPU with its weights offloaded when the map
+    also holds a GPU; a converted layer cannot run that way (no GPU needed to check)."""
+    q = MarlinConvertHfQuantizer(MarlinConvertConfig(weight_file="model.safetensors"))
+    q._swaps = {"model.layers.0.mlp.up_proj": "a", "model.layers.1.mlp.up_proj": "b"}
+    q._check_placement({"model.layers.0": 0, "model.layers.1": 1, "lm_head": "cpu"})  # the head is not ours: fine
+    q._check_placement({"": "cpu"})  # all on the CPU: fine
+    with pytest.raises(ModelError, match=r"converted layer model.layers.1.mlp.up_proj on the CPU beside a GPU"):
+        q._check_placement({"model.layers.0": 0, "model.layers.1": "cpu", "lm_head": 0})
 
 
 def test_a_folder_converted_before_the_guard_still_loads(tiny: Path, tmp_path: Path) -> None:
@@ -258,6 +306,20 @@ def test_from_pretrained_on_cuda_is_load_model_bitwise(real: dict[str, Path]) ->
     assert {str(b.device) for mod in swapped_modules(m).values() for b in mod.buffers()} == {"cuda:0"}
     ids = _ids(384).cuda()
     assert torch.equal(_logits(m, ids), _logits(ref, ids))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device_map", [{"": 0}, "auto", {"model": 0, "lm_head": "cpu"}])
+def test_device_maps_on_one_gpu_are_load_model_bitwise(real: dict[str, Path], device_map) -> None:
+    """issue 44 on one GPU: an explicit map, ``"auto"``, and the head (not converted) on the
+    CPU, which accelerate runs on the GPU with its weight offloaded: every converted layer's
+    buffers on cuda:0, and load_model's logits bitwise."""
+    ref = load_model(real[GPTQ_ACT_ORDER], "cuda")
+    m = AutoModelForCausalLM.from_pretrained(real[GPTQ_ACT_ORDER], device_map=device_map)
+    assert set(m.marlin_report.layers.values()) == {"marlin-kernel"} and m.marlin_report.device == "cuda:0"
+    assert {str(b.device) for mod in swapped_modules(m).values() for b in mod.buffers()} == {"cuda:0"}
+    ids = _ids(384).cuda()
+    assert torch.equal(_logits(m, ids).to("cuda:0"), _logits(ref, ids))
 
 
 def test_both_loaders_take_the_kv_heads_attention_by_name(tiny: Path) -> None:
