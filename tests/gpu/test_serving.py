@@ -183,11 +183,13 @@ def test_kv_heads_attention_in_a_graph_and_compiled(cp, tmp_path, which: str) ->
             break
 
 
-def test_generate_with_a_static_cache_compiles_and_follows_eager(cp, tmp_path) -> None:
+@pytest.mark.parametrize("attn", ["sdpa", "sdpa_kv_heads"])
+def test_generate_with_a_static_cache_compiles_and_follows_eager(cp, tmp_path, attn: str) -> None:
     """transformers' own ``generate(..., cache_implementation="static")`` on the ragged
     Llama (gate/up fused) compiles its decode step through our op, and its greedy tokens
     follow eager ``generate``'s: equal, or apart only from a step where eager's top-2
-    logit margin is within the two runs' logit difference (a near tie)."""
+    logit margin is within the two runs' logit difference (a near tie). With either
+    attention (the README's example takes ``sdpa_kv_heads``)."""
     pytest.importorskip("transformers")
     import torch._dynamo
 
@@ -196,7 +198,7 @@ def test_generate_with_a_static_cache_compiles_and_follows_eager(cp, tmp_path) -
     from tests.helpers.model_fixture import write_ragged_llama
 
     convert(write_ragged_llama(tmp_path / "src"), str(tmp_path / "out") + "/")
-    model = load_model(tmp_path / "out", "cuda")
+    model = load_model(tmp_path / "out", "cuda", attn_implementation=attn)
     ids = torch.from_numpy(np.random.default_rng(7).integers(0, 200, (2, 9))).cuda()
     kw = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     eager = model.generate(ids, **kw)
