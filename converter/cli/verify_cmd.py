@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 import shutil
 from pathlib import Path
 from typing import Annotated
@@ -78,12 +79,32 @@ def verify_cmd(
             "converted from (its sha256 differs); by default that fails before any model is built.",
         ),
     ] = False,
+    device_map: Annotated[
+        str | None,
+        typer.Option(
+            "--device-map",
+            help="With --model: spread the converted model as from_pretrained does: auto, balanced, "
+            "balanced_low_0, sequential, or a JSON object of modules to devices; the references then run "
+            "on the CPU.",
+            show_default=False,
+        ),
+    ] = None,
+    max_memory: Annotated[
+        str | None,
+        typer.Option(
+            "--max-memory",
+            help="With --device-map: memory per device as a JSON object, e.g. "
+            '\'{"0": "70GiB", "1": "70GiB", "cpu": "200GiB"}\'.',
+            show_default=False,
+        ),
+    ] = None,
     debug: DebugOpt = False,
     version: Annotated[bool, _version_option("marlin-verify")] = False,
 ) -> None:
     if gpu and cpu:
         _fail("--gpu and --cpu contradict each other", as_json)
     use_gpu = True if gpu else (False if cpu else None)  # None: when CuPy and a GPU are there
+    spread = _spread_options(device_map, max_memory, model=model, cpu=cpu, as_json=as_json)
     if model or text is not None or allow_source_mismatch:
         _verify_model_cmd(
             artifact,
@@ -96,6 +117,7 @@ def verify_cmd(
             quiet=quiet,
             debug=debug,
             allow_source_mismatch=allow_source_mismatch,
+            spread=spread,
         )
     if artifact.is_dir():
         with _errors_to_exit(debug, as_json):
@@ -158,6 +180,7 @@ def _verify_model_cmd(
     quiet: bool,
     debug: bool,
     allow_source_mismatch: bool,
+    spread: dict | None = None,
 ) -> None:
     """``marlin-verify OUTDIR --model --against SRC``: see :mod:`converter.model.verify`."""
     usage = (
@@ -189,12 +212,53 @@ def _verify_model_cmd(
             gpu=gpu,
             progress=None if (as_json or quiet) else stage,
             allow_source_mismatch=allow_source_mismatch,
+            **(spread or {}),
         )
     if as_json:
         _print_json(report.to_json())
     else:
         render(report, _real(out_console), _real(err_console), quiet=quiet)
     raise typer.Exit(0 if report.ok else 1)
+
+
+#: device_map names accelerate infers a map for.
+SPREAD_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def _spread_options(
+    device_map: str | None, max_memory: str | None, *, model: bool, cpu: bool, as_json: bool
+) -> dict | None:
+    """``--device-map`` / ``--max-memory`` as verify_model's keywords, or None; a usage
+    error (exit 2, one line) for a bad value or a missing --model."""
+    if device_map is None:
+        if max_memory is not None:
+            _fail("--max-memory needs --device-map", as_json)
+        return None
+    if not model:
+        _fail("--device-map needs --model (it spreads the converted model)", as_json)
+    if cpu:
+        _fail(
+            "--device-map and --cpu contradict each other (to keep it on the CPU: --max-memory '{\"cpu\": ...}')",
+            as_json,
+        )
+    out: dict = {"device_map": device_map}
+    if device_map not in SPREAD_MAPS:
+        try:
+            parsed = json.loads(device_map)
+        except ValueError as exc:
+            _fail(f"--device-map: neither {', '.join(SPREAD_MAPS)} nor a JSON object ({exc})", as_json)
+        if not isinstance(parsed, dict) or not all(isinstance(v, (int, str)) for v in parsed.values()):
+            _fail('--device-map: a JSON object maps module names to a device (0, "cuda:1", "cpu")', as_json)
+        out["device_map"] = parsed
+    if max_memory is not None:
+        try:
+            parsed = json.loads(max_memory)
+        except ValueError as exc:
+            _fail(f"--max-memory: not a JSON object ({exc})", as_json)
+        if not isinstance(parsed, dict) or not all(isinstance(v, (int, str)) for v in parsed.values()):
+            _fail('--max-memory: a JSON object of devices to sizes, e.g. {"0": "70GiB", "cpu": "200GiB"}', as_json)
+        out["max_memory"] = {int(k) if str(k).isdigit() else k: v for k, v in parsed.items()}
+    return out
 
 
 #: Problems printed by marlin-verify before the rest are counted (all of them with --json or --verbose).

@@ -213,6 +213,41 @@ def _build(
     return model, report
 
 
+def build_spread(
+    path: str | Path,
+    device_map: str | dict[str, Any],
+    *,
+    max_memory: dict[Any, Any] | None = None,
+    attn_implementation: str | None = None,
+) -> tuple[Any, LoadReport]:
+    """The converted model spread by ``device_map`` (``"auto"``, ``"balanced"``,
+    ``"sequential"`` or a dict of modules to devices, with ``max_memory``): transformers'
+    ``from_pretrained`` through this package's quantizer (docs/serving.md), with the class
+    ``load_model`` would build, offline, no remote code. Returns the model and its load report.
+
+    Raises:
+        ModelError: as ``from_pretrained`` with ``import converter`` (a map that offloads to
+            disk, a converted layer on the CPU beside a GPU, ...).
+    """
+    from ..hf_hook import register_now
+
+    folder, cfg = read_converted_config(path)
+    import_stack()
+    if not register_now():
+        raise ModelError(f"the transformers quantizer of {PRODUCER_NAME} could not be registered")
+    cfg_path = folder / "config.json"
+    config = hf_config(cfg, path=cfg_path)
+    mc = model_class(config, cfg, path=cfg_path)
+    kwargs: dict[str, Any] = {"device_map": device_map, "trust_remote_code": False, "dtype": config_dtype(cfg)}
+    if max_memory is not None:
+        kwargs["max_memory"] = max_memory
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    with offline(cfg_path):
+        model = (mc.auto or mc.cls).from_pretrained(folder, **kwargs)
+    return model.eval(), model.marlin_report
+
+
 def same_tensor(fa: Any, a: str, fb: Any, b: str) -> bool:
     """Whether tensor ``a`` of file ``fa`` and ``b`` of ``fb`` have one dtype, shape and bytes."""
     ia, ib = fa.infos[a], fb.infos[b]

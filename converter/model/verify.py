@@ -78,7 +78,7 @@ from .inputs import (
     input_ids,
 )
 from .judge import DECIDED_FACTOR, ERROR_FACTOR, LAYER_FACTOR, LAYER_FLOOR, TOP1_MARGIN, _judge, top1_verdict
-from .loader import KernelFactory, build_converted, read_converted_config, resolve_device
+from .loader import KernelFactory, build_converted, build_spread, read_converted_config, resolve_device
 from .metrics import output_metrics, position_errors, reference_decisions
 from .probe import _LayerProbe, _tensor_checks
 from .report import ModelReport
@@ -206,6 +206,8 @@ def verify_model(
     attn_implementation: str = "eager",
     kernel_factory: KernelFactory | None = None,
     allow_source_mismatch: bool = False,
+    device_map: str | dict[str, Any] | None = None,
+    max_memory: dict[Any, Any] | None = None,
 ) -> ModelReport:
     """Whole-model parity of a converted folder with its source checkpoint.
 
@@ -223,6 +225,10 @@ def verify_model(
             the one recorded at conversion (``source_differs`` is then a warning); by
             default that is an error and the check stops after stage 1, before any
             model is built.
+        device_map, max_memory: spread the converted model as ``from_pretrained`` does
+            (:func:`~converter.model.loader.build_spread`: ``"auto"`` ... or a dict), for
+            a model larger than one GPU; the fp32 and fp16 references are then built whole
+            on the CPU, one after the other (host memory: 4 bytes a parameter, then 2).
 
     Returns:
         The :class:`ModelReport`; ``ok`` says whether it passed. Content problems
@@ -245,6 +251,8 @@ def verify_model(
             attn_implementation=attn_implementation,
             kernel_factory=kernel_factory,
             allow_source_mismatch=allow_source_mismatch,
+            device_map=device_map,
+            max_memory=max_memory,
         )
 
 
@@ -258,6 +266,8 @@ def _verify_model(
     attn_implementation: str,
     kernel_factory: KernelFactory | None,
     allow_source_mismatch: bool,
+    device_map: str | dict[str, Any] | None = None,
+    max_memory: dict[Any, Any] | None = None,
 ) -> ModelReport:
     t_start = time.perf_counter()
     torch, _ = import_stack()
@@ -269,7 +279,8 @@ def _verify_model(
     folder, cfg = read_converted_config(path)
     report = ModelReport(model=str(folder), source=str(against))
     stage = _Stages(report, progress)
-    device = _pick_device(gpu)
+    # With a device map the references run on the CPU and ours where the map puts it.
+    device = resolve_device("cpu") if device_map is not None else _pick_device(gpu)
     report.device = str(device)
     with contextlib.ExitStack() as stack:
         with stage("checking the artifact and the source"):
@@ -300,8 +311,10 @@ def _verify_model(
             ids, report.input = input_ids(folder, cfg, text)
             plans = {lp.name: lp for lp in source.plan().layers}
         stack.enter_context(_true_fp32(torch, device))
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        spread = device_map is not None and torch.cuda.is_available()
+        gpus = list(range(torch.cuda.device_count())) if spread else [device] if device.type == "cuda" else []
+        for g in gpus:
+            torch.cuda.reset_peak_memory_stats(g)
         cupy_peak = 0
         encoder = None
         ppl_ids = None
@@ -312,23 +325,30 @@ def _verify_model(
             _free(device)
             encoder = report.output == "last_hidden_state"
             decisions = None if encoder else reference_decisions(y32)
-        with stage(f"converted model on {device}"):
-            model, load = build_converted(
-                folder,
-                device,
-                strict=False,
-                attn_implementation=attn_implementation,
-                validate=False,
-                kernel_factory=kernel_factory,
-            )
+        where = f"spread by device_map={device_map!r}" if device_map is not None else f"on {device}"
+        with stage(f"converted model {where}"):
+            if device_map is not None:
+                model, load = build_spread(
+                    folder, device_map, max_memory=max_memory, attn_implementation=attn_implementation
+                )
+                report.device = load.device
+            else:
+                model, load = build_converted(
+                    folder,
+                    device,
+                    strict=False,
+                    attn_implementation=attn_implementation,
+                    validate=False,
+                    kernel_factory=kernel_factory,
+                )
             report.architecture, report.kind, report.load = load.architecture, load.kind, load.to_json()
             ppl_ids = ids if text is not None and load.kind == CAUSAL_LM else None
             probe = _LayerProbe(source, plans)
             probe.attach(swapped_modules(model))
-            y, _ = _run(model, ids, device)
+            y, _ = _run(model, ids, model.device if device_map is not None else device)
             probe.detach()
             _tensor_checks(model, load, source, report)
-            if device.type == "cuda":
+            if gpus and any(d.type == "cuda" for d in (torch.device(x) for x in str(report.device).split(","))):
                 from ..gpu.runtime import cupy_module
 
                 cupy_peak = int(cupy_module().get_default_memory_pool().total_bytes())
@@ -352,8 +372,8 @@ def _verify_model(
             ref32 = {"ppl": output_metrics(y32, y32, encoder=False, ids=ppl_ids)["ppl"]} if ppl_ids is not None else {}
             del y32
             _judge(report, load, probe, plans, conv, f16, ref32, verdict)
-        if device.type == "cuda":
-            report.gpu_peak_bytes = int(torch.cuda.max_memory_allocated(device)) + cupy_peak
+        if gpus:
+            report.gpu_peak_bytes = sum(int(torch.cuda.max_memory_allocated(g)) for g in gpus) + cupy_peak
     return _finish(report, t_start)
 
 

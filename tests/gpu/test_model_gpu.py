@@ -100,3 +100,20 @@ def test_ragged_llama_runs_every_layer_on_the_kernel(cp, tmp_path: Path) -> None
     assert rep.ok, [p.message for p in rep.problems]
     kernel = {r["name"]: r for r in rep.layers if r["path"] == "marlin-kernel"}
     assert set(kernel) == set(RAGGED_LAYERS) and all(r["rel_err"] < 1e-3 for r in kernel.values()), kernel
+
+
+@pytest.mark.parametrize("device_map", ["auto", {"": 0}])
+def test_verify_model_spread_by_a_device_map(cp, tiny: tuple[Path, Path], device_map) -> None:
+    """issue 44 on one GPU: ``device_map`` builds ours through from_pretrained, on cuda:0,
+    with the references on the CPU; the same layers take the kernel, and it passes."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    from converter.model.verify import verify_model
+
+    src, out = tiny
+    rep = verify_model(out, src, gpu=True, device_map=device_map)
+    assert rep.ok, [p.message for p in rep.problems]
+    assert rep.device == "cuda:0" and rep.gpu_peak_bytes > 0
+    kernel = [r for r in rep.layers if r["path"] == "marlin-kernel"]
+    assert sorted(r["name"] for r in kernel) == sorted(KERNEL_LAYERS)
+    assert all(r["rel_err"] < 1e-3 for r in kernel), kernel

@@ -413,10 +413,42 @@ def test_error_layers_without_modules_and_modules_without_layers_are_all_named(
             "error: --model and --shapes contradict each other (--shapes checks structure only)",
         ),
         (["--text", "t.txt", "--against", "."], "error: --text needs --model"),
+        (["--device-map", "auto"], "error: --device-map needs --model (it spreads the converted model)"),
+        (["--model", "--against", ".", "--max-memory", "{}"], "error: --max-memory needs --device-map"),
+        (
+            ["--model", "--against", ".", "--device-map", "everywhere"],
+            "error: --device-map: neither auto, balanced, balanced_low_0, sequential nor a JSON object "
+            "(Expecting value: line 1 column 1 (char 0))",
+        ),
+        (
+            ["--model", "--against", ".", "--device-map", '{"model": [0]}'],
+            'error: --device-map: a JSON object maps module names to a device (0, "cuda:1", "cpu")',
+        ),
+        (
+            ["--model", "--against", ".", "--device-map", "auto", "--cpu"],
+            "error: --device-map and --cpu contradict each other (to keep it on the CPU: --max-memory "
+            """'{"cpu": ...}')""",
+        ),
     ],
 )
 def test_error_usage(tiny: tuple[Path, Path], args: list[str], message: str) -> None:
     assert one_line_error(invoke(tiny[1], *args)) == message
+
+
+def test_device_map_spreads_ours_and_keeps_the_references_on_the_cpu(tiny: tuple[Path, Path]) -> None:
+    """issue 44: ``--device-map`` builds the converted model through from_pretrained's
+    quantizer (here on the CPU only, by ``--max-memory``) and gives the verdict and the
+    numbers of the plain run."""
+    src, out = tiny
+    plain = invoke(out, "--model", "--against", src, "--json", "--cpu")
+    spread = invoke(
+        out, "--model", "--against", src, "--json", "--device-map", "auto", "--max-memory", '{"cpu": "8GiB"}'
+    )
+    assert plain.exit_code == spread.exit_code == 0, spread.stderr
+    a, b = json.loads(plain.stdout), json.loads(spread.stdout)
+    assert b["ok"] and b["device"] == "cpu"
+    assert b["load"]["layers"] == a["load"]["layers"]
+    assert b["metrics"] == a["metrics"]
 
 
 def test_error_text_without_a_tokenizer(tiny: tuple[Path, Path], tmp_path: Path) -> None:
