@@ -166,13 +166,12 @@ class MarlinConvertHfQuantizer(HfQuantizer):
         register_attention()  # transformers is fully imported here; the model is not built yet
         if not isinstance(device_map, Mapping):
             return
-        disk = sorted(k for k, v in device_map.items() if v == "disk")
+        disk = sorted(k or "the whole model" for k, v in device_map.items() if v == "disk")
         if disk:
             more = f" and {len(disk) - 2} more" if len(disk) > 2 else ""
             raise ModelError(
                 f"device_map puts {', '.join(disk[:2])}{more} on disk: a {PRODUCER_NAME} model is not offloaded; "
-                "give the GPUs or the CPU more max_memory",
-                tensor="device_map",
+                "give the GPUs or the CPU more max_memory"
             )
         for value in device_map.values():
             resolve_device(f"cuda:{value}" if isinstance(value, int) else value)

@@ -216,9 +216,17 @@ def test_auto_device_map_sizes_each_layer_by_its_bytes_and_loads_bitwise(
     assert torch.equal(_logits(m, ids), _logits(load_model(tiny, "cpu"), ids))
 
 
-def test_a_map_that_offloads_to_disk_is_refused(tiny: Path) -> None:
-    with pytest.raises(ModelError, match=r"device_map puts .* on disk: a marlin-convert model is not offloaded"):
-        AutoModelForCausalLM.from_pretrained(tiny, device_map="auto", max_memory={"cpu": 4096})
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"device_map": "auto", "max_memory": {"cpu": 4096}}, "the whole model"),
+        ({"device_map": {"model": "cpu", "lm_head": "disk"}}, "lm_head"),
+    ],
+)
+def test_a_map_that_offloads_to_disk_is_refused(tiny: Path, kwargs: dict, named: str) -> None:
+    want = rf"^device_map puts {named} on disk: a marlin-convert model is not offloaded; give the GPUs"
+    with pytest.raises(ModelError, match=want):
+        AutoModelForCausalLM.from_pretrained(tiny, **kwargs)
 
 
 def test_a_converted_layer_on_the_cpu_beside_a_gpu_is_refused() -> None:
