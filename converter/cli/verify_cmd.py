@@ -243,22 +243,25 @@ def _spread_options(
         )
     out: dict = {"device_map": device_map}
     if device_map not in SPREAD_MAPS:
-        try:
-            parsed = json.loads(device_map)
-        except ValueError as exc:
-            _fail(f"--device-map: neither {', '.join(SPREAD_MAPS)} nor a JSON object ({exc})", as_json)
-        if not isinstance(parsed, dict) or not all(isinstance(v, (int, str)) for v in parsed.values()):
-            _fail('--device-map: a JSON object maps module names to a device (0, "cuda:1", "cpu")', as_json)
-        out["device_map"] = parsed
+        not_json = f"neither {', '.join(SPREAD_MAPS)} nor a JSON object"
+        shape = 'a JSON object maps module names to a device (0, "cuda:1", "cpu")'
+        out["device_map"] = _json_object("--device-map", device_map, not_json, shape, as_json)
     if max_memory is not None:
-        try:
-            parsed = json.loads(max_memory)
-        except ValueError as exc:
-            _fail(f"--max-memory: not a JSON object ({exc})", as_json)
-        if not isinstance(parsed, dict) or not all(isinstance(v, (int, str)) for v in parsed.values()):
-            _fail('--max-memory: a JSON object of devices to sizes, e.g. {"0": "70GiB", "cpu": "200GiB"}', as_json)
+        shape = 'a JSON object of devices to sizes, e.g. {"0": "70GiB", "cpu": "200GiB"}'
+        parsed = _json_object("--max-memory", max_memory, "not a JSON object", shape, as_json)
         out["max_memory"] = {int(k) if str(k).isdigit() else k: v for k, v in parsed.items()}
     return out
+
+
+def _json_object(option: str, text: str, not_json: str, shape: str, as_json: bool) -> dict:
+    """``text`` as a JSON object of int or str values, else a usage error naming ``option``."""
+    try:
+        parsed = json.loads(text)
+    except ValueError as exc:
+        _fail(f"{option}: {not_json} ({exc})", as_json)
+    if not isinstance(parsed, dict) or not all(isinstance(v, (int, str)) for v in parsed.values()):
+        _fail(f"{option}: {shape}", as_json)
+    return parsed
 
 
 #: Problems printed by marlin-verify before the rest are counted (all of them with --json or --verbose).

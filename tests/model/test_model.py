@@ -425,6 +425,10 @@ def test_error_layers_without_modules_and_modules_without_layers_are_all_named(
             'error: --device-map: a JSON object maps module names to a device (0, "cuda:1", "cpu")',
         ),
         (
+            ["--model", "--against", ".", "--device-map", "auto", "--max-memory", '["cpu"]'],
+            'error: --max-memory: a JSON object of devices to sizes, e.g. {"0": "70GiB", "cpu": "200GiB"}',
+        ),
+        (
             ["--model", "--against", ".", "--device-map", "auto", "--cpu"],
             "error: --device-map and --cpu contradict each other (to keep it on the CPU: --max-memory "
             """'{"cpu": ...}')""",
