@@ -60,7 +60,9 @@ class ModelReport:
         problems: every :class:`Finding`.
         stages: ``[{"stage", "seconds"}]``; wall_s: total seconds.
         peak_rss_bytes: the process's peak resident memory; gpu_peak_bytes: torch's peak
-            allocation plus CuPy's pool (CUDA only).
+            allocation plus CuPy's pool (CUDA only; with a device map, summed over the
+            GPUs); gpu_peak_by_device: ``{"cuda:i": torch's peak on GPU i}`` where the run
+            used CUDA.
     """
 
     model: str
@@ -79,6 +81,7 @@ class ModelReport:
     wall_s: float = 0.0
     peak_rss_bytes: int = 0
     gpu_peak_bytes: int | None = None
+    gpu_peak_by_device: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

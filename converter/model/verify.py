@@ -312,7 +312,9 @@ def _verify_model(
             plans = {lp.name: lp for lp in source.plan().layers}
         stack.enter_context(_true_fp32(torch, device))
         spread = device_map is not None and torch.cuda.is_available()
-        gpus = list(range(torch.cuda.device_count())) if spread else [device] if device.type == "cuda" else []
+        gpus: list[int] = list(range(torch.cuda.device_count())) if spread else []
+        if device.type == "cuda":
+            gpus = [device.index if device.index is not None else torch.cuda.current_device()]
         for g in gpus:
             torch.cuda.reset_peak_memory_stats(g)
         cupy_peak = 0
@@ -373,7 +375,9 @@ def _verify_model(
             del y32
             _judge(report, load, probe, plans, conv, f16, ref32, verdict)
         if gpus:
-            report.gpu_peak_bytes = sum(int(torch.cuda.max_memory_allocated(g)) for g in gpus) + cupy_peak
+            peaks = {f"cuda:{g}": int(torch.cuda.max_memory_allocated(g)) for g in gpus}
+            report.gpu_peak_by_device = peaks
+            report.gpu_peak_bytes = sum(peaks.values()) + cupy_peak
     return _finish(report, t_start)
 
 

@@ -67,6 +67,7 @@ def test_verify_model_on_the_gpu_passes(cp, tiny: tuple[Path, Path]) -> None:
     rep = verify_model(out, src, gpu=True)
     assert rep.ok, [p.message for p in rep.problems]
     assert rep.device.startswith("cuda") and rep.gpu_peak_bytes > 0
+    assert list(rep.gpu_peak_by_device) == [rep.device] and 0 < rep.gpu_peak_by_device[rep.device] <= rep.gpu_peak_bytes
     kernel = [r for r in rep.layers if r["path"] == "marlin-kernel"]
     assert sorted(r["name"] for r in kernel) == sorted(KERNEL_LAYERS)
     assert all(r["rel_err"] < 1e-3 for r in kernel), kernel
@@ -114,6 +115,8 @@ def test_verify_model_spread_by_a_device_map(cp, tiny: tuple[Path, Path], device
     rep = verify_model(out, src, gpu=True, device_map=device_map)
     assert rep.ok, [p.message for p in rep.problems]
     assert rep.device == "cuda:0" and rep.gpu_peak_bytes > 0
+    assert set(rep.gpu_peak_by_device) == {f"cuda:{i}" for i in range(torch.cuda.device_count())}
+    assert rep.gpu_peak_by_device["cuda:0"] > 0
     kernel = [r for r in rep.layers if r["path"] == "marlin-kernel"]
     assert sorted(r["name"] for r in kernel) == sorted(KERNEL_LAYERS)
     assert all(r["rel_err"] < 1e-3 for r in kernel), kernel

@@ -450,7 +450,7 @@ def test_device_map_spreads_ours_and_keeps_the_references_on_the_cpu(tiny: tuple
     )
     assert plain.exit_code == spread.exit_code == 0, spread.stderr
     a, b = json.loads(plain.stdout), json.loads(spread.stdout)
-    assert b["ok"] and b["device"] == "cpu"
+    assert b["ok"] and b["device"] == "cpu" and b["gpu_peak_by_device"] == {} and b["gpu_peak_bytes"] is None
     assert b["load"]["layers"] == a["load"]["layers"]
     assert b["metrics"] == a["metrics"]
 
