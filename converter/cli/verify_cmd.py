@@ -85,7 +85,7 @@ def verify_cmd(
             "--device-map",
             help="With --model: spread the converted model as from_pretrained does: auto, balanced, "
             "balanced_low_0, sequential, or a JSON object of modules to devices; the references then run "
-            "on the CPU.",
+            "on the CPU, a layer at a time.",
             show_default=False,
         ),
     ] = None,

@@ -19,6 +19,7 @@ holds only the pass-through tensors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -274,6 +275,41 @@ class DenseLinear(_Swapped):
             f"{self.layer_name}: in_features={self.in_features}, out_features={self.out_features}, "
             f"dtype={self.weight.dtype}"
         )
+
+
+class LazyDenseLinear(_Swapped):
+    """:class:`DenseLinear` whose weight is made at each call and dropped after it, so a
+    reference model holds one layer's weight at a time (``marlin-verify --model
+    --device-map``: a model larger than host memory in fp32). The same arithmetic as
+    :class:`DenseLinear` on the same weight, so the same bits.
+
+    Args:
+        name: the layer's name in its checkpoint.
+        load: makes the ``(N, K)`` weight in its final dtype (float16 or float32).
+        shape: ``(N, K)``.
+        bias: as :class:`DenseLinear`'s.
+        path: label for reports (:data:`DEQUANT_FP16`, :data:`DENSE_FP32`).
+    """
+
+    def __init__(
+        self, name: str, load: Callable[[], torch.Tensor], shape: tuple[int, int], bias: torch.Tensor | None, path: str
+    ) -> None:
+        super().__init__()
+        self.layer_name, self.path, self._load = name, path, load
+        self.out_features, self.in_features = int(shape[0]), int(shape[1])
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self._load().to(x.device)
+        b = None if self.bias is None else self.bias.to(w.dtype)
+        y = F.linear(x.to(w.dtype), w, b)
+        del w
+        if self.keep_raw:
+            self.raw_output = y
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.layer_name}: in_features={self.in_features}, out_features={self.out_features}, lazy"
 
 
 def promoting_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -105,7 +105,7 @@ def _same_source_tensor(ckpt: Any, a: str, b: str) -> bool:
 
 
 def build_reference(
-    source: Source, precision: str, device: Any, *, attn_implementation: str | None = "eager"
+    source: Source, precision: str, device: Any, *, attn_implementation: str | None = "eager", lazy: bool = False
 ) -> tuple[Any, Binding]:
     """The source model with every quantized weight dequantized exactly.
 
@@ -114,6 +114,10 @@ def build_reference(
         precision: :data:`FP32` (all float32) or :data:`FP16` (fp16 weights, pass-through
             tensors in their own dtype).
         device: a ``torch.device``.
+        lazy: dequantize each quantized layer at its call and drop the weight after it
+            (:class:`~converter.model.modules.LazyDenseLinear`; ``source`` must stay open
+            while the model runs): memory for the rest of the model plus one layer, the
+            same outputs bit for bit.
 
     Returns:
         ``(model, binding)``: the model in eval mode on ``device``; the binding says which
@@ -123,7 +127,7 @@ def build_reference(
         ModelError: see :func:`source_config` and :func:`source_binding`.
     """
     torch, _ = import_stack()
-    from .modules import DENSE_FP32, DEQUANT_FP16, DenseLinear, to_torch, to_torch_f32
+    from .modules import DENSE_FP32, DEQUANT_FP16, DenseLinear, LazyDenseLinear, to_torch, to_torch_f32
 
     folder, cfg = source_config(source)
     cfg_path = folder / "config.json"
@@ -147,13 +151,17 @@ def build_reference(
         t = source.load_tensor(name)
         return to_torch_f32(t.data, t.dtype) if fp32 else to_torch(t.data, t.dtype)
 
+    def weight(lp: Any) -> Any:
+        w = torch.from_numpy(np.ascontiguousarray(dequantized_weight(source, lp).T))
+        return w if fp32 else w.to(torch.float16)
+
     def make_layer(module: str, layer: str) -> Any:
         lp = plans[layer]
-        w = torch.from_numpy(np.ascontiguousarray(dequantized_weight(source, lp).T))
         bias = tensor(lp.bias.name) if lp.bias else None
-        if fp32:
-            return DenseLinear(layer, w, bias, DENSE_FP32).to(device)
-        return DenseLinear(layer, w.to(torch.float16), bias, DEQUANT_FP16).to(device)
+        path = DENSE_FP32 if fp32 else DEQUANT_FP16
+        if lazy:
+            return LazyDenseLinear(layer, lambda: weight(lp), (lp.size_n, lp.size_k), bias, path).to(device)
+        return DenseLinear(layer, weight(lp), bias, path).to(device)
 
     apply_binding(model, b, make_layer=make_layer, load_tensor=tensor, path=folder)
     materialize_missing(model, missing_names(inventory_groups, b.missing))

@@ -227,8 +227,9 @@ def verify_model(
             model is built.
         device_map, max_memory: spread the converted model as ``from_pretrained`` does
             (:func:`~converter.model.loader.build_spread`: ``"auto"`` ... or a dict), for
-            a model larger than one GPU; the fp32 and fp16 references are then built whole
-            on the CPU, one after the other (host memory: 4 bytes a parameter, then 2).
+            a model larger than one GPU; the fp32 and fp16 references then run on the CPU,
+            one after the other, each quantized layer dequantized at its call (host memory:
+            the unquantized tensors plus one layer).
 
     Returns:
         The :class:`ModelReport`; ``ok`` says whether it passed. Content problems
@@ -281,6 +282,7 @@ def _verify_model(
     stage = _Stages(report, progress)
     # With a device map the references run on the CPU and ours where the map puts it.
     device = resolve_device("cpu") if device_map is not None else _pick_device(gpu)
+    lazy = device_map is not None  # a model spread over GPUs may not fit the host in fp32 either
     report.device = str(device)
     with contextlib.ExitStack() as stack:
         with stage("checking the artifact and the source"):
@@ -321,7 +323,7 @@ def _verify_model(
         encoder = None
         ppl_ids = None
         with stage("fp32 reference dequantized from the source"):
-            ref, _ = build_reference(source, FP32, device, attn_implementation=attn_implementation)
+            ref, _ = build_reference(source, FP32, device, attn_implementation=attn_implementation, lazy=lazy)
             y32, report.output = _run(ref, ids, device)
             del ref
             _free(device)
@@ -360,7 +362,7 @@ def _verify_model(
             del y
             _free(device)
         with stage("fp16-dequantized reference from the source"):
-            ref, _ = build_reference(source, FP16, device, attn_implementation=attn_implementation)
+            ref, _ = build_reference(source, FP16, device, attn_implementation=attn_implementation, lazy=lazy)
             y, _ = _run(ref, ids, device)
             del ref
             f16 = output_metrics(y, y32, encoder=encoder, ids=ppl_ids)

@@ -455,6 +455,32 @@ def test_device_map_spreads_ours_and_keeps_the_references_on_the_cpu(tiny: tuple
     assert b["metrics"] == a["metrics"]
 
 
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_lazy_reference_gives_the_same_bits_holding_no_dense_weight(tiny: tuple[Path, Path], precision: str) -> None:
+    """The reference ``--device-map`` builds (converter.model.reference, ``lazy``):
+    each quantized layer dequantized at its call, so the model holds no dense weight of
+    them, and the logits are the eagerly built reference's, bit for bit."""
+    from converter.model.modules import DenseLinear, LazyDenseLinear
+    from converter.model.reference import build_reference
+
+    src, _ = tiny
+    ids = torch.from_numpy(np.random.default_rng(3).integers(0, 200, (2, 17)))
+    out = {}
+    with open_source(src) as source:
+        for lazy in (False, True):
+            model, b = build_reference(source, precision, torch.device("cpu"), lazy=lazy)
+            swapped = [model.get_submodule(m) for m in b.swaps]
+            want = LazyDenseLinear if lazy else DenseLinear
+            assert swapped and all(type(m) is want for m in swapped)
+            with torch.no_grad():
+                out[lazy] = model(input_ids=ids, use_cache=False).logits
+            bytes_held = sum(t.numel() * t.element_size() for m in swapped for t in m.buffers())
+            if lazy:
+                dense = sum(m.in_features * m.out_features for m in swapped) * (4 if precision == "fp32" else 2)
+                assert bytes_held < dense // 20  # biases at most
+    assert torch.equal(out[True], out[False])
+
+
 def test_error_text_without_a_tokenizer(tiny: tuple[Path, Path], tmp_path: Path) -> None:
     src, out = tiny
     (tmp_path / "t.txt").write_text("hello world")
