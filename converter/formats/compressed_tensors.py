@@ -63,6 +63,21 @@ class WeightArgs:
     group_size: int | None
     actorder: Any
     format: str
+    #: the group's ``input_activations`` QuantizationArgs, in a few words, or None
+    input_activations: str | None = None
+
+
+def _activation_args(value: Any) -> str | None:
+    """``input_activations`` of a config group in a few words ("int8 dynamic token"), or
+    None when the group leaves activations alone."""
+    if not isinstance(value, dict) or not value:
+        return None
+    bits = value.get("num_bits", 8)
+    kind = value.get("type") or "int"
+    dynamic = value.get("dynamic")
+    how = "dynamic" if dynamic is True else "static" if dynamic is False else str(dynamic)
+    strategy = value.get("strategy") or ""
+    return " ".join(str(p) for p in (f"{kind}{bits}", how, strategy) if p)
 
 
 class _Target:
@@ -190,6 +205,7 @@ class CompressedTensorsSource(
             group_size=get("group_size", int, None),
             actorder=w.get("actorder"),
             format=str(group.get("format") or self.top_format or "fakequant"),
+            input_activations=_activation_args(group.get("input_activations")),
         )
         return targets, args
 
@@ -255,6 +271,13 @@ class CompressedTensorsSource(
         entry = self.ignored(prefix)
         if entry:
             warnings.append(f"config lists this module in ignore ({entry!r}) but it is packed; converted by the data")
+        if args and args.input_activations:
+            # A W4A8 checkpoint: the weights convert exactly, but Marlin multiplies fp16
+            # activations, so the activation quantization the producer calibrated is not run.
+            warnings.append(
+                f"config group {args.group} also quantizes input activations ({args.input_activations}); "
+                "Marlin runs them unquantized in fp16: the converted layer is weight-only"
+            )
         base = dict(
             name=prefix,
             size_k=size_k,

@@ -168,6 +168,28 @@ def test_an_online_transform_is_refused_not_dropped(tmp_path: Path, to: str) -> 
     assert [r.name for r in convert(src, tmp_path / "b.safetensors").converted] == [P]
 
 
+def test_quantized_input_activations_convert_weight_only_with_a_warning(tmp_path: Path) -> None:
+    """A W4A8 group (``input_activations``): the weights convert exactly, and every layer
+    says that Marlin runs its activations unquantized; a group without them says nothing."""
+    rng = np.random.default_rng(9)
+    lay = make_layer(rng, 128, 64)
+    cfg = ct_config()
+    acts = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True, "strategy": "token"}
+    cfg["config_groups"]["group_0"]["input_activations"] = acts
+    src = write_checkpoint(tmp_path / "src", ct_tensors(P, lay, sym=False), cfg)
+    rep = convert(src, tmp_path / "a.safetensors")
+    assert [list(r.warnings) for r in rep.converted] == [
+        [
+            "config group group_0 also quantizes input activations (int8 dynamic token); "
+            "Marlin runs them unquantized in fp16: the converted layer is weight-only"
+        ]
+    ]
+    assert verify(tmp_path / "a.safetensors", against=src, gpu=False).ok
+    cfg["config_groups"]["group_0"]["input_activations"] = None
+    src = write_checkpoint(tmp_path / "src2", ct_tensors(P, lay, sym=False), cfg)
+    assert [list(r.warnings) for r in convert(src, tmp_path / "b.safetensors").converted] == [[]]
+
+
 def test_weight_shape_disagreeing_with_packed_is_a_format_error(tmp_path: Path) -> None:
     rng = np.random.default_rng(6)
     lay = make_layer(rng, 128, 64)
