@@ -3,8 +3,9 @@ step's query heads folded onto their key/value heads instead of the key/value he
 repeated to the query heads.
 
 Why: in a grouped-query model (Llama 3: 32 query heads, 8 key/value heads) transformers'
-``sdpa`` repeats each key/value head for its group whenever an attention mask is given,
-which a static cache always gives, and always under ``torch.compile``. That repeat
+``sdpa`` (5.17; 5.25 folds the heads itself) repeats each key/value head for its group
+whenever an attention mask is given, which a static cache always gives, and always under
+``torch.compile``. That repeat
 materialises the whole cache, four times over, in every layer of every decode step: at
 batch 64 it is most of a step's memory traffic, for the fp16 model as for a converted one.
 With one query token, the ``n_rep`` query heads of a group are ``n_rep`` rows that attend
