@@ -229,6 +229,46 @@ def test_a_map_that_offloads_to_disk_is_refused(tiny: Path, kwargs: dict, named:
         AutoModelForCausalLM.from_pretrained(tiny, **kwargs)
 
 
+def test_an_inferred_map_spreads_the_blocks_by_their_bytes_over_two_gpus(tmp_path: Path) -> None:
+    """issue 44's placement on the CPU, two GPUs described only by ``max_memory``: with
+    each converted layer counted at its bytes, accelerate puts two of four blocks on each
+    GPU where the budget says so; counted as the placeholders' one byte, all on the first."""
+    from transformers.integrations.accelerate import compute_module_sizes, infer_auto_device_map
+
+    from converter.model.build import hf_config
+    from converter.model.layers import ConvertedLayers
+    from converter.model.loader import read_converted_config
+    from tests.helpers.synthetic_gptq import llama_attention_config, write_gptq
+
+    extra = llama_attention_config(256, 128, head_dim=64)
+    write_gptq(
+        tmp_path / "src", hidden=256, intermediate=512, kv=128, blocks=4, vocab=512, shards=1, config_extra=extra
+    )
+    convert(tmp_path / "src", str(tmp_path / "out") + "/")
+    folder, cfg = read_converted_config(tmp_path / "out")
+    q = MarlinConvertHfQuantizer(MarlinConvertConfig(weight_file=cfg["quantization_config"]["weight_file"]))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(cfg, path=folder / "config.json"), dtype=torch.float16)
+    layers = ConvertedLayers(folder, cfg)
+    try:
+        q._swap_in_placeholders(model, folder, layers)
+        sizes = compute_module_sizes(model, q)[0]
+        per_block = sum(
+            layers.device_bytes(layer) for mod, layer in q._swaps.items() if mod.startswith("model.layers.0.")
+        )
+    finally:
+        layers.close()
+    block = sizes["model.layers.0"]
+    assert per_block > 0 and block >= per_block  # the converted layers' bytes, plus the norms
+    rest = sizes[""] - 4 * block
+    budget = {0: rest + 2 * block + block // 2, 1: 10 * sizes[""], "cpu": 0}
+    kw = dict(max_memory=budget, no_split_module_classes=model._no_split_modules)
+    placed = infer_auto_device_map(model, hf_quantizer=q, **kw)
+    assert [placed[f"model.layers.{i}"] for i in range(4)] == [0, 0, 1, 1]
+    q._check_placement(placed)  # every converted layer on a GPU: fine
+    assert set(infer_auto_device_map(model, hf_quantizer=None, **kw).values()) == {0}  # one byte a layer
+
+
 def test_a_converted_layer_on_the_cpu_beside_a_gpu_is_refused() -> None:
     """accelerate runs a CPU-mapped module on the GPU with its weights offloaded when the map
     also holds a GPU; a converted layer cannot run that way (no GPU needed to check)."""
