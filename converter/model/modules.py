@@ -303,7 +303,6 @@ class LazyDenseLinear(_Swapped):
         w = self._load().to(x.device)
         b = None if self.bias is None else self.bias.to(w.dtype)
         y = F.linear(x.to(w.dtype), w, b)
-        del w
         if self.keep_raw:
             self.raw_output = y
         return y if y.dtype == x.dtype else y.to(x.dtype)

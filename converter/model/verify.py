@@ -313,9 +313,10 @@ def _verify_model(
             ids, report.input = input_ids(folder, cfg, text)
             plans = {lp.name: lp for lp in source.plan().layers}
         stack.enter_context(_true_fp32(torch, device))
-        spread = device_map is not None and torch.cuda.is_available()
-        gpus: list[int] = list(range(torch.cuda.device_count())) if spread else []
-        if device.type == "cuda":
+        gpus: list[int] = []  # whose peaks the report gives
+        if device_map is not None and torch.cuda.is_available():
+            gpus = list(range(torch.cuda.device_count()))
+        elif device.type == "cuda":
             gpus = [device.index if device.index is not None else torch.cuda.current_device()]
         for g in gpus:
             torch.cuda.reset_peak_memory_stats(g)
@@ -352,7 +353,7 @@ def _verify_model(
             y, _ = _run(model, ids, model.device if device_map is not None else device)
             probe.detach()
             _tensor_checks(model, load, source, report)
-            if gpus and any(d.type == "cuda" for d in (torch.device(x) for x in str(report.device).split(","))):
+            if "cuda" in report.device:  # our kernel ran: its CuPy pool counts too
                 from ..gpu.runtime import cupy_module
 
                 cupy_peak = int(cupy_module().get_default_memory_pool().total_bytes())
