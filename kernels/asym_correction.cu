@@ -34,7 +34,7 @@ group_sums(const u16* __restrict__ A, float* __restrict__ xsum, int M, int K, in
     float s = 0.f;
     for (int k = 2 * lane; k < group_size; k += 64) {
         const u32 v = *reinterpret_cast<const u32*>(p + k);
-        s += h_to_f32((u16)v) + h_to_f32((u16)(v >> 16));
+        s += act_to_f32((u16)v) + act_to_f32((u16)(v >> 16));
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
@@ -73,7 +73,7 @@ add_correction(u16* __restrict__ C, const float* __restrict__ xsum, const float*
         const int m = m0 + r;
         if (m < M) {
             u16* c = C + (size_t)m * N + n;
-            *c = f32_to_h(h_to_f32(*c) + acc[r]);
+            *c = f32_to_act(act_to_f32(*c) + acc[r]);
         }
     }
 }

@@ -1,14 +1,15 @@
-// dequant.cu: marlin_B + marlin_scales (+ marlin_delta) -> W fp16 [K, N], row-major,
+// dequant.cu: marlin_B + marlin_scales (+ marlin_delta) -> W [K, N], row-major,
 // rows in Marlin K order (act-order layers keep their permuted row order; the caller
 // maps row k to source channel perm[k]).
 //   W[k, n] = fp16((q[k, n] - 8) * s[g, n])                    (HAS_DELTA = false)
 //   W[k, n] = fp16((q[k, n] - 8) * s[g, n] + fp16(delta[g, n])) (HAS_DELTA = true)
 // computed with exactly the fp16x2 operations marlin_gemm.cu feeds its mma, so the two
-// agree bit for bit. Layouts:
+// agree bit for bit. Built with -DMARLIN_BF16, W is the bf16 weight those kernels form
+// instead (marlin_common.cuh weight2; twin converter.gpu.reference_bf16.dequant). Layouts:
 //   B      int32 [K/16, 2N], Marlin tile order (checkpoint-formats.md 4.3)
 //   scales fp16  [G, N], Marlin-permuted (4.4; per-channel list when G == 1)
 //   delta  fp32  [G, N], natural column order (4.6)
-//   W      fp16  [K, N]
+//   W      fp16 (bf16)  [K, N]
 // Launch geometry: grid (N/64, K/16), block 128 threads; block (nb, kt) owns the 16x64
 // tile whose 128 words are B[kt, 128 nb : 128 nb + 128]. Thread i dequantizes word i
 // (lane t = i / 4, tile j = i % 4, section 4.3) into a shared-memory tile, then the
@@ -38,16 +39,10 @@ marlin_dequant(const u32* __restrict__ B, const u16* __restrict__ S, const float
     for (int h = 0; h < 2; ++h) {  // h = 0: column c0 + 16 j; h = 1: column c0 + 16 j + 8
         const int c = 16 * j + c0 + 8 * h;
         const int n = 64 * nb + c;
-        const u32 s2 = h_splat(S[(size_t)g * N + scale_pos(n, per_channel)]);
-        u32 lo, hi;  // rows {r0, r0 + 1} and {r0 + 8, r0 + 9}
-        if (HAS_DELTA) {
-            const u32 d2 = h_splat(f32_to_h(D[(size_t)g * N + n]));
-            lo = h2_fma(m[2 * h], s2, d2);
-            hi = h2_fma(m[2 * h + 1], s2, d2);
-        } else {
-            lo = h2_mul(m[2 * h], s2);
-            hi = h2_mul(m[2 * h + 1], s2);
-        }
+        const wsc_t s2 = wsc(S[(size_t)g * N + scale_pos(n, per_channel)]);
+        const wsc_t d2 = wsc(HAS_DELTA ? f32_to_h(D[(size_t)g * N + n]) : (u16)0);
+        // rows {r0, r0 + 1} and {r0 + 8, r0 + 9}
+        const u32 lo = weight2<HAS_DELTA>(m[2 * h], s2, d2), hi = weight2<HAS_DELTA>(m[2 * h + 1], s2, d2);
         tile[r0][c] = (u16)lo;
         tile[r0 + 1][c] = (u16)(lo >> 16);
         tile[r0 + 8][c] = (u16)hi;

@@ -46,27 +46,26 @@ __device__ __forceinline__ void lds_words(u32 addr, u32 (&w)[J]) {
 }
 
 template <int J>
-__device__ __forceinline__ void splat_cols(u32 addr, u32 (&h)[2 * J]) {
+__device__ __forceinline__ void splat_cols(u32 addr, wsc_t (&h)[2 * J]) {
     u32 w[J];
     lds_words<J>(addr, w);
 #pragma unroll
-    for (int p = 0; p < 2 * J; ++p) h[p] = h_splat((u16)(w[p >> 1] >> (16 * (p & 1))));
+    for (int p = 0; p < 2 * J; ++p) h[p] = wsc((u16)(w[p >> 1] >> (16 * (p & 1))));
 }
 
 // One k-tile of one warp: dequantize its J words into the A fragments of wgmma
 // jj = 0..J-1 (slot p = 2 jj + h of the scales is column 16 (J fg + jj) + g + 8 h of
 // the warp's block).
 template <bool HAS_DELTA, int J>
-__device__ __forceinline__ void weight_fragments(const u32 (&w)[J], const u32 (&s2)[2 * J], const u32 (&d2)[2 * J],
-                                                 u32 (&af)[J][4]) {
+__device__ __forceinline__ void weight_fragments(const u32 (&w)[J], const wsc_t (&s2)[2 * J],
+                                                 const wsc_t (&d2)[2 * J], u32 (&af)[J][4]) {
 #pragma unroll
     for (int j = 0; j < J; ++j) {
         u32 m[4];
         codes_minus8(w[j], m);
         u32 b[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-            b[i] = HAS_DELTA ? h2_fma(m[i], s2[2 * j + (i >> 1)], d2[2 * j + (i >> 1)]) : h2_mul(m[i], s2[2 * j + (i >> 1)]);
+        for (int i = 0; i < 4; ++i) b[i] = weight2<HAS_DELTA>(m[i], s2[2 * j + (i >> 1)], d2[2 * j + (i >> 1)]);
         af[j][0] = b[0];
         af[j][1] = b[2];
         af[j][2] = b[1];
@@ -105,6 +104,8 @@ __device__ __forceinline__ u32 h2_scale_half(u32 a, u32 s_pair, u32 d_pair) {
 // weight_fragments with the scales and deltas as loaded: s_pair[j] (d_pair[j]) holds
 // the fp16 scales (deltas) of columns 16 (J fg + j) + g and + 8 of the warp's block,
 // low half first, exactly as the S (D) slot stores them. The same arithmetic and bits.
+// fp16 only: the bf16 weight needs the scales in fp32, which the caller converts once
+// per group and passes to weight_fragments.
 template <bool HAS_DELTA, int J>
 __device__ __forceinline__ void weight_fragments_pairs(const u32 (&w)[J], const u32 (&s_pair)[J],
                                                        const u32 (&d_pair)[J], u32 (&af)[J][4]) {

@@ -6,6 +6,12 @@
 // fragment layouts) and the layout facts of checkpoint-formats.md section 4.
 // Values of fp16 type travel as raw bits: `unsigned short` for one, `unsigned int`
 // holding two (low half = lower index) for a pair.
+//
+// The activation type ("act": A and C) is fp16, or bf16 when NVRTC gets -DMARLIN_BF16
+// (converter/gpu/build.py compiles a file once per type it is asked for). Scales,
+// deltas and biases stay fp16 in both: the artifact's operands. What differs is kept
+// to this file (codes, weights, conversions) and the mma type string ACT_PTX; the
+// arithmetic of the bf16 forms is argued in docs/notes/bf16.md.
 
 #ifndef MARLIN_COMMON_CUH
 #define MARLIN_COMMON_CUH
@@ -42,6 +48,28 @@ __device__ __forceinline__ float h_to_f32(u16 h) {
     return x;
 }
 __device__ __forceinline__ u32 h_splat(u16 h) { return (u32)h | ((u32)h << 16); }
+
+// Bits as fp32 (a register move; no header is included for __uint_as_float).
+__device__ __forceinline__ float u32_as_f32(u32 b) {
+    float x;
+    asm("mov.b32 %0, %1;" : "=f"(x) : "r"(b));
+    return x;
+}
+
+#ifdef MARLIN_BF16
+#define ACT_PTX "bf16"
+// bf16 -> fp32 is exact: the bf16 bits are the top half of the fp32 ones.
+__device__ __forceinline__ float act_to_f32(u16 h) { return u32_as_f32((u32)h << 16); }
+__device__ __forceinline__ u16 f32_to_act(float x) {
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+#else
+#define ACT_PTX "f16"
+__device__ __forceinline__ float act_to_f32(u16 h) { return h_to_f32(h); }
+__device__ __forceinline__ u16 f32_to_act(float x) { return f32_to_h(x); }
+#endif
 
 // Read-only, non-coherent loads of operands no kernel writes while it runs. No L2
 // cache-policy hint is used anywhere (upstream's hinted async load is what crashed on
@@ -84,6 +112,7 @@ __device__ __forceinline__ u32 lop3_and_or(u32 a, u32 mask, u32 bits) {
     asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(mask), "r"(bits));
     return d;
 }
+#ifndef MARLIN_BF16
 __device__ __forceinline__ void codes_minus8(u32 w, u32 m[4]) {
     const u32 hi = w >> 8;
     const u32 lo_mask = 0x000F000Fu, hi_mask = 0x00F000F0u, ex = FP16_EXP_BITS;
@@ -92,6 +121,60 @@ __device__ __forceinline__ void codes_minus8(u32 w, u32 m[4]) {
     m[2] = h2_sub(lop3_and_or(hi, lo_mask, ex), FP16_1032);
     m[3] = h2_fma(lop3_and_or(hi, hi_mask, ex), FP16_ONE_16TH, FP16_MINUS_72);
 }
+#else
+// bf16 has 8 bits of precision: OR-ing a nibble into the mantissa of 128.0 (0x4300)
+// gives 128 + q exactly, and 128 + q - 136 = q - 8 is exact too. Bit 7 of a bf16 half
+// is its exponent's lowest bit, so the fp16 form's "nibble 4 bits up" has no bf16 twin:
+// each nibble is shifted down to bits 0-3 first (3 more shifts per word). The
+// subtraction is an fma with 1.0 because sub.bf16x2 needs sm_90 and fma.bf16x2 sm_80.
+#define BF16_EXP_BITS 0x43004300u
+#define BF16X2_ONES 0x3F803F80u
+#define BF16X2_MINUS_136 0xC308C308u
+__device__ __forceinline__ u32 bf2_fma(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+__device__ __forceinline__ void codes_minus8(u32 w, u32 m[4]) {
+    const u32 lo_mask = 0x000F000Fu, ex = BF16_EXP_BITS;
+    m[0] = bf2_fma(lop3_and_or(w, lo_mask, ex), BF16X2_ONES, BF16X2_MINUS_136);
+    m[1] = bf2_fma(lop3_and_or(w >> 4, lo_mask, ex), BF16X2_ONES, BF16X2_MINUS_136);
+    m[2] = bf2_fma(lop3_and_or(w >> 8, lo_mask, ex), BF16X2_ONES, BF16X2_MINUS_136);
+    m[3] = bf2_fma(lop3_and_or(w >> 12, lo_mask, ex), BF16X2_ONES, BF16X2_MINUS_136);
+}
+#endif
+
+// The per-weight paths' weight pair W = (q - 8) s (+ d) of a codes_minus8 pair `m` and
+// one column's scale `s` and delta `d`, held as `wsc_t` (wsc(): from the fp16 bits).
+// fp16: fma.rn.f16x2 on splats, the weight rounded once to fp16. bf16: the fp16 scale
+// and delta would not fit bf16's 8 bits, so the weight is formed in fp32 (fma.rn.f32:
+// exact for the usual delta = s (8 - z)) and rounded to bf16 by one cvt.rn per pair
+// (docs/notes/bf16.md, option 2); the twin is reference_bf16.dequant.
+#ifndef MARLIN_BF16
+typedef u32 wsc_t;
+__device__ __forceinline__ wsc_t wsc(u16 h) { return h_splat(h); }
+template <bool HAS_DELTA>
+__device__ __forceinline__ u32 weight2(u32 m, wsc_t s, wsc_t d) {
+    return HAS_DELTA ? h2_fma(m, s, d) : h2_mul(m, s);
+}
+#else
+typedef float wsc_t;
+__device__ __forceinline__ wsc_t wsc(u16 h) { return h_to_f32(h); }
+__device__ __forceinline__ float f32_mul_rn(float a, float b) {
+    float d;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+    return d;
+}
+template <bool HAS_DELTA>
+__device__ __forceinline__ u32 weight2(u32 m, wsc_t s, wsc_t d) {
+    const float lo = u32_as_f32(m << 16), hi = u32_as_f32(m & 0xFFFF0000u);
+    const float wl = HAS_DELTA ? fmaf(lo, s, d) : f32_mul_rn(lo, s);
+    const float wh = HAS_DELTA ? fmaf(hi, s, d) : f32_mul_rn(hi, s);
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(wh), "f"(wl));
+    return r;
+}
+#endif
 
 // Offset codes (the per-group arithmetic with a delta: marlin_decode.cu and the
 // persistent kernel's GS form in marlin_streamk.cu): the codes as the mma's A operand
@@ -106,6 +189,7 @@ __device__ __forceinline__ void codes_minus8(u32 w, u32 m[4]) {
 #define FP16X2_ONES 0x3C003C00u
 #define FP16X2_MINUS_1032 0xE408E408u
 #define FP16X2_64 0x54005400u
+#ifndef MARLIN_BF16
 __device__ __forceinline__ void offset_codes(u32 w, u32 m[4]) {
     const u32 hi = w >> 8;
     const u32 lo_mask = 0x000F000Fu, hi_mask = 0x00F000F0u;
@@ -116,6 +200,19 @@ __device__ __forceinline__ void offset_codes(u32 w, u32 m[4]) {
 }
 // The A fragment {a0, a1, a2, a3} of the offset-sum mma: rows g give Y, rows g + 8 X.
 #define OFFSET_SUMS_A {FP16X2_MINUS_1032, FP16X2_ONES, FP16_MINUS_72, FP16X2_ONES}
+#else
+// bf16: every row's codes are 128 + q (each nibble shifted to bits 0-3, as in
+// codes_minus8), so one offset, 136, and Y = -136 A in rows g of both k halves. The
+// sums cancel from values of at most 144 |A| (docs/notes/bf16.md).
+__device__ __forceinline__ void offset_codes(u32 w, u32 m[4]) {
+    const u32 lo_mask = 0x000F000Fu;
+    m[0] = lop3_and_or(w, lo_mask, BF16_EXP_BITS);
+    m[1] = lop3_and_or(w >> 4, lo_mask, BF16_EXP_BITS);
+    m[2] = lop3_and_or(w >> 8, lo_mask, BF16_EXP_BITS);
+    m[3] = lop3_and_or(w >> 12, lo_mask, BF16_EXP_BITS);
+}
+#define OFFSET_SUMS_A {BF16X2_MINUS_136, BF16X2_ONES, BF16X2_MINUS_136, BF16X2_ONES}
+#endif
 
 // Columns col and col + 1 (col even) of one row of C, a row of n_out columns: one 32-bit
 // store when both exist and the pair is 4-byte aligned (n_out even), else a 16-bit

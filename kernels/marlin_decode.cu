@@ -121,18 +121,19 @@ struct ABlock {
     }
 };
 
-// Eight fp16 values as fp16x2 splats (the GS = false form of the scales and deltas).
-__device__ __forceinline__ void lds_h8_splat(u32 addr, u32 (&h)[8]) {
+// Eight fp16 values as the weight path holds them (wsc_t: the GS = false form of the
+// scales and deltas).
+__device__ __forceinline__ void lds_h8_splat(u32 addr, wsc_t (&h)[8]) {
     const int4 v = lds_v4(addr);
     const u32 w[4] = {(u32)v.x, (u32)v.y, (u32)v.z, (u32)v.w};
 #pragma unroll
-    for (int p = 0; p < 8; ++p) h[p] = h_splat((u16)(w[p >> 1] >> (16 * (p & 1))));
+    for (int p = 0; p < 8; ++p) h[p] = wsc((u16)(w[p >> 1] >> (16 * (p & 1))));
 }
 
 template <int NT, int U, int GPI, bool HAS_DELTA, bool GS>
 __device__ __forceinline__ void decode_stage(u32 st, u32 sa, int kt, int lane, GroupWalk& walk, int group_tiles,
                                              int per_channel, bool& open, float (&sf)[8], float (&df)[8],
-                                             u32 (&s2)[8], u32 (&d2)[8],
+                                             wsc_t (&s2)[8], wsc_t (&d2)[8],
                                              float (&acc)[4][NT][4], float (&gp)[4][NT][4], float (&gx)[NT][4]) {
     using R = SplitRing<8 * NT, U, GPI>;
     constexpr int SUB = U / GPI;
@@ -190,12 +191,11 @@ __device__ __forceinline__ void decode_stage(u32 st, u32 sa, int kt, int lane, G
                     const u32 wa[4] = {m[0], m[2], m[1], m[3]};
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) mma_16816(gp[j][nt], wa, xf[nt][0], xf[nt][1]);
-                } else {  // the tile kernel's fp16 weight, bit for bit (dequant.cu)
+                } else {  // the tile kernel's 16-bit weight, bit for bit (dequant.cu)
                     u32 b[4];
 #pragma unroll
                     for (int i = 0; i < 4; ++i)
-                        b[i] = HAS_DELTA ? h2_fma(m[i], s2[2 * j + (i >> 1)], d2[2 * j + (i >> 1)])
-                                         : h2_mul(m[i], s2[2 * j + (i >> 1)]);
+                        b[i] = weight2<HAS_DELTA>(m[i], s2[2 * j + (i >> 1)], d2[2 * j + (i >> 1)]);
                     const u32 wa[4] = {b[0], b[2], b[1], b[3]};
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) mma_16816(acc[j][nt], wa, xf[nt][0], xf[nt][1]);
@@ -270,13 +270,13 @@ marlin_decode(const u16* __restrict__ A, const int4* __restrict__ B, const u16* 
 #pragma unroll
         for (int e = 0; e < 4; ++e) gx[nt][e] = 0.f;
 
-    // the open group's scales and deltas of this lane's 8 columns: fp32 (GS) or fp16x2
+    // the open group's scales and deltas of this lane's 8 columns: fp32 (GS) or wsc_t
     float sf[8], df[8];
-    u32 s2[8], d2[8];
+    wsc_t s2[8], d2[8];
 #pragma unroll
     for (int p = 0; p < 8; ++p) {
         sf[p] = df[p] = 0.f;
-        s2[p] = d2[p] = 0u;
+        s2[p] = d2[p] = wsc(0);
     }
     bool open = false;
     if (per_channel) {  // one group for all of K: read once, straight to registers
@@ -286,8 +286,8 @@ marlin_decode(const u16* __restrict__ A, const int4* __restrict__ B, const u16* 
             const u16 sv = ldg_u16(S + pos), dv = HAS_DELTA ? ldg_u16(D + pos) : (u16)0;
             sf[p] = h_to_f32(sv);
             df[p] = h_to_f32(dv);
-            s2[p] = h_splat(sv);
-            d2[p] = h_splat(dv);
+            s2[p] = wsc(sv);
+            d2[p] = wsc(dv);
         }
         open = GS;
     }
@@ -381,7 +381,7 @@ marlin_decode(const u16* __restrict__ A, const int4* __restrict__ B, const u16* 
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int m = mbase + 8 * nt + (e & 1), n = nbase + 16 * j + 8 * (e >> 1);
-                    if (m < M && n < n_out) C[(size_t)m * n_out + n] = f32_to_h(acc[j][nt][e] + bias_at(bias, n, n_out));
+                    if (m < M && n < n_out) C[(size_t)m * n_out + n] = f32_to_act(acc[j][nt][e] + bias_at(bias, n, n_out));
                 }
         return;
     }
@@ -432,8 +432,8 @@ marlin_decode(const u16* __restrict__ A, const int4* __restrict__ B, const u16* 
 #pragma unroll
         for (int rr = 0; rr < RR; ++rr)
             if (r0 + rr < rows)
-                store_pair(C + (size_t)(mrow0 + r0 + rr) * n_out, col, n_out, f32_to_h(sum[rr].x + b0),
-                           f32_to_h(sum[rr].y + b1));
+                store_pair(C + (size_t)(mrow0 + r0 + rr) * n_out, col, n_out, f32_to_act(sum[rr].x + b0),
+                           f32_to_act(sum[rr].y + b1));
     }
     if (lane == 0) locks[(size_t)mc * nblk + nb] = 0;  // ready for the next launch
 }

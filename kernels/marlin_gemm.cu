@@ -47,7 +47,7 @@
 
 template <int MT, int U, int GPI, bool HAS_DELTA>
 __device__ __forceinline__ void compute_stage(u32 st, int kt, int lane, GroupWalk& walk, int group_tiles,
-                                              int per_channel, u32 (&s2)[8], u32 (&d2)[8],
+                                              int per_channel, wsc_t (&s2)[8], wsc_t (&d2)[8],
                                               float (&acc)[MT][8][4]) {
     using R = Ring<16 * MT, U, GPI>;
     constexpr int SUB = U / GPI;
@@ -62,12 +62,12 @@ __device__ __forceinline__ void compute_stage(u32 st, int kt, int lane, GroupWal
             const int4 v = lds_v4(st + R::S_OFF + gi * 128 + 16 * c0);
             const u32 w[4] = {(u32)v.x, (u32)v.y, (u32)v.z, (u32)v.w};
 #pragma unroll
-            for (int jj = 0; jj < 8; ++jj) s2[jj] = h_splat((u16)(w[jj >> 1] >> (16 * (jj & 1))));
+            for (int jj = 0; jj < 8; ++jj) s2[jj] = wsc((u16)(w[jj >> 1] >> (16 * (jj & 1))));
             if (HAS_DELTA) {  // permuted like the scales: same offsets
                 const int4 dv = lds_v4(st + R::D_OFF + gi * 128 + 16 * c0);
                 const u32 dw[4] = {(u32)dv.x, (u32)dv.y, (u32)dv.z, (u32)dv.w};
 #pragma unroll
-                for (int jj = 0; jj < 8; ++jj) d2[jj] = h_splat((u16)(dw[jj >> 1] >> (16 * (jj & 1))));
+                for (int jj = 0; jj < 8; ++jj) d2[jj] = wsc((u16)(dw[jj >> 1] >> (16 * (jj & 1))));
             }
         }
 #pragma unroll
@@ -84,17 +84,10 @@ __device__ __forceinline__ void compute_stage(u32 st, int kt, int lane, GroupWal
                 codes_minus8(w[j], m);
                 u32 b[4];
                 // m[0], m[1]: columns c0 + 16 j (slot jj = 2 j); m[2], m[3]: + 8.
-                if (HAS_DELTA) {
-                    b[0] = h2_fma(m[0], s2[2 * j], d2[2 * j]);
-                    b[1] = h2_fma(m[1], s2[2 * j], d2[2 * j]);
-                    b[2] = h2_fma(m[2], s2[2 * j + 1], d2[2 * j + 1]);
-                    b[3] = h2_fma(m[3], s2[2 * j + 1], d2[2 * j + 1]);
-                } else {
-                    b[0] = h2_mul(m[0], s2[2 * j]);
-                    b[1] = h2_mul(m[1], s2[2 * j]);
-                    b[2] = h2_mul(m[2], s2[2 * j + 1]);
-                    b[3] = h2_mul(m[3], s2[2 * j + 1]);
-                }
+                b[0] = weight2<HAS_DELTA>(m[0], s2[2 * j], d2[2 * j]);
+                b[1] = weight2<HAS_DELTA>(m[1], s2[2 * j], d2[2 * j]);
+                b[2] = weight2<HAS_DELTA>(m[2], s2[2 * j + 1], d2[2 * j + 1]);
+                b[3] = weight2<HAS_DELTA>(m[3], s2[2 * j + 1], d2[2 * j + 1]);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     mma_16816(acc[mt][2 * j], af[mt], b[0], b[1]);
@@ -152,13 +145,13 @@ marlin_gemm(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[mt][f][e] = 0.f;
 
-    u32 s2[8], d2[8];  // current group's scales / deltas as fp16x2 splats
+    wsc_t s2[8], d2[8];  // current group's scales / deltas (fp16x2 splats, or fp32 for bf16)
     if (per_channel && live) {  // one group for all of K: read once, straight to registers
 #pragma unroll
         for (int jj = 0; jj < 8; ++jj) {
             const int col = 64 * nb + g4 + 8 * jj;
-            s2[jj] = h_splat(ldg_u16(S + scale_pos(col, 1)));
-            d2[jj] = HAS_DELTA ? h_splat(ldg_u16(D + scale_pos(col, 1))) : 0u;
+            s2[jj] = wsc(ldg_u16(S + scale_pos(col, 1)));
+            d2[jj] = wsc(HAS_DELTA ? ldg_u16(D + scale_pos(col, 1)) : (u16)0);
         }
     }
 
@@ -298,8 +291,8 @@ marlin_gemm(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __
                 for (int f = 0; f < 8; ++f) {
                     const int col = colbase + 8 * f;
                     store_pair(C + (size_t)r * n_out, col, n_out,
-                               f32_to_h(acc[mt][f][2 * h] + bias_at(bias, col, n_out)),
-                               f32_to_h(acc[mt][f][2 * h + 1] + bias_at(bias, col + 1, n_out)));
+                               f32_to_act(acc[mt][f][2 * h] + bias_at(bias, col, n_out)),
+                               f32_to_act(acc[mt][f][2 * h + 1] + bias_at(bias, col + 1, n_out)));
                 }
             }
         }

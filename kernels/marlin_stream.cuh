@@ -34,7 +34,7 @@ __device__ __forceinline__ int atom_add_acq_rel(int* p, int v) {
 
 // D (fp32 x4) += A (16x16 fp16, row) * B (16x8 fp16, col); PTX ISA fragment layouts.
 __device__ __forceinline__ void mma_16816(float c[4], const u32 a[4], u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+    asm("mma.sync.aligned.m16n8k16.row.col.f32." ACT_PTX "." ACT_PTX ".f32 "
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));

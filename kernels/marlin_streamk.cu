@@ -501,10 +501,22 @@ marlin_streamk(const __grid_constant__ TensorMap xmap, const u16* __restrict__ A
                         s2[v] = open ? ns2[v] : s2[v];
                         if (HAS_DELTA) d2[v] = open ? nd2[v] : d2[v];
                     }
+#ifdef MARLIN_BF16  // the bf16 weight is formed in fp32: the slot's scales converted once
+                    wsc_t sw[4], dw[4];
+#pragma unroll
+                    for (int v = 0; v < 4; ++v) {
+                        sw[v] = wsc((u16)(s2[v >> 1] >> (16 * (v & 1))));
+                        dw[v] = wsc(HAS_DELTA ? (u16)(d2[v >> 1] >> (16 * (v & 1))) : (u16)0);
+                    }
+#endif
 #pragma unroll
                     for (int uu = 0; uu < SUB; ++uu) {
                         const int u = gi * SUB + uu;
+#ifdef MARLIN_BF16
+                        weight_fragments<HAS_DELTA, 2>(bw[u], sw, dw, af[u % WG_DEPTH]);
+#else
                         weight_fragments_pairs<HAS_DELTA, 2>(bw[u], s2, d2, af[u % WG_DEPTH]);
+#endif
                         if (u % 2 == 0) continue;  // a pair of k-tiles per wgmma group (see WG_DEPTH)
                         wgmma_fence();
 #pragma unroll
@@ -609,7 +621,7 @@ marlin_streamk(const __grid_constant__ TensorMap xmap, const u16* __restrict__ A
                 const int r = e & 3;
                 const int tok = mrow0 + 8 * (e >> 2) + 2 * t4 + (r & 1);
                 const int f = 64 * nb + 16 * (j0 + j) + g4 + 8 * (r >> 1);
-                if (tok < M && f < n_out) C[(size_t)tok * n_out + f] = f32_to_h(acc[j][e] + bf[2 * j + (r >> 1)]);
+                if (tok < M && f < n_out) C[(size_t)tok * n_out + f] = f32_to_act(acc[j][e] + bf[2 * j + (r >> 1)]);
             }
     }
 }

@@ -71,6 +71,9 @@
 // never shared by two launches in flight. Needs sm_90a (wgmma); no L2 cache-policy hint.
 
 #include "marlin_stream.cuh"
+#ifdef MARLIN_BF16
+#error "marlin_wgmma.cu has fp16 forms only (no route sends bf16 here; hopper_activations copies bits and serves both)"
+#endif
 #include "wgmma_ops.cuh"
 #include "hopper_pipe.cuh"
 

@@ -63,6 +63,7 @@ class ProblemCode(str, enum.Enum):
     MODEL_ERROR = "model_error"
     MODEL_TOP1 = "model_top1"
     LAYER_ERROR = "layer_error"
+    LAYER_DTYPE = "layer_dtype"
     LAYER_NOT_IN_SOURCE = "layer_not_in_source"
     LAYER_NOT_RUN = "layer_not_run"
     MISSING_BIAS = "missing_bias"

@@ -213,14 +213,18 @@ def _make_module_class() -> Any:
         """``torch.nn.Module`` running a :class:`MarlinLinear` as the torch op
         ``torch.ops.marlin_convert.gemm`` (:mod:`converter.gpu.torch_op`).
 
-        ``forward(x)``: float16 CUDA tensor ``(..., K)`` -> float16 CUDA tensor
-        ``(..., N)``, on torch's current stream; compiles with ``torch.compile(fullgraph=True)``
+        ``forward(x)``: float16 or bfloat16 CUDA tensor ``(..., K)`` -> CUDA tensor
+        ``(..., N)`` of the same dtype, on torch's current stream; compiles with ``torch.compile(fullgraph=True)``
         and can be captured in a CUDA graph after a first call at each M. The layer's
         operands become the module's (non-persistent) buffers, owned by torch's allocator,
         on the layer's device; the :class:`MarlinLinear` is not kept.
 
-        Raises (forward): KernelError for a non-fp16 or non-CUDA input.
+        Raises (forward): KernelError for an input that is not fp16 / bf16 or not CUDA.
         """
+
+        #: The input dtypes ``forward`` takes as they are (the swapped model modules cast
+        #: any other to fp16 first).
+        act_dtypes = (torch.float16, torch.bfloat16)
 
         #: Lock counters each layer keeps (zeroed; every launch leaves them zeroed). 4096 covers
         #: every plan up to a few thousand rows; a call that needs more takes zeroed ones from torch.
@@ -249,8 +253,8 @@ def _make_module_class() -> Any:
             self.register_buffer(
                 "locks", torch.zeros(self.LOCKS, dtype=torch.int32, device=self.b.device), persistent=False
             )
-            #: M -> the packed launch of that M (torch_op.FastGemm), built at the first eager call.
-            self._fast: dict[int, Any] = {}
+            #: (M, dtype) -> the packed launch of that M (torch_op.FastGemm), built at the first eager call.
+            self._fast: dict[tuple[int, Any], Any] = {}
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             # Eager calls take the packed launch when it is on; torch.compile traces the op.
@@ -261,21 +265,21 @@ def _make_module_class() -> Any:
             return self._op_forward(x)
 
         def _fast_forward(self, x: torch.Tensor) -> torch.Tensor | None:
-            """The packed launch (:class:`~converter.gpu.torch_op.FastGemm`) of a float16,
-            C-contiguous, 16-byte aligned ``x`` on the layer's device, else None (the op's
-            path then checks, copies or refuses it)."""
-            k, nd = self.in_features, x.dim()
-            if x.dtype != torch.float16 or not nd or x.shape[-1] != k or not x.is_contiguous():
+            """The packed launch (:class:`~converter.gpu.torch_op.FastGemm`) of an fp16 or
+            bf16, C-contiguous, 16-byte aligned ``x`` on the layer's device, else None (the
+            op's path then checks, copies or refuses it)."""
+            k, nd, dt = self.in_features, x.dim(), x.dtype
+            if dt not in self.act_dtypes or not nd or x.shape[-1] != k or not x.is_contiguous():
                 return None
             x2 = x if nd == 2 else x.view(-1, k)
             m, a_ptr = x2.shape[0], x2.data_ptr()
-            fast = self._fast.get(m)
+            fast = self._fast.get((m, dt))
             if fast is None:
                 if m == 0 or a_ptr % 16 or x2.get_device() != self.b.get_device():
                     return None
-                fast = self._fast[m] = torch_op.FastGemm(
+                fast = self._fast[m, dt] = torch_op.FastGemm(
                     x2.get_device(), m, self.b, self.scales, self.delta, self.perm, self.bias, self.locks,
-                    k, self.size_n, self.group_size, self.out_features,
+                    k, self.size_n, self.group_size, self.out_features, dt,
                 )  # fmt: skip
             elif a_ptr % 16 or x2.get_device() != fast.device:
                 return None
@@ -285,7 +289,15 @@ def _make_module_class() -> Any:
         def _apply(self, fn: Any, *args: Any, **kw: Any) -> Any:
             # .to() / .cuda() / .half() may move the operands: the packed launches hold their addresses.
             self._fast.clear()
-            return super()._apply(fn, *args, **kw)
+
+            def keep_dtype(t: torch.Tensor) -> torch.Tensor:
+                # The operands' dtypes are the kernels' (fp16 scales and deltas, int32 codes):
+                # model.to(torch.bfloat16) moves them but must not convert them, or the
+                # kernels would read bf16 bits as fp16.
+                r = fn(t)
+                return r if r.dtype == t.dtype else t.to(r.device)
+
+            return super()._apply(keep_dtype, *args, **kw)
 
         def __setattr__(self, name: str, value: Any) -> None:
             # Replacing an operand likewise drops the packed launches that hold its address.
@@ -294,9 +306,9 @@ def _make_module_class() -> Any:
             super().__setattr__(name, value)
 
         def _op_forward(self, x: torch.Tensor) -> torch.Tensor:
-            if x.dtype != torch.float16 or not x.is_cuda:
+            if x.dtype not in self.act_dtypes or not x.is_cuda:
                 raise KernelError(
-                    f"{self.layer_name}: expected a float16 CUDA tensor, got {x.dtype} on {x.device}",
+                    f"{self.layer_name}: expected a float16 or bfloat16 CUDA tensor, got {x.dtype} on {x.device}",
                     tensor=self.layer_name,
                 )
             lead = x.shape[:-1]

@@ -147,17 +147,28 @@ def keeps_b_units(size_k: int, size_n: int, group_size: int, tuning: Tuning = DE
 
 # ----------------------------------------------------------------------------- launchers
 
+#: Activation type -> the array dtype holding it (bf16 as its bits: CuPy has no bf16).
+ACT_ARRAY_DTYPES = {"float16": np.float16, "bfloat16": np.uint16}
 
-def gather_columns(A: Any, perm: Any, *, out: Any = None) -> Any:
+
+def _act_dtype(act: str) -> Any:
+    try:
+        return ACT_ARRAY_DTYPES[act]
+    except KeyError:
+        raise KernelError(f"act must be one of {', '.join(ACT_ARRAY_DTYPES)}, got {act!r}") from None
+
+
+def gather_columns(A: Any, perm: Any, *, out: Any = None, act: str = "float16") -> Any:
     """``A[:, perm]`` on the GPU (act-order gather). Twin: ``reference.gather_columns``.
 
     Args:
-        A: float16 ``(M, K)``, source channel order.
+        A: ``(M, K)`` of ``act`` (as :func:`marlin_gemm`), source channel order.
         perm: int32 ``(K,)``, Marlin row k = source channel ``perm[k]``.
-        out: optional float16 ``(M, K)`` destination.
+        out: optional ``(M, K)`` destination of A's dtype.
+        act: the activation type (the gather moves 16-bit values: one kernel for both).
 
     Returns:
-        float16 ``(M, K)`` CuPy array in Marlin order.
+        ``(M, K)`` CuPy array of A's dtype in Marlin order.
 
     Raises:
         KernelError: bad dtype/shape/contiguity. GpuUnavailableError: no GPU.
@@ -166,9 +177,10 @@ def gather_columns(A: Any, perm: Any, *, out: Any = None) -> Any:
     if A is None or getattr(A, "ndim", 0) != 2:
         raise KernelError("A must be 2-D (M, K)", tensor="A")
     m, k = A.shape
-    A = _dev(A, "A", np.float16, (m, k))
+    act_np = _act_dtype(act)
+    A = _dev(A, "A", act_np, (m, k))
     perm = _dev(perm, "perm", np.int32, (k,))
-    out = cp.empty((m, k), dtype=cp.float16) if out is None else _dev(out, "out", np.float16, (m, k))
+    out = cp.empty((m, k), dtype=act_np) if out is None else _dev(out, "out", act_np, (m, k))
     emit_gather(A, perm, out, m, k)
     return out
 
@@ -189,6 +201,7 @@ def marlin_gemm(
     pipe: tuple[str, int, int, int] | None = None,
     tuning: Tuning = DEFAULT_TUNING,
     b_units: Any = None,
+    act: str = "float16",
 ) -> Any:
     """INT4 x FP16 GEMM on Marlin tensors; fused asymmetric correction when ``delta`` given.
 
@@ -244,10 +257,15 @@ def marlin_gemm(
             or None. The persistent kinds then stream it (the same bits); the other kinds
             need ``B`` itself, which may be None when every call of the layer goes to a
             persistent kind.
+        act: ``"float16"``, or ``"bfloat16"``: ``A``, ``out`` and the result then hold
+            bf16 bits as uint16 (CuPy has no bf16 dtype); the same routes, with the bf16
+            forms of the kernels (docs/notes/bf16.md; twin ``reference_bf16.marlin_gemm``).
+            The other operands are the same for both.
 
     Returns:
-        float16 ``(M, n_out)`` CuPy array. Bitwise deterministic for fixed inputs
-        and a fixed device (the K split depends on the multiprocessor count).
+        ``(M, n_out)`` CuPy array of ``act`` (uint16 bits for bf16). Bitwise
+        deterministic for fixed inputs and a fixed device (the K split depends on the
+        multiprocessor count).
 
     Raises:
         KernelError: wrong dtype/shape/contiguity/alignment, unsupported sizes, NVRTC
@@ -260,7 +278,8 @@ def marlin_gemm(
     if A is None or getattr(A, "ndim", 0) != 2 or A.shape[1] != size_k or A.shape[0] < 1:
         raise KernelError(f"A must be (M >= 1, {size_k}), got {getattr(A, 'shape', None)}", tensor="A")
     m = int(A.shape[0])
-    A = _dev(A, "A", np.float16, (m, size_k))
+    act_np = _act_dtype(act)
+    A = _dev(A, "A", act_np, (m, size_k))
     units_mode = 0  # the kernels' b_units: 1 unit-major, 2 with the scales and deltas inline
     if b_units is not None:
         n_units = -(-size_n // 256)
@@ -285,7 +304,7 @@ def marlin_gemm(
         bias = _dev(bias, "bias", np.float16, (n_out,))
     if perm is not None:
         perm = _dev(perm, "perm", np.int32, (size_k,))
-    out = cp.empty((m, n_out), dtype=cp.float16) if out is None else _dev(out, "out", np.float16, (m, n_out))
+    out = cp.empty((m, n_out), dtype=act_np) if out is None else _dev(out, "out", act_np, (m, n_out))
     run = gemm_launch(
         m,
         size_k,
@@ -298,11 +317,12 @@ def marlin_gemm(
         has_b=B is not None,
         pipe=pipe,
         tuning=tuning,
+        act=act,
     )
     ws, locks, at = _workspace(run.ws_floats, run.n_locks, run.at_halves)
     a_ptr = int(A.data.ptr)
     if run.gather:
-        A = gather_columns(A, perm)
+        A = gather_columns(A, perm, act=act)
         a_ptr = int(A.data.ptr)
     emit_gemm(run, A, a_ptr, perm, b_units if run.units else B, scales, delta, bias, out, ws, locks, at)
     return out
@@ -317,16 +337,19 @@ def dequant(
     group_size: int,
     delta: Any = None,
     out: Any = None,
+    act: str = "float16",
 ) -> Any:
-    """Marlin tensors to the fp16 weight ``(size_k, size_n)`` (``kernels/dequant.cu``).
+    """Marlin tensors to the fp16 weight ``(size_k, size_n)`` (``kernels/dequant.cu``),
+    or with ``act="bfloat16"`` the bf16 weight the bf16 kernels' per-weight paths form.
 
     Args:
-        B, scales, size_k, size_n, group_size, delta: as :func:`marlin_gemm`.
-        out: optional float16 ``(size_k, size_n)`` destination.
+        B, scales, size_k, size_n, group_size, delta, act: as :func:`marlin_gemm`.
+        out: optional ``(size_k, size_n)`` destination of ``act``'s array dtype.
 
     Returns:
-        float16 ``(size_k, size_n)`` CuPy array, rows in Marlin order, bit-identical to
-        ``reference.dequant`` and to the weight the GEMM multiplies by.
+        ``(size_k, size_n)`` CuPy array (float16, or uint16 bf16 bits), rows in Marlin
+        order, bit-identical to ``reference.dequant`` (``reference_bf16.dequant``) and to
+        the weight the GEMM multiplies by.
 
     Raises:
         KernelError, GpuUnavailableError: as :func:`marlin_gemm`.
@@ -339,11 +362,10 @@ def dequant(
         delta = _dev(delta, "delta", np.float32, (g, size_n))
     if size_k // MARLIN_TILE > 65535:
         raise KernelError(f"size_k={size_k} too large for dequant's grid (K/16 <= 65535)")
-    out = (
-        cp.empty((size_k, size_n), dtype=cp.float16) if out is None else _dev(out, "out", np.float16, (size_k, size_n))
-    )
+    act_np = _act_dtype(act)
+    out = cp.empty((size_k, size_n), dtype=act_np) if out is None else _dev(out, "out", act_np, (size_k, size_n))
     name = "marlin_dequant<true>" if delta is not None else "marlin_dequant<false>"
-    build.function("dequant.cu", name)(
+    build.function("dequant.cu", name, act)(
         (size_n // KERNEL_N_MULTIPLE, size_k // MARLIN_TILE),
         (BLOCK_THREADS,),
         (

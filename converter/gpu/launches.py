@@ -52,6 +52,7 @@ def gemm_plan(
     delta: bool = False,
     pipe: tuple[str, int, int, int] | None = None,
     tuning: Tuning = DEFAULT_TUNING,
+    act: str = "float16",
 ) -> GemmPlan:
     """Kernel variant and K split the GEMM launcher uses for one call on this device
     (:func:`converter.gpu.plan.plan_gemm`, with the variant's compiled register count).
@@ -62,10 +63,12 @@ def gemm_plan(
         pipe: ``(kind, R, U, NS)`` override of :func:`~converter.gpu.plan.default_pipe`
             (benchmarking).
         tuning: the planner's knobs.
+        act: the activation type (``build.ACTS``); the route is the same for both, the
+            register count (and so the occupancy the plan assumes) is the type's build's.
 
     Raises:
-        KernelError: K not a multiple of 16 U (64 always works), an unknown pipe, or
-            too little shared memory.
+        KernelError: K not a multiple of 16 U (64 always works), an unknown pipe, a
+            pipe whose file has no form for ``act``, or too little shared memory.
         GpuUnavailableError: no CuPy / GPU.
     """
     _, group_tiles, _ = layer_groups(size_k, size_n, group_size)
@@ -75,15 +78,25 @@ def gemm_plan(
     pipe = Pipe.of(pipe)
     if pipe.spec.wgmma and not hopper_device():
         raise KernelError(f"GEMM variant {pipe} needs sm_90 (wgmma); this device is {info.arch}")
-    return _plan(m, size_k, size_n, group_size, delta, pipe, tuning, info)
+    if act not in build.ACT_SOURCES[pipe.spec.source]:
+        raise KernelError(f"GEMM variant {pipe} ({pipe.spec.source}) has no {act} form")
+    return _plan(m, size_k, size_n, group_size, delta, pipe, tuning, info, act)
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(
-    m: int, size_k: int, size_n: int, group_size: int, delta: bool, pipe: Pipe, tuning: Tuning, info: runtime.DeviceInfo
+    m: int,
+    size_k: int,
+    size_n: int,
+    group_size: int,
+    delta: bool,
+    pipe: Pipe,
+    tuning: Tuning,
+    info: runtime.DeviceInfo,
+    act: str = "float16",
 ) -> GemmPlan:
     variant = kernel_variant(size_k, size_n, group_size, pipe, smem_limit=info.smem_per_block_optin, arch=info.arch)
-    regs = int(build.function(pipe.spec.source, variant.name(delta)).num_regs)
+    regs = int(build.function(pipe.spec.source, variant.name(delta), act).num_regs)
     return plan_gemm(m, size_k, size_n, variant, regs=regs, device=info, tuning=tuning)
 
 
@@ -138,17 +151,20 @@ def gemm_launch(
     has_b: bool = True,
     pipe: tuple[str, int, int, int] | None = None,
     tuning: Tuning = DEFAULT_TUNING,
+    act: str = "float16",
 ) -> GemmLaunch:
     """The :class:`GemmLaunch` of one call on the current device (cached per device and
     arguments). ``units_mode``: 0 no ``b_units``, 1 unit-major, 2 with the scales and
-    deltas inline; ``has_b``: Marlin's ``B`` is there too.
+    deltas inline; ``has_b``: Marlin's ``B`` is there too; ``act``: the activation type.
 
     Raises:
         KernelError: as :func:`marlin_gemm` for the sizes, the pipe, the inline copy, or
             no ``B`` where the kernel that serves ``m`` reads it.
     """
     info = runtime.device_info()
-    return _gemm_launch(info, m, size_k, size_n, group_size, delta, act_order, units_mode, n_out, has_b, pipe, tuning)
+    return _gemm_launch(
+        info, m, size_k, size_n, group_size, delta, act_order, units_mode, n_out, has_b, pipe, tuning, act
+    )
 
 
 @functools.lru_cache(maxsize=8192)
@@ -165,13 +181,14 @@ def _gemm_launch(
     has_b: bool,
     pipe: tuple[str, int, int, int] | None,
     tuning: Tuning,
+    act: str = "float16",
 ) -> GemmLaunch:
     _, gt, per_channel = layer_groups(size_k, size_n, group_size)
-    plan = gemm_plan(m, size_k, size_n, group_size, delta=delta, pipe=pipe, tuning=tuning)
+    plan = gemm_plan(m, size_k, size_n, group_size, delta=delta, pipe=pipe, tuning=tuning, act=act)
     units = units_mode > 0 and plan.pipe.spec.persistent
     if not has_b and not units:
         raise KernelError(f"the {plan.kind} kernel that serves M={m} reads B in Marlin's order: pass B", tensor="B")
-    fn = build.function(plan.pipe.spec.source, plan.pipe.name(plan.gpi, delta))
+    fn = build.function(plan.pipe.spec.source, plan.pipe.name(plan.gpi, delta), act)
     if fn.max_dynamic_shared_size_bytes < plan.smem:
         # Opt in above the default (48 KB less the kernel's static shared memory).
         fn.max_dynamic_shared_size_bytes = plan.smem

@@ -53,9 +53,22 @@ def _stream(ptr: int) -> _Stream:
     return _Stream(ptr)
 
 
+#: torch dtype of the activations -> the kernels' activation type (``build.ACTS``).
+ACTS = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
 @functools.lru_cache(maxsize=8192)
 def _launch(
-    device: int, m: int, size_k: int, size_n: int, group_size: int, delta: bool, act_order: bool, units: int, n_out: int
+    device: int,
+    m: int,
+    size_k: int,
+    size_n: int,
+    group_size: int,
+    delta: bool,
+    act_order: bool,
+    units: int,
+    n_out: int,
+    act: str = "float16",
 ) -> kernels.GemmLaunch:
     cp = runtime.cupy_module()
     with cp.cuda.Device(device):
@@ -69,6 +82,7 @@ def _launch(
             units_mode=units,
             n_out=n_out,
             has_b=units == 0,
+            act=act,
         )
 
 
@@ -101,7 +115,8 @@ def run_gemm(
     which skips the dispatcher's overhead; the result is the same).
 
     Args:
-        x: float16 ``(M, size_k)``, C-contiguous, on a CUDA device, source channel order.
+        x: float16 or bfloat16 ``(M, size_k)``, C-contiguous, on a CUDA device, source
+            channel order.
         b: int32 Marlin ``B`` ``(size_k / 16, 2 size_n)`` or its unit-major copy.
         scales: float16 ``(G, size_n)`` Marlin-permuted; delta: float16 ``(G, size_n)``
             from ``prepare_delta`` or None; perm: int32 ``(size_k,)`` or None; bias:
@@ -109,15 +124,17 @@ def run_gemm(
         size_k, size_n, group_size, n_out: the layer (``size_n`` padded to 64).
 
     Returns:
-        float16 ``(M, n_out)``.
+        ``(M, n_out)`` of ``x``'s dtype.
 
     Raises:
-        KernelError: ``x`` is not float16 ``(M, size_k)`` C-contiguous CUDA, or the
-            kernels cannot serve the sizes.
+        KernelError: ``x`` is not a float16 or bfloat16 ``(M, size_k)`` CUDA tensor, or
+            the kernels cannot serve the sizes.
     """
-    if x.dtype != torch.float16 or x.dim() != 2 or x.shape[1] != size_k or not x.is_cuda:
+    act = ACTS.get(x.dtype)
+    if act is None or x.dim() != 2 or x.shape[1] != size_k or not x.is_cuda:
         raise KernelError(
-            f"expected a float16 CUDA tensor (M, {size_k}), got {x.dtype} {tuple(x.shape)} on {x.device}", tensor="A"
+            f"expected a float16 or bfloat16 CUDA tensor (M, {size_k}), got {x.dtype} {tuple(x.shape)} on {x.device}",
+            tensor="A",
         )
     if not x.is_contiguous() or x.data_ptr() % 16:
         x = x.clone(memory_format=torch.contiguous_format)
@@ -127,10 +144,12 @@ def run_gemm(
         # The kernels are loaded and launched in the current device's context: enter the layer's.
         with torch.cuda.device(dev):
             return run_gemm(x, b, scales, delta, perm, bias, locks, size_k, size_n, group_size, n_out)
-    out = torch.empty((m, n_out), dtype=torch.float16, device=dev)
+    out = torch.empty((m, n_out), dtype=x.dtype, device=dev)
     if m == 0:  # an empty batch: nothing to plan or launch (the planner wants M >= 1)
         return out
-    run = _launch(dev.index, m, size_k, size_n, group_size, delta is not None, perm is not None, units_mode(b), n_out)
+    run = _launch(
+        dev.index, m, size_k, size_n, group_size, delta is not None, perm is not None, units_mode(b), n_out, act
+    )
     stream = _stream(torch.cuda.current_stream(dev).cuda_stream)
     a = x
     if run.gather:
@@ -252,10 +271,12 @@ class FastGemm:
         size_n: int,
         group_size: int,
         n_out: int,
+        dtype: torch.dtype = torch.float16,
     ) -> None:
-        self.device, self.m, self.size_k, self.n_out = device, m, size_k, n_out
+        self.device, self.m, self.size_k, self.n_out, self.dtype = device, m, size_k, n_out, dtype
         self.dev = torch.device("cuda", device)
-        run = _launch(device, m, size_k, size_n, group_size, delta is not None, perm is not None, units_mode(b), n_out)
+        act, units = ACTS[dtype], units_mode(b)
+        run = _launch(device, m, size_k, size_n, group_size, delta is not None, perm is not None, units, n_out, act)
         self.run = run
         self.ws_floats, self.at_halves = run.ws_floats, run.at_halves
         # A call that needs more counters than the layer holds takes zeroed ones per call.
@@ -298,14 +319,14 @@ class FastGemm:
         return hit
 
     def __call__(self, x: torch.Tensor, a_ptr: int) -> torch.Tensor:
-        """``x`` float16 ``(m, size_k)``, C-contiguous, 16-byte aligned at ``a_ptr``, on
-        ``device`` (the caller checks) -> float16 ``(m, n_out)``."""
+        """``x`` ``(m, size_k)`` of the object's dtype, C-contiguous, 16-byte aligned at
+        ``a_ptr``, on ``device`` (the caller checks) -> ``(m, n_out)`` of that dtype."""
         dev = self.dev
         if torch.cuda.current_device() != self.device:
             # cuLaunchKernel runs in the current context; the packed function is the layer device's.
             with torch.cuda.device(self.device):
                 return self(x, a_ptr)
-        out = torch.empty((self.m, self.n_out), dtype=torch.float16, device=dev)
+        out = torch.empty((self.m, self.n_out), dtype=self.dtype, device=dev)
         stream = self.stream(self.device)
         gemm, words = self.gemm, self.gemm.words
         gathered = None
@@ -345,7 +366,7 @@ gemm = torch.library.custom_op(f"{NAMESPACE}::gemm", run_gemm, mutates_args=(), 
 
 @gemm.register_fake
 def _gemm_fake(x: torch.Tensor, *operands: Any) -> torch.Tensor:
-    """The result's shape and dtype, for tracing: ``(M, n_out)`` float16 (operands as :func:`run_gemm`'s)."""
+    """The result's shape and dtype, for tracing: ``(M, n_out)`` of ``x``'s dtype (operands as :func:`run_gemm`'s)."""
     size_k, n_out = operands[6], operands[9]
     torch._check(x.shape[1] == size_k)
-    return x.new_empty((x.shape[0], n_out), dtype=torch.float16)
+    return x.new_empty((x.shape[0], n_out))

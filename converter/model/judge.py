@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..artifact.problems import ProblemCode
+from .modules import KERNEL
 from .report import ModelReport
 
 if TYPE_CHECKING:
@@ -28,6 +29,8 @@ DECIDED_FACTOR = 2 * ERROR_FACTOR
 #: A layer is flagged above this many times the fp16 linear's error and above LAYER_FLOOR.
 LAYER_FACTOR = 4.0
 LAYER_FLOOR = 5e-3
+#: Activation types our kernel runs as they are: a layer given one must give the same back.
+HALF_TYPES = ("float16", "bfloat16")
 
 
 def top1_verdict(
@@ -105,6 +108,8 @@ def _judge(
     for layer, path in load.layers.items():
         e, e16 = probe.stats.get(layer, [None, None])
         bad = e is not None and e > LAYER_FACTOR * e16 and e > LAYER_FLOOR
+        dts = probe.dtypes.get(layer)
+        cast = path == KERNEL and dts is not None and dts[0] in HALF_TYPES and dts[1] != dts[0]
         report.layers.append(
             {
                 "name": layer,
@@ -112,9 +117,17 @@ def _judge(
                 "path": path,
                 "rel_err": e,
                 "fp16_rel_err": e16,
-                "ok": not bad,
+                "dtypes": None if dts is None else list(dts),
+                "ok": not (bad or cast),
             }
         )
+        if cast:
+            report.add(
+                P.LAYER_DTYPE,
+                f"layer {layer} (module {modules.get(layer)}): took {dts[0]} activations but its kernel gave {dts[1]} "
+                "(a 16-bit model's layers run in its own type)",
+                layer,
+            )
         if layer not in plans:
             report.add(
                 P.LAYER_NOT_IN_SOURCE,

@@ -72,19 +72,25 @@ def dtype_code(t: torch.Tensor) -> str:
     return str(t.dtype)
 
 
-def _fp16_contiguous(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as the kernel takes it; an fp16 contiguous ``x`` itself, without the two
-    dispatcher calls (a few microseconds of host time per layer in eager decode)."""
-    if x.dtype != torch.float16:
+#: What a kernel module takes when it says nothing (``act_dtypes``): fp16 only.
+_FP16_ONLY = (torch.float16,)
+
+
+def _kernel_input(kernel: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``kernel`` takes it: in its own dtype where the kernel runs that dtype
+    (``MarlinLinearModule``: fp16 and bf16, so a bf16 model is never cast), else cast to
+    fp16; contiguous. A contiguous ``x`` of a taken dtype is returned itself, without the
+    two dispatcher calls (a few microseconds of host time per layer in eager decode)."""
+    if x.dtype not in getattr(kernel, "act_dtypes", _FP16_ONLY):
         x = x.to(torch.float16)
     return x if x.is_contiguous() else x.contiguous()
 
 
 class _Swapped(nn.Module):
     """What the swapped modules share: ``keep_raw`` (set by ``marlin-verify --model``'s
-    per-layer probe) keeps the last output before its cast to the input's dtype in
-    ``raw_output`` (fp16 for the Marlin paths), so a bf16 model's activations do not
-    hide the layer's own rounding."""
+    per-layer probe) keeps the last output before any cast to the input's dtype in
+    ``raw_output`` (the kernel's own dtype: fp16, or bf16 for a bf16 input), so an fp32
+    model's activations do not hide the layer's own rounding."""
 
     keep_raw = False
     raw_output: torch.Tensor | None = None
@@ -159,12 +165,15 @@ class ExactMarlinLinear(_Swapped):
 
 
 class KernelMarlinLinear(_Swapped):
-    """A kernel module (fp16 CUDA in, fp16 CUDA out) made dtype-agnostic.
+    """A kernel module made dtype-agnostic: an input of a dtype the kernel takes
+    (``act_dtypes``: fp16 and bf16 for ``MarlinLinearModule``) goes in as it is and the
+    result comes back in it; any other is cast to fp16 and the result back.
 
     Args:
         name: the layer's artifact prefix.
-        kernel: ``MarlinLinearModule`` (or anything with its contract: float16
-            ``(..., K)`` -> float16 ``(..., N)``, bias applied inside).
+        kernel: ``MarlinLinearModule`` (or anything with its contract: ``(..., K)`` of a
+            dtype in its ``act_dtypes``, fp16 when it has none -> ``(..., N)`` of the
+            same dtype, bias applied inside).
         in_features, out_features: K and N.
     """
 
@@ -175,7 +184,7 @@ class KernelMarlinLinear(_Swapped):
         self.kernel = kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.kernel(_fp16_contiguous(x))
+        y = self.kernel(_kernel_input(self.kernel, x))
         if self.keep_raw:
             self.raw_output = y
         return y if y.dtype == x.dtype else y.to(x.dtype)
@@ -209,7 +218,7 @@ class FusedKernel(nn.Module):
             left = held[2] - 1
             self._held = None if left == 0 else (x, held[1], left)
             return held[1]
-        y = self.kernel(_fp16_contiguous(x))
+        y = self.kernel(_kernel_input(self.kernel, x))
         self._held = (x, y, self.siblings - 1) if self.siblings > 1 else None
         return y
 
@@ -219,7 +228,7 @@ class FusedKernel(nn.Module):
 
 class FusedSlice(_Swapped):
     """One converted layer of a fused group: columns ``start:stop`` of the group's result,
-    in ``x``'s dtype (a view: no copy in fp16).
+    in ``x``'s dtype (a view: no copy when the kernel ran that dtype).
 
     Args:
         name: the layer's artifact prefix.

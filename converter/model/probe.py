@@ -19,11 +19,14 @@ P = ProblemCode
 
 class _LayerProbe:
     """Forward hooks on the converted model's swapped layers: each layer's output on the
-    model's own activations against the source layer (fp32) and an fp16 linear of it."""
+    model's own activations against the source layer (fp32) and a 16-bit linear of it
+    (bf16 for bf16 activations, else fp16). Each hook also records the dtype the layer's
+    kernel took and gave (``dtypes``): a bf16 model's layers run bf16, never cast."""
 
     def __init__(self, source: Any, plans: dict[str, Any]) -> None:
         self.source, self.plans = source, plans
         self.stats: dict[str, list[float]] = {}
+        self.dtypes: dict[str, tuple[str, str]] = {}
         self.handles: list[Any] = []
         self.modules: dict[str, Any] = {}
 
@@ -56,14 +59,19 @@ class _LayerProbe:
 
             t = self.source.load_tensor(lp.bias.name)
             bias = to_torch(t.data, t.dtype).float().to(x.device)
-        x16 = x.to(torch.float16)
+        # the 16-bit linear runs in the activations' type where it is bf16 (as the kernel
+        # does), else in fp16
+        half = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float16
+        x16 = x.to(half)
         ref = x16.float() @ w
         if bias is not None:
             ref = ref + bias
-        y16 = F.linear(x16, w.T.to(torch.float16), None if bias is None else bias.to(torch.float16)).float()
+        y16 = F.linear(x16, w.T.to(half), None if bias is None else bias.to(half)).float()
         scale = float(ref.abs().mean()) or 1.0
-        # The layer's own fp16 output, before the cast to the activations' dtype.
-        ours = (mod.raw_output if mod.raw_output is not None else out).detach().float()
+        # The layer's own 16-bit output, before any cast to the activations' dtype.
+        raw = mod.raw_output if mod.raw_output is not None else out
+        self.dtypes[mod.layer_name] = (str(x.dtype).removeprefix("torch."), str(raw.dtype).removeprefix("torch."))
+        ours = raw.detach().float()
         mod.raw_output = None
         e = float((ours - ref).abs().mean()) / scale if bool(torch.isfinite(ours).all()) else math.inf
         e16 = float((y16 - ref).abs().mean()) / scale

@@ -151,9 +151,13 @@ def build_reference(
         t = source.load_tensor(name)
         return to_torch_f32(t.data, t.dtype) if fp32 else to_torch(t.data, t.dtype)
 
+    # The 16-bit reference's weights are in the activations' 16-bit type: a bf16 model's
+    # converted layers run bf16 (the kernels' bf16 forms), so its bar is bf16 weights.
+    half = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
+
     def weight(lp: Any) -> Any:
         w = torch.from_numpy(np.ascontiguousarray(dequantized_weight(source, lp).T))
-        return w if fp32 else w.to(torch.float16)
+        return w if fp32 else w.to(half)
 
     def make_layer(module: str, layer: str) -> Any:
         lp = plans[layer]

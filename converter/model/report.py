@@ -53,9 +53,11 @@ class ModelReport:
             (against fp32's ``ppl``).
         bar: the pass rule's numbers: ``mean_rel_err_limit`` (1.5 x fp16's),
             ``top1_min`` (fp16's - 0.005; None for hidden states).
-        layers: per swapped layer ``{name, module, path, rel_err, fp16_rel_err, ok}``:
+        layers: per swapped layer ``{name, module, path, rel_err, fp16_rel_err, dtypes, ok}``:
             its output on the model's own activations against the source layer in fp32,
-            ours and an fp16 linear of the dequantized weight.
+            ours and a 16-bit linear of the dequantized weight (``fp16_rel_err``: in bf16
+            for a bf16 model, whose layers run bf16); ``dtypes``: ``[input, output]`` of
+            the layer's kernel as it ran (None if it never ran).
         load: :class:`~converter.model.loader.LoadReport` as JSON.
         problems: every :class:`Finding`.
         stages: ``[{"stage", "seconds"}]``; wall_s: total seconds.

@@ -63,7 +63,7 @@ def test_a_kernel_is_compiled_alone_on_first_use_and_once(fake) -> None:
     assert "--gpu-architecture=sm_90a" in cp.calls[0][1]
     build.function(STREAMK, b)
     assert [c[2] for c in cp.calls] == [(a,), (b,)]
-    assert build.compiled == [(STREAMK, (a,)), (STREAMK, (b,))]
+    assert build.compiled == [(STREAMK, (a,), "float16"), (STREAMK, (b,), "float16")]
 
 
 def test_an_unknown_kernel_is_refused_without_compiling(fake) -> None:
@@ -89,7 +89,8 @@ def test_sm90_files_are_refused_on_sm80_and_the_error_is_kept(fake) -> None:
 def test_an_nvrtc_failure_is_one_line_with_the_log_and_not_retried(fake) -> None:
     cp = fake(fail="identifier undefined")
     name = build.NAMES["marlin_decode.cu"][0]
-    with pytest.raises(KernelError, match=r"NVRTC could not build marlin_decode.cu for sm_90: .*identifier undefined"):
+    msg = r"NVRTC could not build marlin_decode.cu \(float16\) for sm_90: .*identifier undefined"
+    with pytest.raises(KernelError, match=msg):
         build.function("marlin_decode.cu", name)
     with pytest.raises(KernelError) as again:
         build.function("marlin_decode.cu", name)
@@ -114,3 +115,43 @@ def test_prebuild_on_sm80_skips_the_sm90_files(fake) -> None:
     assert {names[0] for _, _, names in cp.calls} == {
         build.NAMES[s][0] for s in build.NAMES if s not in build.ARCH_SPECIFIC
     }
+
+
+def test_a_bf16_kernel_is_its_own_build_with_the_same_name_and_the_bf16_define(fake) -> None:
+    cp = fake()
+    name = build.NAMES["marlin_decode.cu"][0]
+    fp16 = build.function("marlin_decode.cu", name)
+    bf16 = build.function("marlin_decode.cu", name, "bfloat16")
+    assert bf16 is not fp16 and bf16.name == fp16.name == name
+    assert build.function("marlin_decode.cu", name, "bfloat16") is bf16
+    assert ["-DMARLIN_BF16" in c[1] for c in cp.calls] == [False, True]
+    assert build.compiled == [("marlin_decode.cu", (name,), "float16"), ("marlin_decode.cu", (name,), "bfloat16")]
+
+
+def test_copy_kernels_serve_bf16_from_their_fp16_build(fake) -> None:
+    cp = fake()
+    fn = build.function("marlin_wgmma.cu", "hopper_activations")
+    assert build.function("marlin_wgmma.cu", "hopper_activations", "bfloat16") is fn
+    assert build.function("marlin_gemm.cu", "gather_columns", "bfloat16").name == "gather_columns"
+    assert all("-DMARLIN_BF16" not in c[1] for c in cp.calls) and len(cp.calls) == 2
+
+
+def test_a_file_without_a_bf16_form_is_refused_by_name_without_compiling(fake) -> None:
+    cp = fake()
+    name = next(n for n in build.NAMES["marlin_wgmma.cu"] if n != "hopper_activations")
+    with pytest.raises(KernelError, match=r"marlin_wgmma.cu has no bfloat16 form \(it has float16\)"):
+        build.function("marlin_wgmma.cu", name, "bfloat16")
+    assert cp.calls == []
+
+
+def test_prebuild_of_both_types_builds_every_bf16_form_once_and_the_copy_kernels_once(fake) -> None:
+    cp = fake()
+    build.prebuild(acts=build.ACTS)
+    bf16 = sorted((c[2] for c in cp.calls if "-DMARLIN_BF16" in c[1]), key=lambda n: n[0])
+    with_bf16 = [s for s in build.NAMES if "bfloat16" in build.ACT_SOURCES[s]]
+    want = sorted((tuple(n for n in build.NAMES[s] if n not in build.ACT_FREE) for s in with_bf16), key=lambda n: n[0])
+    assert bf16 == want
+    assert sum("-DMARLIN_BF16" not in c[1] for c in cp.calls) == len(build.NAMES)
+    before = len(cp.calls)
+    build.prebuild(acts=build.ACTS)
+    assert len(cp.calls) == before

@@ -17,7 +17,7 @@ from converter.errors import KernelError
 from converter.gpu import kernels
 from converter.gpu import reference as ref
 from converter.gpu.plan import ARITH, GEMM_GPIS, GEMM_PIPES, Pipe, Tuning, hopper_split, kernel_variant
-from converter.marlin.layout import pack_b, permute_scales
+from tests.helpers.kernel_layers import make_layer
 
 pytestmark = pytest.mark.gpu
 
@@ -41,18 +41,6 @@ SHAPES = [
     (768, 192, 48, False, True),  # odd group tile counts
 ]
 CASES = [(m,) + s for i, s in enumerate(SHAPES) for m in (Ms if i < 4 else (Ms[i % 8], Ms[(i + 3) % 8]))]
-
-
-def make_layer(rng, k, n, group_size, act_order, asym):
-    gs = k if group_size in (-1, k) else group_size
-    g = k // gs
-    q = rng.integers(0, 16, size=(k, n), dtype=np.uint8)
-    s = (rng.uniform(0.5, 2.0, size=(g, n)) * rng.choice([-1, 1], size=(g, n)) / 32).astype(np.float16)
-    z = rng.integers(0, 16, size=(g, n))
-    delta = (s.astype(np.float32) * (8 - z) + rng.normal(0, 1e-3, (g, n))).astype(np.float32) if asym else None
-    perm = rng.permutation(k).astype(np.int32) if act_order else None
-    bias = rng.standard_normal(n).astype(np.float16) if rng.random() < 0.5 else None
-    return dict(B=pack_b(q), S=permute_scales(s), delta=delta, perm=perm, bias=bias)
 
 
 def poisoned(cp, shape):

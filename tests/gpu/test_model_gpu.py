@@ -120,3 +120,62 @@ def test_verify_model_spread_by_a_device_map(cp, tiny: tuple[Path, Path], device
     kernel = [r for r in rep.layers if r["path"] == "marlin-kernel"]
     assert sorted(r["name"] for r in kernel) == sorted(KERNEL_LAYERS)
     assert all(r["rel_err"] < 1e-3 for r in kernel), kernel
+
+
+def test_bf16_model_runs_bf16_through_every_kernel_layer(cp, tiny: tuple[Path, Path]) -> None:
+    """model.to(torch.bfloat16) on a converted model: the kernels' operands stay fp16 (their
+    dtype is the kernels'), every module running our kernel then takes and gives bf16
+    (hooks), the logits stay near the fp32 CPU model's, and an activation of 1e5 (inf in
+    fp16) comes through finite."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    from converter import load_model
+    from converter.gpu.api import MarlinLinearModule
+
+    _, out = tiny
+    gpu = load_model(out, "cuda")
+    ids = torch.from_numpy(np.random.default_rng(2).integers(0, 200, (2, 40)))
+    with torch.no_grad():
+        y16 = gpu(input_ids=ids.cuda(), use_cache=False).logits.float().cpu()
+    gpu.to(torch.bfloat16)
+    kernels = {n: m for n, m in gpu.named_modules() if isinstance(m, MarlinLinearModule)}
+    assert kernels and all(m.scales.dtype == torch.float16 and m.b.dtype == torch.int32 for m in kernels.values())
+    seen: dict[str, tuple[torch.dtype, torch.dtype]] = {}
+    for name, mod in kernels.items():
+        mod.register_forward_hook(lambda m, a, y, name=name: seen.__setitem__(name, (a[0].dtype, y.dtype)))
+    cpu = load_model(out, "cpu")
+    with torch.no_grad():
+        y_gpu = gpu(input_ids=ids.cuda(), use_cache=False).logits.float().cpu()
+        y_cpu = cpu(input_ids=ids, use_cache=False).logits.float()
+    assert set(seen) == set(kernels)
+    assert set(seen.values()) == {(torch.bfloat16, torch.bfloat16)}, seen
+    rel, rel16 = (float((y - y_cpu).abs().mean() / y_cpu.abs().mean()) for y in (y_gpu, y16))
+    assert rel < 8 * rel16 + 1e-3, (rel, rel16)
+    q_gpu, q_cpu = gpu.model.layers[0].self_attn.q_proj, cpu.model.layers[0].self_attn.q_proj
+    x = torch.randn(5, 128)
+    x[:, 3] = 1e5
+    with torch.no_grad():
+        a = q_gpu(x.to(torch.bfloat16).cuda())
+        b = q_cpu(x.to(torch.bfloat16).float())
+    assert a.dtype == torch.bfloat16 and bool(torch.isfinite(a).all())
+    assert float((a.float().cpu() - b).abs().mean() / b.abs().mean()) < 1e-2
+
+
+def test_verify_real_model_with_bf16_tensors_on_the_gpu_casts_nothing(cp, tmp_path: Path) -> None:
+    """auto-round's real MiniLM keeps bf16 norms and embeddings: its converted layers run
+    in whatever 16-bit type reaches them, and marlin-verify --model --gpu says so."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    from converter.model.verify import verify_model
+    from tests.helpers.paths import REALINPUT
+
+    src = REALINPUT / "minilm" / "minilm-autoround-gptq-w4g128-asym-full"
+    if not src.is_dir():
+        pytest.skip(f"{src} not present")
+    out = tmp_path / "out"
+    convert(src, str(out) + "/")
+    rep = verify_model(out, src, gpu=True)
+    assert rep.ok, [p.message for p in rep.problems]
+    kernel = [r for r in rep.layers if r["path"] == "marlin-kernel"]
+    assert kernel and all(r["dtypes"][0] == r["dtypes"][1] for r in kernel), kernel
+    print("kernel dtypes:", sorted({tuple(r["dtypes"]) for r in kernel}))

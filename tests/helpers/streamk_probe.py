@@ -207,8 +207,8 @@ def route_streamk(build: Any, lookup: Callable[[str], Any]) -> Callable[[], None
     resolves ``build.function`` at each call); returns the function that undoes it."""
     shipped = build.function
 
-    def function(source: str, name: str) -> Any:
-        return lookup(name) if source == "marlin_streamk.cu" else shipped(source, name)
+    def function(source: str, name: str, act: str = "float16") -> Any:
+        return lookup(name) if source == "marlin_streamk.cu" else shipped(source, name, act)
 
     build.function = function
 
