@@ -27,6 +27,12 @@ roofline floor of each row: max(bytes / BW, flops / rate).
 Usage: PYTHONPATH=$PWD python3 benchmarks/bench_gemm.py --json-out benchmarks/results/h200/bench_gemm_h200.json
 The run ends with the targets of the kernel-performance issue, each PASS or MISS with
 the rows that miss.
+
+With ``--dtype bf16`` (issue 40) ours_sym and ours_fused run bf16 activations and
+outputs, ``fp16_fused`` is the fp16 fused path timed beside them (ABBA), ``bf16`` is
+cuBLAS bf16 (torch.matmul) on the same weight shape, ``fp16`` stays cuBLAS fp16 and
+upstream Marlin (fp16 only) stays a reference column; the two-kernel path is not timed.
+The targets printed are then issue 40's.
 """
 
 from __future__ import annotations
@@ -237,9 +243,36 @@ def targets(rows):
     return out
 
 
+def targets_bf16(rows):
+    """Issue 40's speed targets: ``[(target, ok, [missing rows])]``."""
+    out = []
+
+    def check(name, pred):
+        misses = [f"{r['K']}x{r['N']} M={r['M']}: {why}" for r in rows for ok, why in [pred(r)] if not ok]
+        out.append((name, bool(rows) and not misses, misses or ([] if rows else ["no rows"])))
+
+    check(
+        "bf16 fused / fp16 fused <= 1.05 (every row)",
+        lambda r: (r["ours_fused"] <= 1.05 * r["fp16_fused"], f"{r['ours_fused'] / r['fp16_fused']:.3f}"),
+    )
+
+    def same_ratio(r):
+        bf, hf = r["bf16"] / r["ours_fused"], r["fp16"] / r["fp16_fused"]
+        return abs(bf / hf - 1) <= 0.05, f"vs cuBLAS bf16 {bf:.2f}x, fp16 path vs cuBLAS fp16 {hf:.2f}x"
+
+    check("bf16 fused vs cuBLAS bf16 within 5 % of the fp16 path's ratio over cuBLAS fp16 (every row)", same_ratio)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json-out", default=None)
+    ap.add_argument(
+        "--dtype",
+        default="fp16",
+        choices=("fp16", "bf16"),
+        help="activations of ours_sym / ours_fused (bf16: cuBLAS bf16 baseline and the fp16 fused path beside)",
+    )
     ap.add_argument("--shapes", default=None, help="e.g. 4096x4096,8192x57344")
     ap.add_argument("--ms", default=None, help="e.g. 1,16,64")
     ap.add_argument("--group", type=int, default=GROUP, help="group size of every layer (default 128, the targets')")
@@ -288,6 +321,7 @@ def main() -> int:
     )
     args = ap.parse_args()
     group = args.group
+    bf16 = args.dtype == "bf16"
     if group <= 0 or group % 16:
         ap.error(f"--group {group}: a positive multiple of 16 that divides every K (per-channel is not timed)")
 
@@ -354,20 +388,36 @@ def main() -> int:
             row["b_order"] = "marlin" if Us is None else "unit-major" if Vs is Us else "unit-major, fused inline"
             weights = (a, Bs, Ss, out, calls, args.reps)
             ours = partial(time_ours, cp, row, weights, kw)
+            if bf16:  # bf16 A and C as bits (CuPy has no bf16); the fp16 fused path beside, ABBA
+                a_bf = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                bits = cp.from_dlpack(a_bf.view(torch.int16)).view(cp.uint16)
+                out_b = cp.empty((m, n), dtype=cp.uint16)
+                ours_b = partial(time_ours, cp, row, (bits, Bs, Ss, out_b, calls, args.reps), {**kw, "act": "bfloat16"})
+                s1, f1 = ours_b(kernels.marlin_gemm, None), ours_b(kernels.marlin_gemm, Ds16, b_units=Vs)
+                h1, h2 = ours(kernels.marlin_gemm, Ds16, b_units=Vs), ours(kernels.marlin_gemm, Ds16, b_units=Vs)
+                f2, s2 = ours_b(kernels.marlin_gemm, Ds16, b_units=Vs), ours_b(kernels.marlin_gemm, None)
+                row["ours_sym"], row["ours_fused"], row["fp16_fused"] = (s1 + s2) / 2, (f1 + f2) / 2, (h1 + h2) / 2
+                row["ours_2k"] = float("nan")
+                ws_b = [w.to(torch.bfloat16) for w in Ws]
+                mm = [partial(torch.matmul, a_bf, ws_b[i % f16_copies]) for i in range(max(args.calls, f16_copies))]
+                row["bf16"] = timed_torch_graph(torch, mm, args.reps)
+                del ws_b
             # ABBA: under sustained load the H200 caps its power (clocks 1980 -> ~1550 MHz
             # at M >= 96 on the 70B layers), so whichever is timed first gains; a
             # linear drift cancels in the mean of the two orders.
-            s1, f1 = ours(kernels.marlin_gemm, None), ours(kernels.marlin_gemm, Ds16, b_units=Vs)
-            if args.b_order_ab and Us is not None:  # A B B A: as served, Marlin's order twice, as served
+            if not bf16:
+                s1, f1 = ours(kernels.marlin_gemm, None), ours(kernels.marlin_gemm, Ds16, b_units=Vs)
+            if args.b_order_ab and Us is not None and not bf16:  # A B B A: as served, Marlin's order twice, as served
                 on = partial(ours, kernels.marlin_gemm, b_units=None)
                 fo1, so1, so2, fo2 = on(Ds16), on(None), on(None), on(Ds16)
                 row["marlin_order_sym"], row["marlin_order_fused"] = (so1 + so2) / 2, (fo1 + fo2) / 2
-            if args.b_order_ab and Vs is not Us:  # ... and the fused call on the unit-major copy, twice
+            if args.b_order_ab and Vs is not Us and not bf16:  # ... and the fused call on the unit-major copy, twice
                 fu1, fu2 = ours(kernels.marlin_gemm, Ds16, b_units=Us), ours(kernels.marlin_gemm, Ds16, b_units=Us)
                 row["unit_major_fused"] = (fu1 + fu2) / 2
-            f2, s2 = ours(kernels.marlin_gemm, Ds16, b_units=Vs), ours(kernels.marlin_gemm, None)
-            row["ours_sym"], row["ours_fused"] = (s1 + s2) / 2, (f1 + f2) / 2
-            row["ours_2k"] = ours(kernels.marlin_gemm_two_kernel, Ds)
+            if not bf16:
+                f2, s2 = ours(kernels.marlin_gemm, Ds16, b_units=Vs), ours(kernels.marlin_gemm, None)
+                row["ours_sym"], row["ours_fused"] = (s1 + s2) / 2, (f1 + f2) / 2
+                row["ours_2k"] = ours(kernels.marlin_gemm_two_kernel, Ds)
             for spec in args.sweep.split(",") if args.sweep else []:
                 # d|w|t R x U x NS w waves [i stages per persistent block] [o blocks per SM]
                 # [m map cap], e.g. d1x4x3w1,
@@ -498,6 +548,13 @@ def main() -> int:
                     f" | Marlin order sym {row['marlin_order_sym']:.1f} fused {row['marlin_order_fused']:.1f}"
                     if "marlin_order_fused" in row
                     else ""
+                )
+                + (
+                    f" | bf16: cuBLAS bf16 {row['bf16']:.1f} fp16 fused {row['fp16_fused']:.1f} "
+                    f"bf16/fp16 {row['ours_fused'] / row['fp16_fused']:.3f} x{row['bf16'] / row['ours_fused']:.2f} "
+                    f"(fp16 x{row['fp16'] / row['fp16_fused']:.2f})"
+                    if bf16
+                    else ""
                 ),
                 flush=True,
             )
@@ -521,7 +578,7 @@ def main() -> int:
             f"{r['fp16'] / r['ours_fused']:.2f}x | {xup} | "
             f"{r['floor_fused_us']:.1f} |"
         )
-    verdicts = targets(results)
+    verdicts = targets_bf16(results) if bf16 else targets(results)
     print("\n# targets (fused asymmetric path)")
     for name, ok, misses in verdicts:
         print(f"{'PASS' if ok else 'MISS'}  {name}" + ("" if ok else "  misses: " + "; ".join(misses)))
@@ -533,6 +590,7 @@ def main() -> int:
             "copy_bw_TBps": bw / 1e12,
             "fp16_matmul_TFLOPs": rate / 1e12,
             "group_size": group,
+            "dtype": args.dtype,
             "torch": torch.__version__,
             "cupy": cp.__version__,
             "int4pack_note": int4_note,

@@ -2,6 +2,8 @@
 # compute-sanitizer (memcheck, racecheck, synccheck) over a small set of kernel cases.
 # Run on the GPU machine from the repo root: bash scripts/gpu_sanitize.sh [OUTDIR]
 # Each tool's full log goes to OUTDIR/sanitizer_<tool>.log; the summary lines are printed.
+# SANITIZE_ACT=bfloat16 runs every case with bf16 activations (the bf16 forms; the
+# two-kernel path, fp16 only, is then left out).
 set -u
 out=${1:-${OUT:-/tmp}}
 export PYTHONPATH=$PWD
@@ -67,18 +69,24 @@ if hopper:  # every Hopper variant: full/ragged chunks, several chunks, ragged N
         cases = [c for c in cases if c[6] and c[6][0] in os.environ["SANITIZE_ONLY"].split(",")]
 else:
     cases = [c + (None,) for c in cases]
+ACT = os.environ.get("SANITIZE_ACT", "float16")
+if ACT == "bfloat16":
+    from converter.dtypes import f32_to_bf16
+    cases = [c for c in cases if not (c[6] and c[6][0] in ("hopper", "hopper_fs"))]  # fp16 only
 for (m, k, n, gs, act, wk, pipe, n_out, iters) in cases:
     tuning = Tuning(force_wk=wk, streamk_iters=iters)
     gsz = k if gs == -1 else gs
     B, S, D = layer(k, n, gsz)
-    a = cp.asarray(rng.standard_normal((m, k)).astype(np.float16))
+    a32 = rng.standard_normal((m, k)).astype(np.float32)
+    a = cp.asarray(f32_to_bf16(a32) if ACT == "bfloat16" else a32.astype(np.float16))
     perm = cp.asarray(rng.permutation(k).astype(np.int32)) if act else None
     bias = cp.asarray(rng.standard_normal(n_out or n).astype(np.float16))
-    kw = dict(size_k=k, size_n=n, group_size=gs, perm=perm, n_out=n_out, tuning=tuning)
+    kw = dict(size_k=k, size_n=n, group_size=gs, perm=perm, n_out=n_out, tuning=tuning, act=ACT)
     for _ in range(2):
         kernels.marlin_gemm(a, B, S, delta=D, bias=bias, pipe=pipe, **kw)
         kernels.marlin_gemm(a, B, S, pipe=pipe, **kw)
-        kernels.marlin_gemm_two_kernel(a, B, S, delta=D, **kw)
+        if ACT == "float16":
+            kernels.marlin_gemm_two_kernel(a, B, S, delta=D, **{x: v for x, v in kw.items() if x != "act"})
     if pipe and pipe[0] in ("hopper_sk", "hopper_skg"):  # B unit-major: every operand by bulk copy
         Bu = kernels.prepare_b_units(B, k, n)
         for _ in range(2):
@@ -89,10 +97,10 @@ for (m, k, n, gs, act, wk, pipe, n_out, iters) in cases:
             for _ in range(2):
                 kernels.marlin_gemm(a, None, S, delta=D, bias=bias, pipe=pipe, b_units=Bv, **kw)
                 kernels.marlin_gemm(a, None, S, pipe=pipe, b_units=Bv, **kw)
-    kernels.dequant(B, S, delta=D, size_k=k, size_n=n, group_size=gs)
-    kernels.dequant(B, S, size_k=k, size_n=n, group_size=gs)
+    kernels.dequant(B, S, delta=D, size_k=k, size_n=n, group_size=gs, act=ACT)
+    kernels.dequant(B, S, size_k=k, size_n=n, group_size=gs, act=ACT)
     kernels.synchronize()
-    p = kernels.gemm_plan(m, k, n, gs, pipe=pipe, tuning=tuning)
+    p = kernels.gemm_plan(m, k, n, gs, pipe=pipe, tuning=tuning, act=ACT)
     print("case", m, k, n, gs, act, n_out, p.kind.value, p.r, p.u, p.ns, "splits", p.splits, flush=True)
 print("sanitize cases done")
 PY
