@@ -30,6 +30,6 @@ def test_one_call_compiles_only_its_own_kernel(cp) -> None:
         [sys.executable, "-c", _ONE_CALL], cwd=REPO, capture_output=True, text=True, check=True, timeout=300
     )
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    names = [name for _, names in got["compiled"] for name in names]
-    assert all(len(names) == 1 for _, names in got["compiled"]), got
+    names = [name for _, names, _ in got["compiled"] for name in names]
+    assert all(len(names) == 1 and act == "float16" for _, names, act in got["compiled"]), got
     assert got["kernel"] in names and len(names) <= 3, got  # + the A re-layout / gather where the route needs it
