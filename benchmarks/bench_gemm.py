@@ -297,7 +297,7 @@ def main() -> int:
     ap.add_argument(
         "--sweep",
         default=None,
-        help="extra our-kernel variants to time, e.g. d1x4x3w1,t1x4x3w1 (d = decode kernel with NT "
+        help="extra our-kernel variants to time (in --dtype), e.g. d1x4x3w1,t1x4x3w1 (d = decode kernel with NT "
         "8-row tiles, w = the same with per-weight scaling, t = tile kernel with MT "
         "16-row tiles, h = Hopper kernel with R 8-token tiles, f = the same with its warpgroups "
         "splitting the features, p = the persistent Hopper kernel, g = the same with per-group scaling, "
@@ -450,8 +450,9 @@ def main() -> int:
                     swept = dataclasses.replace(swept, hopper_xmap_max_tok=int(xcap))
                 if its:
                     swept = dataclasses.replace(swept, streamk_iters=int(its))
-                row[f"sym_{spec}"] = ours(kernels.marlin_gemm, None, pipe=pipe, tuning=swept)
-                row[f"fused_{spec}"] = ours(kernels.marlin_gemm, Ds16, pipe=pipe, tuning=swept, b_units=Vs)
+                mine = ours_b if bf16 else ours  # --dtype bf16: the variants in bf16 too
+                row[f"sym_{spec}"] = mine(kernels.marlin_gemm, None, pipe=pipe, tuning=swept)
+                row[f"fused_{spec}"] = mine(kernels.marlin_gemm, Ds16, pipe=pipe, tuning=swept, b_units=Vs)
             if args.sweep_splits and row["plan"]["kind"] in sweep_kinds:
                 row["fused_by_splits"] = {}
                 for sp in range(1, args.sweep_splits + 1):

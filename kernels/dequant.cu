@@ -5,7 +5,7 @@
 //   W[k, n] = fp16((q[k, n] - 8) * s[g, n] + fp16(delta[g, n])) (HAS_DELTA = true)
 // computed with exactly the fp16x2 operations marlin_gemm.cu feeds its mma, so the two
 // agree bit for bit. Built with -DMARLIN_BF16, W is the bf16 weight those kernels form
-// instead (marlin_common.cuh weight2; twin converter.gpu.reference_bf16.dequant). Layouts:
+// instead (marlin_common.cuh word_weights; twin converter.gpu.reference_bf16.dequant). Layouts:
 //   B      int32 [K/16, 2N], Marlin tile order (checkpoint-formats.md 4.3)
 //   scales fp16  [G, N], Marlin-permuted (4.4; per-channel list when G == 1)
 //   delta  fp32  [G, N], natural column order (4.6)
@@ -33,16 +33,20 @@ marlin_dequant(const u32* __restrict__ B, const u16* __restrict__ S, const float
     const int g = per_channel ? 0 : (kt * 16) / group_size;
 
     const u32 w = __ldg(B + (size_t)kt * 2 * N + 128 * nb + i);
-    u32 m[4];
-    codes_minus8(w, m);
+    WCol wc[2];  // h = 0: column c0 + 16 j; h = 1: column c0 + 16 j + 8
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {  // h = 0: column c0 + 16 j; h = 1: column c0 + 16 j + 8
+    for (int h = 0; h < 2; ++h) {
+        const int n = 64 * nb + 16 * j + c0 + 8 * h;
+        wc[h] = wcol<HAS_DELTA>(S[(size_t)g * N + scale_pos(n, per_channel)],
+                                HAS_DELTA ? f32_to_h(D[(size_t)g * N + n]) : (u16)0);
+    }
+    u32 m[4];
+    word_weights<HAS_DELTA>(w, wc[0], wc[1], m);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
         const int c = 16 * j + c0 + 8 * h;
-        const int n = 64 * nb + c;
-        const wsc_t s2 = wsc(S[(size_t)g * N + scale_pos(n, per_channel)]);
-        const wsc_t d2 = wsc(HAS_DELTA ? f32_to_h(D[(size_t)g * N + n]) : (u16)0);
         // rows {r0, r0 + 1} and {r0 + 8, r0 + 9}
-        const u32 lo = weight2<HAS_DELTA>(m[2 * h], s2, d2), hi = weight2<HAS_DELTA>(m[2 * h + 1], s2, d2);
+        const u32 lo = m[2 * h], hi = m[2 * h + 1];
         tile[r0][c] = (u16)lo;
         tile[r0 + 1][c] = (u16)(lo >> 16);
         tile[r0 + 8][c] = (u16)hi;

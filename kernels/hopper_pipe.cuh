@@ -46,26 +46,27 @@ __device__ __forceinline__ void lds_words(u32 addr, u32 (&w)[J]) {
 }
 
 template <int J>
-__device__ __forceinline__ void splat_cols(u32 addr, wsc_t (&h)[2 * J]) {
+__device__ __forceinline__ void splat_cols(u32 addr, u32 (&h)[2 * J]) {
     u32 w[J];
     lds_words<J>(addr, w);
 #pragma unroll
-    for (int p = 0; p < 2 * J; ++p) h[p] = wsc((u16)(w[p >> 1] >> (16 * (p & 1))));
+    for (int p = 0; p < 2 * J; ++p) h[p] = h_splat((u16)(w[p >> 1] >> (16 * (p & 1))));
 }
 
 // One k-tile of one warp: dequantize its J words into the A fragments of wgmma
 // jj = 0..J-1 (slot p = 2 jj + h of the scales is column 16 (J fg + jj) + g + 8 h of
 // the warp's block).
 template <bool HAS_DELTA, int J>
-__device__ __forceinline__ void weight_fragments(const u32 (&w)[J], const wsc_t (&s2)[2 * J],
-                                                 const wsc_t (&d2)[2 * J], u32 (&af)[J][4]) {
+__device__ __forceinline__ void weight_fragments(const u32 (&w)[J], const u32 (&s2)[2 * J], const u32 (&d2)[2 * J],
+                                                 u32 (&af)[J][4]) {
 #pragma unroll
     for (int j = 0; j < J; ++j) {
         u32 m[4];
         codes_minus8(w[j], m);
         u32 b[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) b[i] = weight2<HAS_DELTA>(m[i], s2[2 * j + (i >> 1)], d2[2 * j + (i >> 1)]);
+        for (int i = 0; i < 4; ++i)
+            b[i] = HAS_DELTA ? h2_fma(m[i], s2[2 * j + (i >> 1)], d2[2 * j + (i >> 1)]) : h2_mul(m[i], s2[2 * j + (i >> 1)]);
         af[j][0] = b[0];
         af[j][1] = b[2];
         af[j][2] = b[1];
@@ -99,6 +100,21 @@ __device__ __forceinline__ u32 h2_scale_half(u32 a, u32 s_pair, u32 d_pair) {
             : "=r"(r) : "r"(a), "r"(s_pair), "n"(H));
     }
     return r;
+}
+
+// weight_fragments for either activation type, the columns' scales and deltas as WCol
+// (marlin_common.cuh): slot 2 j is column 16 (J fg + j) + g, 2 j + 1 that + 8.
+template <bool HAS_DELTA, int J>
+__device__ __forceinline__ void weight_fragments_cols(const u32 (&w)[J], const WCol (&c)[2 * J], u32 (&af)[J][4]) {
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+        u32 m[4];
+        word_weights<HAS_DELTA>(w[j], c[2 * j], c[2 * j + 1], m);
+        af[j][0] = m[0];
+        af[j][1] = m[2];
+        af[j][2] = m[1];
+        af[j][3] = m[3];
+    }
 }
 
 // weight_fragments with the scales and deltas as loaded: s_pair[j] (d_pair[j]) holds

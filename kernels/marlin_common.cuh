@@ -144,35 +144,69 @@ __device__ __forceinline__ void codes_minus8(u32 w, u32 m[4]) {
 }
 #endif
 
-// The per-weight paths' weight pair W = (q - 8) s (+ d) of a codes_minus8 pair `m` and
-// one column's scale `s` and delta `d`, held as `wsc_t` (wsc(): from the fp16 bits).
-// fp16: fma.rn.f16x2 on splats, the weight rounded once to fp16. bf16: the fp16 scale
-// and delta would not fit bf16's 8 bits, so the weight is formed in fp32 (fma.rn.f32:
-// exact for the usual delta = s (8 - z)) and rounded to bf16 by one cvt.rn per pair
-// (docs/notes/bf16.md, option 2); the twin is reference_bf16.dequant.
+// The per-weight paths' weights W = (q - 8) s (+ d) of one B word, as the four mma
+// fragments codes_minus8 orders them (m[0] = {r0, r0+1} at column a, m[1] = {r0+8, r0+9}
+// at a, m[2], m[3] the same at column b = a + 8), from the two columns' scale and delta
+// held as a WCol (wcol(): from the fp16 bits, once per group).
 #ifndef MARLIN_BF16
-typedef u32 wsc_t;
-__device__ __forceinline__ wsc_t wsc(u16 h) { return h_splat(h); }
+// fp16: fma.rn.f16x2 on splats; the weight rounded once to fp16.
+struct WCol {
+    u32 s2, d2;
+};
 template <bool HAS_DELTA>
-__device__ __forceinline__ u32 weight2(u32 m, wsc_t s, wsc_t d) {
-    return HAS_DELTA ? h2_fma(m, s, d) : h2_mul(m, s);
+__device__ __forceinline__ WCol wcol(u16 s, u16 d) {
+    return WCol{h_splat(s), HAS_DELTA ? h_splat(d) : 0u};
+}
+template <bool HAS_DELTA>
+__device__ __forceinline__ u32 weight2(u32 m, const WCol& c) {
+    return HAS_DELTA ? h2_fma(m, c.s2, c.d2) : h2_mul(m, c.s2);
+}
+template <bool HAS_DELTA>
+__device__ __forceinline__ void word_weights(u32 w, const WCol& a, const WCol& b, u32 m[4]) {
+    codes_minus8(w, m);
+    m[0] = weight2<HAS_DELTA>(m[0], a);
+    m[1] = weight2<HAS_DELTA>(m[1], a);
+    m[2] = weight2<HAS_DELTA>(m[2], b);
+    m[3] = weight2<HAS_DELTA>(m[3], b);
 }
 #else
-typedef float wsc_t;
-__device__ __forceinline__ wsc_t wsc(u16 h) { return h_to_f32(h); }
-__device__ __forceinline__ float f32_mul_rn(float a, float b) {
-    float d;
-    asm("mul.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
-    return d;
+// bf16: the fp16 scale and delta do not fit bf16's 8 bits, so the weight is formed in
+// fp32 and rounded to bf16 by one cvt.rn per pair (docs/notes/bf16.md). The codes go
+// straight to fp32 with no subtraction: a nibble OR-ed into bits 16-19 of 128.0f
+// (0x43000000) is 128 + q, into bits 20-23 128 + 16 q, both exact, so
+//   W = fma(128 + q, s, d - 136 s)   (k rows 0-7 of a 16-row tile)
+//   W = fma(128 + 16 q, s / 16, d - 16 s)   (rows 8-15)
+// with the two constants per column rounded to fp32 once (wcol). Per word: 3 shifts, 8
+// lop3, 8 FFMA, 4 cvt. Each W is the fp32 fma of the exact (q - 8) s + d rounded once
+// whenever its constant is exact, which holds for the converter's delta = s (8 - z) (then
+// d - 136 s = (8 - z - 136) s needs 19 bits); in general the twin
+// (reference_bf16.dequant) rounds the constant as the kernel does.
+struct WCol {
+    float s, s16, clo, chi;
+};
+template <bool HAS_DELTA>
+__device__ __forceinline__ WCol wcol(u16 s, u16 d) {
+    const float sf = h_to_f32(s), df = HAS_DELTA ? h_to_f32(d) : 0.f;
+    return WCol{sf, sf * 0.0625f, fmaf(-136.f, sf, df), fmaf(-16.f, sf, df)};
+}
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
 }
 template <bool HAS_DELTA>
-__device__ __forceinline__ u32 weight2(u32 m, wsc_t s, wsc_t d) {
-    const float lo = u32_as_f32(m << 16), hi = u32_as_f32(m & 0xFFFF0000u);
-    const float wl = HAS_DELTA ? fmaf(lo, s, d) : f32_mul_rn(lo, s);
-    const float wh = HAS_DELTA ? fmaf(hi, s, d) : f32_mul_rn(hi, s);
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(wh), "f"(wl));
-    return r;
+__device__ __forceinline__ void word_weights(u32 w, const WCol& a, const WCol& b, u32 m[4]) {
+    const u32 ex = 0x43000000u, lo = 0x000F0000u, hi = 0x00F00000u;
+    const u32 w16 = w << 16, w8 = w << 8, wr8 = w >> 8;  // nibbles 0-1, 2-3, 6-7 to bits 16-23
+    // nibble i of the word is m[i % 4]'s low half (i < 4) or high half (i >= 4)
+    m[0] = pack_bf16x2(fmaf(u32_as_f32(lop3_and_or(w16, lo, ex)), a.s, a.clo),
+                       fmaf(u32_as_f32(lop3_and_or(w, lo, ex)), a.s, a.clo));
+    m[1] = pack_bf16x2(fmaf(u32_as_f32(lop3_and_or(w16, hi, ex)), a.s16, a.chi),
+                       fmaf(u32_as_f32(lop3_and_or(w, hi, ex)), a.s16, a.chi));
+    m[2] = pack_bf16x2(fmaf(u32_as_f32(lop3_and_or(w8, lo, ex)), b.s, b.clo),
+                       fmaf(u32_as_f32(lop3_and_or(wr8, lo, ex)), b.s, b.clo));
+    m[3] = pack_bf16x2(fmaf(u32_as_f32(lop3_and_or(w8, hi, ex)), b.s16, b.chi),
+                       fmaf(u32_as_f32(lop3_and_or(wr8, hi, ex)), b.s16, b.chi));
 }
 #endif
 

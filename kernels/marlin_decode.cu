@@ -121,19 +121,23 @@ struct ABlock {
     }
 };
 
-// Eight fp16 values as the weight path holds them (wsc_t: the GS = false form of the
-// scales and deltas).
-__device__ __forceinline__ void lds_h8_splat(u32 addr, wsc_t (&h)[8]) {
-    const int4 v = lds_v4(addr);
+// Eight columns' fp16 scales (and deltas) as the weight path holds them (WCol: the
+// GS = false form).
+template <bool HAS_DELTA>
+__device__ __forceinline__ void lds_h8_cols(u32 s_addr, u32 d_addr, WCol (&c)[8]) {
+    const int4 v = lds_v4(s_addr);
+    const int4 dv = HAS_DELTA ? lds_v4(d_addr) : int4{0, 0, 0, 0};
     const u32 w[4] = {(u32)v.x, (u32)v.y, (u32)v.z, (u32)v.w};
+    const u32 dw[4] = {(u32)dv.x, (u32)dv.y, (u32)dv.z, (u32)dv.w};
 #pragma unroll
-    for (int p = 0; p < 8; ++p) h[p] = wsc((u16)(w[p >> 1] >> (16 * (p & 1))));
+    for (int p = 0; p < 8; ++p)
+        c[p] = wcol<HAS_DELTA>((u16)(w[p >> 1] >> (16 * (p & 1))), (u16)(dw[p >> 1] >> (16 * (p & 1))));
 }
 
 template <int NT, int U, int GPI, bool HAS_DELTA, bool GS>
 __device__ __forceinline__ void decode_stage(u32 st, u32 sa, int kt, int lane, GroupWalk& walk, int group_tiles,
                                              int per_channel, bool& open, float (&sf)[8], float (&df)[8],
-                                             wsc_t (&s2)[8], wsc_t (&d2)[8],
+                                             WCol (&wc)[8],
                                              float (&acc)[4][NT][4], float (&gp)[4][NT][4], float (&gx)[NT][4]) {
     using R = SplitRing<8 * NT, U, GPI>;
     constexpr int SUB = U / GPI;
@@ -157,8 +161,7 @@ __device__ __forceinline__ void decode_stage(u32 st, u32 sa, int kt, int lane, G
                 lds_h8_f32(st + R::S_OFF + gi * 128 + 16 * g4, sf);
                 if (HAS_DELTA) lds_h8_f32(st + R::D_OFF + gi * 128 + 16 * g4, df);
             } else {
-                lds_h8_splat(st + R::S_OFF + gi * 128 + 16 * g4, s2);
-                if (HAS_DELTA) lds_h8_splat(st + R::D_OFF + gi * 128 + 16 * g4, d2);
+                lds_h8_cols<HAS_DELTA>(st + R::S_OFF + gi * 128 + 16 * g4, st + R::D_OFF + gi * 128 + 16 * g4, wc);
             }
         }
 #pragma unroll
@@ -183,20 +186,17 @@ __device__ __forceinline__ void decode_stage(u32 st, u32 sa, int kt, int lane, G
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 u32 m[4];
-                if (GS && HAS_DELTA)
-                    offset_codes(w[j], m);
-                else
-                    codes_minus8(w[j], m);
                 if (GS) {
+                    if (HAS_DELTA)
+                        offset_codes(w[j], m);
+                    else
+                        codes_minus8(w[j], m);
                     const u32 wa[4] = {m[0], m[2], m[1], m[3]};
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) mma_16816(gp[j][nt], wa, xf[nt][0], xf[nt][1]);
                 } else {  // the tile kernel's 16-bit weight, bit for bit (dequant.cu)
-                    u32 b[4];
-#pragma unroll
-                    for (int i = 0; i < 4; ++i)
-                        b[i] = weight2<HAS_DELTA>(m[i], s2[2 * j + (i >> 1)], d2[2 * j + (i >> 1)]);
-                    const u32 wa[4] = {b[0], b[2], b[1], b[3]};
+                    word_weights<HAS_DELTA>(w[j], wc[2 * j], wc[2 * j + 1], m);
+                    const u32 wa[4] = {m[0], m[2], m[1], m[3]};
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt) mma_16816(acc[j][nt], wa, xf[nt][0], xf[nt][1]);
                 }
@@ -270,13 +270,13 @@ marlin_decode(const u16* __restrict__ A, const int4* __restrict__ B, const u16* 
 #pragma unroll
         for (int e = 0; e < 4; ++e) gx[nt][e] = 0.f;
 
-    // the open group's scales and deltas of this lane's 8 columns: fp32 (GS) or wsc_t
+    // the open group's scales and deltas of this lane's 8 columns: fp32 (GS) or WCol
     float sf[8], df[8];
-    wsc_t s2[8], d2[8];
+    WCol wc[8];
 #pragma unroll
     for (int p = 0; p < 8; ++p) {
         sf[p] = df[p] = 0.f;
-        s2[p] = d2[p] = wsc(0);
+        wc[p] = wcol<HAS_DELTA>(0, 0);
     }
     bool open = false;
     if (per_channel) {  // one group for all of K: read once, straight to registers
@@ -286,8 +286,7 @@ marlin_decode(const u16* __restrict__ A, const int4* __restrict__ B, const u16* 
             const u16 sv = ldg_u16(S + pos), dv = HAS_DELTA ? ldg_u16(D + pos) : (u16)0;
             sf[p] = h_to_f32(sv);
             df[p] = h_to_f32(dv);
-            s2[p] = wsc(sv);
-            d2[p] = wsc(dv);
+            wc[p] = wcol<HAS_DELTA>(sv, dv);
         }
         open = GS;
     }
@@ -334,7 +333,7 @@ marlin_decode(const u16* __restrict__ A, const int4* __restrict__ B, const u16* 
         if (kt + (NS - 1) * U < kt1) ISSUE(kt + (NS - 1) * U);
         cp_async_commit();
         decode_stage<NT, U, GPI, HAS_DELTA, GS>(w_ring + slot * R::W_STAGE, a_ring + slot * R::A_STAGE, kt, lane,
-                                                compute_walk, group_tiles, per_channel, open, sf, df, s2, d2, acc,
+                                                compute_walk, group_tiles, per_channel, open, sf, df, wc, acc,
                                                 gp, gx);
         slot = slot + 1 == NS ? 0 : slot + 1;
     }

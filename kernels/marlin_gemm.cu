@@ -47,7 +47,7 @@
 
 template <int MT, int U, int GPI, bool HAS_DELTA>
 __device__ __forceinline__ void compute_stage(u32 st, int kt, int lane, GroupWalk& walk, int group_tiles,
-                                              int per_channel, wsc_t (&s2)[8], wsc_t (&d2)[8],
+                                              int per_channel, WCol (&wc)[8],
                                               float (&acc)[MT][8][4]) {
     using R = Ring<16 * MT, U, GPI>;
     constexpr int SUB = U / GPI;
@@ -60,15 +60,13 @@ __device__ __forceinline__ void compute_stage(u32 st, int kt, int lane, GroupWal
     for (int gi = 0; gi < GPI; ++gi) {
         if (!per_channel && walk.step(kt + gi * SUB, group_tiles)) {
             const int4 v = lds_v4(st + R::S_OFF + gi * 128 + 16 * c0);
+            // the deltas are permuted like the scales: same offsets
+            const int4 dv = HAS_DELTA ? lds_v4(st + R::D_OFF + gi * 128 + 16 * c0) : int4{0, 0, 0, 0};
             const u32 w[4] = {(u32)v.x, (u32)v.y, (u32)v.z, (u32)v.w};
+            const u32 dw[4] = {(u32)dv.x, (u32)dv.y, (u32)dv.z, (u32)dv.w};
 #pragma unroll
-            for (int jj = 0; jj < 8; ++jj) s2[jj] = wsc((u16)(w[jj >> 1] >> (16 * (jj & 1))));
-            if (HAS_DELTA) {  // permuted like the scales: same offsets
-                const int4 dv = lds_v4(st + R::D_OFF + gi * 128 + 16 * c0);
-                const u32 dw[4] = {(u32)dv.x, (u32)dv.y, (u32)dv.z, (u32)dv.w};
-#pragma unroll
-                for (int jj = 0; jj < 8; ++jj) d2[jj] = wsc((u16)(dw[jj >> 1] >> (16 * (jj & 1))));
-            }
+            for (int jj = 0; jj < 8; ++jj)
+                wc[jj] = wcol<HAS_DELTA>((u16)(w[jj >> 1] >> (16 * (jj & 1))), (u16)(dw[jj >> 1] >> (16 * (jj & 1))));
         }
 #pragma unroll
         for (int uu = 0; uu < SUB; ++uu) {
@@ -80,14 +78,9 @@ __device__ __forceinline__ void compute_stage(u32 st, int kt, int lane, GroupWal
             const u32 w[4] = {(u32)bv.x, (u32)bv.y, (u32)bv.z, (u32)bv.w};
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                u32 m[4];
-                codes_minus8(w[j], m);
                 u32 b[4];
-                // m[0], m[1]: columns c0 + 16 j (slot jj = 2 j); m[2], m[3]: + 8.
-                b[0] = weight2<HAS_DELTA>(m[0], s2[2 * j], d2[2 * j]);
-                b[1] = weight2<HAS_DELTA>(m[1], s2[2 * j], d2[2 * j]);
-                b[2] = weight2<HAS_DELTA>(m[2], s2[2 * j + 1], d2[2 * j + 1]);
-                b[3] = weight2<HAS_DELTA>(m[3], s2[2 * j + 1], d2[2 * j + 1]);
+                // b[0], b[1]: columns c0 + 16 j (slot jj = 2 j); b[2], b[3]: + 8.
+                word_weights<HAS_DELTA>(w[j], wc[2 * j], wc[2 * j + 1], b);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     mma_16816(acc[mt][2 * j], af[mt], b[0], b[1]);
@@ -145,13 +138,12 @@ marlin_gemm(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[mt][f][e] = 0.f;
 
-    wsc_t s2[8], d2[8];  // current group's scales / deltas (fp16x2 splats, or fp32 for bf16)
+    WCol wc[8];  // current group's scales / deltas, as the weight arithmetic holds them
     if (per_channel && live) {  // one group for all of K: read once, straight to registers
 #pragma unroll
         for (int jj = 0; jj < 8; ++jj) {
             const int col = 64 * nb + g4 + 8 * jj;
-            s2[jj] = wsc(ldg_u16(S + scale_pos(col, 1)));
-            d2[jj] = wsc(HAS_DELTA ? ldg_u16(D + scale_pos(col, 1)) : (u16)0);
+            wc[jj] = wcol<HAS_DELTA>(ldg_u16(S + scale_pos(col, 1)), HAS_DELTA ? ldg_u16(D + scale_pos(col, 1)) : (u16)0);
         }
     }
 
@@ -185,7 +177,7 @@ marlin_gemm(const u16* __restrict__ A, const int4* __restrict__ B, const u16* __
         __syncwarp();             // ... and every lane's; also: all lanes are done with slot - 1
         if (kt + (NS - 1) * U < kt1) ISSUE(kt + (NS - 1) * U);
         cp_async_commit();
-        compute_stage<MT, U, GPI, HAS_DELTA>(slot, kt, lane, compute_walk, group_tiles, per_channel, s2, d2,
+        compute_stage<MT, U, GPI, HAS_DELTA>(slot, kt, lane, compute_walk, group_tiles, per_channel, wc,
                                              acc);
         slot = slot + R::STAGE == ring_end ? ring : slot + R::STAGE;
     }

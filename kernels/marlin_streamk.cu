@@ -501,19 +501,18 @@ marlin_streamk(const __grid_constant__ TensorMap xmap, const u16* __restrict__ A
                         s2[v] = open ? ns2[v] : s2[v];
                         if (HAS_DELTA) d2[v] = open ? nd2[v] : d2[v];
                     }
-#ifdef MARLIN_BF16  // the bf16 weight is formed in fp32: the slot's scales converted once
-                    wsc_t sw[4], dw[4];
+#ifdef MARLIN_BF16  // the bf16 weight is formed in fp32: the slot's columns converted once
+                    WCol cw[4];
 #pragma unroll
-                    for (int v = 0; v < 4; ++v) {
-                        sw[v] = wsc((u16)(s2[v >> 1] >> (16 * (v & 1))));
-                        dw[v] = wsc(HAS_DELTA ? (u16)(d2[v >> 1] >> (16 * (v & 1))) : (u16)0);
-                    }
+                    for (int v = 0; v < 4; ++v)
+                        cw[v] = wcol<HAS_DELTA>((u16)(s2[v >> 1] >> (16 * (v & 1))),
+                                                HAS_DELTA ? (u16)(d2[v >> 1] >> (16 * (v & 1))) : (u16)0);
 #endif
 #pragma unroll
                     for (int uu = 0; uu < SUB; ++uu) {
                         const int u = gi * SUB + uu;
 #ifdef MARLIN_BF16
-                        weight_fragments<HAS_DELTA, 2>(bw[u], sw, dw, af[u % WG_DEPTH]);
+                        weight_fragments_cols<HAS_DELTA, 2>(bw[u], cw, af[u % WG_DEPTH]);
 #else
                         weight_fragments_pairs<HAS_DELTA, 2>(bw[u], s2, d2, af[u % WG_DEPTH]);
 #endif

@@ -134,20 +134,48 @@ def test_round_bf16_rounds_float64_once():
 
 
 @pytest.mark.parametrize("group_size,asym", [(128, True), (64, True), (-1, True), (128, False)])
-def test_weight_is_the_fp32_fma_rounded_to_bf16(group_size, asym):
-    """Every weight is f32_to_bf16 of fma.rn.f32(q - 8, s, fp16(delta)), bit for bit, from
-    either delta operand."""
+def test_weight_is_the_kernels_fp32_fma_rounded_to_bf16(group_size, asym):
+    """Every weight is f32_to_bf16 of the kernel's fp32 fma, written out here in float32:
+    fma(128 + q, s, fp32(d - 136 s)) on k rows 0-7 of each 16-row tile and
+    fma(128 + 16 q, s / 16, fp32(d - 16 s)) on rows 8-15, d = fp16(delta); bit for bit,
+    from either delta operand. With the converter's delta = s (8 - z) the constants are
+    exact and this is the exact weight rounded to fp32 once, then to bf16."""
     k, n = 256, 128
     rng = np.random.default_rng([2, group_size % 97, asym])
     L = make_layer(rng, k, n, group_size, asym=asym)
     q8, s, d = (None if x is None else x.astype(np.float32) for x in _rows(L, k))
-    expect = f32_to_bf16(q8 * s if d is None else _fma32(q8, s, d))
+    d = np.zeros_like(s) if d is None else d
+    q = q8 + np.float32(8)
+    low = (np.arange(k) % 16 < 8)[:, None]
+    c_lo, c_hi = d - np.float32(136) * s, d - np.float32(16) * s  # float32 arithmetic, one rounding each
+    x_lo, x_hi = q + np.float32(128), np.float32(16) * q + np.float32(128)
+    w32 = np.where(low, _fma32(x_lo, s, c_lo), _fma32(x_hi, s / 16, c_hi))
+    expect = f32_to_bf16(w32)
     kw = dict(size_k=k, size_n=n, group_size=group_size)
     w = rb.dequant(L["B"], L["S"], delta=L["delta"], **kw)
     assert w.dtype == np.uint16 and w.shape == (k, n) and np.array_equal(w, expect)
+    # the layer's delta is s (8 - z): every constant exact, so one fp32 rounding of the exact
+    # weight (equal values: a zero weight may come out +0 where the exact product is -0)
+    exact = q8.astype(np.float64) * s + d
+    assert np.array_equal(_val(w), _val(f32_to_bf16(exact.astype(np.float32))))
     if asym:
         prepared = permute_scales(L["delta"].astype(np.float16))
         assert np.array_equal(rb.dequant(L["B"], L["S"], delta=prepared, **kw), expect)
+
+
+def test_weight_rounds_the_constant_as_the_kernel_does():
+    """A delta far below the scale (here fp16(delta) = 2**-20 against s = 1.5): d - 136 s
+    is not an fp32 number, and the twin rounds it as the kernel's wcol does."""
+    q = np.full((16, 64), 11, np.uint8)
+    s = np.full((1, 64), 1.5, np.float16)
+    delta = np.full((1, 64), 2.0**-20, np.float32)
+    w = rb.dequant(pack_b(q), permute_scales(s), size_k=16, size_n=64, group_size=-1, delta=delta)
+    lo = np.float32(np.float32(2.0**-20) - np.float32(136 * 1.5))
+    hi = np.float32(np.float32(2.0**-20) - np.float32(16 * 1.5))
+    assert float(lo) != 2.0**-20 - 204 and float(hi) != 2.0**-20 - 24  # the constants are rounded
+    want_lo = f32_to_bf16(np.float32(139 * 1.5 + float(lo)))
+    want_hi = f32_to_bf16(np.float32(304 * (1.5 / 16) + float(hi)))
+    assert (w[:8] == want_lo).all() and (w[8:] == want_hi).all()
 
 
 def test_weight_is_the_fma_then_the_conversion():
