@@ -63,8 +63,9 @@ def gemm_plan(
         pipe: ``(kind, R, U, NS)`` override of :func:`~converter.gpu.plan.default_pipe`
             (benchmarking).
         tuning: the planner's knobs.
-        act: the activation type (``build.ACTS``); the route is the same for both, the
-            register count (and so the occupancy the plan assumes) is the type's build's.
+        act: the activation type (``build.ACTS``): the route table is the same for both,
+            read with ``tuning.for_act(act)``; the register count (and so the occupancy
+            the plan assumes) is the type's build's.
 
     Raises:
         KernelError: K not a multiple of 16 U (64 always works), an unknown pipe, a
@@ -73,6 +74,7 @@ def gemm_plan(
     """
     _, group_tiles, _ = layer_groups(size_k, size_n, group_size)
     info = runtime.device_info()
+    tuning = tuning.for_act(act)
     if pipe is None:
         pipe = default_pipe(m, size_k, size_n, group_tiles, info.smem_per_block_optin, tuning, hopper=hopper_device())
     pipe = Pipe.of(pipe)

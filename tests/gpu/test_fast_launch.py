@@ -48,7 +48,7 @@ def test_fast_is_bitwise_the_op_path(cp, mods, monkeypatch: pytest.MonkeyPatch) 
             for _ in range(2):  # the first call packs, the second reuses
                 slow, fast = _both(mod, x, monkeypatch)
                 assert np.array_equal(_bits(fast), _bits(slow)), (mod.in_features, mod.out_features, m)
-            assert m in mod._fast
+            assert (m, torch.float16) in mod._fast
     # 3-D input and a view that is not contiguous (the latter falls back to the op's path)
     mod = mods[1]
     x = torch.randn(2, 5, mod.in_features, generator=gen, device="cuda", dtype=torch.float16)
@@ -77,7 +77,7 @@ def test_the_switch_picks_the_path(cp, mods, monkeypatch: pytest.MonkeyPatch) ->
     assert calls == [1] and not torch_op.fast_launch_on()
     monkeypatch.setenv(torch_op.FAST_LAUNCH_ENV, "1")
     mod(x)
-    assert calls == [1] and torch_op.fast_launch_on() and 2 in mod._fast
+    assert calls == [1] and torch_op.fast_launch_on() and (2, torch.float16) in mod._fast
 
 
 def test_fast_follows_torchs_current_stream(cp, mods, monkeypatch: pytest.MonkeyPatch) -> None:

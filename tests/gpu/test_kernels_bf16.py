@@ -16,7 +16,7 @@ from converter.dtypes import bf16_to_f32, f32_to_bf16
 from converter.errors import KernelError
 from converter.gpu import build, kernels
 from converter.gpu import reference_bf16 as ref16
-from converter.gpu.plan import ARITH, GEMM_PIPES, Pipe
+from converter.gpu.plan import ARITH, DEFAULT_TUNING, GEMM_PIPES, Pipe
 from tests.helpers.kernel_layers import make_layer
 
 pytestmark = pytest.mark.gpu
@@ -81,8 +81,11 @@ def test_routed_bf16_matches_twin(cp, m, k, n, group_size, act_order, asym):
     got = _run(cp, a, L, kw)
     plan = kernels.gemm_plan(m, k, n, group_size, delta=asym, act=BF16)
     _check_twin(got, a, L, kw, plan, plan.splits * plan.wk)
-    # the fp16 plan's route: one route table for both types
-    assert kernels.gemm_plan(m, k, n, group_size, delta=asym).pipe == plan.pipe
+    # one route table for both types, read with the bf16 knobs: the per-group persistent kind
+    # takes large layers to 32 rows
+    assert plan.pipe == kernels.gemm_plan(m, k, n, group_size, delta=asym, tuning=DEFAULT_TUNING.for_act(BF16)).pipe
+    if kernels.hopper_device() and n >= 4096 and k * n > 4096 * 4096 and group_size in (128, -1):
+        assert (plan.kind.value == "hopper_skg") == (m <= 32), plan.kind
 
 
 def _bf16_pipes():

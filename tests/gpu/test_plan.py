@@ -63,14 +63,15 @@ def _plan(
 
 def test_tuning_is_frozen_and_every_knob_is_read() -> None:
     """The knobs are one value per launch (hashable, frozen), and none is dead: each is
-    read by the planner or the launcher (``cap`` and ``saturates_at`` read the two tables)."""
+    read by the planner or the launcher (``cap`` and ``saturates_at`` read the two tables,
+    ``for_act`` the bf16 overrides)."""
     from pathlib import Path
 
     with pytest.raises(dataclasses.FrozenInstanceError):
         DEFAULT_TUNING.waves = 2  # type: ignore[misc]
     gpu = Path(__file__).resolve().parents[2] / "converter" / "gpu"
     text = "".join(p.read_text() for p in gpu.rglob("*.py") if p.name != "tuning.py")
-    text += "occupancy_cap saturation"  # read through Tuning.cap and Tuning.saturates_at
+    text += "occupancy_cap saturation bf16_knobs"  # read through Tuning.cap, .saturates_at, .for_act
     assert [f.name for f in dataclasses.fields(Tuning) if f.name not in text] == []
 
 
@@ -809,3 +810,24 @@ def test_mid_layers_take_two_64_token_chunks_at_97_to_128_rows() -> None:
         assert default_pipe(128, k, n, 8, limit, off, hopper=True) == ("hopper_sk", 16, 4, 8)
     assert default_pipe(128, 28672, 8192, 8, limit, hopper=True) == ("hopper_sk", 16, 4, 8)
     assert default_pipe(128, 8192, 8192, 8, limit, hopper=False)[0] == "tile"
+
+
+def test_bf16_knobs_take_the_per_group_kind_to_32_rows_on_large_layers() -> None:
+    """The bf16 per-weight path costs more ALU than fp16's; measured on an H100
+    (docs/notes/routing.md#bf16) the per-group kind is faster at 17-32 rows, so the bf16
+    knobs take it there; fp16's routes are unchanged."""
+    from converter.gpu.plan import DEFAULT_TUNING, KernelKind, default_pipe
+
+    bf16 = DEFAULT_TUNING.for_act("bfloat16")
+    assert bf16.hopper_skg_max_m == 32 and bf16.bf16_knobs == () and bf16.for_act("bfloat16") == bf16
+    assert DEFAULT_TUNING.for_act("float16") is DEFAULT_TUNING
+    for k, n in ((8192, 57344), (28672, 8192), (4096, 14336), (8192, 8192)):
+        for m, fp16_kind, bf16_kind in (
+            (16, "hopper_skg", "hopper_skg"),
+            (17, "hopper_sk", "hopper_skg"),
+            (32, "hopper_sk", "hopper_skg"),
+            (33, "hopper_sk", "hopper_sk"),
+        ):
+            for tuning, want in ((DEFAULT_TUNING, fp16_kind), (bf16, bf16_kind)):
+                pipe = default_pipe(m, k, n, 8, tuning=tuning, hopper=True)
+                assert pipe.kind == KernelKind(want), (k, n, m, tuning is bf16, pipe)

@@ -38,6 +38,8 @@ class Tuning:
             knobs it reads.
         hopper_xmap_max_tok: the persistent kinds read A through a tensor map up to this
             many tokens a chunk (``hopper_activations`` re-lays it out beyond).
+        bf16_knobs: ``((field, value), ...)`` that replace these knobs for bf16
+            activations (:meth:`for_act`).
         streamk_fix, streamk_misalign, streamk_iters: the stream-K cost model
             (:func:`~converter.gpu.plan.streamk.plan_streamk`): a cut piece's cost in
             stage times per 32 tokens, the cost of a run misaligned with the unit's
@@ -90,6 +92,15 @@ class Tuning:
     streamk_fix: float = 1.0
     streamk_misalign: float = 0.05
     streamk_iters: int | None = None
+    bf16_knobs: tuple[tuple[str, int], ...] = (("hopper_skg_max_m", 32),)
+
+    def for_act(self, act: str) -> Tuning:
+        """The knobs for activations of type ``act``: ``bf16_knobs`` replace their
+        fields for ``"bfloat16"`` (the bf16 per-weight path costs more ALU than fp16's, so
+        the per-group kind serves more rows: docs/notes/routing.md#bf16)."""
+        if act != "bfloat16" or not self.bf16_knobs:
+            return self
+        return dataclasses.replace(self, **dict(self.bf16_knobs), bf16_knobs=())
 
     def cap(self, kind: KernelKind) -> int | None:
         """The occupancy cap of ``kind``, or None."""
