@@ -173,40 +173,36 @@ __device__ __forceinline__ void word_weights(u32 w, const WCol& a, const WCol& b
 // bf16: the fp16 scale and delta do not fit bf16's 8 bits, so the weight is formed in
 // fp32 and rounded to bf16 by one cvt.rn per pair (docs/notes/bf16.md). The codes go
 // straight to fp32 with no subtraction: a nibble OR-ed into bits 16-19 of 128.0f
-// (0x43000000) is 128 + q, into bits 20-23 128 + 16 q, both exact, so
-//   W = fma(128 + q, s, d - 136 s)   (k rows 0-7 of a 16-row tile)
-//   W = fma(128 + 16 q, s / 16, d - 16 s)   (rows 8-15)
-// with the two constants per column rounded to fp32 once (wcol). Per word: 3 shifts, 8
-// lop3, 8 FFMA, 4 cvt. Each W is the fp32 fma of the exact (q - 8) s + d rounded once
-// whenever its constant is exact, which holds for the converter's delta = s (8 - z) (then
-// d - 136 s = (8 - z - 136) s needs 19 bits); in general the twin
-// (reference_bf16.dequant) rounds the constant as the kernel does.
+// (0x43000000; fp32's mantissa is bits 0-22, so bits 16-19 scale by 1) is 128 + q,
+// exact, and
+//   W = fma(128 + q, s, d - 136 s)
+// with the constant rounded to fp32 once per column (wcol). Per word: 7 shifts, 8 lop3,
+// 8 FFMA, 4 cvt. W is the fp32 fma of the exact (q - 8) s + d whenever the constant is
+// exact, which holds for the converter's delta = s (8 - z) (then d - 136 s =
+// (8 - z - 136) s needs 19 bits); in general the twin (reference_bf16.dequant) rounds
+// the constant as the kernel does.
 struct WCol {
-    float s, s16, clo, chi;
+    float s, c;
 };
 template <bool HAS_DELTA>
 __device__ __forceinline__ WCol wcol(u16 s, u16 d) {
     const float sf = h_to_f32(s), df = HAS_DELTA ? h_to_f32(d) : 0.f;
-    return WCol{sf, sf * 0.0625f, fmaf(-136.f, sf, df), fmaf(-16.f, sf, df)};
+    return WCol{sf, fmaf(-136.f, sf, df)};
 }
 __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     u32 r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
+// 128 + q for the nibble at bits 16-19 of `moved` (the rest masked off).
+__device__ __forceinline__ float code_f32(u32 moved) { return u32_as_f32(lop3_and_or(moved, 0x000F0000u, 0x43000000u)); }
 template <bool HAS_DELTA>
 __device__ __forceinline__ void word_weights(u32 w, const WCol& a, const WCol& b, u32 m[4]) {
-    const u32 ex = 0x43000000u, lo = 0x000F0000u, hi = 0x00F00000u;
-    const u32 w16 = w << 16, w8 = w << 8, wr8 = w >> 8;  // nibbles 0-1, 2-3, 6-7 to bits 16-23
     // nibble i of the word is m[i % 4]'s low half (i < 4) or high half (i >= 4)
-    m[0] = pack_bf16x2(fmaf(u32_as_f32(lop3_and_or(w16, lo, ex)), a.s, a.clo),
-                       fmaf(u32_as_f32(lop3_and_or(w, lo, ex)), a.s, a.clo));
-    m[1] = pack_bf16x2(fmaf(u32_as_f32(lop3_and_or(w16, hi, ex)), a.s16, a.chi),
-                       fmaf(u32_as_f32(lop3_and_or(w, hi, ex)), a.s16, a.chi));
-    m[2] = pack_bf16x2(fmaf(u32_as_f32(lop3_and_or(w8, lo, ex)), b.s, b.clo),
-                       fmaf(u32_as_f32(lop3_and_or(wr8, lo, ex)), b.s, b.clo));
-    m[3] = pack_bf16x2(fmaf(u32_as_f32(lop3_and_or(w8, hi, ex)), b.s16, b.chi),
-                       fmaf(u32_as_f32(lop3_and_or(wr8, hi, ex)), b.s16, b.chi));
+    m[0] = pack_bf16x2(fmaf(code_f32(w << 16), a.s, a.c), fmaf(code_f32(w), a.s, a.c));
+    m[1] = pack_bf16x2(fmaf(code_f32(w << 12), a.s, a.c), fmaf(code_f32(w >> 4), a.s, a.c));
+    m[2] = pack_bf16x2(fmaf(code_f32(w << 8), b.s, b.c), fmaf(code_f32(w >> 8), b.s, b.c));
+    m[3] = pack_bf16x2(fmaf(code_f32(w << 4), b.s, b.c), fmaf(code_f32(w >> 12), b.s, b.c));
 }
 #endif
 

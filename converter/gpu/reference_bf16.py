@@ -12,8 +12,8 @@ twin's helpers in :mod:`.reference_gemm`:
   closed with ``s`` and ``fp16(delta)`` in fp32, so the weight multiplied is
   ``(q - 8) s + fp16(delta)`` unrounded, as in the fp16 twin;
 * "weight" (tile kernel, ``decode_w``, ``hopper_sk``): the bf16 weight, the fp32 fma of
-  ``(q - 8) s + fp16(delta)`` (with one of two per-column constants rounded to fp32)
-  rounded to bf16: the notes' option 2 (:func:`dequant`).
+  ``(q - 8) s + fp16(delta)`` (as ``(128 + q) s + fp32(d - 136 s)``) rounded to bf16:
+  the notes' option 2 (:func:`dequant`).
 
 Either product is taken in float64 (every product of a bf16 ``A`` with these weights is
 exact) and rounded once to bf16, to nearest, ties to even (:func:`round_bf16`).
@@ -88,14 +88,13 @@ def dequant(
     """The bf16 weight the "weight" kernels form in registers, bit for bit
     (``kernels/marlin_common.cuh``, ``word_weights``).
 
-    The kernel feeds each code to an fp32 fma as ``x = 128 + q`` with the column's
-    constant ``c = fp32(d - 136 s)`` (k rows 0-7 of every 16-row tile), or as
-    ``x = 128 + 16 q`` times ``s / 16`` with ``c = fp32(d - 16 s)`` (rows 8-15), where
-    ``d = fp16(delta)`` (0 without one), then rounds the fp32 result to bf16. Both forms are
-    ``(q - 8) s + d``; they round alike whenever ``c`` is exact (so for the converter's
-    ``delta = s (8 - z)``), and the twin rounds ``c`` as the kernel does either way.
-    ``x s + c`` is exact in float64 (a 19-bit product and a float32 constant of nearby
-    size), so casting it to float32 is the fma's one rounding.
+    The kernel feeds each code to an fp32 fma as ``x = 128 + q`` (the nibble in the
+    mantissa of 128.0f) with the column's constant ``c = fp32(d - 136 s)``,
+    ``d = fp16(delta)`` (0 without one), and rounds the fp32 result to bf16. That is
+    ``(q - 8) s + d`` rounded once to fp32 whenever ``c`` is exact (so for the converter's
+    ``delta = s (8 - z)``); the twin rounds ``c`` as the kernel does either way. ``x s + c``
+    is exact in float64 (a 19-bit product and a float32 constant of nearby size), so
+    casting it to float32 is the fma's one rounding.
 
     Args:
         B, scales, size_k, size_n, group_size: as ``reference_dequant.dequant``.
@@ -107,11 +106,8 @@ def dequant(
     """
     q8, s, d = _decode_parts(B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size)
     d = np.zeros_like(s) if d is None else d
-    low = (np.arange(size_k) % 16 < 8)[:, None]  # rows 0-7 of each 16-row tile: the 128 + q form
-    x = np.where(low, 136.0 + q8, 128.0 + 16.0 * (q8 + 8.0))
-    scale = np.where(low, s, s / 16.0)
-    const = np.where(low, d - 136.0 * s, d - 16.0 * s).astype(np.float32).astype(np.float64)
-    return f32_to_bf16((x * scale + const).astype(np.float32))
+    const = (d - 136.0 * s).astype(np.float32).astype(np.float64)
+    return f32_to_bf16(((136.0 + q8) * s + const).astype(np.float32))
 
 
 def _weight(

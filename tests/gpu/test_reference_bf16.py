@@ -136,26 +136,21 @@ def test_round_bf16_rounds_float64_once():
 @pytest.mark.parametrize("group_size,asym", [(128, True), (64, True), (-1, True), (128, False)])
 def test_weight_is_the_kernels_fp32_fma_rounded_to_bf16(group_size, asym):
     """Every weight is f32_to_bf16 of the kernel's fp32 fma, written out here in float32:
-    fma(128 + q, s, fp32(d - 136 s)) on k rows 0-7 of each 16-row tile and
-    fma(128 + 16 q, s / 16, fp32(d - 16 s)) on rows 8-15, d = fp16(delta); bit for bit,
-    from either delta operand. With the converter's delta = s (8 - z) the constants are
-    exact and this is the exact weight rounded to fp32 once, then to bf16."""
+    fma(128 + q, s, fp32(d - 136 s)), d = fp16(delta); bit for bit, from either delta
+    operand. With the layer's delta = s (8 - z) the constant is exact and this is the
+    exact weight rounded to fp32 once, then to bf16."""
     k, n = 256, 128
     rng = np.random.default_rng([2, group_size % 97, asym])
     L = make_layer(rng, k, n, group_size, asym=asym)
     q8, s, d = (None if x is None else x.astype(np.float32) for x in _rows(L, k))
     d = np.zeros_like(s) if d is None else d
-    q = q8 + np.float32(8)
-    low = (np.arange(k) % 16 < 8)[:, None]
-    c_lo, c_hi = d - np.float32(136) * s, d - np.float32(16) * s  # float32 arithmetic, one rounding each
-    x_lo, x_hi = q + np.float32(128), np.float32(16) * q + np.float32(128)
-    w32 = np.where(low, _fma32(x_lo, s, c_lo), _fma32(x_hi, s / 16, c_hi))
-    expect = f32_to_bf16(w32)
+    c = d - np.float32(136) * s  # float32 arithmetic: 136 s is exact, the difference rounds once
+    expect = f32_to_bf16(_fma32(q8 + np.float32(136), s, c))
     kw = dict(size_k=k, size_n=n, group_size=group_size)
     w = rb.dequant(L["B"], L["S"], delta=L["delta"], **kw)
     assert w.dtype == np.uint16 and w.shape == (k, n) and np.array_equal(w, expect)
-    # the layer's delta is s (8 - z): every constant exact, so one fp32 rounding of the exact
-    # weight (equal values: a zero weight may come out +0 where the exact product is -0)
+    # every constant exact here: one fp32 rounding of the exact weight
+    # (equal values: a zero weight may come out +0 where the exact product is -0)
     exact = q8.astype(np.float64) * s + d
     assert np.array_equal(_val(w), _val(f32_to_bf16(exact.astype(np.float32))))
     if asym:
@@ -170,12 +165,24 @@ def test_weight_rounds_the_constant_as_the_kernel_does():
     s = np.full((1, 64), 1.5, np.float16)
     delta = np.full((1, 64), 2.0**-20, np.float32)
     w = rb.dequant(pack_b(q), permute_scales(s), size_k=16, size_n=64, group_size=-1, delta=delta)
-    lo = np.float32(np.float32(2.0**-20) - np.float32(136 * 1.5))
-    hi = np.float32(np.float32(2.0**-20) - np.float32(16 * 1.5))
-    assert float(lo) != 2.0**-20 - 204 and float(hi) != 2.0**-20 - 24  # the constants are rounded
-    want_lo = f32_to_bf16(np.float32(139 * 1.5 + float(lo)))
-    want_hi = f32_to_bf16(np.float32(304 * (1.5 / 16) + float(hi)))
-    assert (w[:8] == want_lo).all() and (w[8:] == want_hi).all()
+    c = np.float32(np.float32(2.0**-20) - np.float32(136 * 1.5))
+    assert float(c) != 2.0**-20 - 204  # the constant is rounded
+    assert (w == f32_to_bf16(np.float32(139 * 1.5 + float(c)))).all()
+
+
+def test_codes_in_the_mantissa_of_128f():
+    """The kernel's code_f32: a nibble moved to bits 16-19 and OR-ed into 0x43000000 is
+    128 + q in fp32 for every q and every nibble of a word (moved by the shifts
+    word_weights uses); bit 23 would be the exponent's lowest bit."""
+    rng = np.random.default_rng(9)
+    words = rng.integers(0, 2**32, 64, dtype=np.uint64)
+    moves = {0: lambda w: w << 16, 1: lambda w: w << 12, 2: lambda w: w << 8, 3: lambda w: w << 4,
+             4: lambda w: w, 5: lambda w: w >> 4, 6: lambda w: w >> 8, 7: lambda w: w >> 12}  # fmt: skip
+    for i, move in moves.items():
+        bits = ((move(words) & 0xFFFFFFFF) & 0x000F0000) | 0x43000000
+        got = bits.astype(np.uint32).view(np.float32)
+        assert np.array_equal(got, 128 + ((words >> (4 * i)) & 15).astype(np.float32)), i
+    assert np.uint32(0x43000000 | 0x00800000).view(np.float32) == 256  # a nibble at 20-23 would not work
 
 
 def test_weight_is_the_fma_then_the_conversion():
