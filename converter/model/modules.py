@@ -101,8 +101,10 @@ class ExactMarlinLinear(_Swapped):
 
     ``W[k] = (q[k] - 8) * s[g(k)] + delta[g(k)]`` in fp32 for Marlin row ``k`` (source
     input channel ``perm[k]``), formed in each forward (only the 4-bit codes are kept,
-    as uint8); ``x`` is rounded to fp16 first and ``y`` to fp16 last, as the kernel does,
-    and ``y`` is returned in ``x``'s dtype.
+    as uint8); as the kernel does, a bf16 ``x`` stays bf16 (exact in fp32) and ``y`` is
+    rounded to bf16, any other ``x`` is rounded to fp16 first and ``y`` to fp16 last; ``y``
+    is returned in ``x``'s dtype. ``model.to(dtype)`` moves the operands but keeps their
+    dtypes (the weight is the artifact's, whatever the activations are).
 
     Args:
         name: the layer's artifact prefix.
@@ -145,14 +147,22 @@ class ExactMarlinLinear(_Swapped):
         g = self.groups
         return (self.q.float() - MARLIN_ZERO) * self.scales.float()[g] + self.delta[g]
 
+    def _apply(self, fn: Any, *args: Any, **kw: Any) -> Any:
+        def keep_dtype(t: torch.Tensor) -> torch.Tensor:
+            r = fn(t)
+            return r if r.dtype == t.dtype else t.to(r.device)
+
+        return super()._apply(keep_dtype, *args, **kw)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = x.to(torch.float16).float()
+        half = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float16
+        a = x.to(half).float()
         if self.perm is not None:
             a = a.index_select(-1, self.perm)
         y = a @ self.weight_f32()
         if self.bias is not None:
             y = y + self.bias.float()
-        y = y.to(torch.float16)
+        y = y.to(half)
         if self.keep_raw:
             self.raw_output = y
         return y.to(x.dtype)

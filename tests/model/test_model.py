@@ -192,6 +192,28 @@ def test_exact_path_is_the_artifacts_weight_and_matches_the_source(tiny: tuple[P
     assert rel < 4e-3  # bf16 output rounding (2^-9) dominates
 
 
+def test_exact_path_runs_a_bf16_model_in_bf16_and_keeps_its_operands(tiny: tuple[Path, Path]) -> None:
+    """As the kernel does: bf16 activations are not cast to fp16, so an activation of 1e5
+    (inf in fp16) gives a finite output within bf16 rounding of the fp32 product; and
+    model.to(torch.bfloat16) leaves the layer's fp16 scales and fp32 deltas as they are."""
+    _, out = tiny
+    m = load_model(out, "cpu")
+    mod = m.model.layers[0].self_attn.q_proj
+    w = mod.weight_f32().double().numpy()
+    s16, d32 = mod.scales.clone(), mod.delta.clone()
+    m.to(torch.bfloat16)
+    assert mod.scales.dtype == torch.float16 and torch.equal(mod.scales, s16)
+    assert mod.delta.dtype == torch.float32 and torch.equal(mod.delta, d32)
+    x = torch.from_numpy(np.random.default_rng(6).standard_normal((4, 128)).astype(np.float32))
+    x[:, 3] = 1e5
+    xb = x.to(torch.bfloat16)
+    y = mod(xb)
+    assert y.dtype == torch.bfloat16 and bool(torch.isfinite(y).all())
+    a = xb.double().numpy()[:, mod.perm.numpy()]
+    ref = a @ w + mod.bias.double().numpy()
+    assert np.abs(y.double().numpy() - ref).max() <= 2.0**-8 * np.abs(ref).max()
+
+
 def exact_from_stored(name, size_n, group_size, B, scales, delta, perm, bias, padded_n) -> ExactMarlinLinear:
     """The exact module of a layer from its tensors as stored (what a kernel factory gets)."""
     return ExactMarlinLinear(
