@@ -79,5 +79,6 @@ def test_units_mode_reads_the_b_form() -> None:
 def test_the_cuda_implementation_refuses_a_cpu_input() -> None:
     from converter.errors import KernelError
 
-    with pytest.raises(KernelError, match=r"expected a float16 CUDA tensor \(M, 256\), got torch.float16 \(3, 256\)"):
+    msg = r"expected a float16 or bfloat16 CUDA tensor \(M, 256\), got torch.float16 \(3, 256\)"
+    with pytest.raises(KernelError, match=msg):
         torch_op.run_gemm(*_operands()[:3], None, None, None, _operands()[3], K, N, GS, N_OUT)

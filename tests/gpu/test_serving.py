@@ -106,9 +106,9 @@ def test_op_refuses_a_wrong_input(cp, layers) -> None:
     from converter.errors import KernelError
 
     _, mod = layers[0]
-    with pytest.raises(KernelError, match="expected a float16 CUDA tensor"):
+    with pytest.raises(KernelError, match="expected a float16 or bfloat16 CUDA tensor, got torch.float32"):
         mod(torch.randn(2, mod.in_features, dtype=torch.float32, device="cuda"))
-    with pytest.raises(KernelError, match=r"expected a float16 CUDA tensor \(M, 4096\)"):
+    with pytest.raises(KernelError, match=r"expected a float16 or bfloat16 CUDA tensor \(M, 4096\)"):
         torch.ops.marlin_convert.gemm(
             torch.randn(2, 64, dtype=torch.float16, device="cuda"), mod.b, mod.scales, mod.delta, mod.perm,
             mod.bias, mod.locks, mod.in_features, mod.size_n, mod.group_size, mod.out_features,
