@@ -121,7 +121,7 @@ __device__ __forceinline__ void weight_fragments_cols(const u32 (&w)[J], const W
 // the fp16 scales (deltas) of columns 16 (J fg + j) + g and + 8 of the warp's block,
 // low half first, exactly as the S (D) slot stores them. The same arithmetic and bits.
 // fp16 only: the bf16 weight needs the scales in fp32, which the caller converts once
-// per group and passes to weight_fragments.
+// per group and passes to weight_fragments_cols.
 template <bool HAS_DELTA, int J>
 __device__ __forceinline__ void weight_fragments_pairs(const u32 (&w)[J], const u32 (&s_pair)[J],
                                                        const u32 (&d_pair)[J], u32 (&af)[J][4]) {

@@ -958,7 +958,7 @@ def test_the_model_report_says_what_its_numbers_are(monkeypatch: pytest.MonkeyPa
         ": logits against the fp32 model dequantized from the source, 2 x 16 tokens"
     )
     assert (
-        "largest per-layer error against the source (relative to fp16 dequantized's): "
-        "model.layers.0.mlp.up_proj 1.76e-04 (fp16 dequantized 2.60e-04)"
+        "largest per-layer error against the source (relative to 16-bit dequantized's): "
+        "model.layers.0.mlp.up_proj 1.76e-04 (16-bit dequantized 2.60e-04)"
     ) in lines
     assert "furthest" not in buf.getvalue() and all(ln == ln.rstrip() for ln in lines)

@@ -65,7 +65,7 @@ ACT_SOURCES: dict[str, tuple[str, ...]] = {
     "marlin_gemm.cu": ACTS,
     "marlin_decode.cu": ACTS,
     "dequant.cu": ACTS,
-    "asym_correction.cu": ACTS,
+    "asym_correction.cu": ("float16",),  # the two-kernel path (a check, not a route): fp16 only
     "marlin_wgmma.cu": ("float16",),
     "marlin_streamk.cu": ACTS,
 }
@@ -136,12 +136,13 @@ def prebuild(sources: tuple[str, ...] | None = None, workers: int = 8, acts: tup
     :class:`GpuUnavailableError`."""
     info = runtime.device_info()
     todo = [
-        (s, act, tuple(n for n in NAMES[s] if act == "float16" or n not in ACT_FREE))
+        (s, act, names)
         for s in (sources or tuple(NAMES))
         if s not in ARCH_SPECIFIC or info.compute_capability == 90
         for act in acts
         if act in ACT_SOURCES[s]
-        if any((s, n, info.index, _act_of(n, act)) not in _functions for n in NAMES[s])
+        for names in [tuple(n for n in NAMES[s] if act == "float16" or n not in ACT_FREE)]
+        if any((s, n, info.index, act) not in _functions for n in names)
     ]
     with ThreadPoolExecutor(max(1, min(workers, len(todo)))) as pool:
         list(pool.map(lambda t: _compile(t[0], t[2], t[1]), todo))

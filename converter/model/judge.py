@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..artifact.problems import ProblemCode
-from .modules import KERNEL
 from .report import ModelReport
 
 if TYPE_CHECKING:
@@ -29,7 +28,8 @@ DECIDED_FACTOR = 2 * ERROR_FACTOR
 #: A layer is flagged above this many times the fp16 linear's error and above LAYER_FLOOR.
 LAYER_FACTOR = 4.0
 LAYER_FLOOR = 5e-3
-#: Activation types our kernel runs as they are: a layer given one must give the same back.
+#: The 16-bit activation types: a swapped layer given one must give the same back (our
+#: kernel, the exact path and the dense pass-through all run them as they are).
 HALF_TYPES = ("float16", "bfloat16")
 
 
@@ -109,7 +109,7 @@ def _judge(
         e, e16 = probe.stats.get(layer, [None, None])
         bad = e is not None and e > LAYER_FACTOR * e16 and e > LAYER_FLOOR
         dts = probe.dtypes.get(layer)
-        cast = path == KERNEL and dts is not None and dts[0] in HALF_TYPES and dts[1] != dts[0]
+        cast = dts is not None and dts[0] in HALF_TYPES and dts[1] != dts[0]
         report.layers.append(
             {
                 "name": layer,
@@ -124,7 +124,7 @@ def _judge(
         if cast:
             report.add(
                 P.LAYER_DTYPE,
-                f"layer {layer} (module {modules.get(layer)}): took {dts[0]} activations but its kernel gave {dts[1]} "
+                f"layer {layer} (module {modules.get(layer)}): took {dts[0]} activations but gave {dts[1]} "
                 "(a 16-bit model's layers run in its own type)",
                 layer,
             )

@@ -264,8 +264,18 @@ class FusedSlice(_Swapped):
         return f"{self.layer_name}: in_features={self.in_features}, columns {self.start}:{self.stop} of the group"
 
 
+def _dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` in the weight's dtype, except that an fp16 weight on bf16 activations
+    runs in fp32 and rounds to bf16: a bf16 model's activations are never cast to fp16
+    (whose range ends at 65504), as the kernels and the exact path keep them."""
+    if x.dtype == torch.bfloat16 and w.dtype == torch.float16:
+        return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(torch.bfloat16)
+    return F.linear(x.to(w.dtype), w, None if bias is None else bias.to(w.dtype))
+
+
 class DenseLinear(_Swapped):
-    """``y = x @ weight.T + bias`` with a dense weight, computed in the weight's dtype.
+    """``y = x @ weight.T + bias`` with a dense weight, computed in the weight's dtype
+    (an fp16 weight on bf16 activations: in fp32, rounded to bf16).
 
     Args:
         name: the layer's name in its checkpoint.
@@ -282,9 +292,7 @@ class DenseLinear(_Swapped):
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        b = None if self.bias is None else self.bias.to(w.dtype)
-        y = F.linear(x.to(w.dtype), w, b)
+        y = _dense_linear(x, self.weight, self.bias)
         if self.keep_raw:
             self.raw_output = y
         return y if y.dtype == x.dtype else y.to(x.dtype)
@@ -319,9 +327,7 @@ class LazyDenseLinear(_Swapped):
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self._load().to(x.device)
-        b = None if self.bias is None else self.bias.to(w.dtype)
-        y = F.linear(x.to(w.dtype), w, b)
+        y = _dense_linear(x, self._load().to(x.device), self.bias)
         if self.keep_raw:
             self.raw_output = y
         return y if y.dtype == x.dtype else y.to(x.dtype)

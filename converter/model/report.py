@@ -161,11 +161,11 @@ def render(report: ModelReport, out: Any, err: Any, *, quiet: bool = False) -> N
         )[:3]
         if worst:
             shown = ", ".join(
-                f"{r['name']} {_fmt(r['rel_err'])} (fp16 dequantized {_fmt(r['fp16_rel_err'])})" for r in worst
+                f"{r['name']} {_fmt(r['rel_err'])} (16-bit dequantized {_fmt(r['fp16_rel_err'])})" for r in worst
             )
             # rel_err: the layer's output on the model's own activations against the fp32 source layer's
             out.print(
-                f"largest per-layer error against the source (relative to fp16 dequantized's): {escape(shown)}",
+                f"largest per-layer error against the source (relative to 16-bit dequantized's): {escape(shown)}",
                 soft_wrap=True,
             )
     for p in report.problems:

@@ -212,14 +212,12 @@ def test_bf16_error_against_fp32_beside_cublas(cp, m):
     assert ours_err <= 1.2 * cublas_err, (ours_err, cublas_err)
 
 
-def test_bf16_module_keeps_bf16_and_matches_the_launcher(cp):
+def test_bf16_module_keeps_bf16_and_matches_the_launcher(cp, monkeypatch):
     """MarlinLinearModule takes bf16 as it is and returns bf16: the packed launch, the op
     path and the CuPy launcher give the same bits."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch without CUDA")
-    import os
-
     from converter.gpu.api import MarlinLinear, MarlinLinearModule
 
     k, n = 4096, 4096
@@ -232,11 +230,9 @@ def test_bf16_module_keeps_bf16_and_matches_the_launcher(cp):
         x = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).cuda()
         y = mod(x)
         assert y.dtype == torch.bfloat16 and tuple(y.shape) == (m, n)
-        os.environ["MARLIN_FAST_LAUNCH"] = "0"
-        try:
-            y_op = mod(x)
-        finally:
-            del os.environ["MARLIN_FAST_LAUNCH"]
+        monkeypatch.setenv("MARLIN_FAST_LAUNCH", "0")
+        y_op = mod(x)
+        monkeypatch.setenv("MARLIN_FAST_LAUNCH", "1")
         want = _run(cp, a, L, dict(size_k=k, size_n=n, group_size=128))
         got = y.view(torch.int16).cpu().numpy().view(np.uint16)
         assert np.array_equal(got, y_op.view(torch.int16).cpu().numpy().view(np.uint16))

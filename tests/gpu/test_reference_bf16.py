@@ -160,14 +160,17 @@ def test_weight_is_the_kernels_fp32_fma_rounded_to_bf16(group_size, asym):
 
 def test_weight_rounds_the_constant_as_the_kernel_does():
     """A delta far below the scale (here fp16(delta) = 2**-20 against s = 1.5): d - 136 s
-    is not an fp32 number, and the twin rounds it as the kernel's wcol does."""
-    q = np.full((16, 64), 11, np.uint8)
+    is not an fp32 number, and the twin rounds it as the kernel's wcol does. With q = 8 the
+    kernel's weight is 136 s + fp32(d - 136 s) = 0 (the constant lost d); a twin that kept
+    the constant unrounded would give d = 2**-20."""
+    q = np.full((16, 64), 8, np.uint8)
     s = np.full((1, 64), 1.5, np.float16)
     delta = np.full((1, 64), 2.0**-20, np.float32)
     w = rb.dequant(pack_b(q), permute_scales(s), size_k=16, size_n=64, group_size=-1, delta=delta)
     c = np.float32(np.float32(2.0**-20) - np.float32(136 * 1.5))
     assert float(c) != 2.0**-20 - 204  # the constant is rounded
-    assert (w == f32_to_bf16(np.float32(139 * 1.5 + float(c)))).all()
+    kernel = f32_to_bf16(np.float32(136 * 1.5 + float(c)))
+    assert (w == kernel).all() and (_val(w) == 0).all()
 
 
 def test_codes_in_the_mantissa_of_128f():

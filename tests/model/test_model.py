@@ -212,6 +212,14 @@ def test_exact_path_runs_a_bf16_model_in_bf16_and_keeps_its_operands(tiny: tuple
     a = xb.double().numpy()[:, mod.perm.numpy()]
     ref = a @ w + mod.bias.double().numpy()
     assert np.abs(y.double().numpy() - ref).max() <= 2.0**-8 * np.abs(ref).max()
+    # a quantized layer that passed through unconverted (fp16 weight) runs bf16 activations
+    # in fp32, not through an fp16 cast
+    dense = load_model(out, "cpu").model.layers[0].mlp.gate_proj
+    assert dense.path == "dequant-fp16" and dense.weight.dtype == torch.float16
+    yd = dense(xb)
+    ref_d = xb.double().numpy() @ dense.weight.double().numpy().T
+    assert yd.dtype == torch.bfloat16 and bool(torch.isfinite(yd).all())
+    assert np.abs(yd.double().numpy() - ref_d).max() <= 2.0**-8 * np.abs(ref_d).max()
 
 
 def exact_from_stored(name, size_n, group_size, B, scales, delta, perm, bias, padded_n) -> ExactMarlinLinear:
@@ -594,6 +602,24 @@ def test_real_model_passes(real: dict[str, tuple[Path, Path]], name: str) -> Non
     else:
         assert rep.output == "logits" and rep.problems == [] and conv["mean_rel_err"] < 1e-2
         assert conv["top1"] >= f16["top1"] - 0.005 and conv["top1"] >= 0.99 and conv["top5"] >= 0.98
+
+
+def test_bf16_activations_run_uncast_and_a_cast_is_a_layer_dtype_problem(real: dict[str, tuple[Path, Path]]) -> None:
+    """auto-round's llama-tiny keeps bf16 embeddings and norms, so its layers see bf16: on
+    the exact path each takes and gives bf16; a kernel that runs fp16 only (the fake
+    kernel's contract: its module casts bf16 in to fp16) is flagged, layer by layer."""
+    src, out = real["autoround-gptq-w4g128-asym"]
+    rep = verify_model(out, src, gpu=False)
+    assert rep.ok and all(r["dtypes"] == ["bfloat16", "bfloat16"] for r in rep.layers), rep.layers
+
+    def factory(name, size_k, size_n, group_size, B, scales, delta, perm, bias, *, padded_n):
+        return FakeKernel(name, exact_from_stored(name, size_n, group_size, B, scales, delta, perm, bias, padded_n), [])
+
+    cast = verify_model(out, src, gpu=False, kernel_factory=factory)
+    kernel = [r["name"] for r in cast.layers if r["path"] == "marlin-kernel"]
+    flagged = [p for p in cast.problems if p.code == "layer_dtype"]
+    assert kernel and sorted(p.tensor for p in flagged) == sorted(kernel) and not cast.ok
+    assert "took bfloat16 activations but gave float16" in flagged[0].message
 
 
 def test_minilm_loads_bert_prefixed_tensors_in_their_own_dtypes(real: dict[str, tuple[Path, Path]]) -> None:
