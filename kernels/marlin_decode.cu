@@ -1,5 +1,6 @@
 // marlin_decode.cu, the decode kernel (M <= 32; marlin_gemm.cu serves larger M):
-// C[M, N] (fp16) = A[M, K] (fp16) @ W (+ optional bias) on the operands of
+// C[M, N] = A[M, K] @ W (+ optional bias), A and C fp16, or bf16 in the build with
+// -DMARLIN_BF16 (marlin_common.cuh says what differs), on the operands of
 // marlin_stream.cuh (B, permuted scales S, permuted fp16 deltas D, A in Marlin K order),
 // computed as
 //   C[m, n] = fp16( sum_g ( s[g, n] * P[g, m, n] + d[g, n] * X[g, m] ) + bias[n] )

@@ -1,5 +1,7 @@
 // marlin_gemm.cu, the tile kernel (larger M; marlin_decode.cu serves small M):
-// C[M, N] (fp16) = A[M, K] (fp16) @ W (+ optional bias), where
+// C[M, N] = A[M, K] @ W (+ optional bias), A and C fp16, or bf16 in the build with
+// -DMARLIN_BF16 (marlin_common.cuh says what differs: there W is formed in fp32 and
+// rounded to bf16), where
 //   W[k, n] = fp16((q[k, n] - 8) * s[g(k), n])                 (symmetric)
 //   W[k, n] = fp16((q[k, n] - 8) * s[g(k), n] + d[g(k), n])    (HAS_DELTA, fused
 //             asymmetric correction: one fma per weight pair, no extra launch)

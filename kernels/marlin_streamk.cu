@@ -1,5 +1,6 @@
 // marlin_streamk.cu, the persistent Hopper GEMM (sm_90a only):
-// C[M, N] (fp16) = A[M, K] (fp16) @ W (+ optional bias) on the operands of
+// C[M, N] = A[M, K] @ W (+ optional bias), A and C fp16, or bf16 in the build with
+// -DMARLIN_BF16 (marlin_common.cuh says what differs), on the operands of
 // marlin_stream.cuh (B in Marlin tile order, permuted scales S, permuted fp16 deltas D)
 // and the activations (A itself through a tensor map, gathered first under act-order; or
 // A re-laid out by hopper_activations, the path without NVIDIA's cuda-bindings), in two
