@@ -12,21 +12,9 @@ from converter.gpu import reference_bf16 as rb
 from converter.gpu import reference_gemm as fp16_twin
 from converter.gpu.plan import gemm_arith
 from converter.marlin.layout import pack_b, permute_scales
+from tests.helpers.kernel_layers import make_twin_layer as make_layer
 
 ARITHS = ("weight", "group")
-
-
-def make_layer(rng, k, n, group_size, *, asym=True, act_order=False):
-    """Random layer as tests/gpu/test_reference.py builds one (codes in Marlin row order,
-    natural scales and delta, and the artifact tensors)."""
-    gs = k if group_size in (-1, k) else group_size
-    g = k // gs
-    q = rng.integers(0, 16, size=(k, n), dtype=np.uint8)
-    s = (rng.uniform(0.5, 2.0, size=(g, n)) * rng.choice([-1, 1], size=(g, n)) / 64).astype(np.float16)
-    z = rng.integers(0, 16, size=(g, n))
-    delta = (s.astype(np.float32) * (8 - z)).astype(np.float32) if asym else None
-    perm = rng.permutation(k).astype(np.int32) if act_order else None
-    return dict(q=q, s=s, delta=delta, perm=perm, B=pack_b(q), S=permute_scales(s), gs=gs, gsize=group_size)
 
 
 def _kw(L, k, n, **extra):
