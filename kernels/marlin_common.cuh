@@ -172,37 +172,44 @@ __device__ __forceinline__ void word_weights(u32 w, const WCol& a, const WCol& b
 #else
 // bf16: the fp16 scale and delta do not fit bf16's 8 bits, so the weight is formed in
 // fp32 and rounded to bf16 by one cvt.rn per pair (docs/notes/bf16.md). The codes go
-// straight to fp32 with no subtraction: a nibble OR-ed into bits 16-19 of 128.0f
-// (0x43000000; fp32's mantissa is bits 0-22, so bits 16-19 scale by 1) is 128 + q,
-// exact, and
-//   W = fma(128 + q, s, d - 136 s)
-// with the constant rounded to fp32 once per column (wcol). Per word: 7 shifts, 8 lop3,
-// 8 FFMA, 4 cvt. W is the fp32 fma of the exact (q - 8) s + d whenever the constant is
-// exact, which holds for the converter's delta = s (8 - z) (then d - 136 s =
-// (8 - z - 136) s needs 19 bits); in general the twin (reference_bf16.dequant) rounds
-// the constant as the kernel does.
+// straight to fp32 with no subtraction: a nibble OR-ed into fp32's mantissa below bit 20
+// (bit 23 is the exponent's lowest) at a place where its unit is 1 is that power of two
+// plus q, exact: bits 16-19 of 128.0f (0x43000000) give 128 + q, bits 12-15 of 2048.0f
+// (0x45000000) 2048 + q. Both places together are bits 12-19, so a word and its three
+// byte rotations (one funnel shift each) bring all eight nibbles there:
+//   W = fma(128 + q, s, d - 136 s)  or  fma(2048 + q, s, d - 2056 s)
+// with both constants rounded to fp32 once per column (wcol): the rows r0 + 8, r0 + 9 of
+// each fragment (odd nibbles) take 2048. Per word: 3 shifts, 8 lop3, 8 FFMA, 4 cvt (the
+// shifts to one place took 7). W is the fp32 fma of the exact (q - 8) s + d whenever the
+// constant is exact, which holds for the converter's delta = s (8 - z): d = fp16(delta)
+// is at most 8 s with s's unit or a coarser one, so d - 2056 s needs at most 23 bits; in
+// general the twin (reference_bf16.dequant) rounds the constants as the kernel does.
 struct WCol {
-    float s, c;
+    float s, c, c2;  // c for the codes 128 + q, c2 for 2048 + q
 };
 template <bool HAS_DELTA>
 __device__ __forceinline__ WCol wcol(u16 s, u16 d) {
     const float sf = h_to_f32(s), df = HAS_DELTA ? h_to_f32(d) : 0.f;
-    return WCol{sf, fmaf(-136.f, sf, df)};
+    return WCol{sf, fmaf(-136.f, sf, df), fmaf(-2056.f, sf, df)};
 }
 __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     u32 r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
-// 128 + q for the nibble at bits 16-19 of `moved` (the rest masked off).
-__device__ __forceinline__ float code_f32(u32 moved) { return u32_as_f32(lop3_and_or(moved, 0x000F0000u, 0x43000000u)); }
+// 128 + q for the nibble at bits 16-19 of `moved`, 2048 + q for the one at bits 12-15
+// (the rest masked off).
+__device__ __forceinline__ float code_128(u32 moved) { return u32_as_f32(lop3_and_or(moved, 0x000F0000u, 0x43000000u)); }
+__device__ __forceinline__ float code_2048(u32 moved) { return u32_as_f32(lop3_and_or(moved, 0x0000F000u, 0x45000000u)); }
 template <bool HAS_DELTA>
 __device__ __forceinline__ void word_weights(u32 w, const WCol& a, const WCol& b, u32 m[4]) {
-    // nibble i of the word is m[i % 4]'s low half (i < 4) or high half (i >= 4)
-    m[0] = pack_bf16x2(fmaf(code_f32(w << 16), a.s, a.c), fmaf(code_f32(w), a.s, a.c));
-    m[1] = pack_bf16x2(fmaf(code_f32(w << 12), a.s, a.c), fmaf(code_f32(w >> 4), a.s, a.c));
-    m[2] = pack_bf16x2(fmaf(code_f32(w << 8), b.s, b.c), fmaf(code_f32(w >> 8), b.s, b.c));
-    m[3] = pack_bf16x2(fmaf(code_f32(w << 4), b.s, b.c), fmaf(code_f32(w >> 12), b.s, b.c));
+    // nibble i of the word is m[i % 4]'s low half (i < 4) or high half (i >= 4); rotated
+    // right by 8, 16 and 24 bits, nibbles 5 and 6, 7 and 0, 1 and 2 sit at bits 12-19
+    const u32 r8 = __funnelshift_r(w, w, 8), r16 = __funnelshift_r(w, w, 16), r24 = __funnelshift_r(w, w, 24);
+    m[0] = pack_bf16x2(fmaf(code_128(r16), a.s, a.c), fmaf(code_128(w), a.s, a.c));
+    m[1] = pack_bf16x2(fmaf(code_2048(r24), a.s, a.c2), fmaf(code_2048(r8), a.s, a.c2));
+    m[2] = pack_bf16x2(fmaf(code_128(r24), b.s, b.c), fmaf(code_128(r8), b.s, b.c));
+    m[3] = pack_bf16x2(fmaf(code_2048(w), b.s, b.c2), fmaf(code_2048(r16), b.s, b.c2));
 }
 #endif
 

@@ -161,19 +161,43 @@ def test_weight_rounds_the_constant_as_the_kernel_does():
     assert (w == kernel).all() and (_val(w) == 0).all()
 
 
-def test_codes_in_the_mantissa_of_128f():
-    """The kernel's code_f32: a nibble moved to bits 16-19 and OR-ed into 0x43000000 is
-    128 + q in fp32 for every q and every nibble of a word (moved by the shifts
-    word_weights uses); bit 23 would be the exponent's lowest bit."""
+def test_codes_in_the_mantissa_of_128f_and_2048f():
+    """The kernel's code_128 / code_2048: a word rotated right by 0, 8, 16 or 24 bits (as
+    word_weights does) brings every nibble to bits 16-19, where OR-ed into 0x43000000 it is
+    128 + q in fp32, or to bits 12-15, where OR-ed into 0x45000000 it is 2048 + q; the
+    odd nibbles (a fragment's rows 8-15) take 2048. Bit 23 would be the exponent's lowest."""
     rng = np.random.default_rng(9)
     words = rng.integers(0, 2**32, 64, dtype=np.uint64)
-    moves = {0: lambda w: w << 16, 1: lambda w: w << 12, 2: lambda w: w << 8, 3: lambda w: w << 4,
-             4: lambda w: w, 5: lambda w: w >> 4, 6: lambda w: w >> 8, 7: lambda w: w >> 12}  # fmt: skip
-    for i, move in moves.items():
-        bits = ((move(words) & 0xFFFFFFFF) & 0x000F0000) | 0x43000000
+
+    def rotr(w, n):
+        return ((w >> n) | (w << (32 - n))) & 0xFFFFFFFF if n else w
+
+    # nibble: (rotation, the magic's bits, the nibble's place, value of the magic)
+    places = {0: (16, 0x43000000, 0x000F0000, 128), 1: (24, 0x45000000, 0x0000F000, 2048),
+              2: (24, 0x43000000, 0x000F0000, 128), 3: (0, 0x45000000, 0x0000F000, 2048),
+              4: (0, 0x43000000, 0x000F0000, 128), 5: (8, 0x45000000, 0x0000F000, 2048),
+              6: (8, 0x43000000, 0x000F0000, 128), 7: (16, 0x45000000, 0x0000F000, 2048)}  # fmt: skip
+    for i, (rot, magic, mask, base) in places.items():
+        bits = (rotr(words, rot) & mask) | magic
         got = bits.astype(np.uint32).view(np.float32)
-        assert np.array_equal(got, 128 + ((words >> (4 * i)) & 15).astype(np.float32)), i
+        assert np.array_equal(got, base + ((words >> (4 * i)) & 15).astype(np.float32)), i
+        assert (base == 2048) == (i % 2 == 1)
     assert np.uint32(0x43000000 | 0x00800000).view(np.float32) == 256  # a nibble at 20-23 would not work
+
+
+def test_weight_constants_are_exact_for_integer_zeros():
+    """For the converter's delta = s (8 - z), given to the kernel as d = fp16(delta), both
+    constants d - 136 s and d - 2056 s are exact in fp32 (at most 23 bits), so every row's
+    weight is the exact (q - 8) s + d rounded once to bf16."""
+    rng = np.random.default_rng(11)
+    k, n = 64, 64
+    q = rng.integers(0, 16, (k, n), dtype=np.uint8)
+    z = rng.integers(0, 16, (1, n))
+    s = rng.uniform(2.0**-12, 2.0**4, (1, n)).astype(np.float16)
+    delta = (s.astype(np.float32) * (8 - z)).astype(np.float32)
+    w = rb.dequant(pack_b(q), permute_scales(s), size_k=k, size_n=n, group_size=-1, delta=delta)
+    exact = (q.astype(np.float64) - 8) * s.astype(np.float64) + delta.astype(np.float16).astype(np.float64)
+    assert np.array_equal(_val(w), _val(rb.round_bf16(exact)))
 
 
 def test_weight_is_the_fma_then_the_conversion():
