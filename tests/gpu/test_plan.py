@@ -812,6 +812,28 @@ def test_mid_layers_take_two_64_token_chunks_at_97_to_128_rows() -> None:
     assert default_pipe(128, 8192, 8192, 8, limit, hopper=False)[0] == "tile"
 
 
+def test_bf16_knobs_take_the_small_layers_per_group_from_8_rows() -> None:
+    """On the small layers the bf16 per-group kind in chunks of up to 32 tokens beat the
+    bf16 per-weight kind on every row measured (docs/notes/routing.md#bf16), so bf16
+    takes it from 8 rows (1-4 rows stay on the decode kernel); fp16's routes are unchanged."""
+    from converter.gpu.plan import DEFAULT_TUNING, KernelKind, default_pipe
+
+    bf16 = DEFAULT_TUNING.for_act("bfloat16")
+    assert (bf16.hopper_small_skg_min_m, bf16.hopper_small_skg_max_tok) == (8, 32)
+    # (K, N, M): the bf16 variant; fp16 takes hopper_sk on each of these rows
+    want = {
+        **{(k, k, m): r for k in (4096, 3584) for m, r in ((8, 1), (16, 2), (24, 3), (64, 4), (128, 4))},
+        **{(8192, 1024, m): r for m, r in ((8, 1), (16, 1), (96, 3), (128, 4))},
+    }
+    for (k, n, m), r in want.items():
+        assert default_pipe(m, k, n, 8, tuning=DEFAULT_TUNING, hopper=True).kind == KernelKind.HOPPER_SK, (k, n, m)
+        assert default_pipe(m, k, n, 8, tuning=bf16, hopper=True) == ("hopper_skg", r, 8, 6), (k, n, m)
+    for k, n in ((4096, 4096), (8192, 1024)):  # 1-4 rows: the decode kernel in both types
+        assert default_pipe(4, k, n, 8, tuning=bf16, hopper=True).kind == KernelKind.DECODE
+    # the large layers keep the per-weight kind beyond 32 rows
+    assert default_pipe(64, 8192, 8192, 8, tuning=bf16, hopper=True).kind == KernelKind.HOPPER_SK
+
+
 def test_bf16_knobs_take_the_per_group_kind_to_32_rows_on_large_layers() -> None:
     """The bf16 per-weight path costs more ALU than fp16's; measured on an H100
     (docs/notes/routing.md#bf16) the per-group kind is faster at 17-32 rows, so the bf16

@@ -92,7 +92,11 @@ class Tuning:
     streamk_fix: float = 1.0
     streamk_misalign: float = 0.05
     streamk_iters: int | None = None
-    bf16_knobs: tuple[tuple[str, int], ...] = (("hopper_skg_max_m", 32),)
+    bf16_knobs: tuple[tuple[str, int], ...] = (
+        ("hopper_skg_max_m", 32),
+        ("hopper_small_skg_min_m", 8),
+        ("hopper_small_skg_max_tok", 32),
+    )
 
     def for_act(self, act: str) -> Tuning:
         """The knobs for activations of type ``act``: ``bf16_knobs`` replace their
