@@ -17,6 +17,9 @@ order changed). Usage::
         deep_gs=docs/notes/streamk_variants/deep_wgmma_queue.patch:GS_DEPTH=8 \\
         i55=-@55
 
+``--bf16`` first: every variant built with ``-DMARLIN_BF16`` and timed on bf16 activations
+(the routes bf16's knobs give; ``same`` then compares bf16 bits).
+
 A variant is ``NAME=SOURCE[:DEF,DEF..][@ITERS]``, SOURCE ``-`` for the shipped kernel or a
 diff of that one file (it is compiled against the shipped headers: a diff that needs new
 helpers carries them). Limits: rows the planner gives the persistent kinds only (a decode or
@@ -93,19 +96,24 @@ def _warm(args) -> None:
 
 
 def main() -> int:
-    if len(sys.argv) < 4:
+    argv = sys.argv[1:]
+    act = "bfloat16" if argv[:1] == ["--bf16"] else "float16"
+    argv = argv[1:] if act == "bfloat16" else argv
+    if len(argv) < 3:
         print(__doc__, file=sys.stderr)
         return 2
-    from converter.gpu.plan import Pipe, Tuning
+    from converter.dtypes import f32_to_bf16
+    from converter.gpu.plan import DEFAULT_TUNING, Pipe, Tuning
     from tests.helpers.streamk_probe import persistent_cases, random_layers, route_streamk
 
     try:
-        pipes = persistent_cases(sys.argv[1])
+        pipes = persistent_cases(argv[0], DEFAULT_TUNING.for_act(act))
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
-    out_json = sys.argv[2]
-    variants = {name: (code, defs, iters) for name, code, defs, iters in map(parse, sys.argv[3:])}
+    out_json = argv[1]
+    bf16_define = ("-DMARLIN_BF16",) if act == "bfloat16" else ()
+    variants = {name: (code, defs + bf16_define, iters) for name, code, defs, iters in map(parse, argv[2:])}
     names = sorted({Pipe.of(p).name(1, True) for p in pipes.values()})
     sources = {(code, defs) for code, defs, _ in variants.values()}
     with ProcessPoolExecutor(len(sources)) as ex:  # NVRTC in parallel; CuPy caches the cubins
@@ -125,9 +133,10 @@ def main() -> int:
     order, results = list(variants), {}
     for k, n, m in pipes:
         layers = random_layers(cp, rng, k, n, unit_major=True)
-        a = cp.asarray(rng.normal(0, 1, (m, k)).astype(np.float16))
-        out = cp.empty((m, n), cp.float16)
-        kw = dict(size_k=k, size_n=n, group_size=128)
+        a32 = rng.normal(0, 1, (m, k)).astype(np.float32)
+        a = cp.asarray(f32_to_bf16(a32) if act == "bfloat16" else a32.astype(np.float16))
+        out = cp.empty((m, n), a.dtype)
+        kw = dict(size_k=k, size_n=n, group_size=128, act=act)
         calls = max(16, len(layers))
         thunks = {
             v: [
@@ -151,7 +160,7 @@ def main() -> int:
         mean = {v: float(np.mean(r)) for v, r in runs.items()}
         plans = {}
         for v in order:
-            p = K.gemm_plan(m, k, n, 128, delta=True, tuning=tunings[v])
+            p = K.gemm_plan(m, k, n, 128, delta=True, tuning=tunings[v], act=act)
             plans[v] = {
                 "kind": p.kind.value,
                 "rows": p.rows,
@@ -170,7 +179,7 @@ def main() -> int:
         )
         del layers, thunks
         cp.get_default_memory_pool().free_all_blocks()
-    Path(out_json).write_text(json.dumps({"argv": sys.argv[1:], "results": results}, indent=1))
+    Path(out_json).write_text(json.dumps({"argv": sys.argv[1:], "act": act, "results": results}, indent=1))
     return 0
 
 

@@ -353,3 +353,31 @@ def test_operand_forms():
         rb.marlin_gemm(a, L["B"], L["S"], bias=b_int.astype(np.float32), **kw)
     with pytest.raises(ValueError, match="size_k"):
         rb.marlin_gemm(a[:, :64], L["B"], L["S"], **kw)
+
+
+def test_split_scale_bf16x2_weight_rounds_once():
+    """The lead in docs/notes/bf16.md (docs/notes/streamk_variants/bf16_weight_bf16x2.patch):
+    with s_hi = bf16(s) and s_lo = s - s_hi, three bf16x2 fmas give (q - z) s rounded once
+    to bf16 for every code, integer zero and fp16 scale, each step exact but the last."""
+    rng = np.random.default_rng(12)
+
+    def fma(a, b, c):  # fma.rn.bf16x2 on bf16 bits: the exact a b + c rounded once
+        return rb.round_bf16(_val(a) * _val(b) + _val(c))
+
+    s16 = np.concatenate([rng.uniform(-(2.0**15), 2.0**15, 4000), rng.uniform(-1, 1, 4000) * 2.0**-14])
+    s16 = s16.astype(np.float16)
+    s16 = s16[np.isfinite(s16) & (s16 != 0)][:, None, None]
+    q = np.arange(16, dtype=np.float64)[None, :, None]
+    z = np.arange(-16, 33, dtype=np.float64)[None, None, :]
+    s = s16.astype(np.float64)
+    hi = rb.round_bf16(s)
+    lo = rb.round_bf16(s - _val(hi))
+    assert np.array_equal(_val(hi) + _val(lo), s)  # the split is exact
+    qz = fma(rb.round_bf16(128 + q), rb.round_bf16(np.ones(1)), rb.round_bf16(-(128 + z)))
+    assert np.array_equal(_val(qz), np.broadcast_to(q - z, qz.shape))
+    p = fma(qz, lo, rb.round_bf16(np.full(1, -0.0)))
+    assert np.array_equal(_val(p), (q - z) * _val(lo))  # exact
+    w = fma(qz, hi, p)
+    want = rb.round_bf16((q - z) * s)
+    assert np.array_equal(_val(w), _val(want))  # equal values (q = z gives a zero of either sign)
+    assert np.array_equal(w[_val(want) != 0], want[_val(want) != 0])

@@ -164,19 +164,20 @@ def weight_copies(size_k: int, size_n: int) -> int:
     return max(2, -(-L2_ROTATION_BYTES // (size_k * size_n // 2)))
 
 
-def persistent_cases(spec: str) -> dict[tuple[int, int, int], tuple]:
-    """``"K:N:M,..."`` as ``{(K, N, M): the planner's pipe on an H200}`` (group 128).
+def persistent_cases(spec: str, tuning: Any = None) -> dict[tuple[int, int, int], tuple]:
+    """``"K:N:M,..."`` as ``{(K, N, M): the planner's pipe on an H200}`` (group 128),
+    with ``tuning`` (default: the default knobs; bf16 calls pass ``for_act``'s).
 
     Raises:
         ValueError: a row the persistent kinds (``hopper_sk``, ``hopper_skg``) do not
             serve, naming it and the kind that does.
     """
-    from converter.gpu.plan import KernelKind, default_pipe
+    from converter.gpu.plan import DEFAULT_TUNING, KernelKind, default_pipe
 
     pipes = {}
     for c in spec.split(","):
         k, n, m = (int(v) for v in c.split(":"))
-        pipe = default_pipe(m, k, n, 8, hopper=True)
+        pipe = default_pipe(m, k, n, 8, tuning=tuning or DEFAULT_TUNING, hopper=True)
         if pipe[0] not in (KernelKind.HOPPER_SK, KernelKind.HOPPER_SKG):
             raise ValueError(f"{k}x{n} at M={m} is served by {pipe[0].value}, not the persistent kernel")
         pipes[(k, n, m)] = pipe
