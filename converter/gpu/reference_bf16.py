@@ -94,9 +94,10 @@ def dequant(
     each 16-row k-tile, and as ``x = 2048 + q`` with ``c = fp32(d - 2056 s)`` on rows 8-15
     (``d = fp16(delta)``, 0 without one), and rounds the fp32 result to bf16. That is
     ``(q - 8) s + d`` rounded once to fp32 whenever ``c`` is exact (so for the converter's
-    ``delta = s (8 - z)``); the twin rounds ``c`` as the kernel does either way. ``x s + c``
-    is exact in float64 (a product of at most 23 bits and a float32 constant of nearby
-    size), so casting it to float32 is the fma's one rounding.
+    ``delta = s (8 - z)``); the twin rounds ``c`` as the kernel does either way. ``x s``
+    (at most 23 bits) and ``c`` (a float32) add exactly in float64 unless their exponents
+    are more than 28 apart, and then the smaller is under half an fp32 ulp of the larger,
+    which both roundings return: casting the sum to float32 is the fma's one rounding.
 
     Args:
         B, scales, size_k, size_n, group_size: as ``reference_dequant.dequant``.

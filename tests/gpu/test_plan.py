@@ -813,9 +813,10 @@ def test_mid_layers_take_two_64_token_chunks_at_97_to_128_rows() -> None:
 
 
 def test_bf16_knobs_take_the_small_layers_per_group_from_8_rows() -> None:
-    """On the small layers the bf16 per-group kind in chunks of up to 32 tokens beat the
-    bf16 per-weight kind on every row measured (docs/notes/routing.md#bf16), so bf16
-    takes it from 8 rows (1-4 rows stay on the decode kernel); fp16's routes are unchanged."""
+    """On the small layers the bf16 per-group kind, in the variants these routes take,
+    beat the bf16 per-weight kind on every row where it was timed (docs/notes/routing.md#bf16
+    lists the rows routed but not timed), so bf16 takes it from 8 rows (1-4 rows stay on
+    the decode kernel); fp16's routes are unchanged."""
     from converter.gpu.plan import DEFAULT_TUNING, KernelKind, default_pipe
 
     bf16 = DEFAULT_TUNING.for_act("bfloat16")

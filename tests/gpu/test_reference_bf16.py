@@ -124,16 +124,18 @@ def test_round_bf16_rounds_float64_once():
 @pytest.mark.parametrize("group_size,asym", [(128, True), (64, True), (-1, True), (128, False)])
 def test_weight_is_the_kernels_fp32_fma_rounded_to_bf16(group_size, asym):
     """Every weight is f32_to_bf16 of the kernel's fp32 fma, written out here in float32:
-    fma(128 + q, s, fp32(d - 136 s)), d = fp16(delta); bit for bit, from either delta
-    operand. With the layer's delta = s (8 - z) the constant is exact and this is the
-    exact weight rounded to fp32 once, then to bf16."""
+    fma(128 + q, s, fp32(d - 136 s)) on rows 0-7 of each 16-row k-tile and
+    fma(2048 + q, s, fp32(d - 2056 s)) on rows 8-15, d = fp16(delta); bit for bit, from
+    either delta operand. With the layer's delta = s (8 - z) the constants are exact and
+    this is the exact weight rounded to fp32 once, then to bf16."""
     k, n = 256, 128
     rng = np.random.default_rng([2, group_size % 97, asym])
     L = make_layer(rng, k, n, group_size, asym=asym)
     q8, s, d = (None if x is None else x.astype(np.float32) for x in _rows(L, k))
     d = np.zeros_like(s) if d is None else d
-    c = d - np.float32(136) * s  # float32 arithmetic: 136 s is exact, the difference rounds once
-    expect = f32_to_bf16(_fma32(q8 + np.float32(136), s, c))
+    base = np.where(np.arange(k)[:, None] % 16 >= 8, np.float32(2056), np.float32(136))
+    c = d - base * s  # float32 arithmetic: 136 s and 2056 s are exact, the difference rounds once
+    expect = f32_to_bf16(_fma32(q8 + base, s, c))
     kw = dict(size_k=k, size_n=n, group_size=group_size)
     w = rb.dequant(L["B"], L["S"], delta=L["delta"], **kw)
     assert w.dtype == np.uint16 and w.shape == (k, n) and np.array_equal(w, expect)
@@ -148,9 +150,10 @@ def test_weight_is_the_kernels_fp32_fma_rounded_to_bf16(group_size, asym):
 
 def test_weight_rounds_the_constant_as_the_kernel_does():
     """A delta far below the scale (here fp16(delta) = 2**-20 against s = 1.5): d - 136 s
-    is not an fp32 number, and the twin rounds it as the kernel's wcol does. With q = 8 the
-    kernel's weight is 136 s + fp32(d - 136 s) = 0 (the constant lost d); a twin that kept
-    the constant unrounded would give d = 2**-20."""
+    and d - 2056 s are not fp32 numbers, and the twin rounds them as the kernel's wcol
+    does. With q = 8 the kernel's weight is 136 s + fp32(d - 136 s) = 0 on rows 0-7 and
+    2056 s + fp32(d - 2056 s) = 0 on rows 8-15 (the constants lost d); a twin that kept
+    them unrounded would give d = 2**-20."""
     q = np.full((16, 64), 8, np.uint8)
     s = np.full((1, 64), 1.5, np.float16)
     delta = np.full((1, 64), 2.0**-20, np.float32)
@@ -159,6 +162,20 @@ def test_weight_rounds_the_constant_as_the_kernel_does():
     assert float(c) != 2.0**-20 - 204  # the constant is rounded
     kernel = f32_to_bf16(np.float32(136 * 1.5 + float(c)))
     assert (w == kernel).all() and (_val(w) == 0).all()
+
+
+def test_rows_8_to_15_take_the_2048_constant():
+    """Which constant a row gets is visible where only one of them is exact: with q = 8,
+    s = 1 and fp16(delta) = 2**-14, d - 136 = -135.99993896484375 needs 22 bits (exact in
+    fp32), d - 2056 would need 26 and rounds to -2056. So the kernel's weight is 2**-14 on
+    rows 0-7 of every 16-row k-tile and 0 on rows 8-15."""
+    k = 64
+    q = np.full((k, 64), 8, np.uint8)
+    s = np.ones((1, 64), np.float16)
+    delta = np.full((1, 64), 2.0**-14, np.float32)
+    w = _val(rb.dequant(pack_b(q), permute_scales(s), size_k=k, size_n=64, group_size=-1, delta=delta))
+    upper = np.arange(k) % 16 >= 8
+    assert (w[~upper] == 2.0**-14).all() and (w[upper] == 0).all()
 
 
 def test_codes_in_the_mantissa_of_128f_and_2048f():
