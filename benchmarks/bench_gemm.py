@@ -384,7 +384,15 @@ def main() -> int:
             out = cp.empty((m, n), dtype=cp.float16)
             kw = dict(size_k=k, size_n=n, group_size=group, tuning=base, b_units=Us)
             calls = max(args.calls, copies)
-            row = {"K": k, "N": n, "M": m, "plan": dataclasses.asdict(kernels.gemm_plan(m, k, n, group, tuning=base))}
+            act = "bfloat16" if bf16 else "float16"  # the plan of ours_*: bf16 routes by its own knobs
+            row = {
+                "K": k,
+                "N": n,
+                "M": m,
+                "plan": dataclasses.asdict(kernels.gemm_plan(m, k, n, group, tuning=base, act=act)),
+            }
+            if bf16:
+                row["plan_fp16"] = dataclasses.asdict(kernels.gemm_plan(m, k, n, group, tuning=base))
             row["b_order"] = "marlin" if Us is None else "unit-major" if Vs is Us else "unit-major, fused inline"
             weights = (a, Bs, Ss, out, calls, args.reps)
             ours = partial(time_ours, cp, row, weights, kw)
