@@ -18,6 +18,7 @@ import numpy as np
 
 from ..constants import KERNEL_K_MULTIPLE, Suffix
 from ..errors import ArtifactError, ConverterError
+from ..formats.scales import FP16_MAX
 from ..marlin.layout import unpack_b, unpermute_scales
 from ..marlin.shapes import kernel_compatible
 from . import ModelError
@@ -45,9 +46,10 @@ class LoadReport:
         kind: ``causal-lm``, ``masked-lm``, ``encoder`` or ``other``.
         layers: ``{artifact layer: path}``, path one of ``marlin-kernel`` (our GPU
             kernel), ``exact`` (exact fp32 from the artifact's tensors) or
-            ``dequant-fp16`` (a quantized layer that passed through unconverted).
+            ``dequant-fp16`` (a quantized layer that passed through unconverted), or
+            ``dense-fp32`` (such a layer whose weight leaves fp16's range, kept in fp32).
         modules: ``{artifact layer: model module name}``.
-        not_converted: ``{layer: the converter's reason}`` for the ``dequant-fp16`` layers.
+        not_converted: ``{layer: the converter's reason}`` for the layers that passed through.
         kernel_fallback: ``{layer: reason}`` for converted layers that run ``exact`` on the
             GPU because they are outside the kernel's limits.
         tensors: ``{artifact tensor: [model names]}`` loaded in their own dtype.
@@ -266,11 +268,13 @@ class ConvertedLayers:
         ``factory`` makes the fast path of a converted layer inside the kernel's limits
         (:class:`KernelMarlinLinear` around it); None, or a layer outside the limits,
         gives the exact path. A layer that passed through unconverted runs dequantized
-        in fp16. ``report`` records the path taken.
+        in fp16, or in fp32 where its weight leaves fp16's range. ``report`` records the
+        path taken.
         """
         import torch
 
         from .modules import (
+            DENSE_FP32,
             DEQUANT_FP16,
             EXACT,
             KERNEL,
@@ -284,11 +288,16 @@ class ConvertedLayers:
         report.modules[layer] = name
         if layer in self.dq_plans:
             lp = self.dq_plans[layer]
-            w = torch.from_numpy(np.ascontiguousarray(dequantized_weight(self.reader, lp).T)).to(torch.float16)
+            w32 = np.ascontiguousarray(dequantized_weight(self.reader, lp).T)
+            # A layer whose weight leaves fp16's range (one reason it passed through) stays
+            # fp32: in fp16 those weights would be inf.
+            fp16 = bool(np.isfinite(w32).all()) and float(np.abs(w32).max(initial=0.0)) <= FP16_MAX
+            path = DEQUANT_FP16 if fp16 else DENSE_FP32
+            w = torch.from_numpy(w32).to(torch.float16 if fp16 else torch.float32)
             bias = to_torch(self.reader.load_tensor(lp.bias.name).data, lp.bias.dtype) if lp.bias else None
-            report.layers[layer] = DEQUANT_FP16
+            report.layers[layer] = path
             report.not_converted[layer] = self.dq_reasons.get(layer, "")
-            return DenseLinear(layer, w, bias, DEQUANT_FP16).to(dev)
+            return DenseLinear(layer, w, bias, path).to(dev)
         art = self.art
         rec = art.layers[layer]
         group = self.fusion.get(name) if factory is not None else None

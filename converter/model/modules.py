@@ -96,7 +96,21 @@ class _Swapped(nn.Module):
     raw_output: torch.Tensor | None = None
 
 
-class ExactMarlinLinear(_Swapped):
+class _KeepsDtypes(nn.Module):
+    """``model.to(dtype)`` (``.half()``, ``.float()``) moves these modules' tensors but
+    keeps their dtypes: the tensors are what the layer is, in the dtypes its arithmetic
+    reads (its forward takes any activation type), and a bf16 round trip would change them
+    for good."""
+
+    def _apply(self, fn: Any, *args: Any, **kw: Any) -> Any:
+        def keep_dtype(t: torch.Tensor) -> torch.Tensor:
+            r = fn(t)
+            return r if r.dtype == t.dtype else t.to(r.device)
+
+        return super()._apply(keep_dtype, *args, **kw)
+
+
+class ExactMarlinLinear(_KeepsDtypes, _Swapped):
     """One converted layer computed exactly from the artifact: ``y = x @ W + b``.
 
     ``W[k] = (q[k] - 8) * s[g(k)] + delta[g(k)]`` in fp32 for Marlin row ``k`` (source
@@ -146,13 +160,6 @@ class ExactMarlinLinear(_Swapped):
         """float32 ``(K, N)`` in Marlin row order: ``(q - 8) * s + delta`` per row's group."""
         g = self.groups
         return (self.q.float() - MARLIN_ZERO) * self.scales.float()[g] + self.delta[g]
-
-    def _apply(self, fn: Any, *args: Any, **kw: Any) -> Any:
-        def keep_dtype(t: torch.Tensor) -> torch.Tensor:
-            r = fn(t)
-            return r if r.dtype == t.dtype else t.to(r.device)
-
-        return super()._apply(keep_dtype, *args, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         half = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float16
@@ -273,7 +280,7 @@ def _dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -
     return F.linear(x.to(w.dtype), w, None if bias is None else bias.to(w.dtype))
 
 
-class DenseLinear(_Swapped):
+class DenseLinear(_KeepsDtypes, _Swapped):
     """``y = x @ weight.T + bias`` with a dense weight, computed in the weight's dtype
     (an fp16 weight on bf16 activations: in fp32, rounded to bf16).
 
@@ -304,7 +311,7 @@ class DenseLinear(_Swapped):
         )
 
 
-class LazyDenseLinear(_Swapped):
+class LazyDenseLinear(_KeepsDtypes, _Swapped):
     """:class:`DenseLinear` whose weight is made at each call and dropped after it, so a
     reference model holds one layer's weight at a time (``marlin-verify --model
     --device-map``: a model larger than host memory in fp32). The same arithmetic as

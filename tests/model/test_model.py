@@ -43,6 +43,7 @@ from tests.helpers.model_fixture import (  # noqa: E402
     write_tiny_llama,
 )
 from tests.helpers.paths import LLAMA_TINY, REPO, SAMPLE  # noqa: E402
+from tests.helpers.producers import save_safetensors  # noqa: E402
 
 LLAMA = list(LLAMA_TINY)
 MINILM = "minilm-autoround-gptq-w4g128-asym-full"
@@ -220,6 +221,36 @@ def test_exact_path_runs_a_bf16_model_in_bf16_and_keeps_its_operands(tiny: tuple
     ref_d = xb.double().numpy() @ dense.weight.double().numpy().T
     assert yd.dtype == torch.bfloat16 and bool(torch.isfinite(yd).all())
     assert np.abs(yd.double().numpy() - ref_d).max() <= 2.0**-8 * np.abs(ref_d).max()
+
+
+def test_a_passed_through_layer_beyond_fp16_stays_fp32_and_every_dense_keeps_its_dtype(tmp_path: Path) -> None:
+    """A layer whose weight leaves fp16's range passes through unconverted; the loader
+    keeps its dequantized weight in fp32 (in fp16 it would be inf and every logit NaN),
+    and model.to(dtype) keeps a dense layer's weight dtype as it keeps a converted one's."""
+    from safetensors.numpy import load_file
+
+    src = write_tiny_llama(tmp_path / "src")
+    tensors = load_file(str(src / "model.safetensors"))
+    name = "model.layers.0.self_attn.o_proj"
+    tensors[f"{name}.scales"] = tensors[f"{name}.scales"].copy()
+    tensors[f"{name}.scales"][0, :4] = np.float16(20000)  # (q - z) s reaches 15 x 20000
+    save_safetensors(src / "model.safetensors", tensors)
+    convert(src, str(tmp_path / "out") + "/", pad=False)
+    m = load_model(tmp_path / "out", "cpu")
+    assert m.marlin_report.layers[name] == "dense-fp32" and "float16" in m.marlin_report.not_converted[name]
+    dense = m.model.layers[0].self_attn.o_proj
+    with open_source(src) as source:
+        plan = next(lp for lp in source.plan().layers if lp.name == name)
+        want = torch.from_numpy(np.ascontiguousarray(dequantized_weight(source, plan).T))
+    assert dense.weight.dtype == torch.float32 and torch.equal(dense.weight, want)
+    assert float(want.abs().max()) > 65504
+    gate = m.model.layers[0].mlp.gate_proj
+    g16 = gate.weight.clone()
+    m.to(torch.bfloat16)
+    assert dense.weight.dtype == torch.float32 and torch.equal(dense.weight, want)
+    assert gate.weight.dtype == torch.float16 and torch.equal(gate.weight, g16)
+    logits = m(_ids()).logits
+    assert logits.dtype == torch.bfloat16 and bool(torch.isfinite(logits).all())
 
 
 def exact_from_stored(name, size_n, group_size, B, scales, delta, perm, bias, padded_n) -> ExactMarlinLinear:
