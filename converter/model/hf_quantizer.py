@@ -15,7 +15,8 @@ How ``from_pretrained`` runs with them (transformers 5.17 and 5.25):
    quantized linear becomes a :class:`PendingLayer` (no tensors, so no fp16 weight is
    allocated, loaded or initialized for it), every other tensor's parameter takes the
    artifact tensor's own dtype (transformers casts to the parameter's dtype, and
-   ``load_model`` keeps each tensor's own), and the layers' own tensors are marked as
+   ``load_model`` keeps each tensor's own) unless ``from_pretrained`` was given a
+   ``dtype`` other than config.json's, which they then take, and the layers' own tensors are marked as
    expected in the checkpoint and unused by the model (no UNEXPECTED table).
 3. transformers loads the other tensors and ties the tied ones.
 4. After loading, each placeholder becomes the module ``load_model`` makes for that layer
@@ -122,6 +123,19 @@ def _kernel_on(dev: torch.device) -> Any:
             return loader._marlin_kernel(*args, **kwargs)
 
     return make
+
+
+def _dtype_asked(model: nn.Module, cfg: Mapping[str, Any]) -> bool:
+    """Whether ``from_pretrained`` was given a ``dtype`` other than the folder's
+    config.json names: transformers has set the model's config to the dtype it resolved
+    (``"auto"``, the default, resolves to config.json's). Then the other tensors load in
+    that dtype, as for any model; otherwise each keeps the artifact tensor's own, as
+    ``load_model`` keeps it (a bf16 embedding under a float16 config stays bf16)."""
+    resolved = getattr(model.config, "dtype", None)
+    named = cfg.get("dtype", cfg.get("torch_dtype"))
+    if not isinstance(resolved, torch.dtype) or named is None:
+        return False
+    return resolved != getattr(torch, str(named).removeprefix("torch."), None)
 
 
 def _retype(model: nn.Module, name: str, dtype: torch.dtype) -> None:
@@ -280,13 +294,15 @@ class MarlinConvertHfQuantizer(HfQuantizer):
         # Closed after loading, or with the quantizer if transformers stops before that.
         self._close = weakref.finalize(self, layers.close)
         try:
-            self._swap_in_placeholders(model, folder, layers)
+            self._swap_in_placeholders(model, folder, layers, keep_own_dtypes=not _dtype_asked(model, cfg))
         except BaseException:
             self._close()
             raise
         return model
 
-    def _swap_in_placeholders(self, model: Any, folder: Path, layers: ConvertedLayers) -> None:
+    def _swap_in_placeholders(
+        self, model: Any, folder: Path, layers: ConvertedLayers, *, keep_own_dtypes: bool = True
+    ) -> None:
         arch = type(model).__name__
         ties = getattr(model, "all_tied_weights_keys", None)
         b, _ = layers.bind(model, arch=arch, strict=True, ties=ties)
@@ -300,7 +316,7 @@ class MarlinConvertHfQuantizer(HfQuantizer):
         for target, source in list((ties or {}).items()):
             if {target.rpartition(".")[0], source.rpartition(".")[0]} & b.swaps.keys():
                 del ties[target]  # a swapped module has no weight left to tie
-        for tensor, names in b.loads.items():
+        for tensor, names in b.loads.items() if keep_own_dtypes else ():
             dtype = _TORCH_DTYPES.get(layers.art.file.infos[tensor].dtype)
             if dtype is not None:
                 for name in names:

@@ -167,6 +167,26 @@ def test_from_pretrained_on_cpu_is_load_model_bitwise(tiny: Path) -> None:
     assert torch.equal(_logits(m, ids), _logits(ref, ids))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_from_pretrained_honours_a_dtype_other_than_the_configs(tiny: Path, dtype: torch.dtype) -> None:
+    """The tiny model's config.json says float16; dtype=bf16 (or fp32) gives that dtype's
+    embeddings, norms and logits, and a bf16 model's converted layers take bf16 uncast;
+    the default ("auto") keeps every tensor's own dtype, as load_model does."""
+    m = AutoModelForCausalLM.from_pretrained(tiny, device_map="cpu", dtype=dtype)
+    assert m.model.embed_tokens.weight.dtype == dtype and m.model.norm.weight.dtype == dtype
+    ref = load_model(tiny, "cpu")
+    assert torch.equal(m.model.embed_tokens.weight, ref.model.embed_tokens.weight.to(dtype))
+    seen = []
+    q = m.model.layers[0].self_attn.q_proj
+    hook = q.register_forward_hook(lambda mod, args, out: seen.append((args[0].dtype, out.dtype)))
+    logits = _logits(m, _ids(200))
+    hook.remove()
+    assert logits.dtype == dtype and seen == [(dtype, dtype)]
+    auto = AutoModelForCausalLM.from_pretrained(tiny, device_map="cpu")
+    assert auto.model.embed_tokens.weight.dtype == torch.float16
+    assert torch.equal(_logits(auto, _ids(200)), _logits(ref, _ids(200)))
+
+
 def test_from_pretrained_takes_a_per_module_device_map_and_shards(tiny: Path, tmp_path: Path) -> None:
     sharded = tmp_path / "sharded"
     convert(tiny.parent / "src", str(sharded) + "/", pad=False, max_shard_size="40KB")
