@@ -105,7 +105,13 @@ def _same_source_tensor(ckpt: Any, a: str, b: str) -> bool:
 
 
 def build_reference(
-    source: Source, precision: str, device: Any, *, attn_implementation: str | None = "eager", lazy: bool = False
+    source: Source,
+    precision: str,
+    device: Any,
+    *,
+    attn_implementation: str | None = "eager",
+    lazy: bool = False,
+    half: Any = None,
 ) -> tuple[Any, Binding]:
     """The source model with every quantized weight dequantized exactly.
 
@@ -118,6 +124,10 @@ def build_reference(
             (:class:`~converter.model.modules.LazyDenseLinear`; ``source`` must stay open
             while the model runs): memory for the rest of the model plus one layer, the
             same outputs bit for bit.
+        half: with :data:`FP16`, the 16-bit type of the quantized layers' weights: the
+            type the converted model's activations run in (``torch.bfloat16`` where they
+            are bf16: its layers then multiply bf16); None: bf16 where the config's dtype
+            is, else fp16.
 
     Returns:
         ``(model, binding)``: the model in eval mode on ``device``; the binding says which
@@ -153,7 +163,8 @@ def build_reference(
 
     # The 16-bit reference's weights are in the activations' 16-bit type: a bf16 model's
     # converted layers run bf16 (the kernels' bf16 forms), so its bar is bf16 weights.
-    half = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
+    if half is None:
+        half = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
 
     def weight(lp: Any) -> Any:
         w = torch.from_numpy(np.ascontiguousarray(dequantized_weight(source, lp).T))

@@ -363,7 +363,12 @@ def _verify_model(
             del y
             _free(device)
         with stage("fp16-dequantized reference from the source"):
-            ref, _ = build_reference(source, FP16, device, attn_implementation=attn_implementation, lazy=lazy)
+            # weights in the 16-bit type the converted layers' activations ran in (the
+            # probe saw them), not the one config.json names: they can differ
+            half = torch.bfloat16 if any(d[0] == "bfloat16" for d in probe.dtypes.values()) else torch.float16
+            ref, _ = build_reference(
+                source, FP16, device, attn_implementation=attn_implementation, lazy=lazy, half=half
+            )
             y, _ = _run(ref, ids, device)
             del ref
             f16 = output_metrics(y, y32, encoder=encoder, ids=ppl_ids)
@@ -377,6 +382,7 @@ def _verify_model(
             ref32 = {"ppl": output_metrics(y32, y32, encoder=False, ids=ppl_ids)["ppl"]} if ppl_ids is not None else {}
             del y32
             _judge(report, load, probe, plans, conv, f16, ref32, verdict)
+            report.bar["reference_weights"] = str(half).removeprefix("torch.")
         if gpus:
             peaks = {f"cuda:{g}": int(torch.cuda.max_memory_allocated(g)) for g in gpus}
             report.gpu_peak_by_device = peaks

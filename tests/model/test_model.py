@@ -337,6 +337,24 @@ def test_verify_model_passes_on_the_synthetic_llama(tiny: tuple[Path, Path]) -> 
     assert all(r["ok"] and r["rel_err"] < 1e-3 for r in rep.layers)
 
 
+def test_verify_models_bar_follows_the_activations_not_the_configs_dtype(
+    tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A config.json that says bfloat16 over fp16 tensors: the model's activations are
+    fp16, so the 16-bit reference (the bar) takes fp16 weights, as for the honest config,
+    not bf16 ones (a bar about 6x looser on a real model)."""
+    src, out = tiny
+    lying = tmp_path / "src"
+    shutil.copytree(src, lying)
+    cfg = json.loads((lying / "config.json").read_text())
+    (lying / "config.json").write_text(json.dumps(dict(cfg, dtype="bfloat16")))
+    convert(lying, str(tmp_path / "out") + "/", pad=False)
+    honest, told = verify_model(out, src, gpu=False), verify_model(tmp_path / "out", lying, gpu=False)
+    assert told.ok and {tuple(row["dtypes"]) for row in told.layers} == {("float16", "float16")}
+    assert honest.bar["reference_weights"] == told.bar["reference_weights"] == "float16"
+    assert told.bar["mean_rel_err_limit"] == honest.bar["mean_rel_err_limit"]
+
+
 def test_verify_model_reports_the_kernel_fallback(tiny: tuple[Path, Path]) -> None:
     src, out = tiny
 
