@@ -195,7 +195,18 @@ class ConvertedLayers:
         """Fuse the sibling layers of ``swaps`` (``{module: layer}``) that can share one
         kernel (:mod:`converter.model.fuse`); the kernel path of :meth:`module` then
         builds each group once."""
-        self.fusion = plan_fusion(swaps, self.art.layers)
+        fits = {m: lay for m, lay in swaps.items() if self.bias_beyond_fp16(lay) is None}
+        self.fusion = plan_fusion(fits, self.art.layers)
+
+    def bias_beyond_fp16(self, layer: str) -> float | None:
+        """The largest ``|bias|`` of converted layer ``layer`` where it leaves fp16's range
+        (the kernels read the bias as fp16: it would be inf), else None."""
+        rec = self.art.layers.get(layer)
+        if rec is None or not rec.has_bias:
+            return None
+        b = self.tensor(f"{layer}.{Suffix.BIAS.value}").double().abs()  # its own dtype, bf16 included
+        big = float(b.max()) if b.numel() else 0.0
+        return big if not np.isfinite(big) or big > FP16_MAX else None
 
     def close(self) -> None:
         self.art.close()
@@ -311,12 +322,17 @@ class ConvertedLayers:
         B, S, D = (np.asarray(art.tensor(p + s.value)) for s in (Suffix.B, Suffix.SCALES, Suffix.DELTA))
         perm = np.asarray(art.tensor(p + Suffix.PERM.value)) if rec.act_order else None
         bias = self.tensor(p + Suffix.BIAS.value) if rec.has_bias else None
-        if factory is not None and kernel_compatible(rec.size_k, rec.layout_n, rec.group_size):
+        big_bias = self.bias_beyond_fp16(layer) if factory is not None else None
+        if factory is not None and big_bias is None and kernel_compatible(rec.size_k, rec.layout_n, rec.group_size):
             b16 = None if bias is None else bias.to(torch.float16).numpy()
             kernel = factory(layer, rec.size_k, rec.size_n, rec.group_size, B, S, D, perm, b16, padded_n=rec.layout_n)
             report.layers[layer] = KERNEL
             return KernelMarlinLinear(layer, kernel, rec.size_k, rec.size_n)
-        if factory is not None:
+        if factory is not None and big_bias is not None:
+            report.kernel_fallback[layer] = (
+                f"bias outside float16's range (largest |b| = {big_bias:.6g} > {FP16_MAX:g}), which the kernels read"
+            )
+        elif factory is not None:
             report.kernel_fallback[layer] = (
                 f"K = {rec.size_k} is outside the kernel's limits (K % {KERNEL_K_MULTIPLE} == 0)"
             )

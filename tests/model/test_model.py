@@ -312,6 +312,35 @@ def test_kernel_swap_runs_every_kernel_layer_through_the_kernel_module(tiny: tup
     assert torch.equal(via_kernel, exact)
 
 
+def test_a_bias_beyond_fp16_keeps_its_layer_off_the_kernel(tmp_path: Path) -> None:
+    """The kernels read the bias as fp16; a bf16 bias of 1e5 would be inf there, so that
+    layer runs the exact path (its bias kept in bf16), named in kernel_fallback, and
+    stays out of the fused q/k/v kernel."""
+    from safetensors.numpy import load_file
+
+    src = write_tiny_llama(tmp_path / "src")
+    tensors = load_file(str(src / "model.safetensors"))
+    name = "model.layers.0.self_attn.k_proj"
+    bias = tensors[f"{name}.bias"].astype(np.float32)
+    bias[3] = 1e5
+    tensors[f"{name}.bias"] = bias
+    save_safetensors(src / "model.safetensors", tensors, bf16={f"{name}.bias"})
+    convert(src, str(tmp_path / "out") + "/", pad=False)
+    calls: list = []
+
+    def factory(layer, size_k, size_n, group_size, B, scales, delta, perm, bias, *, padded_n):
+        exact = exact_from_stored(layer, size_n, group_size, B, scales, delta, perm, bias, padded_n)
+        return FakeKernel(layer, exact, calls)
+
+    model, r = build_converted(tmp_path / "out", "cpu", kernel_factory=factory)
+    assert r.layers[name] == "exact" and r.kernel_fallback[name].startswith("bias outside float16's range")
+    assert "99840" in r.kernel_fallback[name]  # 1e5 in bf16
+    assert all(r.layers[n] == "marlin-kernel" for n in KERNEL_LAYERS if n != name)
+    k = model.model.layers[0].self_attn.k_proj
+    assert isinstance(k, ExactMarlinLinear) and k.bias.dtype == torch.bfloat16
+    assert bool(torch.isfinite(k(torch.ones(1, 128, dtype=torch.bfloat16))).all())
+
+
 def test_verify_model_passes_on_the_synthetic_llama(tiny: tuple[Path, Path]) -> None:
     src, out = tiny
     rep = verify_model(out, src, gpu=False)
