@@ -368,5 +368,14 @@ gemm = torch.library.custom_op(f"{NAMESPACE}::gemm", run_gemm, mutates_args=(), 
 def _gemm_fake(x: torch.Tensor, *operands: Any) -> torch.Tensor:
     """The result's shape and dtype, for tracing: ``(M, n_out)`` of ``x``'s dtype (operands as :func:`run_gemm`'s)."""
     size_k, n_out = operands[6], operands[9]
-    torch._check(x.shape[1] == size_k)
+    # what run_gemm refuses, refused while tracing too, in its words (the device is not
+    # checked: a fake tensor's is the traced one's)
+    if ACTS.get(x.dtype) is None or x.dim() != 2:
+        raise KernelError(
+            f"expected a float16 or bfloat16 CUDA tensor (M, {size_k}), got {x.dtype} {tuple(x.shape)}", tensor="A"
+        )
+    torch._check(
+        x.shape[1] == size_k,
+        lambda: f"A: expected a float16 or bfloat16 CUDA tensor (M, {size_k}), got {x.dtype} {tuple(x.shape)}",
+    )
     return x.new_empty((x.shape[0], n_out))

@@ -216,3 +216,27 @@ def test_an_asymmetric_group_128_layer_keeps_the_scales_and_deltas_inline(monkey
     assert api.MarlinLinear("l", k, n, 128, B, S, None, None, None)._B_units.shape == (-(-n // 256), k // 16, 512)
     assert not kernels.keeps_b_stages(k, n, 64, True) and not kernels.keeps_b_stages(k, n, 128, False)
     assert kernels.keeps_b_stages(k, n, 128, True) and not kernels.keeps_b_stages(4096, 4096, 128, True)
+
+
+@pytest.mark.parametrize(
+    "shape,dtype", [((2, 128), "float32"), ((2, 128), "int32"), ((1, 2, 128), "bfloat16"), ((2, 129), "float16")]
+)
+def test_the_ops_tracing_form_refuses_what_the_op_refuses(shape, dtype) -> None:
+    """While tracing (torch.compile, fake tensors), the op refuses what run_gemm refuses,
+    in its words: not float16 / bfloat16, not 2-D, not (M, size_k)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from converter.errors import KernelError
+    from converter.gpu import torch_op  # noqa: F401  (registers torch.ops.marlin_convert.gemm)
+
+    k, n = 128, 64
+    op = torch.ops.marlin_convert.gemm
+    with FakeTensorMode():
+        b, s = torch.zeros(k // 16, 2 * n, dtype=torch.int32), torch.ones(1, n, dtype=torch.float16)
+        locks, x = torch.zeros(8, dtype=torch.int32), torch.zeros(shape, dtype=getattr(torch, dtype))
+        refused = r"A: expected a float16 or bfloat16 CUDA tensor \(M, 128\)"
+        with pytest.raises((KernelError, RuntimeError), match=refused):
+            op(x, b, s, None, None, None, locks, k, n, 128, n)
+        y = op(torch.zeros(3, k, dtype=torch.bfloat16), b, s, None, None, None, locks, k, n, 128, n)
+        assert (y.dtype, tuple(y.shape)) == (torch.bfloat16, (3, n))
