@@ -162,6 +162,14 @@ class ExactMarlinLinear(_KeepsDtypes, _Swapped):
         return (self.q.float() - MARLIN_ZERO) * self.scales.float()[g] + self.delta[g]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_floating_point() or x.shape[-1] != self.in_features:
+            # an integer or complex x would be truncated or lose its imaginary part, quietly
+            from . import ModelError
+
+            raise ModelError(
+                f"expected floating-point activations (..., {self.in_features}), got {x.dtype} {tuple(x.shape)}",
+                tensor=self.layer_name,
+            )
         half = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float16
         a = x.to(half).float()
         if self.perm is not None:

@@ -253,6 +253,15 @@ def test_a_passed_through_layer_beyond_fp16_stays_fp32_and_every_dense_keeps_its
     assert logits.dtype == torch.bfloat16 and bool(torch.isfinite(logits).all())
 
 
+@pytest.mark.parametrize("dtype,k", [(torch.int64, 128), (torch.complex64, 128), (torch.float32, 127)])
+def test_the_exact_path_refuses_activations_it_cannot_take(tiny: tuple[Path, Path], dtype, k: int) -> None:
+    """Integer or complex activations (quietly truncated before) and a wrong K are a
+    one-line ModelError naming the layer."""
+    mod = load_model(tiny[1], "cpu").model.layers[0].self_attn.q_proj
+    with pytest.raises(ModelError, match=r"self_attn\.q_proj.*expected floating-point activations \(\.\.\., 128\)"):
+        mod(torch.zeros(2, k, dtype=dtype))
+
+
 def exact_from_stored(name, size_n, group_size, B, scales, delta, perm, bias, padded_n) -> ExactMarlinLinear:
     """The exact module of a layer from its tensors as stored (what a kernel factory gets)."""
     return ExactMarlinLinear(
