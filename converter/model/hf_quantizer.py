@@ -125,17 +125,24 @@ def _kernel_on(dev: torch.device) -> Any:
     return make
 
 
-def _dtype_asked(model: nn.Module, cfg: Mapping[str, Any]) -> bool:
-    """Whether ``from_pretrained`` was given a ``dtype`` other than the folder's
-    config.json names: transformers has set the model's config to the dtype it resolved
-    (``"auto"``, the default, resolves to config.json's). Then the other tensors load in
-    that dtype, as for any model; otherwise each keeps the artifact tensor's own, as
-    ``load_model`` keeps it (a bf16 embedding under a float16 config stays bf16)."""
+def _dtype_asked(model: nn.Module, cfg: Mapping[str, Any], weights: Path) -> bool:
+    """Whether ``from_pretrained`` was given a ``dtype`` other than the one ``"auto"`` (the
+    default) resolves to: transformers has set the model's config to the dtype it
+    resolved, and ``"auto"`` reads config.json's, or without one the first floating-point
+    tensor of the weights file (asked of transformers itself). Then the other tensors
+    load in that dtype, as for any model; otherwise each keeps the artifact tensor's own,
+    as ``load_model`` keeps it (a bf16 embedding under a float16 config stays bf16)."""
     resolved = getattr(model.config, "dtype", None)
-    named = cfg.get("dtype", cfg.get("torch_dtype"))
-    if not isinstance(resolved, torch.dtype) or named is None:
+    if not isinstance(resolved, torch.dtype):
         return False
-    return resolved != getattr(torch, str(named).removeprefix("torch."), None)
+    named = cfg.get("dtype") or cfg.get("torch_dtype")
+    if named is not None:
+        auto = getattr(torch, str(named).removeprefix("torch."), None)
+    else:
+        from transformers.modeling_utils import get_state_dict_dtype, load_state_dict
+
+        auto = get_state_dict_dtype(load_state_dict(str(weights), map_location="meta", weights_only=True))
+    return resolved != auto
 
 
 def _retype(model: nn.Module, name: str, dtype: torch.dtype) -> None:
@@ -294,7 +301,8 @@ class MarlinConvertHfQuantizer(HfQuantizer):
         # Closed after loading, or with the quantizer if transformers stops before that.
         self._close = weakref.finalize(self, layers.close)
         try:
-            self._swap_in_placeholders(model, folder, layers, keep_own_dtypes=not _dtype_asked(model, cfg))
+            asked = _dtype_asked(model, cfg, Path(kwargs["checkpoint_files"][0]))
+            self._swap_in_placeholders(model, folder, layers, keep_own_dtypes=not asked)
         except BaseException:
             self._close()
             raise

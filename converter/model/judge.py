@@ -109,7 +109,9 @@ def _judge(
         e, e16 = probe.stats.get(layer, [None, None])
         bad = e is not None and e > LAYER_FACTOR * e16 and e > LAYER_FLOOR
         dts = probe.dtypes.get(layer)
-        cast = dts is not None and dts[0] in HALF_TYPES and dts[1] != dts[0]
+        # a 16-bit input given back in the other 16-bit type went through it (a cast that
+        # loses range or bits); an fp32 result is a layer computing wider (dense-fp32)
+        cast = dts is not None and dts[0] in HALF_TYPES and dts[1] in HALF_TYPES and dts[1] != dts[0]
         report.layers.append(
             {
                 "name": layer,

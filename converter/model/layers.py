@@ -18,7 +18,7 @@ import numpy as np
 
 from ..constants import KERNEL_K_MULTIPLE, Suffix
 from ..errors import ArtifactError, ConverterError
-from ..formats.scales import FP16_MAX
+from ..formats.scales import FP16_MAX, FP16_RANGE_REASON
 from ..marlin.layout import unpack_b, unpermute_scales
 from ..marlin.shapes import kernel_compatible
 from . import ModelError
@@ -51,8 +51,9 @@ class LoadReport:
         modules: ``{artifact layer: model module name}``.
         not_converted: ``{layer: the converter's reason}`` for the layers that passed through.
         kernel_fallback: ``{layer: reason}`` for converted layers that run ``exact`` on the
-            GPU because they are outside the kernel's limits.
-        tensors: ``{artifact tensor: [model names]}`` loaded in their own dtype.
+            GPU because they are outside the kernel's limits (``K``, or a bias beyond fp16).
+        tensors: ``{artifact tensor: [model names]}`` loaded (in their own dtype, or in
+            the ``dtype`` given to ``from_pretrained`` where it differs from config.json's).
         missing: model tensors nothing in the artifact feeds (only with ``strict=False``;
             they keep their initial values), and ``<layer>.bias`` for a layer without the
             bias its module has.
@@ -252,14 +253,16 @@ class ConvertedLayers:
 
     def device_bytes(self, layer: str) -> int:
         """About what ``layer``'s module holds on its device, for placing it: the artifact
-        tensors it is built from (a layer dequantized to fp16: ``K x N x 2`` and its bias)."""
+        tensors it is built from (a layer dequantized to fp16: ``K x N x 2`` and its bias;
+        one that passed through for fp16's range is kept in fp32: ``x 4``)."""
         import math
 
         from ..safetensors_io import _ITEMSIZE
 
         if layer in self.dq_plans:
             lp = self.dq_plans[layer]
-            return 2 * lp.size_k * lp.size_n + (2 * lp.size_n if lp.bias is not None else 0)
+            item = 4 if self.dq_reasons.get(layer, "").startswith(FP16_RANGE_REASON) else 2
+            return item * lp.size_k * lp.size_n + (2 * lp.size_n if lp.bias is not None else 0)
         infos = self.art.file.infos
         return sum(math.prod(infos[t].shape) * _ITEMSIZE[infos[t].dtype] for t in self.slots[layer].tensors)
 
@@ -293,18 +296,18 @@ class ConvertedLayers:
             ExactMarlinLinear,
             FusedSlice,
             KernelMarlinLinear,
+            sixteen_bit,
             to_torch,
         )
 
         report.modules[layer] = name
         if layer in self.dq_plans:
             lp = self.dq_plans[layer]
-            w32 = np.ascontiguousarray(dequantized_weight(self.reader, lp).T)
             # A layer whose weight leaves fp16's range (one reason it passed through) stays
             # fp32: in fp16 those weights would be inf.
-            fp16 = bool(np.isfinite(w32).all()) and float(np.abs(w32).max(initial=0.0)) <= FP16_MAX
-            path = DEQUANT_FP16 if fp16 else DENSE_FP32
-            w = torch.from_numpy(w32).to(torch.float16 if fp16 else torch.float32)
+            w32 = torch.from_numpy(np.ascontiguousarray(dequantized_weight(self.reader, lp).T))
+            w = sixteen_bit(w32, torch.float16)
+            path = DEQUANT_FP16 if w.dtype == torch.float16 else DENSE_FP32
             bias = to_torch(self.reader.load_tensor(lp.bias.name).data, lp.bias.dtype) if lp.bias else None
             report.layers[layer] = path
             report.not_converted[layer] = self.dq_reasons.get(layer, "")
@@ -330,7 +333,8 @@ class ConvertedLayers:
             return KernelMarlinLinear(layer, kernel, rec.size_k, rec.size_n)
         if factory is not None and big_bias is not None:
             report.kernel_fallback[layer] = (
-                f"bias outside float16's range (largest |b| = {big_bias:.6g} > {FP16_MAX:g}), which the kernels read"
+                f"bias not finite or outside float16's range (largest |b| = {big_bias:.6g}, float16's "
+                f"{FP16_MAX:g}), which the kernels read"
             )
         elif factory is not None:
             report.kernel_fallback[layer] = (

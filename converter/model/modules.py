@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..constants import MARLIN_ZERO
+from ..formats.scales import FP16_MAX
 
 _TORCH_DTYPES = {
     "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
@@ -280,17 +281,30 @@ class FusedSlice(_Swapped):
 
 
 def _dense_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` in the weight's dtype, except that an fp16 weight on bf16 activations
-    runs in fp32 and rounds to bf16: a bf16 model's activations are never cast to fp16
-    (whose range ends at 65504), as the kernels and the exact path keep them."""
-    if x.dtype == torch.bfloat16 and w.dtype == torch.float16:
-        return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(torch.bfloat16)
-    return F.linear(x.to(w.dtype), w, None if bias is None else bias.to(w.dtype))
+    """``F.linear`` in the weight's dtype where the activations have it, else in fp32
+    (the caller rounds to the activations' dtype): activations are never cast to a
+    narrower type on the way in (bf16 or fp32 ones to an fp16 weight's, whose range ends
+    at 65504), and an fp32 weight (a pass-through layer beyond fp16) is never rounded."""
+    if x.dtype == w.dtype:
+        return F.linear(x, w, None if bias is None else bias.to(w.dtype))
+    return F.linear(x.float(), w.float(), None if bias is None else bias.float())
+
+
+def fits_fp16(w: torch.Tensor) -> bool:
+    """Whether every value of ``w`` is finite and within fp16's range (65504)."""
+    return w.numel() == 0 or bool(torch.isfinite(w).all()) and float(w.abs().max()) <= FP16_MAX
+
+
+def sixteen_bit(w: torch.Tensor, half: torch.dtype) -> torch.Tensor:
+    """A dequantized fp32 weight as a 16-bit linear holds it: in ``half``, except that a
+    weight beyond fp16's range stays fp32 (in fp16 it would be inf; the loader's
+    ``dense-fp32`` rule)."""
+    return w if half == torch.float16 and not fits_fp16(w) else w.to(half)
 
 
 class DenseLinear(_KeepsDtypes, _Swapped):
     """``y = x @ weight.T + bias`` with a dense weight, computed in the weight's dtype
-    (an fp16 weight on bf16 activations: in fp32, rounded to bf16).
+    where the activations have it, else in fp32, and returned in the activations' dtype.
 
     Args:
         name: the layer's name in its checkpoint.

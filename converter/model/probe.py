@@ -48,6 +48,8 @@ class _LayerProbe:
         import torch
         import torch.nn.functional as F
 
+        from .modules import sixteen_bit
+
         lp = self.plans.get(mod.layer_name)
         if lp is None:
             return
@@ -66,7 +68,8 @@ class _LayerProbe:
         ref = x16.float() @ w
         if bias is not None:
             ref = ref + bias
-        y16 = F.linear(x16, w.T.to(half), None if bias is None else bias.to(half)).float()
+        w16 = sixteen_bit(w.T, half)  # fp32 where it leaves fp16's range, as the loader keeps it
+        y16 = F.linear(x16.to(w16.dtype), w16, None if bias is None else bias.to(w16.dtype)).float()
         scale = float(ref.abs().mean()) or 1.0
         # The layer's own 16-bit output, before any cast to the activations' dtype.
         raw = mod.raw_output if mod.raw_output is not None else out

@@ -137,7 +137,7 @@ def build_reference(
         ModelError: see :func:`source_config` and :func:`source_binding`.
     """
     torch, _ = import_stack()
-    from .modules import DENSE_FP32, DEQUANT_FP16, DenseLinear, LazyDenseLinear, to_torch, to_torch_f32
+    from .modules import DENSE_FP32, DEQUANT_FP16, DenseLinear, LazyDenseLinear, sixteen_bit, to_torch, to_torch_f32
 
     folder, cfg = source_config(source)
     cfg_path = folder / "config.json"
@@ -168,7 +168,7 @@ def build_reference(
 
     def weight(lp: Any) -> Any:
         w = torch.from_numpy(np.ascontiguousarray(dequantized_weight(source, lp).T))
-        return w if fp32 else w.to(half)
+        return w if fp32 else sixteen_bit(w, half)
 
     def make_layer(module: str, layer: str) -> Any:
         lp = plans[layer]

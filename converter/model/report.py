@@ -53,7 +53,8 @@ class ModelReport:
             (against fp32's ``ppl``).
         bar: the pass rule's numbers: ``mean_rel_err_limit`` (1.5 x fp16's),
             ``top1_min`` (fp16's - 0.005; None for hidden states), ``reference_weights``
-            (the 16-bit reference's weight type: the converted layers' activation type).
+            (the 16-bit reference's weight type: bf16 where the converted layers ran bf16
+            activations, else fp16).
         layers: per swapped layer ``{name, module, path, rel_err, fp16_rel_err, dtypes, ok}``:
             its output on the model's own activations against the source layer in fp32,
             ours and a 16-bit linear of the dequantized weight (``fp16_rel_err``: in bf16

@@ -187,6 +187,22 @@ def test_from_pretrained_honours_a_dtype_other_than_the_configs(tiny: Path, dtyp
     assert torch.equal(_logits(auto, _ids(200)), _logits(ref, _ids(200)))
 
 
+def test_from_pretrained_honours_a_dtype_where_config_json_names_none(tiny: Path, tmp_path: Path) -> None:
+    """Without a dtype in config.json, "auto" resolves from the weights file, and a dtype
+    other than that one is honoured too."""
+    src = write_tiny_llama(tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.pop("dtype", None), cfg.pop("torch_dtype", None)
+    (src / "config.json").write_text(json.dumps(cfg))
+    folder = tmp_path / "out"
+    convert(src, str(folder) + "/", pad=False)
+    assert not {"dtype", "torch_dtype"} & set(json.loads((folder / "config.json").read_text()))
+    m = AutoModelForCausalLM.from_pretrained(folder, device_map="cpu", dtype=torch.bfloat16)
+    assert m.model.embed_tokens.weight.dtype == torch.bfloat16 and _logits(m, _ids(200)).dtype == torch.bfloat16
+    auto = AutoModelForCausalLM.from_pretrained(folder, device_map="cpu")
+    assert auto.model.embed_tokens.weight.dtype == torch.float16
+
+
 def test_from_pretrained_takes_a_per_module_device_map_and_shards(tiny: Path, tmp_path: Path) -> None:
     sharded = tmp_path / "sharded"
     convert(tiny.parent / "src", str(sharded) + "/", pad=False, max_shard_size="40KB")

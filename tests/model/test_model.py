@@ -251,6 +251,31 @@ def test_a_passed_through_layer_beyond_fp16_stays_fp32_and_every_dense_keeps_its
     assert gate.weight.dtype == torch.float16 and torch.equal(gate.weight, g16)
     logits = m(_ids()).logits
     assert logits.dtype == torch.bfloat16 and bool(torch.isfinite(logits).all())
+    # fp32 activations meet the fp16 weight in fp32, not through an fp16 cast
+    m.float()
+    assert gate.weight.dtype == torch.float16
+    x = torch.zeros(1, 128)
+    x[0, 5] = 1e5
+    y = gate(x)
+    want_g = x.double() @ g16.double().T
+    assert y.dtype == torch.float32 and torch.allclose(y.double(), want_g, rtol=1e-6, atol=0)
+    # marlin-verify --model: in fp16 activations the layer's output overflows downstream,
+    # a failure it names; the same model in bf16 activations passes, its 16-bit reference
+    # keeping that weight in fp32 too (a finite bar), and a layer computing in fp32 is no cast
+    rep = verify_model(tmp_path / "out", src, gpu=False)
+    assert not rep.ok and "layer_dtype" not in {p.code for p in rep.problems}
+    bf16_src = tmp_path / "src_bf16"
+    shutil.copytree(src, bf16_src)
+    plain = [n for n in tensors if n.endswith("norm.weight") or n == "model.embed_tokens.weight"]
+    save_safetensors(bf16_src / "model.safetensors", tensors, bf16=set(plain))
+    cfg = json.loads((bf16_src / "config.json").read_text())
+    (bf16_src / "config.json").write_text(json.dumps(dict(cfg, dtype="bfloat16")))
+    convert(bf16_src, str(tmp_path / "out_bf16") + "/", pad=False)
+    rep = verify_model(tmp_path / "out_bf16", bf16_src, gpu=False)
+    assert rep.ok, rep.problems
+    assert rep.bar["reference_weights"] == "bfloat16" and np.isfinite(rep.bar["mean_rel_err_limit"])
+    row = next(r for r in rep.layers if r["name"] == name)
+    assert row["path"] == "dense-fp32" and row["ok"] and row["dtypes"] == ["bfloat16", "float32"]
 
 
 @pytest.mark.parametrize("dtype,k", [(torch.int64, 128), (torch.complex64, 128), (torch.float32, 127)])
@@ -321,7 +346,7 @@ def test_kernel_swap_runs_every_kernel_layer_through_the_kernel_module(tiny: tup
     assert torch.equal(via_kernel, exact)
 
 
-def test_a_bias_beyond_fp16_keeps_its_layer_off_the_kernel(tmp_path: Path) -> None:
+def test_a_bias_beyond_fp16_keeps_its_layer_off_the_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernels read the bias as fp16; a bf16 bias of 1e5 would be inf there, so that
     layer runs the exact path (its bias kept in bf16), named in kernel_fallback, and
     stays out of the fused q/k/v kernel."""
@@ -342,12 +367,23 @@ def test_a_bias_beyond_fp16_keeps_its_layer_off_the_kernel(tmp_path: Path) -> No
         return FakeKernel(layer, exact, calls)
 
     model, r = build_converted(tmp_path / "out", "cpu", kernel_factory=factory)
-    assert r.layers[name] == "exact" and r.kernel_fallback[name].startswith("bias outside float16's range")
+    assert r.layers[name] == "exact"
+    assert r.kernel_fallback[name].startswith("bias not finite or outside float16's range")
     assert "99840" in r.kernel_fallback[name]  # 1e5 in bf16
     assert all(r.layers[n] == "marlin-kernel" for n in KERNEL_LAYERS if n != name)
     k = model.model.layers[0].self_attn.k_proj
     assert isinstance(k, ExactMarlinLinear) and k.bias.dtype == torch.bfloat16
     assert bool(torch.isfinite(k(torch.ones(1, 128, dtype=torch.bfloat16))).all())
+    # and fusion never sees it (a fused kernel reads the biases as fp16 too)
+    from converter.model import layers as layers_mod
+    from converter.model.loader import read_converted_config
+
+    seen: list = []
+    monkeypatch.setattr(layers_mod, "plan_fusion", lambda swaps, recs: seen.append(dict(swaps)) or {})
+    with layers_mod.ConvertedLayers(*read_converted_config(tmp_path / "out")) as cl:
+        assert cl.bias_beyond_fp16(name) == 99840.0 and cl.bias_beyond_fp16(KERNEL_LAYERS[0]) is None
+        cl.plan_fusion({n: n for n in KERNEL_LAYERS})
+    assert seen == [{n: n for n in KERNEL_LAYERS if n != name}]
 
 
 def test_verify_model_passes_on_the_synthetic_llama(tiny: tuple[Path, Path]) -> None:
