@@ -16,7 +16,8 @@ How ``from_pretrained`` runs with them (transformers 5.17 and 5.25):
    allocated, loaded or initialized for it), every other tensor's parameter takes the
    artifact tensor's own dtype (transformers casts to the parameter's dtype, and
    ``load_model`` keeps each tensor's own) unless ``from_pretrained`` was given a
-   ``dtype`` other than config.json's, which they then take, and the layers' own tensors are marked as
+   ``dtype`` other than the one ``"auto"`` resolves to, which they then take
+   (:func:`_dtype_asked`), and the layers' own tensors are marked as
    expected in the checkpoint and unused by the model (no UNEXPECTED table).
 3. transformers loads the other tensors and ties the tied ones.
 4. After loading, each placeholder becomes the module ``load_model`` makes for that layer

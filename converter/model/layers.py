@@ -53,7 +53,8 @@ class LoadReport:
         kernel_fallback: ``{layer: reason}`` for converted layers that run ``exact`` on the
             GPU because they are outside the kernel's limits (``K``, or a bias beyond fp16).
         tensors: ``{artifact tensor: [model names]}`` loaded (in their own dtype, or in
-            the ``dtype`` given to ``from_pretrained`` where it differs from config.json's).
+            the ``dtype`` given to ``from_pretrained`` where it differs from what ``"auto"``
+            resolves to).
         missing: model tensors nothing in the artifact feeds (only with ``strict=False``;
             they keep their initial values), and ``<layer>.bias`` for a layer without the
             bias its module has.
