@@ -147,9 +147,14 @@ def _judge(
             report.add(
                 P.LAYER_ERROR,
                 f"layer {layer} (module {modules.get(layer)}): output mean relative error {e:.3g} against the source "
-                f"layer on the model's own activations, {e / max(e16, 1e-30):.1f}x "
-                f"the fp16-dequantized layer's {e16:.3g} "
-                f"(limit: above {LAYER_FACTOR:g}x and {LAYER_FLOOR:g})",
+                f"layer on the model's own activations, "
+                + (
+                    f"{e / e16:.1f}x the 16-bit-dequantized layer's {e16:.3g} "
+                    if 0 < e16 < math.inf
+                    else f"where the 16-bit-dequantized layer's is {e16:.3g} "
+                )
+                + f"(limit: above {LAYER_FACTOR:g}x and {LAYER_FLOOR:g})"
+                + ("; its output is not finite: an overflow here or in a layer before it" if e == math.inf else ""),
                 layer,
             )
     for name in load.missing:
@@ -171,7 +176,7 @@ def _judge(
         report.add(
             P.NOT_CONVERTED,
             f"layer {layer} passed through unconverted ({why}); it runs through its exact dequantization "
-            "as an fp16 linear, not the Marlin kernel",
+            f"as an {'fp32' if load.layers.get(layer) == 'dense-fp32' else 'fp16'} linear, not the Marlin kernel",
             layer,
             severity="warning",
         )

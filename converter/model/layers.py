@@ -309,6 +309,16 @@ class ConvertedLayers:
             w32 = torch.from_numpy(np.ascontiguousarray(dequantized_weight(self.reader, lp).T))
             w = sixteen_bit(w32, torch.float16)
             path = DEQUANT_FP16 if w.dtype == torch.float16 else DENSE_FP32
+            if path == DENSE_FP32:
+                import warnings
+
+                note = (
+                    f"layer {layer} runs in fp32: its weights leave fp16's range (largest |w| = "
+                    f"{float(w.abs().max()):.6g}), and so may its outputs; fp16 activations would overflow "
+                    "after it, so run this model in bf16 (from_pretrained(..., dtype=torch.bfloat16))"
+                )
+                report.warnings.append(note)
+                warnings.warn(note, stacklevel=2)
             bias = to_torch(self.reader.load_tensor(lp.bias.name).data, lp.bias.dtype) if lp.bias else None
             report.layers[layer] = path
             report.not_converted[layer] = self.dq_reasons.get(layer, "")

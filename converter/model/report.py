@@ -119,6 +119,9 @@ def render(report: ModelReport, out: Any, err: Any, *, quiet: bool = False) -> N
 
     from ..errors import printable
 
+    # the 16-bit reference's weight type (bf16 for a model whose layers ran bf16)
+    ref16 = {"bfloat16": "bf16"}.get(report.bar.get("reference_weights", ""), "fp16")
+
     def escape(text: str) -> str:  # names from files: no control character reaches the terminal
         return _escape(printable(text))
 
@@ -141,7 +144,7 @@ def render(report: ModelReport, out: Any, err: Any, *, quiet: bool = False) -> N
             table.add_column(col)
         for key, label in (
             ("converted", "converted (ours)"),
-            ("fp16_dequant", "fp16 dequantized"),
+            ("fp16_dequant", f"{ref16} dequantized"),
             ("fp32", "fp32 dequantized"),
         ):
             row = m.get(key, {})
@@ -187,7 +190,7 @@ def render(report: ModelReport, out: Any, err: Any, *, quiet: bool = False) -> N
         out.print(
             f"{status}: {escape(report.architecture)} on {report.device}, {sum(paths.values())} layers ({layers}); "
             f"{report.output} mean rel err {_fmt(conv.get('mean_rel_err'))} "
-            f"(fp16 dequantized {_fmt(f16.get('mean_rel_err'))}, "
+            f"({ref16} dequantized {_fmt(f16.get('mean_rel_err'))}, "
             f"limit {_fmt(bar.get('mean_rel_err_limit'))})"
             + (
                 f", top-1 {_fmt(conv.get('top1'), '.4f')} "

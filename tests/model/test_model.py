@@ -223,6 +223,7 @@ def test_exact_path_runs_a_bf16_model_in_bf16_and_keeps_its_operands(tiny: tuple
     assert np.abs(yd.double().numpy() - ref_d).max() <= 2.0**-8 * np.abs(ref_d).max()
 
 
+@pytest.mark.filterwarnings("ignore:layer .* runs in fp32")  # verify_model's loads say it again
 def test_a_passed_through_layer_beyond_fp16_stays_fp32_and_every_dense_keeps_its_dtype(tmp_path: Path) -> None:
     """A layer whose weight leaves fp16's range passes through unconverted; the loader
     keeps its dequantized weight in fp32 (in fp16 it would be inf and every logit NaN),
@@ -236,8 +237,10 @@ def test_a_passed_through_layer_beyond_fp16_stays_fp32_and_every_dense_keeps_its
     tensors[f"{name}.scales"][0, :4] = np.float16(20000)  # (q - z) s reaches 15 x 20000
     save_safetensors(src / "model.safetensors", tensors)
     convert(src, str(tmp_path / "out") + "/", pad=False)
-    m = load_model(tmp_path / "out", "cpu")
+    with pytest.warns(UserWarning, match=r"o_proj runs in fp32: its weights leave fp16's range .* model in bf16"):
+        m = load_model(tmp_path / "out", "cpu")
     assert m.marlin_report.layers[name] == "dense-fp32" and "float16" in m.marlin_report.not_converted[name]
+    assert len(m.marlin_report.warnings) == 1 and "runs in fp32" in m.marlin_report.warnings[0]
     dense = m.model.layers[0].self_attn.o_proj
     with open_source(src) as source:
         plan = next(lp for lp in source.plan().layers if lp.name == name)
