@@ -193,8 +193,11 @@ def render(report: ModelReport, out: Any, err: Any, *, quiet: bool = False) -> N
             f"({ref16} dequantized {_fmt(f16.get('mean_rel_err'))}, "
             f"limit {_fmt(bar.get('mean_rel_err_limit'))})"
             + (
-                f", top-1 {_fmt(conv.get('top1'), '.4f')} "
-                f"(fp16 {_fmt(f16.get('top1'), '.4f')}, min {_fmt(bar.get('top1_min'), '.4f')})"
+                # the rule's own numbers: agreement at the decided positions (the table has all)
+                f", top-1 at {conv['decided_positions']} decided positions {_fmt(conv.get('top1_decided'), '.4f')} "
+                f"({ref16} {_fmt(f16.get('top1_decided'), '.4f')}, min {_fmt(bar.get('top1_min'), '.4f')})"
+                if conv.get("top1") is not None and "decided_positions" in conv
+                else f", top-1 {_fmt(conv.get('top1'), '.4f')} ({ref16} {_fmt(f16.get('top1'), '.4f')})"
                 if conv.get("top1") is not None
                 else f", cosine {_fmt(conv.get('cosine'), '.6f')} (fp16 {_fmt(f16.get('cosine'), '.6f')})"
                 if "cosine" in conv
