@@ -192,6 +192,7 @@ class ConvertedLayers:
         #: ``{model module: FusedGroup}`` (:meth:`plan_fusion`); empty: every layer alone.
         self.fusion: dict[str, FusedGroup] = {}
         self._fused: dict[str, tuple[Any, Any]] = {}
+        self._big_bias: dict[str, float | None] = {}  # bias_beyond_fp16's answers: plan_fusion and module ask
 
     def plan_fusion(self, swaps: Mapping[str, str]) -> None:
         """Fuse the sibling layers of ``swaps`` (``{module: layer}``) that can share one
@@ -203,12 +204,15 @@ class ConvertedLayers:
     def bias_beyond_fp16(self, layer: str) -> float | None:
         """The largest ``|bias|`` of converted layer ``layer`` where it leaves fp16's range
         (the kernels read the bias as fp16: it would be inf), else None."""
-        rec = self.art.layers.get(layer)
-        if rec is None or not rec.has_bias:
-            return None
-        b = self.tensor(f"{layer}.{Suffix.BIAS.value}").double().abs()  # its own dtype, bf16 included
-        big = float(b.max()) if b.numel() else 0.0
-        return big if not np.isfinite(big) or big > FP16_MAX else None
+        if layer not in self._big_bias:
+            rec = self.art.layers.get(layer)
+            big = None
+            if rec is not None and rec.has_bias:
+                b = self.tensor(f"{layer}.{Suffix.BIAS.value}").double().abs()  # its own dtype, bf16 included
+                top = float(b.max()) if b.numel() else 0.0
+                big = top if not np.isfinite(top) or top > FP16_MAX else None
+            self._big_bias[layer] = big
+        return self._big_bias[layer]
 
     def close(self) -> None:
         self.art.close()
