@@ -98,6 +98,15 @@ def verify_cmd(
             show_default=False,
         ),
     ] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--dtype",
+            help="With --model: run the converted model in float16 or bfloat16 (its embeddings and norms "
+            "cast; default: each tensor's own type); the 16-bit reference follows.",
+            show_default=False,
+        ),
+    ] = None,
     debug: DebugOpt = False,
     version: Annotated[bool, _version_option("marlin-verify")] = False,
 ) -> None:
@@ -105,6 +114,10 @@ def verify_cmd(
         _fail("--gpu and --cpu contradict each other", as_json)
     use_gpu = True if gpu else (False if cpu else None)  # None: when CuPy and a GPU are there
     spread = _spread_options(device_map, max_memory, model=model, cpu=cpu, as_json=as_json)
+    if dtype is not None and dtype not in ("float16", "bfloat16"):
+        _fail(f"--dtype {dtype}: the converted layers run float16 or bfloat16 activations", as_json)
+    if dtype is not None and not model:
+        _fail("--dtype needs --model (it sets the type the converted model runs in)", as_json)
     if model or text is not None or allow_source_mismatch:
         _verify_model_cmd(
             artifact,
@@ -117,7 +130,7 @@ def verify_cmd(
             quiet=quiet,
             debug=debug,
             allow_source_mismatch=allow_source_mismatch,
-            spread=spread,
+            spread=dict(spread or {}, **({"dtype": dtype} if dtype else {})),
         )
     if artifact.is_dir():
         with _errors_to_exit(debug, as_json):

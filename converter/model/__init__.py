@@ -69,6 +69,7 @@ def load_model(
     strict: bool = True,
     attn_implementation: str | None = None,
     fuse: bool | None = None,
+    dtype: Any = None,
 ) -> Any:
     """Load a converted model folder (``marlin-convert IN OUTDIR``) as a transformers model.
 
@@ -77,7 +78,7 @@ def load_model(
     """
     from .loader import load_model as _load
 
-    return _load(path, device, strict=strict, attn_implementation=attn_implementation, fuse=fuse)
+    return _load(path, device, strict=strict, attn_implementation=attn_implementation, fuse=fuse, dtype=dtype)
 
 
 def verify_model(path: str | Path, against: str | Path, **kwargs: Any) -> Any:

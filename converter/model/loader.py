@@ -137,6 +137,7 @@ def build_converted(
     validate: bool = True,
     kernel_factory: KernelFactory | None = None,
     fuse: bool | None = None,
+    dtype: Any = None,
 ) -> tuple[Any, LoadReport]:
     """Build the converted model; see :func:`load_model` (this also returns the report).
 
@@ -158,7 +159,7 @@ def build_converted(
     with offline(cfg_path):
         layers = ConvertedLayers(folder, cfg, validate=validate)
         try:
-            return _build(layers, folder, cfg, dev, strict, attn_implementation, kernel_factory, fuse)
+            return _build(layers, folder, cfg, dev, strict, attn_implementation, kernel_factory, fuse, dtype)
         finally:
             layers.close()
 
@@ -172,6 +173,7 @@ def _build(
     attn_implementation: str | None,
     kernel_factory: KernelFactory | None,
     fuse: bool | None = None,
+    asked: Any = None,
 ) -> tuple[Any, LoadReport]:
     """Check before building: the layer count against the artifact; then a skeleton on
     the meta device, its names and shapes bound to the artifact and its bytes bounded
@@ -181,7 +183,7 @@ def _build(
     check_depth(cfg, infos, path=cfg_path, what="artifact")
     config = hf_config(cfg, path=cfg_path)
     mc = model_class(config, cfg, path=cfg_path)
-    dtype = config_dtype(cfg)
+    dtype = _torch_dtype(asked) or config_dtype(cfg)
     skeleton = mc.build(config, dtype=dtype, attn_implementation=attn_implementation, path=cfg_path, meta=True)
     b, _ = layers.bind(skeleton, arch=mc.name, strict=strict)
     check_skeleton(skeleton, b.swaps, weight_bytes=weights_bytes(infos), path=cfg_path, what="artifact")
@@ -202,7 +204,7 @@ def _build(
         model,
         b,
         make_layer=lambda module, layer: layers.module(module, layer, dev, report, factory),
-        load_tensor=layers.tensor,
+        load_tensor=layers.tensor if asked is None else lambda name: _float_as(layers.tensor(name), dtype),
         path=folder,
     )
     materialize_missing(model, missing_names(groups, b.missing))
@@ -213,21 +215,43 @@ def _build(
     return model, report
 
 
+def _torch_dtype(dtype: Any) -> Any:
+    """A torch dtype, or None, from a torch dtype or its name (``"bfloat16"``).
+
+    Raises:
+        ModelError: a name that is not float32, float16 or bfloat16.
+    """
+    if dtype is None:
+        return None
+    torch, _ = import_stack()
+    dt = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
+    if dt not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ModelError(f"dtype {dtype!r}: a model loads in float32, float16 or bfloat16")
+    return dt
+
+
+def _float_as(t: Any, dtype: Any) -> Any:
+    """``t`` in ``dtype`` if it is floating point (embeddings, norms, heads), else as is."""
+    return t.to(dtype) if t.is_floating_point() else t
+
+
 def build_spread(
     path: str | Path,
     device_map: str | dict[str, Any],
     *,
     max_memory: dict[Any, Any] | None = None,
     attn_implementation: str | None = None,
+    dtype: str | None = None,
 ) -> tuple[Any, LoadReport]:
     """The converted model spread by ``device_map`` (``"auto"``, ``"balanced"``,
-    ``"sequential"`` or a dict of modules to devices, with ``max_memory``): transformers'
-    ``from_pretrained`` through this package's quantizer (docs/serving.md), with the class
-    ``load_model`` would build, offline, no remote code. Returns the model and its load report.
+        ``"sequential"`` or a dict of modules to devices, with ``max_memory``): transformers'
+        ``from_pretrained`` through this package's quantizer (docs/serving.md), with the class
+        ``load_model`` would build, offline, no remote code; ``dtype`` (a torch dtype's name) as
+    ``from_pretrained``'s, None for config.json's. Returns the model and its load report.
 
-    Raises:
-        ModelError: as ``from_pretrained`` with ``import converter`` (a map that offloads to
-            disk, a converted layer on the CPU beside a GPU, ...).
+        Raises:
+            ModelError: as ``from_pretrained`` with ``import converter`` (a map that offloads to
+                disk, a converted layer on the CPU beside a GPU, ...).
     """
     from ..hf_hook import register_now
 
@@ -238,7 +262,11 @@ def build_spread(
     cfg_path = folder / "config.json"
     config = hf_config(cfg, path=cfg_path)
     mc = model_class(config, cfg, path=cfg_path)
-    kwargs: dict[str, Any] = {"device_map": device_map, "trust_remote_code": False, "dtype": config_dtype(cfg)}
+    kwargs: dict[str, Any] = {
+        "device_map": device_map,
+        "trust_remote_code": False,
+        "dtype": _torch_dtype(dtype) or config_dtype(cfg),
+    }
     if max_memory is not None:
         kwargs["max_memory"] = max_memory
     if attn_implementation:
@@ -261,6 +289,7 @@ def load_model(
     strict: bool = True,
     attn_implementation: str | None = None,
     fuse: bool | None = None,
+    dtype: Any = None,
 ) -> Any:
     """Load a converted model folder as a ``transformers`` model, offline.
 
@@ -300,6 +329,11 @@ def load_model(
         fuse: on the GPU, run sibling layers that read one input (``q/k/v_proj``,
             ``gate/up_proj``) as one kernel (:mod:`converter.model.fuse`); None: on unless
             the environment sets ``MARLIN_FUSE=0``.
+        dtype: as ``from_pretrained``'s: every floating-point tensor outside the
+            converted and pass-through layers (embeddings, norms, unquantized heads) loads
+            in it, and the model is built in it (buffers such as RoPE's stay fp32 as
+            transformers computes them; ``model.to(dtype)`` would round those too). None:
+            each tensor in its own dtype. The converted layers keep their operands either way.
 
     Returns:
         The model in eval mode, on ``device``; ``model.marlin_report`` is a
@@ -315,6 +349,8 @@ def load_model(
         ArtifactError: the artifact fails ``marlin-verify --shapes``.
         GpuUnavailableError: ``device="cuda"`` without CuPy, a GPU, or torch CUDA.
     """
-    model, report = build_converted(path, device, strict=strict, attn_implementation=attn_implementation, fuse=fuse)
+    model, report = build_converted(
+        path, device, strict=strict, attn_implementation=attn_implementation, fuse=fuse, dtype=dtype
+    )
     model.marlin_report = report
     return model

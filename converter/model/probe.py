@@ -85,12 +85,14 @@ class _LayerProbe:
         release_mapped_pages()
 
 
-def _tensor_checks(model: Any, load: Any, source: Any, report: ModelReport) -> None:
-    """Every pass-through tensor the converted model loaded against the source's: dtype, then bytes."""
+def _tensor_checks(model: Any, load: Any, source: Any, report: ModelReport, cast: Any = None) -> None:
+    """Every pass-through tensor the converted model loaded against the source's: dtype, then
+    bytes. ``cast``: the torch dtype the model was asked to run in; a floating-point tensor
+    in it is compared with the source's tensor rounded to it."""
     import torch
 
     from ..safetensors_io import release_mapped_pages
-    from .modules import dtype_code
+    from .modules import dtype_code, to_torch
 
     named = dict(model.named_parameters(remove_duplicate=False))
     named.update(dict(model.named_buffers(remove_duplicate=False)))
@@ -106,6 +108,11 @@ def _tensor_checks(model: Any, load: Any, source: Any, report: ModelReport) -> N
             continue
         src = source.load_tensor(tname)
         mine = dtype_code(t)
+        if cast is not None and t.dtype == cast and mine != src.dtype and src.dtype in ("F16", "BF16", "F32", "F64"):
+            want = to_torch(src.data, src.dtype).to(cast)
+            if want.shape != t.shape or not torch.equal(want, t.detach().cpu()):
+                report.add(P.TENSOR_BYTES, f"{tname}: differs from the source's rounded to {mine}", tname)
+            continue
         if mine != src.dtype:
             report.add(
                 P.TENSOR_DTYPE,

@@ -112,6 +112,7 @@ def build_reference(
     attn_implementation: str | None = "eager",
     lazy: bool = False,
     half: Any = None,
+    dtype: Any = None,
 ) -> tuple[Any, Binding]:
     """The source model with every quantized weight dequantized exactly.
 
@@ -128,6 +129,9 @@ def build_reference(
             type the converted model's activations run in (``torch.bfloat16`` where they
             are bf16: its layers then multiply bf16); None: bf16 where the config's dtype
             is, else fp16.
+        dtype: with :data:`FP16`, build the model in this torch dtype and load its
+            floating-point pass-through tensors in it (as ``load_model(dtype=)``); None:
+            config.json's, each tensor in its own.
 
     Returns:
         ``(model, binding)``: the model in eval mode on ``device``; the binding says which
@@ -146,7 +150,8 @@ def build_reference(
         config = hf_config(cfg, path=cfg_path)
         mc = model_class(config, cfg, path=cfg_path)
         fp32 = precision == FP32
-        dtype = torch.float32 if fp32 else config_dtype(cfg)
+        asked = None if fp32 else dtype
+        dtype = torch.float32 if fp32 else (asked or config_dtype(cfg))
         skeleton = mc.build(config, dtype=dtype, attn_implementation=attn_implementation, path=cfg_path, meta=True)
         b, _ = source_binding(source, skeleton, mc, folder)
         check_skeleton(
@@ -159,7 +164,10 @@ def build_reference(
 
     def tensor(name: str) -> Any:
         t = source.load_tensor(name)
-        return to_torch_f32(t.data, t.dtype) if fp32 else to_torch(t.data, t.dtype)
+        if fp32:
+            return to_torch_f32(t.data, t.dtype)
+        out = to_torch(t.data, t.dtype)
+        return out.to(asked) if asked is not None and out.is_floating_point() else out
 
     # The 16-bit reference's weights are in the activations' 16-bit type: a bf16 model's
     # converted layers run bf16 (the kernels' bf16 forms), so its bar is bf16 weights.

@@ -208,6 +208,7 @@ def verify_model(
     allow_source_mismatch: bool = False,
     device_map: str | dict[str, Any] | None = None,
     max_memory: dict[Any, Any] | None = None,
+    dtype: str | None = None,
 ) -> ModelReport:
     """Whole-model parity of a converted folder with its source checkpoint.
 
@@ -230,6 +231,12 @@ def verify_model(
             a model larger than one GPU; the fp32 and fp16 references then run on the CPU,
             one after the other, each quantized layer dequantized at its call (host memory:
             the unquantized tensors plus one layer).
+        dtype: ``"float16"`` or ``"bfloat16"``: run the converted model in that type (its
+            embeddings and norms loaded in it; the converted layers keep their operands and
+            take the activations in it).
+            None: each tensor's own, as loaded. As ``load_model(dtype=)`` or, with
+            ``device_map``, ``from_pretrained(dtype=)``: the same model either way. The
+            16-bit reference is built in it too; the fp32 one is unchanged.
 
     Returns:
         The :class:`ModelReport`; ``ok`` says whether it passed. Content problems
@@ -254,6 +261,7 @@ def verify_model(
             allow_source_mismatch=allow_source_mismatch,
             device_map=device_map,
             max_memory=max_memory,
+            dtype=dtype,
         )
 
 
@@ -269,6 +277,7 @@ def _verify_model(
     allow_source_mismatch: bool,
     device_map: str | dict[str, Any] | None = None,
     max_memory: dict[Any, Any] | None = None,
+    dtype: str | None = None,
 ) -> ModelReport:
     t_start = time.perf_counter()
     torch, _ = import_stack()
@@ -277,6 +286,8 @@ def _verify_model(
     from .modules import swapped_modules
     from .reference import FP16, FP32, build_reference, source_config
 
+    if dtype not in (None, "float16", "bfloat16"):
+        raise ModelError(f"dtype {dtype!r}: the converted layers run float16 or bfloat16 activations")
     folder, cfg = read_converted_config(path)
     report = ModelReport(model=str(folder), source=str(against))
     stage = _Stages(report, progress)
@@ -334,7 +345,11 @@ def _verify_model(
         with stage(f"converted model {where}"):
             if device_map is not None:
                 model, load = build_spread(
-                    folder, device_map, max_memory=max_memory, attn_implementation=attn_implementation
+                    folder,
+                    device_map,
+                    max_memory=max_memory,
+                    attn_implementation=attn_implementation,
+                    dtype=dtype,
                 )
                 report.device = load.device
             else:
@@ -345,6 +360,7 @@ def _verify_model(
                     attn_implementation=attn_implementation,
                     validate=False,
                     kernel_factory=kernel_factory,
+                    dtype=dtype,
                 )
             report.architecture, report.kind, report.load = load.architecture, load.kind, load.to_json()
             ppl_ids = ids if text is not None and load.kind == CAUSAL_LM else None
@@ -352,7 +368,7 @@ def _verify_model(
             probe.attach(swapped_modules(model))
             y, _ = _run(model, ids, model.device if device_map is not None else device)
             probe.detach()
-            _tensor_checks(model, load, source, report)
+            _tensor_checks(model, load, source, report, cast=None if dtype is None else getattr(torch, dtype))
             if "cuda" in report.device:  # our kernel ran: its CuPy pool counts too
                 from ..gpu.runtime import cupy_module
 
@@ -367,7 +383,13 @@ def _verify_model(
             # probe saw them), not the one config.json names: they can differ
             half = torch.bfloat16 if any(d[0] == "bfloat16" for d in probe.dtypes.values()) else torch.float16
             ref, _ = build_reference(
-                source, FP16, device, attn_implementation=attn_implementation, lazy=lazy, half=half
+                source,
+                FP16,
+                device,
+                attn_implementation=attn_implementation,
+                lazy=lazy,
+                half=half,
+                dtype=None if dtype is None else getattr(torch, dtype),
             )
             y, _ = _run(ref, ids, device)
             del ref

@@ -432,6 +432,48 @@ def test_verify_models_bar_follows_the_activations_not_the_configs_dtype(
     assert told.bar["mean_rel_err_limit"] == honest.bar["mean_rel_err_limit"]
 
 
+def test_verify_model_dtype_runs_an_fp16_model_in_bf16(tiny: tuple[Path, Path]) -> None:
+    """``--dtype bfloat16`` on a folder of fp16 tensors: every converted layer takes and
+    gives bf16 (no cast at any swapped module) and the 16-bit bar is the bf16 reference,
+    looser than fp16's on the same model; the CLI says so in its JSON."""
+    src, out = tiny
+    fp16 = verify_model(out, src, gpu=False)
+    bf16 = verify_model(out, src, gpu=False, dtype="bfloat16")
+    assert fp16.ok and bf16.ok, bf16.problems
+    # the pass-through layers' fp16 weights meet bf16 activations in fp32 (never a cast to fp16)
+    assert {(r["path"], *r["dtypes"]) for r in bf16.layers} == {
+        ("exact", "bfloat16", "bfloat16"),
+        ("dequant-fp16", "bfloat16", "float32"),
+    }
+    assert {tuple(r["dtypes"]) for r in fp16.layers} == {("float16", "float16")}
+    assert bf16.bar["reference_weights"] == "bfloat16" and fp16.bar["reference_weights"] == "float16"
+    assert bf16.bar["mean_rel_err_limit"] > 2 * fp16.bar["mean_rel_err_limit"]
+    res = invoke(out, "--model", "--against", src, "--cpu", "--dtype", "bfloat16", "--json")
+    assert res.exit_code == 0, res.output
+    plain = json.loads(res.stdout)
+    assert plain["bar"] == bf16.bar and plain["metrics"] == bf16.metrics
+    # through from_pretrained(dtype=) and the lazily dequantized references: the same numbers
+    res = invoke(
+        out, "--model", "--against", src, "--json", "--dtype", "bfloat16", "--device-map", "auto",
+        "--max-memory", '{"cpu": "8GiB"}',
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["metrics"] == plain["metrics"]
+    with pytest.raises(ModelError, match="dtype 'float32': the converted layers run float16 or bfloat16"):
+        verify_model(out, src, gpu=False, dtype="float32")
+    # load_model(dtype=) builds what from_pretrained(dtype=) builds: RoPE's buffer stays fp32
+    # (model.to(bf16) would round it), the embedding is the fp16 one rounded to bf16
+    m = load_model(out, "cpu", dtype=torch.bfloat16)
+    emb = m.model.embed_tokens.weight
+    assert m.model.rotary_emb.inv_freq.dtype == torch.float32 and emb.dtype == torch.bfloat16
+    with open_source(src) as source:
+        assert torch.equal(
+            emb, torch.from_numpy(np.array(source.load_tensor("model.embed_tokens.weight").data)).bfloat16()
+        )
+    with pytest.raises(ModelError, match="dtype 'int8': a model loads in float32, float16 or bfloat16"):
+        load_model(out, "cpu", dtype="int8")
+
+
 def test_verify_model_reports_the_kernel_fallback(tiny: tuple[Path, Path]) -> None:
     src, out = tiny
 
@@ -588,6 +630,11 @@ def test_error_layers_without_modules_and_modules_without_layers_are_all_named(
             ["--model", "--against", ".", "--device-map", "auto", "--cpu"],
             "error: --device-map and --cpu contradict each other (to keep it on the CPU: --max-memory "
             """'{"cpu": ...}')""",
+        ),
+        (["--dtype", "bfloat16"], "error: --dtype needs --model (it sets the type the converted model runs in)"),
+        (
+            ["--model", "--against", ".", "--dtype", "float32"],
+            "error: --dtype float32: the converted layers run float16 or bfloat16 activations",
         ),
     ],
 )
