@@ -257,9 +257,10 @@ class ConvertedLayers:
         return b, groups
 
     def device_bytes(self, layer: str) -> int:
-        """About what ``layer``'s module holds on its device, for placing it: the artifact
+        """About what ``layer``'s module holds on a GPU, for placing it: the artifact
         tensors it is built from (a layer dequantized to fp16: ``K x N x 2`` and its bias;
-        one that passed through for fp16's range is kept in fp32: ``x 4``)."""
+        one that passed through for fp16's range is kept in fp32: ``x 4``; one the kernel
+        cannot take runs the exact path: a byte a code, int64 group and gather indices)."""
         import math
 
         from ..safetensors_io import _ITEMSIZE
@@ -268,6 +269,11 @@ class ConvertedLayers:
             lp = self.dq_plans[layer]
             item = 4 if self.dq_reasons.get(layer, "").startswith(FP16_RANGE_REASON) else 2
             return item * lp.size_k * lp.size_n + (2 * lp.size_n if lp.bias is not None else 0)
+        rec = self.art.layers[layer]
+        if not kernel_compatible(rec.size_k, rec.layout_n, rec.group_size) or self.bias_beyond_fp16(layer) is not None:
+            k, n, g = rec.size_k, rec.size_n, rec.shape.num_groups
+            bias = n * _ITEMSIZE[self.art.file.infos[f"{layer}.{Suffix.BIAS.value}"].dtype] if rec.has_bias else 0
+            return k * n + g * n * (2 + 4) + k * 8 * (2 if rec.act_order else 1) + bias
         infos = self.art.file.infos
         return sum(math.prod(infos[t].shape) * _ITEMSIZE[infos[t].dtype] for t in self.slots[layer].tensors)
 

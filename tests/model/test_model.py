@@ -347,6 +347,20 @@ def test_kernel_swap_runs_every_kernel_layer_through_the_kernel_module(tiny: tup
         exact = load_model(out, "cpu")(input_ids=_ids(), use_cache=False).logits
     assert sorted(calls) == sorted((n, (2, 7, 128)) for n in KERNEL_LAYERS)
     assert torch.equal(via_kernel, exact)
+    # a device_map sizes the fallback layer at what its exact module holds, not its 4-bit B
+    assert _placed_bytes(out, "model.layers.0.mlp.down_proj") == _held_bytes(model.model.layers[0].mlp.down_proj)
+
+
+def _placed_bytes(folder: Path, layer: str) -> int:
+    from converter.model.layers import ConvertedLayers
+    from converter.model.loader import read_converted_config
+
+    with ConvertedLayers(*read_converted_config(folder)) as layers:
+        return layers.device_bytes(layer)
+
+
+def _held_bytes(module: torch.nn.Module) -> int:
+    return sum(b.numel() * b.element_size() for b in module.buffers())
 
 
 def test_a_bias_beyond_fp16_keeps_its_layer_off_the_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -376,6 +390,7 @@ def test_a_bias_beyond_fp16_keeps_its_layer_off_the_kernel(tmp_path: Path, monke
     assert all(r.layers[n] == "marlin-kernel" for n in KERNEL_LAYERS if n != name)
     k = model.model.layers[0].self_attn.k_proj
     assert isinstance(k, ExactMarlinLinear) and k.bias.dtype == torch.bfloat16
+    assert _placed_bytes(tmp_path / "out", name) == _held_bytes(k)
     assert bool(torch.isfinite(k(torch.ones(1, 128, dtype=torch.bfloat16))).all())
     # and fusion never sees it (a fused kernel reads the biases as fp16 too)
     from converter.model import layers as layers_mod
