@@ -210,6 +210,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="",
         help="also time these (comma list): ours-unfused = ours with MARLIN_FUSE off (every layer its own kernel)",
     )
+    ap.add_argument(
+        "--dtype",
+        choices=("float16", "bfloat16"),
+        default="float16",
+        help="activations of both models (the dense row's weights too; ours keeps its operands)",
+    )
     ap.add_argument("--skip-prefill", action="store_true")
     ap.add_argument("--skip-profile", action="store_true")
     ap.add_argument("--repeats", type=int, default=3, help="passes over the decode steps from one prefill")
@@ -365,15 +371,16 @@ def measure_bandwidth(dev: Any) -> dict[str, Any]:
 # --------------------------------------------------------------------------- models
 
 
-def build_fp16(folder: Path, dev: Any, attn: str | None) -> Any:
-    """The converted folder's config (no quantization) in fp16 with random weights, made on ``dev``."""
+def build_fp16(folder: Path, dev: Any, attn: str | None, dtype: str = "float16") -> Any:
+    """The converted folder's config (no quantization) in ``dtype`` (the "fp16" row: 16-bit
+    dense) with random weights, made on ``dev``."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from converter.model.build import hf_config
 
     config = hf_config(json.loads((folder / "config.json").read_text()), path=folder / "config.json")
-    kw: dict[str, Any] = {"dtype": torch.float16}
+    kw: dict[str, Any] = {"dtype": getattr(torch, dtype)}
     if attn:
         from converter.model import attention
 
@@ -385,11 +392,11 @@ def build_fp16(folder: Path, dev: Any, attn: str | None) -> Any:
     return model.to(dev).eval().requires_grad_(False)
 
 
-def build_ours(folder: Path, dev: Any, attn: str | None, *, fuse: bool = True) -> Any:
+def build_ours(folder: Path, dev: Any, attn: str | None, *, fuse: bool = True, dtype: str = "float16") -> Any:
     import converter
 
     kw = {"attn_implementation": attn} if attn else {}
-    return converter.load_model(folder, str(dev), fuse=fuse, **kw).eval()
+    return converter.load_model(folder, str(dev), fuse=fuse, dtype=dtype, **kw).eval()
 
 
 def load_paths(model: Any) -> dict[str, int]:
@@ -576,9 +583,9 @@ def run_model(kind: str, folder: Path, a: argparse.Namespace, res: dict, save: C
     t0 = time.perf_counter()
     try:
         if kind == "fp16":
-            model = build_fp16(folder, dev, a.attn)
+            model = build_fp16(folder, dev, a.attn, a.dtype)
         else:
-            model = build_ours(folder, dev, a.attn, fuse=kind != "ours-unfused")
+            model = build_ours(folder, dev, a.attn, fuse=kind != "ours-unfused", dtype=a.dtype)
     except Exception as exc:
         entry["error"] = record_error(f"{kind}: load", exc, res)
         save()
@@ -791,7 +798,7 @@ def main(argv: list[str] | None = None) -> int:
         for k in ("blocks", "hidden", "intermediate", "kv", "head_dim", "vocab", "group_size", "prompt", "new")
     }
     res["config"].update(
-        prefill=a.prefill, batches=a.batch_list, modes=a.modes, compile_mode=a.compile_mode, attn=a.attn
+        prefill=a.prefill, batches=a.batch_list, modes=a.modes, compile_mode=a.compile_mode, attn=a.attn, dtype=a.dtype
     )
 
     def save() -> None:
