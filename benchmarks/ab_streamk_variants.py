@@ -124,10 +124,24 @@ def main() -> int:
     from benchmarks.bench_gemm import timed_graph
     from converter.gpu import build as gbuild
     from converter.gpu import kernels as K
+    from converter.gpu import launches
 
     mods = {v: build(code, defs, names) for v, (code, defs, _) in variants.items()}
-    current = {"v": None}
-    route_streamk(gbuild, lambda name: mods[current["v"]].get_function(name))
+    current: dict = {"v": None}
+    served: dict[str, set[str]] = {v: set() for v in variants}
+
+    def lookup(name: str) -> object:
+        served[current["v"]].add(name)
+        return mods[current["v"]].get_function(name)
+
+    def use(v: str) -> None:
+        # A launch keeps its kernel (launches' caches, keyed by sizes and tuning, not by
+        # variant): without this every variant after the first ran the first one's.
+        current["v"] = v
+        launches._gemm_launch.cache_clear()
+        launches._plan.cache_clear()
+
+    route_streamk(gbuild, lookup)
     tunings = {v: Tuning(streamk_iters=it) if it else Tuning() for v, (_, _, it) in variants.items()}
     rng = np.random.default_rng(0)
     order, results = list(variants), {}
@@ -147,7 +161,7 @@ def main() -> int:
         }
         ref, same = None, {}
         for v in order:
-            current["v"] = v
+            use(v)
             got = K.marlin_gemm(a, **layers[0], tuning=tunings[v], **kw)
             bits = got.view(cp.uint16).copy()
             ref = bits if ref is None else ref
@@ -155,7 +169,7 @@ def main() -> int:
         runs: dict[str, list[float]] = {v: [] for v in order}
         for rep in range(4):
             for v in order if rep % 2 == 0 else order[::-1]:
-                current["v"] = v
+                use(v)
                 runs[v].append(timed_graph(cp, thunks[v], 7))
         mean = {v: float(np.mean(r)) for v, r in runs.items()}
         plans = {}
@@ -179,6 +193,9 @@ def main() -> int:
         )
         del layers, thunks
         cp.get_default_memory_pool().free_all_blocks()
+    idle = [v for v, got in served.items() if not got]
+    if idle:  # the guard against a cache that keeps serving one variant's kernel
+        raise SystemExit(f"variants {', '.join(idle)} never ran their own kernel")
     Path(out_json).write_text(json.dumps({"argv": sys.argv[1:], "act": act, "results": results}, indent=1))
     return 0
 
