@@ -29,10 +29,12 @@ How ``from_pretrained`` runs with them (transformers 5.17 and 5.25):
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib
 import re
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +128,22 @@ def _kernel_on(dev: torch.device) -> Any:
     return make
 
 
+#: Set by :func:`dtype_asked`: from_pretrained's dtype was given on purpose, even where it
+#: equals what "auto" resolves to (transformers hands the quantizer the resolved dtype only).
+_ASKED: contextvars.ContextVar[bool] = contextvars.ContextVar("marlin_dtype_asked", default=False)
+
+
+@contextlib.contextmanager
+def dtype_asked() -> Iterator[None]:
+    """Within it, ``from_pretrained(..., dtype=X)`` loads the unquantized tensors in ``X``
+    whatever ``"auto"`` would resolve to (``load_model(dtype=X)``'s model)."""
+    token = _ASKED.set(True)
+    try:
+        yield
+    finally:
+        _ASKED.reset(token)
+
+
 def _dtype_asked(model: nn.Module, cfg: Mapping[str, Any], weights: Path) -> bool:
     """Whether ``from_pretrained`` was given a ``dtype`` other than the one ``"auto"`` (the
     default) resolves to: transformers has set the model's config to the dtype it
@@ -136,6 +154,8 @@ def _dtype_asked(model: nn.Module, cfg: Mapping[str, Any], weights: Path) -> boo
     resolved = getattr(model.config, "dtype", None)
     if not isinstance(resolved, torch.dtype):
         return False
+    if _ASKED.get():
+        return True
     named = cfg.get("dtype") or cfg.get("torch_dtype")
     if named is not None:
         auto = getattr(torch, str(named).removeprefix("torch."), None)

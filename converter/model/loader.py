@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -221,7 +222,7 @@ def _torch_dtype(dtype: Any) -> Any:
     Raises:
         ModelError: a name that is not float32, float16 or bfloat16.
     """
-    if dtype is None:
+    if dtype is None or dtype == "auto":
         return None
     torch, _ = import_stack()
     dt = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
@@ -246,8 +247,9 @@ def build_spread(
     """The converted model spread by ``device_map`` (``"auto"``, ``"balanced"``,
         ``"sequential"`` or a dict of modules to devices, with ``max_memory``): transformers'
         ``from_pretrained`` through this package's quantizer (docs/serving.md), with the class
-        ``load_model`` would build, offline, no remote code; ``dtype`` (a torch dtype's name) as
-    ``from_pretrained``'s, None for config.json's. Returns the model and its load report.
+        ``load_model`` would build, offline, no remote code; ``dtype`` (a torch dtype or its
+    name) as ``load_model``'s: given, it holds even where it equals config.json's; None:
+    each tensor its own. Returns the model and its load report.
 
         Raises:
             ModelError: as ``from_pretrained`` with ``import converter`` (a map that offloads to
@@ -265,13 +267,17 @@ def build_spread(
     kwargs: dict[str, Any] = {
         "device_map": device_map,
         "trust_remote_code": False,
-        "dtype": _torch_dtype(dtype) or config_dtype(cfg),
+        # "auto": each tensor its own dtype, as load_model (config.json's would cast a
+        # folder whose config names none to fp32)
+        "dtype": _torch_dtype(dtype) or "auto",
     }
     if max_memory is not None:
         kwargs["max_memory"] = max_memory
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    with offline(cfg_path):
+    from .hf_quantizer import dtype_asked
+
+    with offline(cfg_path), dtype_asked() if dtype is not None else contextlib.nullcontext():
         model = (mc.auto or mc.cls).from_pretrained(folder, **kwargs)
     return model.eval(), model.marlin_report
 

@@ -180,7 +180,10 @@ def build_reference(
 
     def make_layer(module: str, layer: str) -> Any:
         lp = plans[layer]
-        bias = tensor(lp.bias.name) if lp.bias else None
+        bias = None
+        if lp.bias:  # in its own dtype, as the converted model keeps it
+            t = source.load_tensor(lp.bias.name)
+            bias = to_torch_f32(t.data, t.dtype) if fp32 else to_torch(t.data, t.dtype)
         path = DENSE_FP32 if fp32 else DEQUANT_FP16
         if lazy:
             return LazyDenseLinear(layer, lambda: weight(lp), (lp.size_n, lp.size_k), bias, path).to(device)

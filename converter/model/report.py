@@ -72,6 +72,8 @@ class ModelReport:
     model: str
     source: str
     device: str = ""
+    #: the dtype the model was asked to run in (``--dtype``), None: each tensor's own
+    dtype: str | None = None
     architecture: str = ""
     kind: str = ""
     output: str = ""
@@ -130,7 +132,8 @@ def render(report: ModelReport, out: Any, err: Any, *, quiet: bool = False) -> N
         # The title is a line of its own: a table's title wraps at the table's width and is padded to it.
         out.print(
             escape(
-                f"{report.architecture} on {report.device}: {report.output} against the fp32 model dequantized "
+                f"{report.architecture} on {report.device}{f' in {report.dtype}' if report.dtype else ''}: "
+                f"{report.output} against the fp32 model dequantized "
                 f"from the source, {report.input.get('sequences')} x {report.input.get('tokens')} tokens"
             ),
             soft_wrap=True,

@@ -208,7 +208,7 @@ def verify_model(
     allow_source_mismatch: bool = False,
     device_map: str | dict[str, Any] | None = None,
     max_memory: dict[Any, Any] | None = None,
-    dtype: str | None = None,
+    dtype: Any = None,
 ) -> ModelReport:
     """Whole-model parity of a converted folder with its source checkpoint.
 
@@ -231,12 +231,13 @@ def verify_model(
             a model larger than one GPU; the fp32 and fp16 references then run on the CPU,
             one after the other, each quantized layer dequantized at its call (host memory:
             the unquantized tensors plus one layer).
-        dtype: ``"float16"`` or ``"bfloat16"``: run the converted model in that type (its
+        dtype: ``"float16"`` or ``"bfloat16"`` (or the torch dtype): run the converted model in that type (its
             embeddings and norms loaded in it; the converted layers keep their operands and
             take the activations in it).
             None: each tensor's own, as loaded. As ``load_model(dtype=)`` or, with
-            ``device_map``, ``from_pretrained(dtype=)``: the same model either way. The
-            16-bit reference is built in it too; the fp32 one is unchanged.
+            ``device_map``, ``from_pretrained(dtype=)`` told that it was asked
+            (:func:`~converter.model.hf_quantizer.dtype_asked`): the same model either
+            way. The 16-bit reference is built in it too; the fp32 one is unchanged.
 
     Returns:
         The :class:`ModelReport`; ``ok`` says whether it passed. Content problems
@@ -286,10 +287,12 @@ def _verify_model(
     from .modules import swapped_modules
     from .reference import FP16, FP32, build_reference, source_config
 
-    if dtype not in (None, "float16", "bfloat16"):
+    name = str(dtype).removeprefix("torch.") if dtype is not None else None
+    if name not in (None, "float16", "bfloat16"):
         raise ModelError(f"dtype {dtype!r}: the converted layers run float16 or bfloat16 activations")
+    dtype = name
     folder, cfg = read_converted_config(path)
-    report = ModelReport(model=str(folder), source=str(against))
+    report = ModelReport(model=str(folder), source=str(against), dtype=dtype)
     stage = _Stages(report, progress)
     # With a device map the references run on the CPU and ours where the map puts it.
     device = resolve_device("cpu") if device_map is not None else _pick_device(gpu)

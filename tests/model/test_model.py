@@ -489,6 +489,37 @@ def test_verify_model_dtype_runs_an_fp16_model_in_bf16(tiny: tuple[Path, Path]) 
         load_model(out, "cpu", dtype="int8")
 
 
+@pytest.mark.parametrize("config_dtype", ["bfloat16", None])
+def test_dtype_and_device_map_agree_whatever_the_config_says(
+    tiny: tuple[Path, Path], tmp_path: Path, config_dtype: str | None
+) -> None:
+    """``--dtype bfloat16`` over a config that already says bfloat16 (fp16 tensors): the
+    spread model (from_pretrained) runs bf16 too, though its dtype equals what "auto"
+    resolves to; and a config naming no dtype spreads with each tensor its own (it was cast
+    to fp32). Either way the spread run's numbers are the plain run's."""
+    src, _ = tiny
+    edited = tmp_path / "src"
+    shutil.copytree(src, edited)
+    cfg = {k: v for k, v in json.loads((src / "config.json").read_text()).items() if k not in ("dtype", "torch_dtype")}
+    if config_dtype:
+        cfg["dtype"] = config_dtype
+    (edited / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "out"
+    convert(edited, str(out) + "/", pad=False)
+    spread = {"device_map": "auto", "max_memory": {"cpu": "8GiB"}}
+    for dtype in ("bfloat16", None) if config_dtype else (None,):
+        plain = verify_model(out, edited, gpu=False, dtype=dtype)
+        wide = verify_model(out, edited, dtype=dtype, **spread)
+        assert plain.ok and wide.ok, wide.problems
+        assert wide.metrics == plain.metrics and wide.bar == plain.bar
+        assert [r["dtypes"] for r in wide.layers] == [r["dtypes"] for r in plain.layers]
+        assert wide.dtype == plain.dtype == dtype
+    if config_dtype:
+        assert {tuple(r["dtypes"]) for r in wide.layers if r["path"] == "exact"} == {("float16", "float16")}
+        bf = verify_model(out, edited, dtype=torch.bfloat16, **spread)  # a torch dtype too
+        assert {tuple(r["dtypes"]) for r in bf.layers if r["path"] == "exact"} == {("bfloat16", "bfloat16")}
+
+
 def test_verify_model_reports_the_kernel_fallback(tiny: tuple[Path, Path]) -> None:
     src, out = tiny
 
