@@ -102,7 +102,7 @@ def verify_cmd(
         str | None,
         typer.Option(
             "--dtype",
-            help="With --model: run the converted model in float16 or bfloat16 (its embeddings and norms "
+            help="With --model: run the converted model in float16 or bfloat16 (fp16, bf16; its embeddings and norms "
             "cast; default: each tensor's own type); the 16-bit reference follows.",
             show_default=False,
         ),
@@ -114,8 +114,9 @@ def verify_cmd(
         _fail("--gpu and --cpu contradict each other", as_json)
     use_gpu = True if gpu else (False if cpu else None)  # None: when CuPy and a GPU are there
     spread = _spread_options(device_map, max_memory, model=model, cpu=cpu, as_json=as_json)
+    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(dtype or "", dtype)
     if dtype is not None and dtype not in ("float16", "bfloat16"):
-        _fail(f"--dtype {dtype}: the converted layers run float16 or bfloat16 activations", as_json)
+        _fail(f"--dtype {dtype}: the converted layers run float16 or bfloat16 activations (or bf16, fp16)", as_json)
     if dtype is not None and not model:
         _fail("--dtype needs --model (it sets the type the converted model runs in)", as_json)
     if model or text is not None or allow_source_mismatch:

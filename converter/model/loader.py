@@ -184,7 +184,8 @@ def _build(
     check_depth(cfg, infos, path=cfg_path, what="artifact")
     config = hf_config(cfg, path=cfg_path)
     mc = model_class(config, cfg, path=cfg_path)
-    dtype = _torch_dtype(asked) or config_dtype(cfg)
+    asked = _torch_dtype(asked)  # "auto" is None: each tensor its own, as from_pretrained's default
+    dtype = asked or config_dtype(cfg)
     skeleton = mc.build(config, dtype=dtype, attn_implementation=attn_implementation, path=cfg_path, meta=True)
     b, _ = layers.bind(skeleton, arch=mc.name, strict=strict)
     check_skeleton(skeleton, b.swaps, weight_bytes=weights_bytes(infos), path=cfg_path, what="artifact")

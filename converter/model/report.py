@@ -202,7 +202,7 @@ def render(report: ModelReport, out: Any, err: Any, *, quiet: bool = False) -> N
                 if conv.get("top1") is not None and "decided_positions" in conv
                 else f", top-1 {_fmt(conv.get('top1'), '.4f')} ({ref16} {_fmt(f16.get('top1'), '.4f')})"
                 if conv.get("top1") is not None
-                else f", cosine {_fmt(conv.get('cosine'), '.6f')} (fp16 {_fmt(f16.get('cosine'), '.6f')})"
+                else f", cosine {_fmt(conv.get('cosine'), '.6f')} ({ref16} {_fmt(f16.get('cosine'), '.6f')})"
                 if "cosine" in conv
                 else ""
             )

@@ -381,10 +381,10 @@ def _verify_model(
             conv_top = None if encoder else position_errors(y, y32)[0]
             del y
             _free(device)
-        with stage("fp16-dequantized reference from the source"):
-            # weights in the 16-bit type the converted layers' activations ran in (the
-            # probe saw them), not the one config.json names: they can differ
-            half = torch.bfloat16 if any(d[0] == "bfloat16" for d in probe.dtypes.values()) else torch.float16
+        # weights in the 16-bit type the converted layers' activations ran in (the probe
+        # saw them), not the one config.json names: they can differ
+        half = torch.bfloat16 if any(d[0] == "bfloat16" for d in probe.dtypes.values()) else torch.float16
+        with stage(f"{'bf16' if half == torch.bfloat16 else 'fp16'}-dequantized reference from the source"):
             ref, _ = build_reference(
                 source,
                 FP16,

@@ -463,10 +463,11 @@ def test_verify_model_dtype_runs_an_fp16_model_in_bf16(tiny: tuple[Path, Path]) 
     assert {tuple(r["dtypes"]) for r in fp16.layers} == {("float16", "float16")}
     assert bf16.bar["reference_weights"] == "bfloat16" and fp16.bar["reference_weights"] == "float16"
     assert bf16.bar["mean_rel_err_limit"] > 2 * fp16.bar["mean_rel_err_limit"]
-    res = invoke(out, "--model", "--against", src, "--cpu", "--dtype", "bfloat16", "--json")
+    assert "bf16-dequantized reference from the source" in [s["stage"] for s in bf16.stages]
+    res = invoke(out, "--model", "--against", src, "--cpu", "--dtype", "bf16", "--json")  # the short name too
     assert res.exit_code == 0, res.output
     plain = json.loads(res.stdout)
-    assert plain["bar"] == bf16.bar and plain["metrics"] == bf16.metrics
+    assert plain["bar"] == bf16.bar and plain["metrics"] == bf16.metrics and plain["dtype"] == "bfloat16"
     # through from_pretrained(dtype=) and the lazily dequantized references: the same numbers
     res = invoke(
         out, "--model", "--against", src, "--json", "--dtype", "bfloat16", "--device-map", "auto",
@@ -518,6 +519,24 @@ def test_dtype_and_device_map_agree_whatever_the_config_says(
         assert {tuple(r["dtypes"]) for r in wide.layers if r["path"] == "exact"} == {("float16", "float16")}
         bf = verify_model(out, edited, dtype=torch.bfloat16, **spread)  # a torch dtype too
         assert {tuple(r["dtypes"]) for r in bf.layers if r["path"] == "exact"} == {("bfloat16", "bfloat16")}
+
+
+def test_load_model_dtype_auto_keeps_each_tensors_own(tmp_path: Path) -> None:
+    """``dtype="auto"`` is from_pretrained's default: a bf16 embedding under a float16
+    config stays bf16 (it was cast to config.json's fp16); an explicit float16 casts it."""
+    src = write_tiny_llama(tmp_path / "src")
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(src / "model.safetensors"))
+    save_safetensors(src / "model.safetensors", tensors, bf16={"model.embed_tokens.weight"})
+    convert(src, str(tmp_path / "out") + "/", pad=False)
+    own = load_model(tmp_path / "out", "cpu")
+    auto = load_model(tmp_path / "out", "cpu", dtype="auto")
+    half = load_model(tmp_path / "out", "cpu", dtype=torch.float16)
+    assert own.model.embed_tokens.weight.dtype == auto.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert half.model.embed_tokens.weight.dtype == torch.float16
+    with torch.no_grad():
+        assert torch.equal(own(_ids()).logits, auto(_ids()).logits)
 
 
 def test_verify_model_reports_the_kernel_fallback(tiny: tuple[Path, Path]) -> None:
@@ -680,7 +699,7 @@ def test_error_layers_without_modules_and_modules_without_layers_are_all_named(
         (["--dtype", "bfloat16"], "error: --dtype needs --model (it sets the type the converted model runs in)"),
         (
             ["--model", "--against", ".", "--dtype", "float32"],
-            "error: --dtype float32: the converted layers run float16 or bfloat16 activations",
+            "error: --dtype float32: the converted layers run float16 or bfloat16 activations (or bf16, fp16)",
         ),
     ],
 )
