@@ -243,18 +243,18 @@ def build_spread(
     *,
     max_memory: dict[Any, Any] | None = None,
     attn_implementation: str | None = None,
-    dtype: str | None = None,
+    dtype: Any = None,
 ) -> tuple[Any, LoadReport]:
     """The converted model spread by ``device_map`` (``"auto"``, ``"balanced"``,
-        ``"sequential"`` or a dict of modules to devices, with ``max_memory``): transformers'
-        ``from_pretrained`` through this package's quantizer (docs/serving.md), with the class
-        ``load_model`` would build, offline, no remote code; ``dtype`` (a torch dtype or its
+    ``"sequential"`` or a dict of modules to devices, with ``max_memory``): transformers'
+    ``from_pretrained`` through this package's quantizer (docs/serving.md), with the class
+    ``load_model`` would build, offline, no remote code; ``dtype`` (a torch dtype or its
     name) as ``load_model``'s: given, it holds even where it equals config.json's; None:
     each tensor its own. Returns the model and its load report.
 
-        Raises:
-            ModelError: as ``from_pretrained`` with ``import converter`` (a map that offloads to
-                disk, a converted layer on the CPU beside a GPU, ...).
+    Raises:
+        ModelError: as ``from_pretrained`` with ``import converter`` (a map that offloads to
+            disk, a converted layer on the CPU beside a GPU, ...).
     """
     from ..hf_hook import register_now
 
@@ -265,12 +265,13 @@ def build_spread(
     cfg_path = folder / "config.json"
     config = hf_config(cfg, path=cfg_path)
     mc = model_class(config, cfg, path=cfg_path)
+    asked = _torch_dtype(dtype)
     kwargs: dict[str, Any] = {
         "device_map": device_map,
         "trust_remote_code": False,
         # "auto": each tensor its own dtype, as load_model (config.json's would cast a
         # folder whose config names none to fp32)
-        "dtype": _torch_dtype(dtype) or "auto",
+        "dtype": asked or "auto",
     }
     if max_memory is not None:
         kwargs["max_memory"] = max_memory
@@ -278,7 +279,7 @@ def build_spread(
         kwargs["attn_implementation"] = attn_implementation
     from .hf_quantizer import dtype_asked
 
-    with offline(cfg_path), dtype_asked() if dtype is not None else contextlib.nullcontext():
+    with offline(cfg_path), dtype_asked() if asked is not None else contextlib.nullcontext():
         model = (mc.auto or mc.cls).from_pretrained(folder, **kwargs)
     return model.eval(), model.marlin_report
 
@@ -339,8 +340,9 @@ def load_model(
         dtype: as ``from_pretrained``'s: every floating-point tensor outside the
             converted and pass-through layers (embeddings, norms, unquantized heads) loads
             in it, and the model is built in it (buffers such as RoPE's stay fp32 as
-            transformers computes them; ``model.to(dtype)`` would round those too). None:
-            each tensor in its own dtype. The converted layers keep their operands either way.
+            transformers computes them; ``model.to(dtype)`` would round those too). None
+            or ``"auto"``: each tensor in its own dtype. The converted layers keep their
+            operands either way.
 
     Returns:
         The model in eval mode, on ``device``; ``model.marlin_report`` is a
