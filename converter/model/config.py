@@ -205,6 +205,31 @@ def hf_config(cfg: dict[str, Any], *, path: Path) -> Any:
         raise construction_error(exc, d, path=path, doing=f"read this {model_type} config") from None
 
 
+#: Short names a user may give for a dtype (as the CLI's --dtype takes them).
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+
+def torch_dtype(dtype: Any) -> Any:
+    """A torch dtype, or None, from a torch dtype, its name or an alias (``"bf16"``);
+    None and ``"auto"`` give None (each tensor its own dtype, as ``from_pretrained``'s default).
+
+    Raises:
+        ModelError: anything but float32, float16 or bfloat16.
+    """
+    if dtype is None or dtype == "auto":
+        return None
+    import torch
+
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        dt = getattr(torch, DTYPE_ALIASES.get(name, name), None)
+    else:
+        dt = dtype
+    if dt not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ModelError(f"dtype {dtype!r}: a model loads in float32, float16 or bfloat16")
+    return dt
+
+
 def config_dtype(cfg: dict[str, Any]) -> Any:
     """The torch dtype ``config.json`` declares (``dtype`` or ``torch_dtype``), float32 if none
     (:func:`check_fields` has refused any other than float32, float16, bfloat16)."""

@@ -22,6 +22,7 @@ from .build import (
     model_class,
     weights_bytes,
 )
+from .config import torch_dtype
 from .fuse import enabled as fuse_enabled
 from .guard import offline
 from .layers import ConvertedLayers, KernelFactory, LoadReport, dequantized_weight
@@ -184,7 +185,7 @@ def _build(
     check_depth(cfg, infos, path=cfg_path, what="artifact")
     config = hf_config(cfg, path=cfg_path)
     mc = model_class(config, cfg, path=cfg_path)
-    asked = _torch_dtype(asked)  # "auto" is None: each tensor its own, as from_pretrained's default
+    asked = torch_dtype(asked)  # "auto" is None: each tensor its own, as from_pretrained's default
     dtype = asked or config_dtype(cfg)
     skeleton = mc.build(config, dtype=dtype, attn_implementation=attn_implementation, path=cfg_path, meta=True)
     b, _ = layers.bind(skeleton, arch=mc.name, strict=strict)
@@ -215,21 +216,6 @@ def _build(
     report.unused = list(b.unused)
     model.to(dev)
     return model, report
-
-
-def _torch_dtype(dtype: Any) -> Any:
-    """A torch dtype, or None, from a torch dtype or its name (``"bfloat16"``).
-
-    Raises:
-        ModelError: a name that is not float32, float16 or bfloat16.
-    """
-    if dtype is None or dtype == "auto":
-        return None
-    torch, _ = import_stack()
-    dt = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
-    if dt not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ModelError(f"dtype {dtype!r}: a model loads in float32, float16 or bfloat16")
-    return dt
 
 
 def _float_as(t: Any, dtype: Any) -> Any:
@@ -265,7 +251,7 @@ def build_spread(
     cfg_path = folder / "config.json"
     config = hf_config(cfg, path=cfg_path)
     mc = model_class(config, cfg, path=cfg_path)
-    asked = _torch_dtype(dtype)
+    asked = torch_dtype(dtype)
     kwargs: dict[str, Any] = {
         "device_map": device_map,
         "trust_remote_code": False,

@@ -85,10 +85,14 @@ class _LayerProbe:
         release_mapped_pages()
 
 
-def _tensor_checks(model: Any, load: Any, source: Any, report: ModelReport, cast: Any = None) -> None:
+def _tensor_checks(
+    model: Any, load: Any, source: Any, report: ModelReport, cast: Any = None, stored: Any = None
+) -> None:
     """Every pass-through tensor the converted model loaded against the source's: dtype, then
-    bytes. ``cast``: the torch dtype the model was asked to run in; a floating-point tensor
-    in it is compared with the source's tensor rounded to it."""
+    bytes. ``cast``: the torch dtype the model was asked to run in: a floating-point tensor
+    is then compared with the source's rounded to it, and the dtype the artifact stores it
+    in (``stored``: tensor name to dtype code) with the source's, since the load's cast
+    hides it."""
     import torch
 
     from ..safetensors_io import release_mapped_pages
@@ -108,10 +112,20 @@ def _tensor_checks(model: Any, load: Any, source: Any, report: ModelReport, cast
             continue
         src = source.load_tensor(tname)
         mine = dtype_code(t)
-        if cast is not None and t.dtype == cast and mine != src.dtype and src.dtype in ("F16", "BF16", "F32", "F64"):
-            want = to_torch(src.data, src.dtype).to(cast)
-            if want.shape != t.shape or not torch.equal(want, t.detach().cpu()):
-                report.add(P.TENSOR_BYTES, f"{tname}: differs from the source's rounded to {mine}", tname)
+        if cast is not None and t.is_floating_point():
+            kept = (stored or {}).get(tname, src.dtype)
+            if kept != src.dtype:
+                report.add(
+                    P.TENSOR_DTYPE,
+                    f"{tname}: the artifact stores it as {kept}, but the source stores {src.dtype}",
+                    tname,
+                )
+            elif t.dtype != cast:
+                report.add(P.TENSOR_DTYPE, f"{tname}: loaded as {mine} into {names[0]}, not the dtype asked", tname)
+            elif src.dtype in ("F16", "BF16", "F32", "F64"):
+                want = to_torch(src.data, src.dtype).to(cast)
+                if want.shape != t.shape or not torch.equal(want, t.detach().cpu()):
+                    report.add(P.TENSOR_BYTES, f"{tname}: differs from the source's rounded to {mine}", tname)
             continue
         if mine != src.dtype:
             report.add(

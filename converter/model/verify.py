@@ -67,6 +67,7 @@ from ..artifact.problems import ProblemCode
 from ..errors import GpuUnavailableError
 from . import ModelError
 from .build import CAUSAL_LM, import_stack
+from .config import torch_dtype
 from .guard import offline
 from .inputs import (
     FIXED_SEQUENCES,
@@ -231,10 +232,10 @@ def verify_model(
             a model larger than one GPU; the fp32 and fp16 references then run on the CPU,
             one after the other, each quantized layer dequantized at its call (host memory:
             the unquantized tensors plus one layer).
-        dtype: ``"float16"`` or ``"bfloat16"`` (or the torch dtype): run the converted model in that type (its
-            embeddings and norms loaded in it; the converted layers keep their operands and
-            take the activations in it).
-            None: each tensor's own, as loaded. As ``load_model(dtype=)`` or, with
+        dtype: ``"float16"`` or ``"bfloat16"`` (or the torch dtype, ``"fp16"``, ``"bf16"``):
+            run the converted model in that type (its embeddings and norms loaded in it;
+            the converted layers keep their operands and take the activations in it).
+            None or ``"auto"``: each tensor's own, as loaded. As ``load_model(dtype=)`` or, with
             ``device_map``, ``from_pretrained(dtype=)`` told that it was asked
             (:func:`~converter.model.hf_quantizer.dtype_asked`): the same model either
             way. The 16-bit reference is built in it too; the fp32 one is unchanged.
@@ -278,7 +279,7 @@ def _verify_model(
     allow_source_mismatch: bool,
     device_map: str | dict[str, Any] | None = None,
     max_memory: dict[Any, Any] | None = None,
-    dtype: str | None = None,
+    dtype: Any = None,
 ) -> ModelReport:
     t_start = time.perf_counter()
     torch, _ = import_stack()
@@ -287,10 +288,10 @@ def _verify_model(
     from .modules import swapped_modules
     from .reference import FP16, FP32, build_reference, source_config
 
-    name = str(dtype).removeprefix("torch.") if dtype is not None else None
-    if name not in (None, "float16", "bfloat16"):
+    dt = torch_dtype(dtype)
+    if dt is not None and dt not in (torch.float16, torch.bfloat16):
         raise ModelError(f"dtype {dtype!r}: the converted layers run float16 or bfloat16 activations")
-    dtype = name
+    dtype = None if dt is None else str(dt).removeprefix("torch.")
     folder, cfg = read_converted_config(path)
     report = ModelReport(model=str(folder), source=str(against), dtype=dtype)
     stage = _Stages(report, progress)
@@ -302,6 +303,7 @@ def _verify_model(
         with stage("checking the artifact and the source"):
             vrep, art = validate_artifact(folder)
             recorded = {f.name: f.sha256 for f in art.manifest.source.files} if art.manifest else {}
+            stored = {name: info.dtype for name, info in art.file.infos.items()}
             art.close()
             if not vrep.ok:
                 for p in vrep.problems:
@@ -371,7 +373,9 @@ def _verify_model(
             probe.attach(swapped_modules(model))
             y, _ = _run(model, ids, model.device if device_map is not None else device)
             probe.detach()
-            _tensor_checks(model, load, source, report, cast=None if dtype is None else getattr(torch, dtype))
+            _tensor_checks(
+                model, load, source, report, cast=None if dtype is None else getattr(torch, dtype), stored=stored
+            )
             if "cuda" in report.device:  # our kernel ran: its CuPy pool counts too
                 from ..gpu.runtime import cupy_module
 

@@ -539,6 +539,53 @@ def test_load_model_dtype_auto_keeps_each_tensors_own(tmp_path: Path) -> None:
         assert torch.equal(own(_ids()).logits, auto(_ids()).logits)
 
 
+def test_device_bytes_of_every_exact_layer_is_what_it_holds(
+    tiny: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every converted layer sized as if the kernel could take none of them (the act-order
+    q_proj's gather index included) equals its exact module's buffers."""
+    import converter.model.layers as layers_mod
+
+    src, out = tiny
+    model = load_model(out, "cpu")  # the CPU runs every converted layer on the exact path
+    exact = {n: m for n, m in model.named_modules() if isinstance(m, ExactMarlinLinear)}
+    assert model.get_submodule(Q).perm is not None and Q in exact
+    monkeypatch.setattr(layers_mod, "kernel_compatible", lambda *a: False)
+    for name, module in exact.items():
+        assert _placed_bytes(out, name) == _held_bytes(module), name
+
+
+def test_reference_in_a_dtype_keeps_quantized_biases_and_the_report_says_it(tiny: tuple[Path, Path]) -> None:
+    """The bf16 reference casts its embeddings, not the quantized layers' fp16 biases (the
+    converted model keeps them); the text report's title names the dtype asked."""
+    from converter.model.reference import FP16, build_reference
+
+    src, out = tiny
+    with open_source(src) as source:
+        ref, _ = build_reference(source, FP16, torch.device("cpu"), dtype=torch.bfloat16)
+    assert ref.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert ref.get_submodule(Q).bias.dtype == torch.float16
+    res = invoke(out, "--model", "--against", src, "--cpu", "--dtype", "bf16")
+    assert res.exit_code == 0, res.output
+    assert res.stdout.splitlines()[0].startswith("LlamaForCausalLM on cpu in bfloat16: logits against")
+
+
+def test_an_encoders_status_line_names_the_bf16_reference() -> None:
+    from rich.console import Console
+
+    from converter.model.report import ModelReport, render
+
+    rep = ModelReport(model="m", source="s", device="cpu", architecture="BertModel", output="last_hidden_state")
+    rep.metrics = {
+        "converted": {"mean_rel_err": 1e-2, "cosine": 0.9999},
+        "fp16_dequant": {"mean_rel_err": 1.2e-2, "cosine": 0.9998},
+    }
+    rep.bar = {"mean_rel_err_limit": 1.8e-2, "reference_weights": "bfloat16"}
+    out = Console(record=True, width=400)
+    render(rep, out, Console(record=True), quiet=False)
+    assert "cosine 0.999900 (bf16 0.999800)" in out.export_text()
+
+
 def test_verify_model_reports_the_kernel_fallback(tiny: tuple[Path, Path]) -> None:
     src, out = tiny
 
@@ -975,6 +1022,12 @@ def test_planted_embedding_in_another_dtype_is_caught_naming_the_tensor(
     assert errors == [
         f"problem [tensor_dtype] {emb}: loaded as F32 (the artifact's dtype) into {emb}, but the source stores F16"
     ]
+    # asking for a dtype casts at load: the artifact's own dtype is still what is checked
+    for dtype in ("bf16", "fp16"):
+        res = invoke(bad, "--model", "--against", src, "--dtype", dtype)
+        assert res.exit_code == 1, res.output
+        errors = [line for line in res.stdout.splitlines() if line.startswith("problem")]
+        assert errors == [f"problem [tensor_dtype] {emb}: the artifact stores it as F32, but the source stores F16"]
 
 
 def test_planted_tensor_with_other_bytes_is_caught(real: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
