@@ -114,9 +114,10 @@ def verify_cmd(
         _fail("--gpu and --cpu contradict each other", as_json)
     use_gpu = True if gpu else (False if cpu else None)  # None: when CuPy and a GPU are there
     spread = _spread_options(device_map, max_memory, model=model, cpu=cpu, as_json=as_json)
-    from ..model.config import DTYPE_ALIASES
+    if dtype is not None:
+        from ..model.config import DTYPE_ALIASES
 
-    dtype = DTYPE_ALIASES.get(dtype or "", dtype)
+        dtype = DTYPE_ALIASES.get(dtype, dtype)
     if dtype is not None and dtype not in ("float16", "bfloat16"):
         _fail(f"--dtype {dtype}: the converted layers run float16 or bfloat16 activations (or bf16, fp16)", as_json)
     if dtype is not None and not model:
