@@ -14,6 +14,7 @@
 # 3. one --text run (perplexities) on the act-order Llama;
 # then a table. Exit 1 if a test, a conversion or a verification failed.
 # DEVICE=--cpu runs the same on the CPU (a smoke test of this script without a GPU).
+# VERIFY_ARGS adds options to every marlin-verify call (e.g. VERIFY_ARGS="--dtype bfloat16").
 set -uo pipefail
 real=${1:?usage: scripts/gpu_model_parity.sh REALINPUT [OUTDIR]}
 out=${2:-${OUT:-/tmp}/model-parity}
@@ -43,7 +44,8 @@ run() {  # run NAME SRC JSON [extra marlin-verify args]
   local name=$1 src=$2 json=$3 t0 rc
   shift 3
   t0=$(now)
-  timeout 600 "${verify_cmd[@]}" "$work/$name" --model --against "$src" "$device" --json "$@" > "$json" 2> "$json.stderr"
+  # shellcheck disable=SC2086  # VERIFY_ARGS is a list of words on purpose
+  timeout 600 "${verify_cmd[@]}" "$work/$name" --model --against "$src" "$device" --json ${VERIFY_ARGS:-} "$@" > "$json" 2> "$json.stderr"
   rc=$?
   printf '%s\t%s\t%s\t%s\n' "$(basename "$json" .json)" "$rc" "$(awk -v a="$t0" -v b="$(now)" 'BEGIN { print b - a }')" "$json" >> "$out/runs.tsv"
   [ "$rc" -eq 0 ] || fail=1
