@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Error table of converter.gpu.verify.verify_layer_gpu on random layers (GPU machine,
 # repo root): bash scripts/gpu_error_table.sh. Prints one markdown row per layer and M.
+# fp16 activations; the bf16 table, beside cuBLAS bf16: scripts/gpu_error_table_bf16.py.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 python3 - <<'PY'

@@ -19,8 +19,8 @@ from converter.verify import verify
 from tests.helpers.paths import SAMPLE
 
 
-def _standin(scale_error: float, unit_major_same: bool | None = None):
-    def verify_layer_gpu(B, scales, delta, perm, size_k, size_n, group_size, w_ref_f32, *, n_out):
+def _standin(scale_error: float, unit_major_same: bool | None = None, bar: float = 1e-3):
+    def verify_layer_gpu(B, scales, delta, perm, size_k, size_n, group_size, w_ref_f32, *, n_out, act):
         assert w_ref_f32.shape == (size_k, n_out) and n_out <= size_n
         q = unpack_b(B, size_n).astype(np.float32)
         s = unpermute_scales(scales, single=scales.shape[0] == 1).astype(np.float32)
@@ -33,7 +33,7 @@ def _standin(scale_error: float, unit_major_same: bool | None = None):
         entry = {"mean_rel_err": err, "max_rel_err": err, "deterministic": True}
         if unit_major_same is not None:
             entry["unit_major_same"] = unit_major_same
-        return {17: entry, "ok": err <= 1e-3 and unit_major_same is not False}
+        return {17: entry, "ok": err <= bar and unit_major_same is not False}
 
     return verify_layer_gpu
 
@@ -45,12 +45,14 @@ def artifact(tmp_path: Path) -> Path:
     return out
 
 
-def _patch(monkeypatch: pytest.MonkeyPatch, scale_error: float, unit_major_same: bool | None = None) -> None:
+def _patch(
+    monkeypatch: pytest.MonkeyPatch, scale_error: float, unit_major_same: bool | None = None, bar: float = 1e-3
+) -> None:
     import converter.gpu.runtime as runtime
     import converter.gpu.verify as gverify
 
     monkeypatch.setattr(runtime, "require_gpu", lambda: None)
-    monkeypatch.setattr(gverify, "verify_layer_gpu", _standin(scale_error, unit_major_same))
+    monkeypatch.setattr(gverify, "verify_layer_gpu", _standin(scale_error, unit_major_same, bar))
 
 
 def test_gpu_mode_reports_per_layer_errors(monkeypatch: pytest.MonkeyPatch, artifact: Path) -> None:
@@ -71,7 +73,17 @@ def test_gpu_mode_fails_above_1e3(monkeypatch: pytest.MonkeyPatch, artifact: Pat
     assert not report.ok
     problems = [p for p in report.problems if p.code == "gpu_numerics"]
     assert len(problems) == 15
-    assert "GPU mean relative error 0.01 (limit 0.001)" in problems[0].message
+    assert "GPU mean relative error 0.01 in float16 (limit 0.001)" in problems[0].message
+
+
+def test_gpu_mode_in_bf16_names_its_type_and_bar(monkeypatch: pytest.MonkeyPatch, artifact: Path) -> None:
+    _patch(monkeypatch, 0.01, bar=8e-3)
+    report = verify(artifact, gpu=True, act="bfloat16")
+    problems = [p for p in report.problems if p.code == "gpu_numerics"]
+    assert len(problems) == 15
+    assert "GPU mean relative error 0.01 in bfloat16 (limit 0.008)" in problems[0].message
+    assert report.checked["gpu_act"] == "bfloat16"
+    assert {r["gpu"]["act"] for r in report.layers} == {"bfloat16"}
 
 
 def test_gpu_mode_fails_when_the_unit_major_copy_differs(monkeypatch: pytest.MonkeyPatch, artifact: Path) -> None:
@@ -100,12 +112,26 @@ def test_forced_gpu_without_gpu_is_a_problem(monkeypatch: pytest.MonkeyPatch, ar
     assert auto.ok and auto.checked["gpu_numerics"] == "skipped: no CUDA device found"
 
 
+def _twin_gemm(a, B, S, *, act, **kw):
+    """The launcher's stand-in: the kernels' NumPy twin of the activation type asked."""
+    import converter.gpu.reference as ref
+    import converter.gpu.reference_bf16 as ref16
+
+    if act == "bfloat16":
+        assert a.dtype == np.uint16, a.dtype  # bf16 travels as its bits
+        return ref16.marlin_gemm(a, B, S, **kw)
+    assert act == "float16" and a.dtype == np.float16
+    return ref.marlin_gemm(a, B, S, **kw)
+
+
+@pytest.mark.parametrize("act", ["float16", "bfloat16"])
 def test_gpu_check_on_the_kernels_numpy_twins_covers_regrouped_and_padded_layers(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, act: str
 ) -> None:
     """The real converter.gpu.verify check, with NumPy for CuPy and the kernels' twins for
     the launchers: the regrouped (K = 576 and 960) and padded (N = 32) layers of a short-
-    last-group checkpoint pass the 1e-3 bar on exactly their size_n columns."""
+    last-group checkpoint pass the bar (1e-3 in fp16, 8e-3 in bf16) on exactly their size_n
+    columns; bf16 runs the fused path only (the two-kernel path has no bf16 form)."""
     import functools
     import types
 
@@ -117,7 +143,7 @@ def test_gpu_check_on_the_kernels_numpy_twins_covers_regrouped_and_padded_layers
     monkeypatch.setattr(runtime, "require_gpu", lambda: None)
     monkeypatch.setattr(gverify.runtime, "cupy_module", lambda: np)
     fake = types.SimpleNamespace(
-        marlin_gemm=ref.marlin_gemm,
+        marlin_gemm=_twin_gemm,
         marlin_gemm_two_kernel=ref.marlin_gemm_two_kernel,
         synchronize=lambda: None,
         keeps_b_units=lambda *a, **k: False,  # small layers: MarlinLinear keeps B in Marlin's order on any device
@@ -128,11 +154,42 @@ def test_gpu_check_on_the_kernels_numpy_twins_covers_regrouped_and_padded_layers
     src, _ = ragged_gptq(tmp_path / "src", np.random.default_rng(21), bits=2, act_order=True)
     out = tmp_path / "a.safetensors"
     convert(src, out)
-    report = verify(out, against=src, gpu=True)
+    report = verify(out, against=src, gpu=True, act=act)
     assert report.ok, [p.message for p in report.problems]
     rows = {r["name"]: r for r in report.layers}
     assert set(rows) == set(RAGGED_SIZES)
+    # bf16 rounds the weight and the output to 8 bits: more than fp16's error, under its bar
+    low, high = (0, 1e-3) if act == "float16" else (1e-3, 8e-3)
     for row in rows.values():
         gpu = row["gpu"]
         assert gpu["ok"] and gpu["deterministic"] and set(gpu["per_m"]) == {"1", "16", "17", "64", "128"}
-        assert 0 < gpu["mean_rel_err"] < 1e-3 and "two_kernel_mean_rel_err" in gpu["per_m"]["17"]
+        assert low < gpu["mean_rel_err"] < high and gpu["act"] == act, gpu["mean_rel_err"]
+        assert ("two_kernel_mean_rel_err" in gpu["per_m"]["17"]) == (act == "float16")
+
+
+def test_cli_dtype_runs_the_gpu_check_in_bf16_and_says_so(monkeypatch: pytest.MonkeyPatch, artifact: Path) -> None:
+    import json
+
+    from tests.helpers.clirun import invoke
+
+    asked = []
+    standin = _standin(0.0)
+
+    def recording(*args, act, **kw):
+        asked.append(act)
+        return standin(*args, act=act, **kw)
+
+    import converter.gpu.runtime as runtime
+    import converter.gpu.verify as gverify
+
+    monkeypatch.setattr(runtime, "require_gpu", lambda: None)
+    monkeypatch.setattr(gverify, "verify_layer_gpu", recording)
+    res = invoke("marlin-verify", artifact, "--gpu", "--dtype", "bf16")
+    assert res.exit_code == 0, res.stderr
+    assert set(asked) == {"bfloat16"} and len(asked) == 15
+    assert res.stdout.splitlines()[-1].endswith("checked shapes, checksums, CPU numerics, GPU numerics (bfloat16)")
+    asked.clear()
+    res = invoke("marlin-verify", artifact, "--gpu", "--json")
+    assert res.exit_code == 0 and set(asked) == {"float16"}
+    assert json.loads(res.stdout)["checked"]["gpu_act"] == "float16"
+    assert invoke("marlin-verify", artifact, "--gpu").stdout.splitlines()[-1].endswith("CPU numerics, GPU numerics")

@@ -102,8 +102,9 @@ def verify_cmd(
         str | None,
         typer.Option(
             "--dtype",
-            help="With --model: run the converted model in float16 or bfloat16 (fp16, bf16; its embeddings and norms "
-            "cast; default: each tensor's own type); the 16-bit reference follows.",
+            help="The activation type, float16 or bfloat16 (fp16, bf16). With --model: run the converted model in it "
+            "(its embeddings and norms cast; default: each tensor's own type); the 16-bit reference follows. "
+            "Without: the GPU layer check's activations (default float16).",
             show_default=False,
         ),
     ] = None,
@@ -120,8 +121,9 @@ def verify_cmd(
         dtype = DTYPE_ALIASES.get(dtype, dtype)
     if dtype is not None and dtype not in ("float16", "bfloat16"):
         _fail(f"--dtype {dtype}: the converted layers run float16 or bfloat16 activations (or bf16, fp16)", as_json)
-    if dtype is not None and not model:
-        _fail("--dtype needs --model (it sets the type the converted model runs in)", as_json)
+    if dtype is not None and not model and (shapes or cpu):
+        left_out_by = "--shapes" if shapes else "--cpu"
+        _fail(f"--dtype sets the GPU check's activations, which {left_out_by} leaves out", as_json)
     if model or text is not None or allow_source_mismatch:
         _verify_model_cmd(
             artifact,
@@ -146,7 +148,9 @@ def verify_cmd(
     with _errors_to_exit(debug, as_json), _progress(_show_progress(quiet, as_json)) as prog:
         from ..verify import verify
 
-        report = verify(artifact, shapes_only=shapes, against=against, gpu=use_gpu, progress=prog)
+        report = verify(
+            artifact, shapes_only=shapes, against=against, gpu=use_gpu, progress=prog, act=dtype or "float16"
+        )
     if as_json:
         _print_json(report.to_json())
     else:
@@ -367,12 +371,18 @@ def _render_verify(report: Report, quiet: bool, verbose: bool = False) -> None:
         ["shapes", "checksums"]
         + (["against source"] if "against" in checked else [])
         + (["CPU numerics"] if checked.get("cpu_numerics") else [])
-        + (["GPU numerics"] if checked.get("gpu_numerics") is True else [])
+        + (["GPU numerics" + _act_note(checked)] if checked.get("gpu_numerics") is True else [])
     )
     status = "OK" if report.ok else f"FAILED: {len(errors)} problem(s)"
     out_console.print(
         f"{status}: {checked.get('layers', 0)} layers, {checked.get('tensors', 0)} tensors; checked {', '.join(what)}"
     )
+
+
+def _act_note(checked: dict) -> str:
+    """The GPU check's activation type, named when it is not fp16 (the default)."""
+    act = checked.get("gpu_act", "float16")
+    return "" if act == "float16" else f" ({act})"
 
 
 def nvidia_gpu_present() -> bool:

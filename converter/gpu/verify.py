@@ -4,10 +4,12 @@ Used by ``marlin-verify --gpu``. The check runs the fused path (GEMM with the de
 folded into the dequantized weight) and the two-kernel path (symmetric GEMM, then
 ``C += xsum @ delta``) on random fp16 activations and compares both with
 ``A.astype(float32) @ w_ref_f32`` over all the layer's columns (``n_out`` of a padded
-layer: the kernels store exactly those). On sm_90, where ``MarlinLinear`` keeps ``B``
-unit-major (:func:`converter.gpu.kernels.keeps_b_units`), or with the scales and deltas
-inline (:func:`converter.gpu.kernels.keeps_b_stages`), the fused call on that copy must
-also give the bits of the call on ``B``.
+layer: the kernels store exactly those). With bf16 activations (``act="bfloat16"``) the
+fused path runs in its bf16 form; the two-kernel path has no bf16 form and is left out.
+On sm_90, where ``MarlinLinear`` keeps ``B`` unit-major
+(:func:`converter.gpu.kernels.keeps_b_units`), or with the scales and deltas inline
+(:func:`converter.gpu.kernels.keeps_b_stages`), the fused call on that copy must also
+give the bits of the call on ``B``.
 """
 
 from __future__ import annotations
@@ -17,15 +19,23 @@ from typing import Any
 
 import numpy as np
 
-from ..constants import GPU_MEAN_REL_TOL
+from ..constants import GPU_MEAN_REL_TOLS
+from ..dtypes import f32_to_bf16
 from ..errors import KernelError
 from . import kernels, runtime
+
+
+def _as_f32(cp: Any, c: Any) -> Any:
+    """fp16 as is; bf16, which CuPy lacks and the kernels hand back as uint16 bits, widened."""
+    if c.dtype == cp.uint16:
+        return (c.astype(cp.uint32) << 16).view(cp.float32)
+    return c.astype(cp.float32)
 
 
 def _errors(c: Any, ref: Any) -> tuple[float, float]:
     """(mean |c - ref| / mean |ref|, max |c - ref| / mean |ref|); NaN/inf give inf."""
     cp = runtime.cupy_module()
-    c32 = c.astype(cp.float32)
+    c32 = _as_f32(cp, c)
     if not bool(cp.isfinite(c32).all()):
         return float("inf"), float("inf")
     diff = cp.abs(c32 - ref)
@@ -48,6 +58,7 @@ def verify_layer_gpu(
     ms: tuple[int, ...] = (1, 16, 17, 64, 128),
     repeats: int = 10,
     seed: int = 0,
+    act: str = "float16",
 ) -> dict[Any, Any]:
     """Run one layer's kernels on the GPU and measure their error.
 
@@ -66,7 +77,8 @@ def verify_layer_gpu(
         ms: batch sizes M to test.
         repeats: calls per path and M; all must be bitwise identical (a race shows as
             a moving result).
-        seed: seed of the random activations, ``A ~ N(0, 1)`` rounded to fp16.
+        seed: seed of the random activations, ``A ~ N(0, 1)`` rounded to ``act``.
+        act: the activation type, ``"float16"`` or ``"bfloat16"`` (the fused path only).
 
     Returns:
         ``{M: {"mean_rel_err", "max_rel_err", "deterministic",
@@ -74,8 +86,8 @@ def verify_layer_gpu(
         "two_kernel_deterministic", "unit_major_same"}, ..., "ok": bool}``. Relative errors are
         ``mean|C - ref| / mean|ref|`` and ``max|C - ref| / mean|ref|`` over all M x N
         outputs (``M x n_out``; inf when any output is NaN/inf). ``ok`` holds when, for every M and
-        both paths, the mean relative error is at most ``GPU_MEAN_REL_TOL`` (1e-3) and
-        all repeats agree, and the unit-major call gives the same bits.
+        both paths, the mean relative error is at most ``GPU_MEAN_REL_TOLS[act]`` (1e-3 in
+        fp16, 8e-3 in bf16) and all repeats agree, and the unit-major call gives the same bits.
         With ``delta`` None only the symmetric GEMM runs and the two-kernel keys are
         absent; ``unit_major_same`` is there only where ``MarlinLinear`` would keep ``B``
         unit-major or with the scales inline (sm_90, a layer the persistent kernel serves
@@ -85,6 +97,9 @@ def verify_layer_gpu(
         GpuUnavailableError: no CuPy / GPU / sm_80+.
         KernelError: shapes or dtypes do not match the layer's sizes.
     """
+    if act not in GPU_MEAN_REL_TOLS:
+        raise KernelError(f"act={act!r}: the kernels take {' or '.join(GPU_MEAN_REL_TOLS)} activations")
+    tol = GPU_MEAN_REL_TOLS[act]
     cp = runtime.cupy_module()
     rng = np.random.default_rng(seed)
     dev = {
@@ -109,11 +124,13 @@ def verify_layer_gpu(
     result: dict[Any, Any] = {}
     ok = True
     for m in ms:
-        a_host = rng.standard_normal((m, size_k), dtype=np.float32).astype(np.float16)
-        a = cp.asarray(a_host)
-        ref = a.astype(cp.float32) @ w_ref
-        paths = {"": functools.partial(kernels.marlin_gemm, a, dev["B"], dev["scales"], delta=dev["delta"], **kw)}
-        if dev["delta"] is not None:
+        a_f32 = rng.standard_normal((m, size_k), dtype=np.float32)
+        a = cp.asarray(f32_to_bf16(a_f32) if act == "bfloat16" else a_f32.astype(np.float16))
+        ref = _as_f32(cp, a) @ w_ref
+        paths = {
+            "": functools.partial(kernels.marlin_gemm, a, dev["B"], dev["scales"], delta=dev["delta"], act=act, **kw)
+        }
+        if dev["delta"] is not None and act == "float16":
             paths["two_kernel_"] = functools.partial(
                 kernels.marlin_gemm_two_kernel, a, dev["B"], dev["scales"], delta=dev["delta"], **kw
             )
@@ -129,9 +146,9 @@ def verify_layer_gpu(
             entry[prefix + "mean_rel_err"] = mean_err
             entry[prefix + "max_rel_err"] = max_err
             entry[prefix + "deterministic"] = same
-            ok &= same and mean_err <= GPU_MEAN_REL_TOL
+            ok &= same and mean_err <= tol
             if prefix == "" and units is not None:
-                again = kernels.marlin_gemm(a, None, dev["scales"], delta=dev["delta"], b_units=units, **kw)
+                again = kernels.marlin_gemm(a, None, dev["scales"], delta=dev["delta"], b_units=units, act=act, **kw)
                 entry["unit_major_same"] = bool((again.view(cp.uint16) == first.view(cp.uint16)).all())
                 ok &= entry["unit_major_same"]
         result[m] = entry

@@ -12,7 +12,7 @@ import numpy as np
 from ..artifact.problems import ProblemCode, Report
 from ..artifact.reader import Artifact
 from ..artifact.schema import LayerEntry
-from ..constants import GPU_MEAN_REL_TOL, KERNEL_K_MULTIPLE, MARLIN_ZERO, Suffix
+from ..constants import GPU_MEAN_REL_TOLS, KERNEL_K_MULTIPLE, MARLIN_ZERO, Suffix
 from ..errors import GpuUnavailableError
 from ..formats.base import LayerPlan, Source
 from ..marlin.layout import unpack_b, unpermute_scales
@@ -71,6 +71,7 @@ def _gpu_numerics(
     forced: bool,
     progress: Callable[[str, int], None] | None,
     skip: set[str],
+    act: str = "float16",
 ) -> None:
     try:
         from ..gpu.runtime import require_gpu
@@ -110,6 +111,7 @@ def _gpu_numerics(
             rec.group_size,
             w_ref,
             n_out=rec.size_n,
+            act=act,
         )
         del u, w_ref
         release_mapped_pages()
@@ -124,19 +126,21 @@ def _gpu_numerics(
             ),
             "unit_major_same": all(v.get("unit_major_same", True) for v in per_m.values()),
             "ok": bool(res["ok"]),
+            "act": act,
             "per_m": per_m,
         }
         if not res["ok"]:
-            g = rows[name]["gpu"]
+            g, tol = rows[name]["gpu"], GPU_MEAN_REL_TOLS[act]
             report.add(
                 P.GPU_NUMERICS,
-                f"layer {name}: GPU mean relative error {g['mean_rel_err']:.3g} (limit {GPU_MEAN_REL_TOL:g}), "
+                f"layer {name}: GPU mean relative error {g['mean_rel_err']:.3g} in {act} (limit {tol:g}), "
                 f"deterministic over repeats: {g['deterministic']}"
                 + ("" if g["unit_major_same"] else "; B unit-major (as MarlinLinear serves it) gives other bits"),
                 name,
-                GPU_MEAN_REL_TOL,
+                tol,
                 g["mean_rel_err"],
             )
         if progress:
             progress("", 1)
     report.checked["gpu_numerics"] = True
+    report.checked["gpu_act"] = act

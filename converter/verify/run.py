@@ -27,6 +27,7 @@ def verify(
     against: str | Path | None = None,
     gpu: bool | None = None,
     progress: Callable[[str, int], None] | None = None,
+    act: str = "float16",
 ) -> Report:
     """Run ``marlin-verify``'s checks and return every problem found.
 
@@ -38,6 +39,7 @@ def verify(
             None runs them when CuPy and a GPU are present.
         progress: as for :func:`converter.convert.convert`: ``progress(stage, steps)``
             when a stage starts, ``progress("", 1)`` per step.
+        act: the activations of the GPU check, ``"float16"`` or ``"bfloat16"``.
 
     Raises:
         ConverterError and subclasses: unreadable artifact or source (exit 2); an
@@ -93,7 +95,9 @@ def verify(
             return report
         report.checked["cpu_numerics"] = True
         if gpu is not False:
-            _gpu_numerics(art, source, compared, report, rows, forced=bool(gpu), progress=progress, skip=broken)
+            _gpu_numerics(
+                art, source, compared, report, rows, forced=bool(gpu), progress=progress, skip=broken, act=act
+            )
     return report
 
 

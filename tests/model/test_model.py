@@ -743,7 +743,11 @@ def test_error_layers_without_modules_and_modules_without_layers_are_all_named(
             "error: --device-map and --cpu contradict each other (to keep it on the CPU: --max-memory "
             """'{"cpu": ...}')""",
         ),
-        (["--dtype", "bfloat16"], "error: --dtype needs --model (it sets the type the converted model runs in)"),
+        (
+            ["--dtype", "bfloat16", "--shapes"],
+            "error: --dtype sets the GPU check's activations, which --shapes leaves out",
+        ),
+        (["--dtype", "bf16", "--cpu"], "error: --dtype sets the GPU check's activations, which --cpu leaves out"),
         (
             ["--model", "--against", ".", "--dtype", "float32"],
             "error: --dtype float32: the converted layers run float16 or bfloat16 activations (or bf16, fp16)",
