@@ -237,3 +237,29 @@ def test_bf16_module_keeps_bf16_and_matches_the_launcher(cp, monkeypatch):
         got = y.view(torch.int16).cpu().numpy().view(np.uint16)
         assert np.array_equal(got, y_op.view(torch.int16).cpu().numpy().view(np.uint16))
         assert np.array_equal(got, want), m
+
+
+@pytest.mark.parametrize("k,n,act_order", [(1024, 256, True), (4608, 4096, True)])
+def test_verify_layer_gpu_in_bf16(cp, k, n, act_order):
+    """marlin-verify --gpu --dtype bfloat16's layer check: the fused path only, under the
+    bf16 bar, more error than the fp16 check of the same layer, and (sm_90, the
+    4608 x 4096 layer MarlinLinear keeps unit-major) the kept copy's bits."""
+    from converter.constants import GPU_MEAN_REL_TOL_BF16
+    from converter.gpu import reference as ref
+    from converter.gpu.verify import verify_layer_gpu
+
+    rng = np.random.default_rng(k)
+    L = make_layer(rng, k, n, 128, act_order, True)
+    w = ref.reference_weight(L["B"], L["S"], L["delta"], L["perm"], size_k=k, size_n=n, group_size=128)
+    args = (L["B"], L["S"], L["delta"], L["perm"], k, n, 128, w)
+    res = verify_layer_gpu(*args, repeats=3, ms=(1, 17, 64), act=BF16)
+    fp16 = verify_layer_gpu(*args, repeats=1, ms=(1, 17, 64))
+    assert res["ok"], res
+    for m in (1, 17, 64):
+        assert res[m]["deterministic"] and "two_kernel_mean_rel_err" not in res[m]
+        assert fp16[m]["mean_rel_err"] < res[m]["mean_rel_err"] < GPU_MEAN_REL_TOL_BF16, (m, res[m], fp16[m])
+        assert res[m].get("unit_major_same", True)
+    if kernels.hopper_device() and k == 4608:
+        assert [res[m]["unit_major_same"] for m in (1, 17, 64)] == [True, True, True]
+    with pytest.raises(KernelError, match="act='float32'"):
+        verify_layer_gpu(*args, act="float32")
