@@ -37,7 +37,7 @@ BAR = 1.2
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="also write every row here")
-    a = ap.parse_args(argv)
+    opts = ap.parse_args(argv)
     import cupy as cp
     import torch
 
@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {ratio:.3f}{'' if ok else ' MISS'} | {same} |"
             )
     print(f"{len(rows) - bad} of {len(rows)} rows within {BAR}x cuBLAS bf16 and bitwise stable")
-    if a.json:
-        with open(a.json, "w") as f:
+    if opts.json:
+        with open(opts.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(0), "bar": BAR, "rows": rows}, f, indent=1)
     return 1 if bad else 0
 
