@@ -97,8 +97,8 @@ KERNEL_N_MULTIPLE = 64
 #: The bar for our fp16 GEMM against an fp32 reference: a layer fails above this mean
 #: relative error (marlin-verify's GPU mode and converter.gpu.verify).
 GPU_MEAN_REL_TOL = 1e-3
-#: The same bar for bf16 activations: bf16's unit roundoff (2^-9) is 8x fp16's (2^-12),
-#: and the output and the weight ``(q - 8) * s`` are each rounded to it once.
+#: The same bar for bf16 activations: bf16's unit roundoff (2^-8) is 8x fp16's (2^-11),
+#: and the output (and on the per-weight routes the weight ``(q - 8) * s``) is rounded to it.
 GPU_MEAN_REL_TOL_BF16 = 8e-3
 #: The activation types of our kernels, and each one's bar.
 GPU_MEAN_REL_TOLS = {"float16": GPU_MEAN_REL_TOL, "bfloat16": GPU_MEAN_REL_TOL_BF16}

@@ -13,6 +13,9 @@ import numpy as np
 
 from .constants import SAFETENSORS_DTYPES
 
+#: Short names of torch's float dtypes, as users write them (``--dtype bf16``).
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
 #: Float dtype codes a source may store scales and biases in.
 FLOAT_DTYPES = ("F16", "BF16", "F32")
 

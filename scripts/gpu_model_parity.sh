@@ -70,8 +70,8 @@ def f(v, spec=".2e"):
     return "-" if v is None else format(v, spec)
 
 rows = [line.rstrip("\n").split("\t") for line in open(sys.argv[1]) if line.strip()]
-head = ["model", "exit", "output", "mean rel err ours / fp16", "max rel err ours / fp16", "top-1 ours / fp16", "top-5 ours / fp16",
-        "cosine ours / fp16", "ppl ours / fp16 / fp32", "worst layer (kernel) / fp16", "layers", "GPU MB", "verify s", "wall s"]
+head = ["model", "exit", "output", "mean rel err ours / 16-bit", "max rel err ours / 16-bit", "top-1 ours / 16-bit", "top-5 ours / 16-bit",
+        "cosine ours / 16-bit", "ppl ours / 16-bit / fp32", "worst layer (kernel) / 16-bit", "layers", "GPU MB", "verify s", "wall s"]
 table, bad = [], 0
 for name, rc, wall, path in rows:
     try:

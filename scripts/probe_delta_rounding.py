@@ -4,7 +4,7 @@ The kernels read ``delta`` rounded to fp16. That rounding error is the same for 
 row of a group, so each output gains ``e_delta * sum(A over the group)``: it grows with
 the activations' mean instead of averaging out as independent per-weight roundings do.
 This prints the mean relative error against the exact float64 product, on a random
-asymmetric layer (K 1536, N 384, groups of 128: a BERT-base-sized FFN down projection)
+asymmetric layer (K 1536, N 384, groups of 128: the MiniLM-L6's FFN down projection)
 and activations of mean 0, 1 and 3, for:
 
 - the twin of each fp16 arithmetic (per-weight: ``fma(q - 8, s, fp16(delta))`` rounded

@@ -107,7 +107,9 @@ def test_forced_gpu_without_gpu_is_a_problem(monkeypatch: pytest.MonkeyPatch, ar
 
     monkeypatch.setattr(runtime, "require_gpu", no_gpu)
     report = verify(artifact, gpu=True)
-    assert [p.message for p in report.problems if p.code == "gpu"] == ["--gpu given but no CUDA device found"]
+    assert [p.message for p in report.problems if p.code == "gpu"] == [
+        "GPU numerics required (--gpu, --dtype) but no CUDA device found"
+    ]
     auto = verify(artifact, gpu=None)
     assert auto.ok and auto.checked["gpu_numerics"] == "skipped: no CUDA device found"
 
@@ -193,3 +195,84 @@ def test_cli_dtype_runs_the_gpu_check_in_bf16_and_says_so(monkeypatch: pytest.Mo
     assert res.exit_code == 0 and set(asked) == {"float16"}
     assert json.loads(res.stdout)["checked"]["gpu_act"] == "float16"
     assert invoke("marlin-verify", artifact, "--gpu").stdout.splitlines()[-1].endswith("CPU numerics, GPU numerics")
+
+
+def test_cli_dtype_without_a_gpu_is_a_problem_not_a_skip(monkeypatch: pytest.MonkeyPatch, artifact: Path) -> None:
+    """--dtype asks for the GPU check in that type: where none can run it fails (exit 1),
+    as --gpu does, instead of passing with the type ignored."""
+    import converter.gpu.runtime as runtime
+    from tests.helpers.clirun import invoke
+
+    def no_gpu():
+        raise GpuUnavailableError("no CUDA device found")
+
+    monkeypatch.setattr(runtime, "require_gpu", no_gpu)
+    res = invoke("marlin-verify", artifact, "--dtype", "bf16")
+    assert res.exit_code == 1
+    assert "GPU numerics required (--gpu, --dtype) but no CUDA device found" in res.stdout
+    assert invoke("marlin-verify", artifact).exit_code == 0  # without it: skipped
+
+
+def test_verify_checks_act_before_any_work(artifact: Path) -> None:
+    with pytest.raises(ValueError, match=r"act='float32': the kernels take float16 or bfloat16 activations"):
+        verify(artifact, shapes_only=True, act="float32")
+
+
+def _numpy_gpu_check(monkeypatch: pytest.MonkeyPatch, *, units: bool, seen: list[tuple[str, bool]]):
+    """converter.gpu.verify on NumPy, with the kernels' twins for the launchers; with
+    ``units`` the layer is one MarlinLinear keeps unit-major (the copy is B itself here).
+    ``seen`` gets (act, called on the copy) per launch."""
+    import types
+
+    import converter.gpu.reference as ref
+    import converter.gpu.verify as gverify
+
+    def gemm(a, B, S, *, act, b_units=None, **kw):
+        seen.append((act, b_units is not None))
+        return _twin_gemm(a, B if b_units is None else b_units, S, act=act, **kw)
+
+    fake = types.SimpleNamespace(
+        marlin_gemm=gemm,
+        marlin_gemm_two_kernel=ref.marlin_gemm_two_kernel,
+        synchronize=lambda: None,
+        keeps_b_units=lambda *a, **k: units,
+        keeps_b_stages=lambda *a, **k: False,
+        prepare_b_units=lambda B, *a: B,
+    )
+    monkeypatch.setattr(gverify.runtime, "cupy_module", lambda: np)
+    monkeypatch.setattr(gverify, "kernels", fake)
+    return gverify.verify_layer_gpu
+
+
+def _random_layer(k: int = 512, n: int = 128, gs: int = 128):
+    import converter.gpu.reference as ref
+    from converter.marlin.layout import pack_b, permute_scales
+
+    rng = np.random.default_rng(9)
+    g = k // gs
+    q = rng.integers(0, 16, (k, n), dtype=np.uint8)
+    s = (rng.uniform(0.5, 2.0, (g, n)) / 64).astype(np.float16)
+    delta = (s.astype(np.float32) * (8 - rng.integers(0, 16, (g, n)))).astype(np.float32)
+    B, S = pack_b(q), permute_scales(s)
+    return B, S, delta, ref.reference_weight(B, S, delta, None, size_k=k, size_n=n, group_size=gs)
+
+
+def test_each_type_has_its_own_bar(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weight 0.4 % off: above fp16's bar (1e-3), within bf16's (8e-3)."""
+    check = _numpy_gpu_check(monkeypatch, units=False, seen=[])
+    B, S, delta, w = _random_layer()
+    off = (w * np.float32(1.004)).astype(np.float32)
+    args = (B, S, delta, None, 512, 128, 128, off)
+    fp16 = check(*args, repeats=1, ms=(17,))
+    bf16 = check(*args, repeats=1, ms=(17,), act="bfloat16")
+    assert 3e-3 < fp16[17]["mean_rel_err"] < 5e-3 and not fp16["ok"]
+    assert 3e-3 < bf16[17]["mean_rel_err"] < 8e-3 and bf16["ok"]
+
+
+def test_the_kept_copy_runs_in_the_type_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[str, bool]] = []
+    check = _numpy_gpu_check(monkeypatch, units=True, seen=seen)
+    B, S, delta, w = _random_layer()
+    res = check(B, S, delta, None, 512, 128, 128, w, repeats=2, ms=(1, 17), act="bfloat16")
+    assert res["ok"] and res[17]["unit_major_same"] is True
+    assert seen == [("bfloat16", False), ("bfloat16", False), ("bfloat16", True)] * 2

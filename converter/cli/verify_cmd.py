@@ -116,14 +116,30 @@ def verify_cmd(
     use_gpu = True if gpu else (False if cpu else None)  # None: when CuPy and a GPU are there
     spread = _spread_options(device_map, max_memory, model=model, cpu=cpu, as_json=as_json)
     if dtype is not None:
-        from ..model.config import DTYPE_ALIASES
+        from ..dtypes import DTYPE_ALIASES
 
         dtype = DTYPE_ALIASES.get(dtype, dtype)
     if dtype is not None and dtype not in ("float16", "bfloat16"):
         _fail(f"--dtype {dtype}: the converted layers run float16 or bfloat16 activations (or bf16, fp16)", as_json)
-    if dtype is not None and not model and (shapes or cpu):
-        left_out_by = "--shapes" if shapes else "--cpu"
-        _fail(f"--dtype sets the GPU check's activations, which {left_out_by} leaves out", as_json)
+    if dtype is not None and not (model or text is not None or allow_source_mismatch):
+        # Without --model, --dtype is the GPU layer check's type: a run that skips that check
+        # would ignore it, and on a model folder the user most likely forgot --model.
+        if shapes or cpu:
+            left_out_by = "--shapes" if shapes else "--cpu"
+            _fail(f"--dtype sets the GPU check's activations, which {left_out_by} leaves out", as_json)
+        if artifact.is_dir():
+            with _errors_to_exit(debug, as_json):
+                from ..export import export_manifest
+
+                if export_manifest(artifact) is not None:
+                    _fail(f"--dtype: {artifact} is a compressed-tensors export, whose check runs no GPU", as_json)
+        if not gpu and artifact.is_dir() and (artifact / "config.json").is_file():
+            _fail(
+                f"--dtype on the model folder {artifact}: add --model to run the model in it, or --gpu for the "
+                "GPU layer check in it",
+                as_json,
+            )
+        use_gpu = True  # the check it sets must run: without a GPU that is a problem, not a skip
     if model or text is not None or allow_source_mismatch:
         _verify_model_cmd(
             artifact,

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..constants import HF_WEIGHTS_KEY
+from ..dtypes import DTYPE_ALIASES
 from . import ModelError
 from .guard import check_config, offline, short
 
@@ -203,10 +204,6 @@ def hf_config(cfg: dict[str, Any], *, path: Path) -> Any:
             return CONFIG_MAPPING[model_type].from_dict(d)
     except Exception as exc:  # any failure of transformers' config class is the input's
         raise construction_error(exc, d, path=path, doing=f"read this {model_type} config") from None
-
-
-#: Short names a user may give for a dtype (as the CLI's --dtype takes them).
-DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 
 
 def torch_dtype(dtype: Any) -> Any:

@@ -10,7 +10,9 @@ from pathlib import Path
 from ..artifact.problems import ProblemCode, Report
 from ..artifact.reader import open_artifact
 from ..artifact.validate import broken_layers, check_artifact
+from ..constants import GPU_MEAN_REL_TOLS
 from ..digests import FileDigests
+from ..dtypes import DTYPE_ALIASES
 from ..errors import ArtifactError, ConverterError
 from ..formats import open_source
 from ..formats.base import LayerPlan, Source
@@ -39,13 +41,19 @@ def verify(
             None runs them when CuPy and a GPU are present.
         progress: as for :func:`converter.convert.convert`: ``progress(stage, steps)``
             when a stage starts, ``progress("", 1)`` per step.
-        act: the activations of the GPU check, ``"float16"`` or ``"bfloat16"``.
+        act: the activations of the GPU check, ``"float16"`` or ``"bfloat16"`` (or
+            ``"fp16"`` / ``"bf16"``).
 
     Raises:
+        ValueError: ``act`` is not an activation type of the kernels.
         ConverterError and subclasses: unreadable artifact or source (exit 2); an
             ``ArtifactError`` saying so when ``path`` is a source and ``against`` an
             artifact (the arguments swapped).
     """
+    # checked before any work: the GPU check that uses it comes last
+    act = DTYPE_ALIASES.get(act, act)
+    if act not in GPU_MEAN_REL_TOLS:
+        raise ValueError(f"act={act!r}: the kernels take float16 or bfloat16 activations (or fp16, bf16)")
     with ExitStack() as stack:
         try:
             art = stack.enter_context(open_artifact(path))

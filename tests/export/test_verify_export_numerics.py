@@ -140,3 +140,12 @@ def test_numerics_read_in_chunks(
     assert not whole.problems and not chunked.problems and chunked.checked == whole.checked
     for a, b in zip(whole.layers, chunked.layers, strict=True):
         assert a["name"] == b["name"] and b["cpu_rel_err"] <= CPU_REL_TOL
+
+
+def test_dtype_on_an_export_is_refused(tmp_path: Path) -> None:
+    """An export's check runs no GPU, so --dtype (the GPU check's type) would do nothing."""
+    from tests.helpers.clirun import assert_refused, invoke
+
+    src, out = _export(tmp_path, 4, 128, False)
+    line = assert_refused(invoke("marlin-verify", out, "--against", src, "--dtype", "bf16"))
+    assert line == f"error: --dtype: {out} is a compressed-tensors export, whose check runs no GPU"

@@ -243,7 +243,8 @@ def test_bf16_module_keeps_bf16_and_matches_the_launcher(cp, monkeypatch):
 def test_verify_layer_gpu_in_bf16(cp, k, n, act_order):
     """marlin-verify --gpu --dtype bfloat16's layer check: the fused path only, under the
     bf16 bar, more error than the fp16 check of the same layer, and (sm_90, the
-    4608 x 4096 layer MarlinLinear keeps unit-major) the kept copy's bits."""
+    4608 x 4096 layer MarlinLinear keeps with its scales and deltas inline) the kept
+    copy's bits."""
     from converter.constants import GPU_MEAN_REL_TOL_BF16
     from converter.gpu import reference as ref
     from converter.gpu.verify import verify_layer_gpu

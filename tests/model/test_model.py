@@ -758,6 +758,16 @@ def test_error_usage(tiny: tuple[Path, Path], args: list[str], message: str) -> 
     assert one_line_error(invoke(tiny[1], *args)) == message
 
 
+def test_dtype_without_model_on_a_model_folder_asks_which_was_meant(tiny: tuple[Path, Path]) -> None:
+    """A model folder with --dtype but neither --model nor --gpu: most likely a forgotten
+    --model, which the layer checks alone would pass in silence."""
+    line = one_line_error(invoke(tiny[1], "--against", tiny[0], "--dtype", "bf16"))
+    assert line == (
+        f"error: --dtype on the model folder {tiny[1]}: add --model to run the model in it, or --gpu for the GPU "
+        "layer check in it"
+    )
+
+
 def test_device_map_spreads_ours_and_keeps_the_references_on_the_cpu(tiny: tuple[Path, Path]) -> None:
     """issue 44: ``--device-map`` builds the converted model through from_pretrained's
     quantizer (here on the CPU only, by ``--max-memory``) and gives the verdict and the
