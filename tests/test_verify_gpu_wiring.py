@@ -84,6 +84,7 @@ def test_gpu_mode_in_bf16_names_its_type_and_bar(monkeypatch: pytest.MonkeyPatch
     assert "GPU mean relative error 0.01 in bfloat16 (limit 0.008)" in problems[0].message
     assert report.checked["gpu_act"] == "bfloat16"
     assert {r["gpu"]["act"] for r in report.layers} == {"bfloat16"}
+    assert verify(artifact, gpu=True, act="bf16").checked["gpu_act"] == "bfloat16"  # the CLI's alias
 
 
 def test_gpu_mode_fails_when_the_unit_major_copy_differs(monkeypatch: pytest.MonkeyPatch, artifact: Path) -> None:
@@ -107,9 +108,7 @@ def test_forced_gpu_without_gpu_is_a_problem(monkeypatch: pytest.MonkeyPatch, ar
 
     monkeypatch.setattr(runtime, "require_gpu", no_gpu)
     report = verify(artifact, gpu=True)
-    assert [p.message for p in report.problems if p.code == "gpu"] == [
-        "GPU numerics required (--gpu, --dtype) but no CUDA device found"
-    ]
+    assert [p.message for p in report.problems if p.code == "gpu"] == ["GPU numerics required but no CUDA device found"]
     auto = verify(artifact, gpu=None)
     assert auto.ok and auto.checked["gpu_numerics"] == "skipped: no CUDA device found"
 
@@ -209,7 +208,7 @@ def test_cli_dtype_without_a_gpu_is_a_problem_not_a_skip(monkeypatch: pytest.Mon
     monkeypatch.setattr(runtime, "require_gpu", no_gpu)
     res = invoke("marlin-verify", artifact, "--dtype", "bf16")
     assert res.exit_code == 1
-    assert "GPU numerics required (--gpu, --dtype) but no CUDA device found" in res.stdout
+    assert "GPU numerics required but no CUDA device found" in res.stdout
     assert invoke("marlin-verify", artifact).exit_code == 0  # without it: skipped
 
 
@@ -267,6 +266,15 @@ def test_each_type_has_its_own_bar(monkeypatch: pytest.MonkeyPatch) -> None:
     bf16 = check(*args, repeats=1, ms=(17,), act="bfloat16")
     assert 3e-3 < fp16[17]["mean_rel_err"] < 5e-3 and not fp16["ok"]
     assert 3e-3 < bf16[17]["mean_rel_err"] < 8e-3 and bf16["ok"]
+
+
+def test_verify_layer_gpu_refuses_another_type(monkeypatch: pytest.MonkeyPatch) -> None:
+    from converter.errors import KernelError
+
+    check = _numpy_gpu_check(monkeypatch, units=False, seen=[])
+    B, S, delta, w = _random_layer()
+    with pytest.raises(KernelError, match=r"act='bf16': the kernels take float16 or bfloat16 activations"):
+        check(B, S, delta, None, 512, 128, 128, w, act="bf16")
 
 
 def test_the_kept_copy_runs_in_the_type_asked(monkeypatch: pytest.MonkeyPatch) -> None:

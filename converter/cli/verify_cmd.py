@@ -133,7 +133,7 @@ def verify_cmd(
 
                 if export_manifest(artifact) is not None:
                     _fail(f"--dtype: {artifact} is a compressed-tensors export, whose check runs no GPU", as_json)
-        if not gpu and artifact.is_dir() and (artifact / "config.json").is_file():
+        if not gpu and artifact.is_dir() and _runs_as_model(artifact):
             _fail(
                 f"--dtype on the model folder {artifact}: add --model to run the model in it, or --gpu for the "
                 "GPU layer check in it",
@@ -393,6 +393,22 @@ def _render_verify(report: Report, quiet: bool, verbose: bool = False) -> None:
     out_console.print(
         f"{status}: {checked.get('layers', 0)} layers, {checked.get('tensors', 0)} tensors; checked {', '.join(what)}"
     )
+
+
+def _runs_as_model(folder: Path) -> bool:
+    """Whether ``folder`` is a converted model folder that ``--model`` can run: its
+    config.json names our quant_method and no ``.tinyloop`` source (which has no
+    transformers architecture). Anything unreadable is left to the checks to report."""
+    from ..constants import PRODUCER_NAME
+
+    try:
+        cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+    if not isinstance(qc, dict) or qc.get("quant_method") != PRODUCER_NAME:
+        return False
+    return cfg.get("model_type") != "tinyloop" and qc.get("source_format") != "tinyloop"
 
 
 def _act_note(checked: dict) -> str:

@@ -81,7 +81,7 @@ def _gpu_numerics(
     except (GpuUnavailableError, ImportError) as exc:
         msg = str(exc) if isinstance(exc, GpuUnavailableError) else f"GPU support is not installed ({exc})"
         if forced:
-            report.add(P.GPU, f"GPU numerics required (--gpu, --dtype) but {msg}")
+            report.add(P.GPU, f"GPU numerics required but {msg}")
         else:
             report.checked["gpu_numerics"] = f"skipped: {msg}"
         return

@@ -768,6 +768,43 @@ def test_dtype_without_model_on_a_model_folder_asks_which_was_meant(tiny: tuple[
     )
 
 
+def test_dtype_with_gpu_on_a_model_folder_runs_the_layer_check(
+    tiny: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--gpu says the layer check was meant: it runs, in the type asked (stand-in kernels)."""
+    import converter.gpu.runtime as runtime
+    import converter.gpu.verify as gverify
+
+    asked = []
+
+    def standin(*args, act, **kw):
+        asked.append(act)
+        return {17: {"mean_rel_err": 0.0, "max_rel_err": 0.0, "deterministic": True}, "ok": True}
+
+    monkeypatch.setattr(runtime, "require_gpu", lambda: None)
+    monkeypatch.setattr(gverify, "verify_layer_gpu", standin)
+    res = invoke(tiny[1], "--gpu", "--dtype", "bf16")
+    assert res.exit_code == 0, res.stderr
+    assert asked and set(asked) == {"bfloat16"}
+    assert res.stdout.splitlines()[-1].endswith("GPU numerics (bfloat16)")
+
+
+def test_dtype_on_folders_model_cannot_run_is_the_layer_check(tmp_path: Path) -> None:
+    """Only a folder --model can run is taken for a forgotten --model: a .tinyloop
+    conversion's shard folder gets the layer check (here: no GPU, exit 1), and a source
+    folder named first keeps the swapped-arguments hint."""
+    shards = tmp_path / "shards"
+    convert(SAMPLE, str(shards) + "/", max_shard_size=100_000)
+    assert (shards / "config.json").is_file()
+    res = invoke(shards, "--dtype", "bf16")
+    assert res.exit_code == 1 and "GPU numerics required but" in res.stdout
+    src = write_tiny_llama(tmp_path / "src")
+    out = tmp_path / "out"
+    convert(src, str(out) + "/", pad=False)
+    line = one_line_error(invoke(src, "--against", out, "--dtype", "bf16"))
+    assert "the arguments are swapped" in line
+
+
 def test_device_map_spreads_ours_and_keeps_the_references_on_the_cpu(tiny: tuple[Path, Path]) -> None:
     """issue 44: ``--device-map`` builds the converted model through from_pretrained's
     quantizer (here on the CPU only, by ``--max-memory``) and gives the verdict and the
