@@ -196,19 +196,24 @@ def test_cli_dtype_runs_the_gpu_check_in_bf16_and_says_so(monkeypatch: pytest.Mo
     assert invoke("marlin-verify", artifact, "--gpu").stdout.splitlines()[-1].endswith("CPU numerics, GPU numerics")
 
 
-def test_cli_dtype_without_a_gpu_is_a_problem_not_a_skip(monkeypatch: pytest.MonkeyPatch, artifact: Path) -> None:
-    """--dtype asks for the GPU check in that type: where none can run it fails (exit 1),
-    as --gpu does, instead of passing with the type ignored."""
+def test_cli_dtype_where_no_gpu_can_run_it_is_refused_up_front(monkeypatch: pytest.MonkeyPatch, artifact: Path) -> None:
+    """--dtype asks for the GPU check in that type: where none can run it the command stops
+    before any work, saying what to do, instead of passing with the type ignored; with
+    --gpu as well, that is --gpu's problem (exit 1)."""
     import converter.gpu.runtime as runtime
-    from tests.helpers.clirun import invoke
+    from tests.helpers.clirun import assert_refused, invoke
 
     def no_gpu():
-        raise GpuUnavailableError("no CUDA device found")
+        raise GpuUnavailableError("CuPy is not available (no module); on a machine without an NVIDIA GPU, ...")
 
     monkeypatch.setattr(runtime, "require_gpu", no_gpu)
-    res = invoke("marlin-verify", artifact, "--dtype", "bf16")
-    assert res.exit_code == 1
-    assert "GPU numerics required but no CUDA device found" in res.stdout
+    line = assert_refused(invoke("marlin-verify", artifact, "--dtype", "bf16"))
+    assert line == (
+        "error: --dtype bfloat16 sets the GPU layer check's activations, and no GPU can run it here (CuPy is not "
+        "available (no module)); leave --dtype out (the CPU numerics run without it)"
+    )
+    res = invoke("marlin-verify", artifact, "--gpu", "--dtype", "bf16")
+    assert res.exit_code == 1 and "GPU numerics required but CuPy is not available" in res.stdout
     assert invoke("marlin-verify", artifact).exit_code == 0  # without it: skipped
 
 

@@ -139,7 +139,21 @@ def verify_cmd(
                 "GPU layer check in it",
                 as_json,
             )
-        use_gpu = True  # the check it sets must run: without a GPU that is a problem, not a skip
+        if not gpu:
+            # Said before the long CPU pass: nothing the user can add makes --dtype work here.
+            from ..errors import GpuUnavailableError
+            from ..gpu.runtime import require_gpu
+
+            try:
+                require_gpu()
+            except GpuUnavailableError as exc:
+                reason = str(exc).split("; ")[0]
+                _fail(
+                    f"--dtype {dtype} sets the GPU layer check's activations, and no GPU can run it here ({reason}); "
+                    "leave --dtype out (the CPU numerics run without it)",
+                    as_json,
+                )
+        use_gpu = True
     if model or text is not None or allow_source_mismatch:
         _verify_model_cmd(
             artifact,
@@ -234,6 +248,12 @@ def _verify_model_cmd(
     )
     if usage:
         _fail(usage, as_json)
+    if against is not None and against.is_dir() and _runs_as_model(against) and not _runs_as_model(folder):
+        _fail(
+            f"{folder} is not a converted model folder, but --against {against} is one: the arguments are swapped; "
+            f"run marlin-verify {against} --model --against {folder}",
+            as_json,
+        )
 
     def stage(line: str) -> None:
         err_console.print(f"marlin-verify --model: {_show(line)}", soft_wrap=True)

@@ -789,20 +789,36 @@ def test_dtype_with_gpu_on_a_model_folder_runs_the_layer_check(
     assert res.stdout.splitlines()[-1].endswith("GPU numerics (bfloat16)")
 
 
-def test_dtype_on_folders_model_cannot_run_is_the_layer_check(tmp_path: Path) -> None:
+def test_dtype_on_folders_model_cannot_run_is_the_layer_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Only a folder --model can run is taken for a forgotten --model: a .tinyloop
     conversion's shard folder gets the layer check (here: no GPU, exit 1), and a source
     folder named first keeps the swapped-arguments hint."""
+    import converter.gpu.runtime as runtime
+    from converter.errors import GpuUnavailableError
+
+    def no_gpu():
+        raise GpuUnavailableError("no CUDA device found")
+
+    monkeypatch.setattr(runtime, "require_gpu", no_gpu)  # the same answer on a GPU machine
     shards = tmp_path / "shards"
     convert(SAMPLE, str(shards) + "/", max_shard_size=100_000)
     assert (shards / "config.json").is_file()
-    res = invoke(shards, "--dtype", "bf16")
-    assert res.exit_code == 1 and "GPU numerics required but" in res.stdout
+    line = one_line_error(invoke(shards, "--dtype", "bf16"))
+    assert "sets the GPU layer check's activations, and no GPU can run it here" in line  # not "add --model"
     src = write_tiny_llama(tmp_path / "src")
     out = tmp_path / "out"
     convert(src, str(out) + "/", pad=False)
-    line = one_line_error(invoke(src, "--against", out, "--dtype", "bf16"))
+    line = one_line_error(invoke(src, "--against", out, "--dtype", "bf16", "--gpu"))
     assert "the arguments are swapped" in line
+
+
+def test_model_with_the_arguments_swapped_says_so(tiny: tuple[Path, Path]) -> None:
+    src, out = tiny
+    line = one_line_error(invoke(src, "--model", "--against", out))
+    assert line == (
+        f"error: {src} is not a converted model folder, but --against {out} is one: the arguments are swapped; "
+        f"run marlin-verify {out} --model --against {src}"
+    )
 
 
 def test_device_map_spreads_ours_and_keeps_the_references_on_the_cpu(tiny: tuple[Path, Path]) -> None:
