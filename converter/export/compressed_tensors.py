@@ -50,7 +50,7 @@ from ..safetensors_io import release_mapped_pages
 from .folder_writer import _TensorSource, _write
 from .layer_tensors import _layer_tensors, _scales_for, _unrepresentable, _zero_problem, pack_int32
 from .quant_config import COMPRESSED_TENSORS_VERSION, _config_json, _weights_args, quantization_config
-from .summary import VLLM_SOURCES, VLLM_VERSION_NOTE, ExportSummary, LayerExport, vllm_kernels
+from .summary import TORCH_DTYPE_NAMES, VLLM_SOURCES, VLLM_VERSION_NOTE, ExportSummary, LayerExport, vllm_kernels
 
 # Everything this module defined before the split (issue 39) stays importable from here.
 __all__ = [
@@ -159,8 +159,10 @@ def export_compressed_tensors(
                 passthrough += [*layer.source_tensors, *((layer.bias.name,) if layer.bias else ())]
                 continue
             assert qw is not None
-            tensors.update({n: (d, tuple(a.shape), layer) for n, (d, a) in _layer_tensors(qw, layer).items()})
-            del qw
+            written = _layer_tensors(qw, layer)
+            tensors.update({n: (d, tuple(a.shape), layer) for n, (d, a) in written.items()})
+            info.scale_dtype = TORCH_DTYPE_NAMES[written[f"{layer.name}.weight_scale"][0]]
+            del qw, written
             if layer.bias is not None:
                 tensors[layer.bias.name] = (layer.bias.dtype, tuple(layer.bias.shape), layer.bias.name)
             info.kernels = vllm_kernels(layer.bits, g, layer.size_k, layer.size_n, layer.act_order)

@@ -19,6 +19,8 @@ VLLM_SOURCES = (
     "vllm-project/vllm vllm/model_executor/layers/quantization/kernels/mixed_precision/machete.py @ 0065de9 "
     "(sm_90 only; act-order not with K split across tensor-parallel ranks; no bias in the kernel)",
 )
+#: safetensors dtype codes of the scales as the engines' ``--dtype`` names them.
+TORCH_DTYPE_NAMES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
 VLLM_VERSION_NOTE = (
     "vLLM main of late 2025 / 2026 (v0.11 and later, the files cited in VLLM_SOURCES); "
     "compressed-tensors W{4,8}A16 only (WNA16_SUPPORTED_BITS = [4, 8])"
@@ -39,6 +41,8 @@ class LayerExport:
     exported: bool
     reason: str = ""
     kernels: list[str] = dataclasses.field(default_factory=list)
+    #: the exported ``weight_scale``'s dtype (the source's, exact); "" when not exported
+    scale_dtype: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -61,6 +65,14 @@ class ExportSummary:
     def exported(self) -> list[LayerExport]:
         return [lay for lay in self.layers if lay.exported]
 
+    @property
+    def serve_dtype(self) -> str | None:
+        """The ``--dtype`` to serve the export with: vLLM and SGLang allocate ``weight_scale``
+        in the model dtype, so only the scales' own dtype keeps them exact (None: the layers'
+        scales differ in dtype, or none was exported)."""
+        kinds = {lay.scale_dtype for lay in self.exported}
+        return kinds.pop() if len(kinds) == 1 else None
+
     def to_json(self) -> dict[str, Any]:
         return {
             "source": self.source,
@@ -72,6 +84,7 @@ class ExportSummary:
             "files": self.files,
             "source_files": self.source_files,
             "warnings": self.warnings,
+            "serve_dtype": self.serve_dtype,
             "kernel_advice": {"sources": list(VLLM_SOURCES), "vllm_version": VLLM_VERSION_NOTE},
         }
 
@@ -85,6 +98,11 @@ class ExportSummary:
                 lines.append(f"  {lay.name}: w{lay.bits} {g}{ao}; vLLM: {', '.join(lay.kernels) or 'none'}")
             else:
                 lines.append(f"  {lay.name}: passed through unconverted ({lay.reason})")
+        if self.serve_dtype:
+            lines.append(f"scales are {self.serve_dtype}: serve with --dtype {self.serve_dtype} (vLLM, SGLang)")
+        elif self.exported:
+            kinds = ", ".join(sorted({lay.scale_dtype for lay in self.exported}))
+            lines.append(f"scales are {kinds} by layer: no one --dtype keeps them all exact")
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 

@@ -304,3 +304,18 @@ def test_check_export_finds_a_changed_source_and_rejects_a_non_export(tmp_path: 
     check = check_export(out, other)
     assert any("sha256 differs" in p for p in check.problems)
     assert any("differ from the source" in p for p in check.problems)
+
+
+@pytest.mark.parametrize(("scale_dtype", "name"), [("F16", "float16"), ("BF16", "bfloat16"), ("F32", "float32")])
+def test_the_summary_names_the_dtype_to_serve_with(tmp_path: Path, scale_dtype: str, name: str) -> None:
+    """vLLM and SGLang allocate weight_scale in the model dtype: the summary says which
+    --dtype keeps the exported scales exact (their own)."""
+    src = _synthetic(tmp_path / "src", bits=4, group_size=64, scale_dtype=scale_dtype)
+    summary = export_compressed_tensors(src, tmp_path / "out")
+    assert {lay.scale_dtype for lay in summary.exported} == {name}
+    assert summary.to_json()["serve_dtype"] == name
+    assert f"scales are {name}: serve with --dtype {name} (vLLM, SGLang)" in summary.text().splitlines()
+    lay = summary.exported[0]
+    lay.scale_dtype = "float16" if name != "float16" else "bfloat16"
+    assert summary.serve_dtype is None and summary.to_json()["serve_dtype"] is None
+    assert summary.text().splitlines()[-1].endswith("by layer: no one --dtype keeps them all exact")
