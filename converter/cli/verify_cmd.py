@@ -416,19 +416,17 @@ def _render_verify(report: Report, quiet: bool, verbose: bool = False) -> None:
 
 
 def _runs_as_model(folder: Path) -> bool:
-    """Whether ``folder`` is a converted model folder that ``--model`` can run: its
-    config.json names our quant_method and no ``.tinyloop`` source (which has no
-    transformers architecture). Anything unreadable is left to the checks to report."""
-    from ..constants import PRODUCER_NAME
+    """Whether ``folder`` is a converted model folder that ``--model`` can run (the loader's
+    own test: our quant_method, no ``.tinyloop`` source). Anything else is left to the
+    checks to report."""
+    from ..errors import ConverterError
+    from ..model.loader import read_converted_config
 
     try:
-        cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        read_converted_config(folder)
+    except ConverterError:
         return False
-    qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
-    if not isinstance(qc, dict) or qc.get("quant_method") != PRODUCER_NAME:
-        return False
-    return cfg.get("model_type") != "tinyloop" and qc.get("source_format") != "tinyloop"
+    return True
 
 
 def _act_note(checked: dict) -> str:
