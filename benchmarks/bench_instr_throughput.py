@@ -6,6 +6,10 @@ the device's nominal clock, and each op's rate over fp32 FFMA's, timed in the sa
 Run on the GPU machine: PYTHONPATH=$PWD python3 benchmarks/bench_instr_throughput.py
 [--json-out FILE]. It answers which of the bf16 weight's instructions (docs/notes/bf16.md)
 are full rate: an issue-bound kernel's time follows the count of half-rate ones.
+
+The mixes (``a+b``: half the chains run ``a``, half ``b``) answer which of them share a
+pipe: two half-rate ops on one pipe together issue at about one op's rate, on two pipes
+at about twice it.
 """
 
 from __future__ import annotations
@@ -42,7 +46,20 @@ OPS = {
     "shf": 'asm volatile("shf.r.wrap.b32 %0, %0, %0, 8;" : "+r"(x[i]));',
     "cvt_f32_f16": 'asm volatile("{.reg .b16 lo, hi; .reg .f32 a; mov.b32 {lo, hi}, %0; '
     'cvt.f32.f16 a, lo; mov.b32 %0, a;}" : "+r"(x[i]));',
+    # a multiplier the compiler cannot fold into a shift (the seed is a kernel argument)
+    "mul_hi_u32": 'asm volatile("mul.hi.u32 %0, %0, %1;" : "+r"(x[i]) : "r"(seed));',
 }
+
+#: Pairs timed together (even chains run the first, odd chains the second).
+MIXES = (
+    ("lop3", "shf"),
+    ("lop3", "ffma_f32"),
+    ("lop3", "cvt_bf16x2_f32"),
+    ("lop3", "cvt_f32_f16"),
+    ("cvt_bf16x2_f32", "cvt_f32_f16"),
+    ("cvt_f32_f16", "ffma_f32"),
+    ("lop3", "mul_hi_u32"),
+)
 
 
 def main() -> int:
@@ -57,7 +74,10 @@ def main() -> int:
     res: dict = {"device": props["name"].decode(), "sms": sms, "clock_khz_nominal": clk_khz, "per_sm_per_clock": {}}
     threads, blocks = 256, sms * 8
     out = cp.zeros(1, cp.uint32)
-    for name, body in OPS.items():
+    bodies = dict(OPS)
+    for a, b in MIXES:
+        bodies[f"{a}+{b}"] = f"if (i & 1) {{ {OPS[b]} }} else {{ {OPS[a]} }}"
+    for name, body in bodies.items():
         k = cp.RawKernel(SOURCE.replace("BODY", body), "probe")
         args_k = (out, cp.int32(args.iters), cp.uint32(7))
         k((blocks,), (threads,), args_k)
