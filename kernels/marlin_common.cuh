@@ -171,45 +171,47 @@ __device__ __forceinline__ void word_weights(u32 w, const WCol& a, const WCol& b
 }
 #else
 // bf16: the fp16 scale and delta do not fit bf16's 8 bits, so the weight is formed in
-// fp32 and rounded to bf16 by one cvt.rn per pair (docs/notes/bf16.md). The codes go
-// straight to fp32 with no subtraction: a nibble OR-ed into fp32's mantissa below bit 20
-// (bit 23 is the exponent's lowest) at a place where its unit is 1 is that power of two
-// plus q, exact: bits 16-19 of 128.0f (0x43000000) give 128 + q, bits 12-15 of 2048.0f
-// (0x45000000) 2048 + q. Both places together are bits 12-19, so a word and its three
-// byte rotations (one funnel shift each) bring all eight nibbles there:
-//   W = fma(128 + q, s, d - 136 s)  or  fma(2048 + q, s, d - 2056 s)
-// with both constants rounded to fp32 once per column (wcol): the rows r0 + 8, r0 + 9 of
-// each fragment (odd nibbles) take 2048. Per word: 3 shifts, 8 lop3, 8 FFMA, 4 cvt (the
-// shifts to one place took 7). W is the fp32 fma of the exact (q - 8) s + d whenever the
-// constant is exact, which holds for the converter's delta = s (8 - z): d = fp16(delta)
-// is at most 8 s with s's unit or a coarser one, so d - 2056 s needs at most 23 bits; in
-// general the twin (reference_bf16.dequant) rounds the constants as the kernel does.
+// fp32 and rounded to bf16 by one cvt.rn per pair (docs/notes/bf16.md). The codes come
+// out as the fp16 paths make them, two to a word by one lop3 with no arithmetic: nibbles
+// at bits 0-3 and 16-19 OR-ed into 0x6400 (1024.0 in fp16, unit 1) are 1024 + q, at bits
+// 4-7 and 20-23 they are 1024 + 16 q; the word shifted right by 8 gives the other four.
+// Each half then goes to fp32 (cvt.f32.f16: exact, and on the FMA pipe, where the lop3,
+// the shift and the cvt.rn to bf16 all share the ALU pipe, which bounded the first bf16
+// forms: notes/bf16.md), and
+//   W = fma(1024 + q, s, d - 1032 s)  or  fma(1024 + 16 q, s / 16, d - 72 s)
+// with the constants rounded to fp32 once per column (wcol; s / 16 is exact): the rows
+// r0 + 8, r0 + 9 of each fragment (the nibbles at bits 4-7) take the second. Per word:
+// 1 shift, 4 lop3, 8 cvt.f32.f16, 8 FFMA, 4 cvt.rn (9 on the ALU pipe; the form with
+// the codes OR-ed straight into fp32 took 15). W is the fp32 fma of the exact
+// (q - 8) s + d whenever the constant is exact, which holds for the converter's
+// delta = s (8 - z): d = fp16(delta) is at most 8 s with s's unit or a coarser one, so
+// d - 1032 s needs at most 23 bits; in general the twin (reference_bf16.dequant) rounds
+// the constants as the kernel does.
 struct WCol {
-    float s, c, c2;  // c for the codes 128 + q, c2 for 2048 + q
+    float s, c, s16, c16;  // c for the codes 1024 + q; s16, c16 for 1024 + 16 q
 };
 template <bool HAS_DELTA>
 __device__ __forceinline__ WCol wcol(u16 s, u16 d) {
     const float sf = h_to_f32(s), df = HAS_DELTA ? h_to_f32(d) : 0.f;
-    return WCol{sf, fmaf(-136.f, sf, df), fmaf(-2056.f, sf, df)};
+    return WCol{sf, fmaf(-1032.f, sf, df), sf * 0.0625f, fmaf(-72.f, sf, df)};
 }
-__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+// The weights of a pair of fp16 codes (low half first) as one bf16x2.
+__device__ __forceinline__ u32 weight_pair(u32 codes, float s, float c) {
+    float lo, hi;
+    asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}"
+        : "=f"(lo), "=f"(hi) : "r"(codes));
     u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(fmaf(hi, s, c)), "f"(fmaf(lo, s, c)));
     return r;
 }
-// 128 + q for the nibble at bits 16-19 of `moved`, 2048 + q for the one at bits 12-15
-// (the rest masked off).
-__device__ __forceinline__ float code_128(u32 moved) { return u32_as_f32(lop3_and_or(moved, 0x000F0000u, 0x43000000u)); }
-__device__ __forceinline__ float code_2048(u32 moved) { return u32_as_f32(lop3_and_or(moved, 0x0000F000u, 0x45000000u)); }
 template <bool HAS_DELTA>
 __device__ __forceinline__ void word_weights(u32 w, const WCol& a, const WCol& b, u32 m[4]) {
-    // nibble i of the word is m[i % 4]'s low half (i < 4) or high half (i >= 4); rotated
-    // right by 8, 16 and 24 bits, nibbles 5 and 6, 7 and 0, 1 and 2 sit at bits 12-19
-    const u32 r8 = __funnelshift_r(w, w, 8), r16 = __funnelshift_r(w, w, 16), r24 = __funnelshift_r(w, w, 24);
-    m[0] = pack_bf16x2(fmaf(code_128(r16), a.s, a.c), fmaf(code_128(w), a.s, a.c));
-    m[1] = pack_bf16x2(fmaf(code_2048(r24), a.s, a.c2), fmaf(code_2048(r8), a.s, a.c2));
-    m[2] = pack_bf16x2(fmaf(code_128(r24), b.s, b.c), fmaf(code_128(r8), b.s, b.c));
-    m[3] = pack_bf16x2(fmaf(code_2048(w), b.s, b.c2), fmaf(code_2048(r16), b.s, b.c2));
+    // nibble i of the word is m[i % 4]'s low half (i < 4) or high half (i >= 4)
+    const u32 w8 = w >> 8;
+    m[0] = weight_pair(lop3_and_or(w, 0x000F000Fu, 0x64006400u), a.s, a.c);
+    m[1] = weight_pair(lop3_and_or(w, 0x00F000F0u, 0x64006400u), a.s16, a.c16);
+    m[2] = weight_pair(lop3_and_or(w8, 0x000F000Fu, 0x64006400u), b.s, b.c);
+    m[3] = weight_pair(lop3_and_or(w8, 0x00F000F0u, 0x64006400u), b.s16, b.c16);
 }
 #endif
 

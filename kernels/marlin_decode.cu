@@ -223,7 +223,7 @@ struct DecodeSmem {
     static constexpr int SUMS = 16 * NT * 128;  // a warp's parked fp32 accumulators
     static constexpr int WARP = OWN > SUMS ? OWN : SUMS;
     static constexpr int SHARED_A = A_RING + 4 * W_RING;
-    static constexpr int bytes(int wk) { return wk == 1 ? SHARED_A : 4 * WARP; }
+    __host__ __device__ static constexpr int bytes(int wk) { return wk == 1 ? SHARED_A : 4 * WARP; }
 };
 
 template <int NT, int U, int GPI, int NS, bool HAS_DELTA, bool GS>

@@ -12,8 +12,8 @@ twin's helpers in :mod:`.reference_gemm`:
   closed with ``s`` and ``fp16(delta)`` in fp32, so the weight multiplied is
   ``(q - 8) s + fp16(delta)`` unrounded, as in the fp16 twin;
 * "weight" (tile kernel, ``decode_w``, ``hopper_sk``): the bf16 weight, the fp32 fma of
-  ``(q - 8) s + fp16(delta)`` (as ``(128 + q) s + fp32(d - 136 s)``, or with 2048 and
-  2056 on half the rows) rounded to bf16:
+  ``(q - 8) s + fp16(delta)`` (as ``(1024 + q) s + fp32(d - 1032 s)``, or
+  ``(64 + q) s + fp32(d - 72 s)`` on half the rows) rounded to bf16:
   the notes' option 2 (:func:`dequant`).
 
 Either product is taken in float64 (every product of a bf16 ``A`` with these weights is
@@ -89,13 +89,14 @@ def dequant(
     """The bf16 weight the "weight" kernels form in registers, bit for bit
     (``kernels/marlin_common.cuh``, ``word_weights``).
 
-    The kernel feeds each code to an fp32 fma as ``x = 128 + q`` (the nibble in the
-    mantissa of 128.0f) with the column's constant ``c = fp32(d - 136 s)`` on rows 0-7 of
-    each 16-row k-tile, and as ``x = 2048 + q`` with ``c = fp32(d - 2056 s)`` on rows 8-15
-    (``d = fp16(delta)``, 0 without one), and rounds the fp32 result to bf16. That is
+    The kernel makes each code an fp16 ``1024 + q`` (rows 0-7 of each 16-row k-tile) or
+    ``1024 + 16 q`` (rows 8-15), converts it to fp32 exactly and feeds it to an fp32 fma
+    with the column's ``s`` and ``c = fp32(d - 1032 s)``, or ``s / 16`` (exact) and
+    ``c = fp32(d - 72 s)``: the products ``(1024 + q) s`` and ``(64 + q) s`` (``d =
+    fp16(delta)``, 0 without one); then it rounds the fp32 result to bf16. That is
     ``(q - 8) s + d`` rounded once to fp32 whenever ``c`` is exact (so for the converter's
     ``delta = s (8 - z)``); the twin rounds ``c`` as the kernel does either way. ``x s``
-    (at most 23 bits) and ``c`` (a float32) add exactly in float64 unless their exponents
+    (at most 22 bits) and ``c`` (a float32) add exactly in float64 unless their exponents
     are more than 28 apart, and then the smaller is under half an fp32 ulp of the larger,
     which both roundings return: casting the sum to float32 is the fma's one rounding.
 
@@ -109,7 +110,7 @@ def dequant(
     """
     q8, s, d = _decode_parts(B, scales, delta, size_k=size_k, size_n=size_n, group_size=group_size)
     d = np.zeros_like(s) if d is None else d
-    base = np.where((np.arange(size_k) % 16 >= 8)[:, None], 2048.0, 128.0)  # the code's power of two
+    base = np.where((np.arange(size_k) % 16 >= 8)[:, None], 64.0, 1024.0)  # (1024 + 16 q) / 16 on rows 8-15
     const = (d - (base + 8.0) * s).astype(np.float32).astype(np.float64)
     return f32_to_bf16(((base + 8.0 + q8) * s + const).astype(np.float32))
 

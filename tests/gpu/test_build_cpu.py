@@ -155,3 +155,19 @@ def test_prebuild_of_both_types_builds_every_bf16_form_once_and_the_copy_kernels
     before = len(cp.calls)
     build.prebuild(acts=build.ACTS)
     assert len(cp.calls) == before
+
+
+def test_every_constexpr_function_of_the_kernels_is_a_device_function() -> None:
+    """NVRTC 13.5 (pip's nvidia-cuda-nvrtc) refuses a kernel that calls a constexpr
+    function without __device__ ("host functions are not allowed in JIT mode"), which
+    13.0 let through: marlin_decode.cu's ring size once failed every decode route there."""
+    import re
+
+    fn = re.compile(r"\bconstexpr\b[^=;(]*\b\w+\s*\([^)]*\)\s*(?:const\s*)?\{")
+    bare = [
+        f"{path.name}:{number}"
+        for path in sorted(build.kernel_dir().glob("*.cu*"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if fn.search(line) and "__device__" not in line
+    ]
+    assert bare == []

@@ -124,18 +124,20 @@ def test_round_bf16_rounds_float64_once():
 @pytest.mark.parametrize("group_size,asym", [(128, True), (64, True), (-1, True), (128, False)])
 def test_weight_is_the_kernels_fp32_fma_rounded_to_bf16(group_size, asym):
     """Every weight is f32_to_bf16 of the kernel's fp32 fma, written out here in float32:
-    fma(128 + q, s, fp32(d - 136 s)) on rows 0-7 of each 16-row k-tile and
-    fma(2048 + q, s, fp32(d - 2056 s)) on rows 8-15, d = fp16(delta); bit for bit, from
-    either delta operand. With the layer's delta = s (8 - z) the constants are exact and
-    this is the exact weight rounded to fp32 once, then to bf16."""
+    fma(1024 + q, s, fp32(d - 1032 s)) on rows 0-7 of each 16-row k-tile and
+    fma(1024 + 16 q, s / 16, fp32(d - 72 s)) on rows 8-15, d = fp16(delta); bit for bit,
+    from either delta operand. With the layer's delta = s (8 - z) the constants are exact
+    and this is the exact weight rounded to fp32 once, then to bf16."""
     k, n = 256, 128
     rng = np.random.default_rng([2, group_size % 97, asym])
     L = make_layer(rng, k, n, group_size, asym=asym)
     q8, s, d = (None if x is None else x.astype(np.float32) for x in _rows(L, k))
     d = np.zeros_like(s) if d is None else d
-    base = np.where(np.arange(k)[:, None] % 16 >= 8, np.float32(2056), np.float32(136))
-    c = d - base * s  # float32 arithmetic: 136 s and 2056 s are exact, the difference rounds once
-    expect = f32_to_bf16(_fma32(q8 + base, s, c))
+    upper = np.arange(k)[:, None] % 16 >= 8
+    code = np.where(upper, np.float32(1024) + 16 * (q8 + 8), q8 + np.float32(1032))  # the fp16 codes, exact
+    scale = np.where(upper, s / np.float32(16), s)  # exact: a power of two
+    c = d - np.where(upper, np.float32(72), np.float32(1032)) * s  # float32: 72 s and 1032 s exact, one rounding
+    expect = f32_to_bf16(_fma32(code, scale, c))
     kw = dict(size_k=k, size_n=n, group_size=group_size)
     w = rb.dequant(L["B"], L["S"], delta=L["delta"], **kw)
     assert w.dtype == np.uint16 and w.shape == (k, n) and np.array_equal(w, expect)
@@ -149,62 +151,57 @@ def test_weight_is_the_kernels_fp32_fma_rounded_to_bf16(group_size, asym):
 
 
 def test_weight_rounds_the_constant_as_the_kernel_does():
-    """A delta far below the scale (here fp16(delta) = 2**-20 against s = 1.5): d - 136 s
-    and d - 2056 s are not fp32 numbers, and the twin rounds them as the kernel's wcol
-    does. With q = 8 the kernel's weight is 136 s + fp32(d - 136 s) = 0 on rows 0-7 and
-    2056 s + fp32(d - 2056 s) = 0 on rows 8-15 (the constants lost d); a twin that kept
-    them unrounded would give d = 2**-20."""
+    """A delta far below the scale (here fp16(delta) = 2**-20 against s = 1.5): d - 1032 s
+    and d - 72 s are not fp32 numbers, and the twin rounds them as the kernel's wcol
+    does. With q = 8 the kernel's weight is 1032 s + fp32(d - 1032 s) = 0 on rows 0-7 and
+    72 s + fp32(d - 72 s) = 0 on rows 8-15 (the constants lost d); a twin that kept them
+    unrounded would give d = 2**-20."""
     q = np.full((16, 64), 8, np.uint8)
     s = np.full((1, 64), 1.5, np.float16)
     delta = np.full((1, 64), 2.0**-20, np.float32)
     w = rb.dequant(pack_b(q), permute_scales(s), size_k=16, size_n=64, group_size=-1, delta=delta)
-    c = np.float32(np.float32(2.0**-20) - np.float32(136 * 1.5))
-    assert float(c) != 2.0**-20 - 204  # the constant is rounded
-    kernel = f32_to_bf16(np.float32(136 * 1.5 + float(c)))
+    c = np.float32(np.float32(2.0**-20) - np.float32(1032 * 1.5))
+    assert float(c) != 2.0**-20 - 1548  # the constant is rounded
+    kernel = f32_to_bf16(np.float32(1032 * 1.5 + float(c)))
     assert (w == kernel).all() and (_val(w) == 0).all()
 
 
-def test_rows_8_to_15_take_the_2048_constant():
+def test_rows_8_to_15_take_the_second_constant():
     """Which constant a row gets is visible where only one of them is exact: with q = 8,
-    s = 1 and fp16(delta) = 2**-14, d - 136 = -135.99993896484375 needs 22 bits (exact in
-    fp32), d - 2056 would need 26 and rounds to -2056. So the kernel's weight is 2**-14 on
-    rows 0-7 of every 16-row k-tile and 0 on rows 8-15."""
+    s = 1 and fp16(delta) = 2**-14, d - 72 = -71.99993896484375 needs 21 bits (exact in
+    fp32), d - 1032 would need 25 and rounds to -1032. So the kernel's weight is 0 on rows
+    0-7 of every 16-row k-tile and 2**-14 on rows 8-15."""
     k = 64
     q = np.full((k, 64), 8, np.uint8)
     s = np.ones((1, 64), np.float16)
     delta = np.full((1, 64), 2.0**-14, np.float32)
     w = _val(rb.dequant(pack_b(q), permute_scales(s), size_k=k, size_n=64, group_size=-1, delta=delta))
     upper = np.arange(k) % 16 >= 8
-    assert (w[~upper] == 2.0**-14).all() and (w[upper] == 0).all()
+    assert (w[~upper] == 0).all() and (w[upper] == 2.0**-14).all()
 
 
-def test_codes_in_the_mantissa_of_128f_and_2048f():
-    """The kernel's code_128 / code_2048: a word rotated right by 0, 8, 16 or 24 bits (as
-    word_weights does) brings every nibble to bits 16-19, where OR-ed into 0x43000000 it is
-    128 + q in fp32, or to bits 12-15, where OR-ed into 0x45000000 it is 2048 + q; the
-    odd nibbles (a fragment's rows 8-15) take 2048. Bit 23 would be the exponent's lowest."""
+def test_codes_are_fp16_pairs_of_1024_plus_q_and_1024_plus_16q():
+    """The kernel's word_weights: a word, and the word shifted right by 8, OR-ed into
+    0x64006400 (1024.0 in each fp16 half) under the mask 0x000F000F give the fp16 pair
+    1024 + q of nibbles 0 and 4 (2 and 6), under 0x00F000F0 the pair 1024 + 16 q of
+    nibbles 1 and 5 (3 and 7): low half first, each nibble in the mantissa's unit 1 or
+    16, so every value is exact. Nibble i is fragment register i % 4's low (i < 4) or
+    high half; the odd nibbles (a fragment's rows 8-15) carry 16 q."""
     rng = np.random.default_rng(9)
     words = rng.integers(0, 2**32, 64, dtype=np.uint64)
-
-    def rotr(w, n):
-        return ((w >> n) | (w << (32 - n))) & 0xFFFFFFFF if n else w
-
-    # nibble: (rotation, the magic's bits, the nibble's place, value of the magic)
-    places = {0: (16, 0x43000000, 0x000F0000, 128), 1: (24, 0x45000000, 0x0000F000, 2048),
-              2: (24, 0x43000000, 0x000F0000, 128), 3: (0, 0x45000000, 0x0000F000, 2048),
-              4: (0, 0x43000000, 0x000F0000, 128), 5: (8, 0x45000000, 0x0000F000, 2048),
-              6: (8, 0x43000000, 0x000F0000, 128), 7: (16, 0x45000000, 0x0000F000, 2048)}  # fmt: skip
-    for i, (rot, magic, mask, base) in places.items():
-        bits = (rotr(words, rot) & mask) | magic
-        got = bits.astype(np.uint32).view(np.float32)
-        assert np.array_equal(got, base + ((words >> (4 * i)) & 15).astype(np.float32)), i
-        assert (base == 2048) == (i % 2 == 1)
-    assert np.uint32(0x43000000 | 0x00800000).view(np.float32) == 256  # a nibble at 20-23 would not work
+    for i in range(8):
+        src = words >> 8 if i % 4 >= 2 else words
+        mask = 0x00F000F0 if i % 2 else 0x000F000F
+        bits = ((src & mask) | 0x64006400).astype(np.uint32)
+        half = (bits >> 16 if i >= 4 else bits & 0xFFFF).astype(np.uint16).view(np.float16)
+        q = ((words >> (4 * i)) & 15).astype(np.float64)
+        assert np.array_equal(half.astype(np.float64), 1024 + (16 * q if i % 2 else q)), i
+    assert np.float16(1024 + 16 * 15) == 1264  # 16 q still below 2048: no carry into the exponent
 
 
 def test_weight_constants_are_exact_for_integer_zeros():
     """For the converter's delta = s (8 - z), given to the kernel as d = fp16(delta), both
-    constants d - 136 s and d - 2056 s are exact in fp32 (at most 23 bits), so every row's
+    constants d - 1032 s and d - 72 s are exact in fp32 (at most 23 bits), so every row's
     weight is the exact (q - 8) s + d rounded once to bf16."""
     rng = np.random.default_rng(11)
     k, n = 64, 64
