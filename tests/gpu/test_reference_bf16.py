@@ -395,3 +395,18 @@ def test_split_scale_bf16x2_weight_rounds_once():
     want = rb.round_bf16((q - z) * s)
     assert np.array_equal(_val(w), _val(want))  # equal values (q = z gives a zero of either sign)
     assert np.array_equal(w[_val(want) != 0], want[_val(want) != 0])
+
+
+def test_both_constants_are_exact_for_every_fp16_scale_and_integer_zero():
+    """marlin_common.cuh's claim, checked for every finite positive fp16 scale and every
+    4-bit zero: with d = fp16(fp32((8 - z) s)), as the kernel reads it, d - 1032 s and
+    d - 72 s are fp32 numbers, so wcol's fmaf rounds nothing and the weight is the exact
+    (q - 8) s + d rounded once. (Where d overflows fp16 the converter refuses the layer.)"""
+    s = np.arange(1, 0x7C00, dtype=np.uint16).view(np.float16).astype(np.float64)
+    for z in range(16):
+        with np.errstate(over="ignore"):
+            d = (s * (8 - z)).astype(np.float32).astype(np.float16)
+        keep = np.isfinite(d)
+        for base in (1032, 72):
+            c = d[keep].astype(np.float64) - base * s[keep]
+            assert np.array_equal(c.astype(np.float32).astype(np.float64), c), (z, base)
