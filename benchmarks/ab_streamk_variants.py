@@ -20,12 +20,14 @@ order changed). Usage::
 ``--bf16`` first: every variant built with ``-DMARLIN_BF16`` and timed on bf16 activations
 (the routes bf16's knobs give; ``same`` then compares bf16 bits).
 
-A variant is ``NAME=SOURCE[:DEF,DEF..][@ITERS]``, SOURCE ``-`` for the shipped kernel or a
-diff of that one file (it is compiled against the shipped headers: a diff that needs new
-helpers carries them). Limits: rows the planner gives the persistent kinds only (a decode or
-tile row has no ``marlin_streamk`` name to build), group 128, B unit-major always, the
-shipped launch geometry (``streamk_variants/two_blocks_per_sm.patch`` launches with other
-block sizes, so it is a ptxas check, not a variant to time here).
+A variant is ``NAME=SOURCE[:DEF,DEF..][@ITERS][%THREADS]``, SOURCE ``-`` for the shipped
+kernel or a diff of that one file (it is compiled against the shipped headers: a diff that
+needs new helpers carries them); THREADS launches its blocks with that many threads instead
+of the shipped 384 (``streamk_variants/four_consumer_warpgroups.patch:SK_WG4=1%640``).
+Limits: rows the planner gives the persistent kinds only (a decode or tile row has no
+``marlin_streamk`` name to build), group 128, B unit-major always, one block per
+multiprocessor (``streamk_variants/two_blocks_per_sm.patch`` needs two, so it is a ptxas
+check, not a variant to time here).
 Results: docs/notes/perf_notes.md (2026-12-03T18:30Z section).
 """
 
@@ -71,12 +73,14 @@ def apply_patch(source: str, patch: str) -> str:
     return text[1:]
 
 
-def parse(spec: str) -> tuple[str, str, tuple[str, ...], int | None]:
+def parse(spec: str) -> tuple[str, str, tuple[str, ...], int | None, int | None]:
     name, rest = spec.split("=", 1)
+    rest, _, threads = rest.partition("%")
     rest, _, iters = rest.partition("@")
     src, _, defs = rest.partition(":")
     code = KERNEL.read_text() if src == "-" else apply_patch(KERNEL.read_text(), Path(src).read_text())
-    return name, code, tuple("-D" + d for d in defs.split(",") if d), int(iters) if iters else None
+    defines = tuple("-D" + d for d in defs.split(",") if d)
+    return name, code, defines, int(iters) if iters else None, int(threads) if threads else None
 
 
 def build(code: str, defines: tuple[str, ...], names: list[str]):
@@ -113,7 +117,9 @@ def main() -> int:
         return 2
     out_json = argv[1]
     bf16_define = ("-DMARLIN_BF16",) if act == "bfloat16" else ()
-    variants = {name: (code, defs + bf16_define, iters) for name, code, defs, iters in map(parse, argv[2:])}
+    parsed = [parse(spec) for spec in argv[2:]]
+    variants = {name: (code, defs + bf16_define, iters) for name, code, defs, iters, _ in parsed}
+    threads = {name: t for name, _, _, _, t in parsed}
     names = sorted({Pipe.of(p).name(1, True) for p in pipes.values()})
     sources = {(code, defs) for code, defs, _ in variants.values()}
     with ProcessPoolExecutor(len(sources)) as ex:  # NVRTC in parallel; CuPy caches the cubins
@@ -125,6 +131,9 @@ def main() -> int:
     from converter.gpu import build as gbuild
     from converter.gpu import kernels as K
     from converter.gpu import launches
+    from converter.gpu.plan import catalog
+
+    shipped_threads = catalog.STREAMK_THREADS
 
     mods = {v: build(code, defs, names) for v, (code, defs, _) in variants.items()}
     current: dict = {"v": None}
@@ -138,6 +147,8 @@ def main() -> int:
         # A launch keeps its kernel (launches' caches, keyed by sizes and tuning, not by
         # variant): without this every variant after the first ran the first one's.
         current["v"] = v
+        # the launch takes its block size from the catalog's constant at each plan
+        catalog.STREAMK_THREADS = threads[v] or shipped_threads
         launches._gemm_launch.cache_clear()
         launches._plan.cache_clear()
 
