@@ -180,12 +180,13 @@ __device__ __forceinline__ void word_weights(u32 w, const WCol& a, const WCol& b
 // forms: notes/bf16.md), and
 //   W = fma(1024 + q, s, d - 1032 s)  or  fma(1024 + 16 q, s / 16, d - 72 s)
 // with the constants rounded to fp32 once per column (wcol; s / 16 is exact): the rows
-// r0 + 8, r0 + 9 of each fragment (the nibbles at bits 4-7) take the second. Per word:
+// r0 + 8, r0 + 9 of each fragment (the odd nibbles: bits 4-7 and 20-23 of the word and of
+// the word shifted) take the second. Per word:
 // 1 shift, 4 lop3, 8 cvt.f32.f16, 8 FFMA, 4 cvt.rn (9 on the ALU pipe; the form with
 // the codes OR-ed straight into fp32 took 15). W is the fp32 fma of the exact
 // (q - 8) s + d whenever the constant is exact, which holds for the converter's
 // delta = s (8 - z): d = fp16(delta) is at most 8 s with s's unit or a coarser one, so
-// d - 1032 s needs at most 23 bits; in general the twin (reference_bf16.dequant) rounds
+// d - 1032 s needs at most 22 bits; in general the twin (reference_bf16.dequant) rounds
 // the constants as the kernel does.
 struct WCol {
     float s, c, s16, c16;  // c for the codes 1024 + q; s16, c16 for 1024 + 16 q

@@ -163,11 +163,14 @@ def test_every_constexpr_function_of_the_kernels_is_a_device_function() -> None:
     13.0 let through: marlin_decode.cu's ring size once failed every decode route there."""
     import re
 
-    fn = re.compile(r"\bconstexpr\b[^=;(]*\b\w+\s*\([^)]*\)\s*(?:const\s*)?\{")
-    bare = [
-        f"{path.name}:{number}"
-        for path in sorted(build.kernel_dir().glob("*.cu*"))
-        for number, line in enumerate(path.read_text().splitlines(), 1)
-        if fn.search(line) and "__device__" not in line
-    ]
+    # a constexpr function's declaration, its signature over several lines or not ("if
+    # constexpr" is a statement, not a function)
+    fn = re.compile(r"(?<!if )\bconstexpr\b[^;{}=]*?\b\w+\s*\([^)]*\)[^;{}=]*\{", re.S)
+    bare = []
+    for path in sorted(build.kernel_dir().glob("*.cu*")):
+        text = path.read_text()
+        for m in fn.finditer(text):
+            start = max(text.rfind(c, 0, m.start()) for c in ";{}") + 1  # the declaration's start
+            if "__device__" not in text[start : m.end()]:
+                bare.append(f"{path.name}:{text.count(chr(10), 0, m.start()) + 1}")
     assert bare == []

@@ -201,7 +201,7 @@ def test_codes_are_fp16_pairs_of_1024_plus_q_and_1024_plus_16q():
 
 def test_weight_constants_are_exact_for_integer_zeros():
     """For the converter's delta = s (8 - z), given to the kernel as d = fp16(delta), both
-    constants d - 1032 s and d - 72 s are exact in fp32 (at most 23 bits), so every row's
+    constants d - 1032 s and d - 72 s are exact in fp32 (at most 22 bits), so every row's
     weight is the exact (q - 8) s + d rounded once to bf16."""
     rng = np.random.default_rng(11)
     k, n = 64, 64
