@@ -801,6 +801,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     dev = torch.device(a.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        # the measured models run on our CUDA kernels: a CPU build of torch cannot time them
+        print(
+            f"bench_generate: --device {a.device} needs an NVIDIA GPU and a CUDA build of torch "
+            f"(this torch {torch.__version__} sees none), the [model] extra and a GPU extra ([cuda12] or [cuda13])",
+            file=sys.stderr,
+        )
+        return 2
     if dev.type == "cuda":
         dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
     res: dict[str, Any] = {"argv": sys.argv[1:], **environment(dev), "models": {}}

@@ -131,3 +131,13 @@ def test_linear_bytes_of_the_8b_shape() -> None:
     assert fp16 == 2 * params + acts
     # 4 bits a weight, plus an fp16 scale and an fp16 delta per 128 weights of a column
     assert ours == params // 2 + 2 * 2 * params // 128 + acts
+
+
+def test_a_cuda_run_without_a_gpu_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch) -> None:
+    """bench_generate on a CUDA device where torch sees none (a CPU build) says what it
+    needs in one line before it writes any checkpoint (a raw assertion traceback before)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main(["--device", "cuda", "--work", str(tmp_path / "work")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("bench_generate: --device cuda needs an NVIDIA GPU and a CUDA build of torch")
+    assert len(err.splitlines()) == 1 and not (tmp_path / "work").exists()
