@@ -256,14 +256,17 @@ class MarlinConvertHfQuantizer(HfQuantizer):
     def _check_config(self, config: Any) -> None:
         """The checks of :func:`~converter.model.build.check_fields` (remote code, backbone
         repos, hub ids, sizes ...), offline, on the config transformers built and on the
-        folder's ``config.json`` as written: the first hook that sees the config, before
-        any weight file is resolved or any module built.
+        folder's ``config.json`` as written, and load_model's layer count against the
+        artifact (:func:`~converter.model.build.check_depth`): the first hook that sees the
+        config, before any weight file is resolved or any module built.
 
         Raises:
             ModelError: one line naming ``config.json`` and the field.
+            ArtifactError: the folder's artifact cannot be opened.
         """
+        from ..artifact.reader import open_artifact
         from ..formats.hf_checkpoint import read_json_file
-        from .build import check_fields
+        from .build import check_depth, check_fields
 
         if self._checked:
             return
@@ -277,6 +280,13 @@ class MarlinConvertHfQuantizer(HfQuantizer):
                 raw = read_json_file(cfg_path)
                 if isinstance(raw, dict):
                     check_fields(_model_fields(raw), path=cfg_path)
+                    # transformers builds every layer the config asks for before the
+                    # weights are bound: a planted count would take unbounded time and memory
+                    art = open_artifact(folder)
+                    try:
+                        check_depth(raw, art.file.infos, path=cfg_path, what="artifact")
+                    finally:
+                        art.close()
         self._checked = True
 
     def _claim_weights(self, config: Any) -> Any:

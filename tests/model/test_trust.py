@@ -137,6 +137,9 @@ def test_config_naming_code_or_a_hub_id_is_refused_in_one_line(
         ({"auto_map": {"AutoModelForCausalLM": "evil.Model"}}, "auto_map", "names remote code"),
         ({"backbone_config": "evil/cfg"}, "backbone_config", "a config to fetch by name"),
         ({"hidden_act": "evil"}, "hidden_act", "not an activation"),
+        # a layer count the artifact cannot fill: refused before the skeleton is built (a
+        # million layers took minutes and GBs of host memory before transformers failed)
+        ({"num_hidden_layers": 100000}, "num_hidden_layers", "but the artifact holds 1 layer(s)"),
     ],
 )
 def test_from_pretrained_refuses_a_planted_config_before_building(
