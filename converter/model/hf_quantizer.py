@@ -301,9 +301,10 @@ class MarlinConvertHfQuantizer(HfQuantizer):
             or Path(wf).name != wf
             or not wf.endswith((".safetensors", ".safetensors.index.json"))
         ):
+            name = str(getattr(config, "name_or_path", "") or "")
             raise ModelError(
                 f"{wf!r} is not the name of a safetensors file or index beside config.json",
-                path="config.json",
+                path=Path(name) / "config.json" if name and Path(name).is_dir() else "config.json",
                 tensor="quantization_config.weight_file",
             )
         config.transformers_weights = wf

@@ -174,6 +174,26 @@ def test_from_pretrained_refuses_a_planted_config_before_building(
     assert built == [] and no_network == []
 
 
+def test_from_pretrained_refuses_a_weight_file_that_is_no_safetensors_naming_the_folder(
+    tiny: tuple[Path, Path], tmp_path: Path, no_network: list[object]
+) -> None:
+    """quantization_config.weight_file pointing at a pickle (or out of the folder) is
+    refused in one line that names the folder's config.json, before any file is opened."""
+    from transformers import AutoModelForCausalLM
+
+    import converter  # noqa: F401  (registers the quantizer)
+
+    qc = json.loads((tiny[1] / "config.json").read_text())["quantization_config"]
+    for i, wf in enumerate(["pytorch_model.bin", "../elsewhere/model.safetensors"]):
+        folder = _edited(tiny[1], tmp_path / f"m{i}", quantization_config={**qc, "weight_file": wf})
+        with pytest.raises(ModelError) as ei:
+            AutoModelForCausalLM.from_pretrained(folder)
+        line = str(ei.value)
+        assert "\n" not in line and line.startswith(f"{folder / 'config.json'}: quantization_config.weight_file: ")
+        assert repr(wf) in line
+    assert no_network == []
+
+
 @pytest.mark.parametrize("hook", ["ConvertedLayers", "module"])
 def test_from_pretrained_hooks_run_offline(
     tiny: tuple[Path, Path], no_network: list[object], monkeypatch: pytest.MonkeyPatch, hook: str
