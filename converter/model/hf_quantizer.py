@@ -57,6 +57,12 @@ from .names import candidates
 SIZE_BUFFER = "marlin_bytes"
 
 
+def _local_folder(config: Any) -> Path | None:
+    """The local folder transformers built ``config`` from (None for a hub id)."""
+    name = str(getattr(config, "name_or_path", "") or "")
+    return Path(name) if name and Path(name).is_dir() else None
+
+
 def _model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """``cfg`` without what is ours, not the model's: ``quantization_config`` and folder
     mode's guard (as :func:`~converter.model.build.hf_config` drops them)."""
@@ -270,8 +276,7 @@ class MarlinConvertHfQuantizer(HfQuantizer):
 
         if self._checked:
             return
-        name = str(getattr(config, "name_or_path", "") or "")
-        folder = Path(name) if name and Path(name).is_dir() else None
+        folder = _local_folder(config)
         cfg_path = folder / "config.json" if folder is not None else Path("config.json")
         with offline(cfg_path):
             built = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
@@ -301,10 +306,10 @@ class MarlinConvertHfQuantizer(HfQuantizer):
             or Path(wf).name != wf
             or not wf.endswith((".safetensors", ".safetensors.index.json"))
         ):
-            name = str(getattr(config, "name_or_path", "") or "")
+            folder = _local_folder(config)
             raise ModelError(
                 f"{wf!r} is not the name of a safetensors file or index beside config.json",
-                path=Path(name) / "config.json" if name and Path(name).is_dir() else "config.json",
+                path=folder / "config.json" if folder is not None else "config.json",
                 tensor="quantization_config.weight_file",
             )
         config.transformers_weights = wf
