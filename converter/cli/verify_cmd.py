@@ -206,7 +206,7 @@ def _verify_export_cmd(
         _print_json({"ok": ok, "export": str(folder), "against": str(against), **dataclasses.asdict(check)})
     else:
         for problem in check.problems:
-            err_console.print(_show(f"problem: {problem}"), soft_wrap=True)
+            out_console.print(_show(f"problem: {problem}"), soft_wrap=True)
         if not quiet or not ok:
             status = (
                 f"OK: {len(check.checked)} exported layers equal the source exactly"

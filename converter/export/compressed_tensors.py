@@ -172,9 +172,14 @@ def export_compressed_tensors(
                 by_reason.setdefault(r, []).append(n)
             # one clause per reason: a whole model refused for one rule stays one readable line
             names = "; ".join(f"{r}: {_names(ns)}" for r, ns in by_reason.items())
+            # Passing every layer through would leave nothing to export: no hint that fails next.
+            hint = (
+                "; allow_passthrough / --allow-passthrough copies them unconverted"
+                if len(refused) < len(layers)
+                else ""
+            )
             raise UnsupportedQuantError(
-                f"{len(refused)} layer(s) have no exact compressed-tensors form ({names}); nothing was written "
-                "(allow_passthrough / --allow-passthrough copies them unconverted)",
+                f"{len(refused)} layer(s) have no exact compressed-tensors form ({names}); nothing was written{hint}",
                 path=src,
             )
         if not any(lay.exported for lay in layers):

@@ -75,6 +75,7 @@ class ExportSummary:
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "ok": True,  # as every other document of both commands (an error's says false)
             "source": self.source,
             "output": self.output,
             "source_format": self.source_format,

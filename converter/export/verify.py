@@ -29,11 +29,13 @@ from ..digests import sha256_files
 from ..errors import ConverterError
 from ..formats import open_source
 from ..formats.base import LayerPlan, Source
-from ..formats.compressed_tensors import CONVERTIBLE_BITS
+from ..formats.compressed_tensors import CONVERTIBLE_BITS, PACK_QUANTIZED, CompressedTensorsSource
 from ..numerics import accumulate, relative_error
 from ..quant_weight import QuantWeight
 from ..safetensors_io import SafetensorsFile, release_mapped_pages
-from .compressed_tensors import EXPORT_META_KEY
+from .compressed_tensors import EXPORT_META_KEY, _names
+from .quant_config import _weights_args
+from .summary import LayerExport
 
 
 @dataclasses.dataclass
@@ -52,15 +54,66 @@ class ExportCheck:
 
 def export_manifest(folder: str | Path) -> dict | None:
     """The export manifest of a compressed-tensors export folder, or None when the folder
-    is not one of ours (no ``marlin_convert_export`` metadata)."""
+    is not one of ours (no ``marlin_convert_export`` metadata). A manifest that is not
+    the form :func:`manifest_problems` checks is one error naming its shard."""
     files = sorted(Path(folder).glob("*.safetensors"))
-    metas = [SafetensorsFile(f, error=ConverterError).metadata for f in files]
-    found = {m[EXPORT_META_KEY] for m in metas if EXPORT_META_KEY in m}
+    metas = [(f, SafetensorsFile(f, error=ConverterError).metadata) for f in files]
+    found = {m[EXPORT_META_KEY]: f for f, m in metas if EXPORT_META_KEY in m}
     if not found:
         return None
-    if len(found) != 1 or any(EXPORT_META_KEY not in m for m in metas):
+    if len(found) != 1 or any(EXPORT_META_KEY not in m for _, m in metas):
         raise ConverterError("the export's shards carry different manifests", path=folder)
-    return json.loads(found.pop())
+    text, shard = found.popitem()
+    try:
+        manifest = json.loads(text)
+    except ValueError as exc:
+        raise ConverterError(f"metadata {EXPORT_META_KEY}: not valid JSON ({exc})", path=shard) from None
+    problems = manifest_problems(manifest)
+    if problems:
+        raise ConverterError(f"metadata {EXPORT_META_KEY}: {'; '.join(problems)}", path=shard)
+    return manifest
+
+
+def manifest_problems(manifest: Any) -> list[str]:
+    """Every way ``manifest`` differs from the form the export writes and
+    :func:`check_export` reads (its fields' JSON types), as ``<where> <rule>``."""
+    if not isinstance(manifest, dict):
+        return [f"is a JSON {type(manifest).__name__}, not an object"]
+    problems: list[str] = []
+    source = manifest.get("source")
+    files = source.get("files") if isinstance(source, dict) else None
+    if not isinstance(files, list):
+        problems.append("source.files is not a list")
+    else:
+        for i, f in enumerate(files):
+            ok = isinstance(f, dict) and isinstance(f.get("name"), str)
+            if not ok or not isinstance(f.get("sha256"), (str, type(None))):
+                problems.append(f"source.files[{i}] is not an object with a string name and sha256")
+    layers = manifest.get("layers")
+    if not isinstance(layers, list):
+        problems.append("layers is not a list")
+        return problems
+    for i, rec in enumerate(layers):
+        if not isinstance(rec, dict):
+            problems.append(f"layers[{i}] is not an object")
+            continue
+        for key, types in _LAYER_FIELDS.items():
+            value = rec.get(key)
+            if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+                want = " or ".join(t.__name__ for t in types)
+                problems.append(f"layers[{i}].{key} is not {want}")
+    return problems
+
+
+#: The fields of an exported layer's manifest record that the check reads, and their types.
+_LAYER_FIELDS: dict[str, tuple[type, ...]] = {
+    "name": (str,),
+    "exported": (bool,),
+    "bits": (int,),
+    "strategy": (str,),
+    "group_size": (int,),
+    "act_order": (bool,),
+}
 
 
 def check_export(export: str | Path, src: str | Path, *, numerics: bool = True) -> ExportCheck:
@@ -80,6 +133,7 @@ def check_export(export: str | Path, src: str | Path, *, numerics: bool = True) 
         for name, digest in recorded.items():
             if actual.get(name) != digest:
                 out.problems.append(f"source file {name}: sha256 differs from the one the export recorded")
+        out.problems.extend(config_problems(e, [r for r in manifest["layers"] if r["exported"]]))
         splan = {lay.name: lay for lay in s.plan(pad=True).layers}
         eplan = {lay.name: lay for lay in e.plan(pad=True).layers}
         for rec in manifest["layers"]:
@@ -123,6 +177,44 @@ def check_export(export: str | Path, src: str | Path, *, numerics: bool = True) 
     out.problems.extend(numeric_problems)
     out.cpu_numerics = bool(out.layers)  # an all-3-bit export reads no layer back: nothing ran
     return out
+
+
+def config_problems(export: Source, layers: list[dict[str, Any]]) -> list[str]:
+    """Where the export's ``config.json`` would make an engine load an exported layer
+    other than as written: no config group, a group whose weights args differ from the
+    layer's (``symmetric`` true drops the zero points), listed in ``ignore`` (loaded
+    unquantized). Our reader goes by the tensors, so the numbers alone would pass.
+    One problem per rule, with the layers it holds for."""
+    if not isinstance(export, CompressedTensorsSource):
+        return ["config.json: quantization_config is not compressed-tensors"]
+    found: dict[str, list[str]] = {}
+    for rec in layers:
+        name = rec["name"]
+        entry = export.ignored(name)
+        if entry:  # an engine loads it unquantized
+            found.setdefault(f"config.json lists exported layers in quantization_config.ignore ({entry!r})", []).append(
+                name
+            )
+        args = export.args_for(name)
+        if args is None:
+            found.setdefault("no config group of config.json targets exported layers", []).append(name)
+            continue
+        lay = LayerExport(name, rec["bits"], 0, 0, rec["group_size"], rec["strategy"], rec["act_order"], True)
+        want = {k: v for k, v in _weights_args(lay).items() if k in _CHECKED_ARGS}
+        if lay.strategy != "group":
+            del want["group_size"]  # channel: compressed-tensors ignores it
+        want["format"] = PACK_QUANTIZED
+        for key, value in want.items():
+            have = getattr(args, key)
+            if have != value:
+                where = "format" if key == "format" else f"weights.{key}"
+                rule = f"config group {args.group}: {where} is {json.dumps(have)}, the layers need {json.dumps(value)}"
+                found.setdefault(rule, []).append(name)
+    return [f"{rule} ({_names(names)})" for rule, names in found.items()]
+
+
+#: The weights args an engine's choice of kernel and arithmetic depends on.
+_CHECKED_ARGS = ("num_bits", "type", "symmetric", "strategy", "group_size", "actorder")
 
 
 def _compare_layer(

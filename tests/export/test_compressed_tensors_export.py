@@ -155,7 +155,7 @@ def test_ragged_refused_by_name_then_passthrough(tmp_path: Path) -> None:
         export_compressed_tensors(src, tmp_path / "out")
     for name in layers:
         assert name in str(exc.value)
-    assert "\n" not in str(exc.value)
+    assert "\n" not in str(exc.value) and str(exc.value).endswith("nothing was written")  # no passthrough hint
     assert not (tmp_path / "out").exists()
     with pytest.raises(UnsupportedQuantError, match="no layer has an exact"):
         export_compressed_tensors(src, tmp_path / "out", allow_passthrough=True)
@@ -168,6 +168,8 @@ def test_passthrough_lists_ignore_and_copies_source_tensors(tmp_path: Path) -> N
     tensors = {**gptq_tensors("m.good", good, v1=False), **gptq_tensors("m.ragged", ragged, v1=False)}
     src = write_checkpoint(tmp_path / "src", tensors, gptq_config(4, 64, fmt="gptq_v2"), where="quantize_config.json")
     out = tmp_path / "out"
+    with pytest.raises(UnsupportedQuantError, match=r"nothing was written; allow_passthrough / --allow-passthrough"):
+        export_compressed_tensors(src, out)  # one layer of two refused: passing it through leaves the other
     summary = export_compressed_tensors(src, out, allow_passthrough=True)
     assert [lay.name for lay in summary.exported] == ["m.good"]
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
@@ -319,3 +321,46 @@ def test_the_summary_names_the_dtype_to_serve_with(tmp_path: Path, scale_dtype: 
     lay.scale_dtype = "float16" if name != "float16" else "bfloat16"
     assert summary.serve_dtype is None and summary.to_json()["serve_dtype"] is None
     assert summary.text().splitlines()[-1].endswith("by layer: no one --dtype keeps them all exact")
+
+
+def test_check_export_reads_the_config_as_an_engine_would(tmp_path: Path) -> None:
+    src = _synthetic(tmp_path / "src", bits=4, group_size=64)
+    out = tmp_path / "out"
+    export_compressed_tensors(src, out)
+    assert check_export(out, src, numerics=False).problems == []
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    qc = cfg["quantization_config"]
+    qc["ignore"] = ["re:.*up_proj"]
+    qc["config_groups"]["group_0"]["weights"].update(symmetric=True, actorder="group")
+    cfg_path.write_text(json.dumps(cfg))
+    both = "(model.layers.0.mlp.down_proj, model.layers.0.mlp.up_proj)"
+    assert check_export(out, src, numerics=False).problems == [
+        f"config group group_0: weights.symmetric is true, the layers need false {both}",
+        f'config group group_0: weights.actorder is "group", the layers need null {both}',
+        "config.json lists exported layers in quantization_config.ignore ('re:.*up_proj') (model.layers.0.mlp.up_proj)",
+    ]
+    qc["ignore"] = []
+    qc["config_groups"]["group_0"]["targets"] = ["model.layers.0.mlp.down_proj"]
+    qc["config_groups"]["group_0"]["weights"].update(symmetric=False, actorder=None)
+    cfg_path.write_text(json.dumps(cfg))
+    assert check_export(out, src, numerics=False).problems == [
+        "no config group of config.json targets exported layers (model.layers.0.mlp.up_proj)",
+        "model.layers.0.mlp.up_proj: not readable in the export",
+    ]
+
+
+def test_manifest_problems_lists_every_broken_field() -> None:
+    from converter.export.verify import manifest_problems
+
+    assert manifest_problems("x") == ["is a JSON str, not an object"]
+    layer = {"name": "a", "exported": True, "bits": 4, "strategy": "group", "group_size": 128, "act_order": False}
+    good = {"source": {"files": [{"name": "m.safetensors", "sha256": "00"}]}, "layers": [layer]}
+    assert manifest_problems(good) == []
+    bad = {"source": {"files": [{"name": "m", "sha256": 1}]}, "layers": [dict(layer, bits=True, act_order=None), 3]}
+    assert manifest_problems(bad) == [
+        "source.files[0] is not an object with a string name and sha256",
+        "layers[0].bits is not int",
+        "layers[0].act_order is not bool",
+        "layers[1] is not an object",
+    ]
