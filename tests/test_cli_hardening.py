@@ -202,6 +202,18 @@ def test_dry_run_refuses_an_unwritable_folder(tmp_path: Path, monkeypatch: pytes
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_a_folder_on_a_filesystem_of_no_blocks_is_not_called_full() -> None:
+    # /proc has 0 free bytes, as a full disk has; root may "write" there (os.access says
+    # yes), so the reason must come from the filesystem having no blocks at all.
+    r = run_cli("marlin-convert", SAMPLE, "/proc/marlin-test.safetensors")
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr.strip() == (
+        "error: /proc: output folder is on a filesystem that stores no files (such as /proc or /sys); "
+        "nothing was written"
+    )
+
+
 def test_too_little_space_is_named_before_the_input_is_hashed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The input's sha256 runs in the background from the start; the space check never
     waits for it (and a dry run never starts it)."""

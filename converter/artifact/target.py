@@ -25,7 +25,7 @@ from pathlib import Path
 
 import xxhash
 
-from ..atomic import free_bytes
+from ..atomic import free_bytes, stores_files
 from ..constants import META_MANIFEST, META_SCHEMA_VERSION
 from ..errors import ArtifactError, ConverterError, OutputExistsError, OutputPathError
 from ..hf_index import SHARD_NAME_RE, read_index
@@ -361,6 +361,11 @@ class OutputTarget:
             ConverterError: one of the above, with the numbers.
         """
         folder = self.folder if self.folder.exists() else self.folder.parent
+        if not stores_files(folder):
+            raise ConverterError(
+                "output folder is on a filesystem that stores no files (such as /proc or /sys); nothing was written",
+                path=folder,
+            )
         if not writable(folder):
             raise ConverterError(
                 "output folder is not writable (its permissions, or a read-only filesystem); nothing was written",

@@ -24,7 +24,7 @@ module (``converter.atomic.splice``...).
 """
 
 from .commit import BACKUP_SUFFIX, LOCK_SUFFIX, OutputLock, commit_all
-from .disk_space import _no_free_inodes, free_bytes, output_write_error
+from .disk_space import _no_free_inodes, free_bytes, output_write_error, stores_files
 from .interrupts import (
     _COMMITTED,
     _INTERRUPTS,
@@ -85,6 +85,7 @@ __all__ = [
     "committed_outputs",
     "fsync_dir",
     "free_bytes",
+    "stores_files",
     "interrupts_deferred",
     "note_committed",
     "open_temporary",

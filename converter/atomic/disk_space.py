@@ -25,6 +25,15 @@ def free_bytes(folder: Path) -> int | None:
     return blocks * st.f_frsize
 
 
+def stores_files(folder: Path) -> bool:
+    """False for a filesystem of no blocks at all (``/proc``, ``/sys``): no free space
+    there means nowhere to write, not a full disk."""
+    try:
+        return os.statvfs(folder).f_blocks > 0
+    except OSError:
+        return True  # unknown: the write itself will say
+
+
 def _no_free_inodes(folder: Path) -> bool:
     try:
         st = os.statvfs(folder)
