@@ -259,10 +259,16 @@ class GptqSource(
             gi = self.ckpt.info(gi_name)
             if len(gi.shape) == 1 and gi.shape[0] != size_k:
                 fits = [c for c in (2, 3, 4, 8) if unpacked_len(qw.shape[0], c) == gi.shape[0]]
-                hint = f"; bits={fits[0]} would fit" if fits else ""
+                if not fits:  # no width explains it: the g_idx itself is what is wrong
+                    raise SourceFormatError(
+                        f"g_idx has {gi.shape[0]} entries, but qweight's {qw.shape[0]} rows hold K = {size_k} "
+                        f"{b}-bit codes (one entry per row of K)",
+                        path=self.ckpt.file_of(gi_name),
+                        tensor=gi_name,
+                    )
                 raise ConfigError(
                     f"bits={b}{where} gives K = {size_k} from qweight's {qw.shape[0]} rows, "
-                    f"but g_idx has {gi.shape[0]} entries{hint}",
+                    f"but g_idx has {gi.shape[0]} entries; bits={fits[0]} would fit",
                     path=self.cfg_path,
                     tensor=f"{prefix} bits",
                 )

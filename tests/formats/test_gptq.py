@@ -208,6 +208,20 @@ def test_bits_contradicting_g_idx_is_a_config_error(tmp_path: Path) -> None:
         convert(src, tmp_path / "a.safetensors")
 
 
+def test_a_g_idx_no_width_explains_is_named_not_the_config(tmp_path: Path) -> None:
+    lay = make_layer(np.random.default_rng(3), 256, 64, act_order=True)
+    tensors = gptq_tensors(P, lay, v1=True)
+    tensors[f"{P}.g_idx"] = tensors[f"{P}.g_idx"][:100]
+    src = write_checkpoint(tmp_path / "src", tensors, gptq_config(4, 128, desc_act=True), where="quantize_config.json")
+    with pytest.raises(SourceFormatError) as exc:
+        convert(src, tmp_path / "a.safetensors")
+    assert str(exc.value) == (
+        f"{src / 'model.safetensors'}: {P}.g_idx: g_idx has 100 entries, but qweight's 32 rows hold K = 256 "
+        "4-bit codes (one entry per row of K)"
+    )
+    assert not (tmp_path / "a.safetensors").exists()
+
+
 @pytest.mark.parametrize("act", [True, False])
 def test_three_bits_on_four_bit_rows_is_a_config_error(tmp_path: Path, act: bool) -> None:
     """bits=3 where qweight's rows are no multiple of 3: when g_idx (act) or qzeros'
