@@ -184,6 +184,14 @@ def export_compressed_tensors(
             )
         if not any(lay.exported for lay in layers):
             raise UnsupportedQuantError("no layer has an exact compressed-tensors form; nothing to export", path=src)
+        # The reader's notes on how it read a layer (a v1 zero of -1, a config the data
+        # overrides) hold for the export's codes as for the Marlin artifact's: said the same.
+        layer_notes: dict[str, list[str]] = {}
+        exported = {lay.name for lay in layers if lay.exported}
+        for layer in plan.layers:
+            for note in layer.warnings if layer.name in exported else ():
+                layer_notes.setdefault(note, []).append(layer.name)
+        warnings += [f"{_names(names)}: {note}" for note, names in layer_notes.items()]
         if any(lay.act_order for lay in layers if lay.exported):
             warnings.append(
                 "act-order layers carry weight_g_idx with actorder 'group' (legacy_act_order): vLLM versions whose "

@@ -364,3 +364,15 @@ def test_manifest_problems_lists_every_broken_field() -> None:
         "layers[0].act_order is not bool",
         "layers[1] is not an object",
     ]
+
+
+def test_the_readers_notes_on_a_layer_reach_the_export_summary(tmp_path: Path) -> None:
+    # A v1 zero of 0 (stored 15) is read by the whole-word add: convert says so, and the
+    # export, whose zeros come from the same reading, must say it too.
+    lay = make_layer(np.random.default_rng(14), 128, 64, zeros="with_zero")
+    src = write_checkpoint(tmp_path / "src", gptq_tensors("m.up", lay, v1=True), gptq_config(4, 128))
+    summary = export_compressed_tensors(src, tmp_path / "out")
+    (note,) = [w for w in summary.warnings if "v1 zero field(s) store 15" in w]
+    assert note.startswith("m.up: ") and "i.e. z - 1 = -1: a true zero of 0" in note
+    assert f"warning: {note}" in summary.text()
+    assert assert_library_exact(src, tmp_path / "out") == 1
