@@ -174,7 +174,7 @@ def verify_cmd(
 
             exported = export_manifest(artifact) is not None
         if exported:
-            _verify_export_cmd(artifact, against, as_json, quiet, debug, shapes=shapes)
+            _verify_export_cmd(artifact, against, as_json, quiet, debug, shapes=shapes, verbose=verbose)
     with _errors_to_exit(debug, as_json), _progress(_show_progress(quiet, as_json)) as prog:
         from ..verify import verify
 
@@ -189,7 +189,14 @@ def verify_cmd(
 
 
 def _verify_export_cmd(
-    folder: Path, against: Path | None, as_json: bool, quiet: bool, debug: bool, *, shapes: bool = False
+    folder: Path,
+    against: Path | None,
+    as_json: bool,
+    quiet: bool,
+    debug: bool,
+    *,
+    shapes: bool = False,
+    verbose: bool = False,
 ) -> None:
     """``marlin-verify EXPORT --against SRC`` on a ``--to compressed-tensors`` export:
     :func:`converter.export.check_export` (codes, scales, zero points and act-order exactly,
@@ -205,8 +212,12 @@ def _verify_export_cmd(
     if as_json:
         _print_json({"ok": ok, "export": str(folder), "against": str(against), **dataclasses.asdict(check)})
     else:
-        for problem in check.problems:
+        shown = check.problems if verbose else check.problems[:PROBLEM_LINES]
+        for problem in shown:
             out_console.print(_show(f"problem: {problem}"), soft_wrap=True)
+        if len(shown) < len(check.problems):
+            more = len(check.problems) - len(shown)
+            out_console.print(f"... and {more} more; --verbose or --json lists every problem", soft_wrap=True)
         if not quiet or not ok:
             status = (
                 f"OK: {len(check.checked)} exported layers equal the source exactly"

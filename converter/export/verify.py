@@ -29,7 +29,8 @@ from ..digests import sha256_files
 from ..errors import ConverterError
 from ..formats import open_source
 from ..formats.base import LayerPlan, Source
-from ..formats.compressed_tensors import CONVERTIBLE_BITS, PACK_QUANTIZED, CompressedTensorsSource
+from ..formats.compressed_tensors import CONVERTIBLE_BITS, PACK_QUANTIZED, CompressedTensorsSource, _Target
+from ..jsonio import JsonError, loads
 from ..numerics import accumulate, relative_error
 from ..quant_weight import QuantWeight
 from ..safetensors_io import SafetensorsFile, release_mapped_pages
@@ -64,10 +65,10 @@ def export_manifest(folder: str | Path) -> dict | None:
     if len(found) != 1 or any(EXPORT_META_KEY not in m for _, m in metas):
         raise ConverterError("the export's shards carry different manifests", path=folder)
     text, shard = found.popitem()
-    try:
-        manifest = json.loads(text)
-    except ValueError as exc:
-        raise ConverterError(f"metadata {EXPORT_META_KEY}: not valid JSON ({exc})", path=shard) from None
+    try:  # the house JSON policy: bounded nesting and size, no duplicate keys
+        manifest = loads(text)
+    except JsonError as exc:
+        raise ConverterError(exc.message(f"metadata {EXPORT_META_KEY}"), path=shard) from None
     problems = manifest_problems(manifest)
     if problems:
         raise ConverterError(f"metadata {EXPORT_META_KEY}: {'; '.join(problems)}", path=shard)
@@ -133,9 +134,17 @@ def check_export(export: str | Path, src: str | Path, *, numerics: bool = True) 
         for name, digest in recorded.items():
             if actual.get(name) != digest:
                 out.problems.append(f"source file {name}: sha256 differs from the one the export recorded")
+        listed = [r["name"] for r in manifest["layers"] if r["exported"]]
         out.problems.extend(config_problems(e, [r for r in manifest["layers"] if r["exported"]]))
         splan = {lay.name: lay for lay in s.plan(pad=True).layers}
         eplan = {lay.name: lay for lay in e.plan(pad=True).layers}
+        # The manifest says what to compare: a layer it leaves out would go unchecked.
+        unlisted = [n for n, lay in eplan.items() if lay.convertible and n not in listed]
+        twice = sorted({n for n in listed if listed.count(n) > 1})
+        if unlisted:
+            out.problems.append(f"the export packs layers its manifest does not list as exported ({_names(unlisted)})")
+        if twice:
+            out.problems.append(f"the export manifest lists layers more than once ({_names(twice)})")
         for rec in manifest["layers"]:
             name = rec["name"]
             if not rec["exported"]:
@@ -180,41 +189,101 @@ def check_export(export: str | Path, src: str | Path, *, numerics: bool = True) 
 
 
 def config_problems(export: Source, layers: list[dict[str, Any]]) -> list[str]:
-    """Where the export's ``config.json`` would make an engine load an exported layer
-    other than as written: no config group, a group whose weights args differ from the
-    layer's (``symmetric`` true drops the zero points), listed in ``ignore`` (loaded
-    unquantized). Our reader goes by the tensors, so the numbers alone would pass.
-    One problem per rule, with the layers it holds for."""
+    """Where the export's ``config.json`` could make an engine load an exported layer
+    other than as written (our reader goes by the tensors, so the numbers alone would
+    pass). Read as strictly as the engines differ: a config group or ``ignore`` entry
+    counts for a layer when it names the layer, or the module vLLM fuses it into
+    (``qkv_proj``, ``gate_up_proj``), exactly or by ``re:`` regex, or is a class-name
+    target vLLM or compressed-tensors would apply to a linear layer (``Linear``). Every
+    group that counts must hold the layer's scheme as written (``weights`` args raw, as
+    :func:`~converter.export.quant_config.quantization_config` writes them, and format
+    ``pack-quantized``), so the group order an engine resolves by never matters; at least
+    one must count, and no ``ignore`` entry may. One problem per rule, with its layers."""
     if not isinstance(export, CompressedTensorsSource):
         return ["config.json: quantization_config is not compressed-tensors"]
+    qc = export.ckpt.quant_config
+    top_format = qc.get("format")
+    groups = [
+        (gname, group, [_Target(t, field=f"config_groups.{gname}.targets", path=export.cfg_path) for t in targets])
+        for gname, group in qc["config_groups"].items()
+        for targets in [group.get("targets") or []]
+    ]
+    ignore = [_Target(t, field="ignore", path=export.cfg_path) for t in qc.get("ignore") or []]
     found: dict[str, list[str]] = {}
+
+    def add(rule: str, name: str) -> None:
+        found.setdefault(rule, []).append(name)
+
     for rec in layers:
         name = rec["name"]
-        entry = export.ignored(name)
-        if entry:  # an engine loads it unquantized
-            found.setdefault(f"config.json lists exported layers in quantization_config.ignore ({entry!r})", []).append(
-                name
-            )
-        args = export.args_for(name)
-        if args is None:
-            found.setdefault("no config group of config.json targets exported layers", []).append(name)
-            continue
+        names = _engine_names(name)
+        for target in ignore:
+            if _counts(target, names):  # an engine loads it unquantized
+                add(f"config.json lists exported layers in quantization_config.ignore ({target.entry!r})", name)
         lay = LayerExport(name, rec["bits"], 0, 0, rec["group_size"], rec["strategy"], rec["act_order"], True)
-        want = {k: v for k, v in _weights_args(lay).items() if k in _CHECKED_ARGS}
-        if lay.strategy != "group":
-            del want["group_size"]  # channel: compressed-tensors ignores it
-        want["format"] = PACK_QUANTIZED
-        for key, value in want.items():
-            have = getattr(args, key)
-            if have != value:
-                where = "format" if key == "format" else f"weights.{key}"
-                rule = f"config group {args.group}: {where} is {json.dumps(have)}, the layers need {json.dumps(value)}"
-                found.setdefault(rule, []).append(name)
+        want = {k: v for k, v in _weights_args(lay).items() if k in _ARG_DEFAULTS}
+        matched = False
+        for gname, group, targets in groups:
+            hit = next((t.entry for t in targets if _counts(t, names)), None)
+            if hit is None:
+                continue
+            matched = True
+            # a regex, class name or fused name says why the group applies; a layer's own name needs no saying
+            where = f"config group {gname}" + (f" (by {hit!r})" if hit != name else "")
+            weights = group.get("weights") if isinstance(group.get("weights"), dict) else {}
+            for key, value in want.items():
+                have = weights.get(key, _ARG_DEFAULTS[key])
+                if have != value or type(have) is not type(value):
+                    add(f"{where}: weights.{key} is {json.dumps(have)}, the layers need {json.dumps(value)}", name)
+            # vLLM takes a group's own format wherever it is not null ("" included)
+            fmt = group.get("format") if group.get("format") is not None else top_format
+            if fmt != PACK_QUANTIZED:
+                add(f"{where}: format is {json.dumps(fmt)}, the layers need {json.dumps(PACK_QUANTIZED)}", name)
+        if not matched:
+            add("no config group of config.json targets exported layers", name)
     return [f"{rule} ({_names(names)})" for rule, names in found.items()]
 
 
-#: The weights args an engine's choice of kernel and arithmetic depends on.
-_CHECKED_ARGS = ("num_bits", "type", "symmetric", "strategy", "group_size", "actorder")
+#: The weights args an engine's choice of kernel and arithmetic depends on, and the
+#: value compressed-tensors' QuantizationArgs takes for each when the key is absent.
+_ARG_DEFAULTS: dict[str, Any] = {
+    "num_bits": 8,
+    "type": "int",
+    "symmetric": True,
+    "strategy": None,
+    "group_size": None,
+    "actorder": None,
+    "dynamic": False,
+}
+#: The module vLLM fuses a projection into (its weights loaded into one layer).
+_FUSED = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
+#: vLLM's linear layer classes (lower case): a class-name target counts for a layer when
+#: it is a substring of one, as vLLM matches; compressed-tensors matches ``Linear``.
+_VLLM_LINEAR_CLASSES = (
+    "qkvparallellinear", "mergedcolumnparallellinear", "rowparallellinear", "columnparallellinear", "replicatedlinear",
+)  # fmt: skip
+
+
+def _engine_names(name: str) -> list[str]:
+    """The names an engine may match a layer's config entries against: its own, and the
+    fused module's where vLLM fuses it."""
+    prefix, _, leaf = name.rpartition(".")
+    fused = _FUSED.get(leaf)
+    return [name, f"{prefix}.{fused}" if prefix else fused] if fused else [name]
+
+
+def _counts(target: _Target, names: list[str]) -> bool:
+    entry = target.entry
+    if not entry.startswith("re:") and "." not in entry and entry[:1].isalpha() and not entry.islower():
+        low = entry.lower()
+        return entry == "Linear" or any(low in cls for cls in _VLLM_LINEAR_CLASSES)
+    return any(target.matches(n) for n in names)
 
 
 def _compare_layer(

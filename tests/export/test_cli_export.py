@@ -115,13 +115,19 @@ def test_a_malformed_export_manifest_is_one_error_line_naming_the_shard(export: 
     from converter.export.compressed_tensors import EXPORT_META_KEY
     from converter.safetensors_io import SafetensorsFile
 
-    for i, text in enumerate(["{bad", "[]", json.dumps({"source": {"files": "x"}, "layers": [{"name": 5}]})]):
+    texts = [
+        "{bad",
+        "[" * 100_000 + "]" * 100_000,
+        "[]",
+        json.dumps({"source": {"files": "x"}, "layers": [{"name": 5}]}),
+    ]
+    for i, text in enumerate(texts):
         edited = tmp_path / f"m{i}"
         shutil.copytree(export, edited)
         shard = edited / "model.safetensors"
         meta = dict(SafetensorsFile(shard).metadata, **{EXPORT_META_KEY: text})
         save_file(load_file(shard), shard, metadata=meta)
         r = run_cli("marlin-verify", edited, "--against", AWQ)
-        assert_one_line_error(r, str(shard), f"metadata {EXPORT_META_KEY}: ")
+        assert_one_line_error(r, str(shard), f"metadata {EXPORT_META_KEY}")
         assert r.stdout == ""
     assert "source.files is not a list; layers[0].name is not str; layers[0].exported is not bool" in r.stderr

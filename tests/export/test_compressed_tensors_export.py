@@ -376,3 +376,83 @@ def test_the_readers_notes_on_a_layer_reach_the_export_summary(tmp_path: Path) -
     assert note.startswith("m.up: ") and "i.e. z - 1 = -1: a true zero of 0" in note
     assert f"warning: {note}" in summary.text()
     assert assert_library_exact(src, tmp_path / "out") == 1
+
+
+def _late_symmetric_group(qc: dict) -> None:
+    # a later group over the same names wins in vLLM and compressed-tensors
+    g0 = qc["config_groups"]["group_0"]
+    qc["config_groups"]["late"] = {**g0, "weights": {**g0["weights"], "symmetric": True}}
+
+
+def _fused_regex_group(qc: dict) -> None:
+    # vLLM matches the fused gate_up_proj before the unfused names
+    w = {**qc["config_groups"]["group_0"]["weights"], "num_bits": 8}
+    qc["config_groups"]["z"] = {"targets": ["re:.*gate_up_proj"], "weights": w, "format": "pack-quantized"}
+
+
+IGNORE = "config.json lists exported layers in quantization_config.ignore"
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (_late_symmetric_group, ["config group late: weights.symmetric is true, the layers need false (both)"]),
+        (_fused_regex_group,
+         ["config group z (by 're:.*gate_up_proj'): weights.num_bits is 8, the layers need 4 (up)"]),
+        (lambda qc: qc.update(ignore=["model.layers.0.mlp.gate_up_proj"]),
+         [f"{IGNORE} ('model.layers.0.mlp.gate_up_proj') (up)"]),
+        (lambda qc: qc.update(ignore=["Linear"]), [f"{IGNORE} ('Linear') (both)"]),
+        # a class name that names no linear layer applies to none
+        (lambda qc: qc["config_groups"]["group_0"].update(targets=["Embedding"]),
+         ["no config group of config.json targets exported layers (both)"]),
+        (lambda qc: qc["config_groups"]["group_0"]["weights"].update(dynamic=True),
+         ["config group group_0: weights.dynamic is true, the layers need false (both)"]),
+        (lambda qc: qc["config_groups"]["group_0"].update(format=""),
+         ['config group group_0: format is "", the layers need "pack-quantized" (both)']),
+    ],
+)  # fmt: skip
+def test_check_export_reads_the_config_as_strictly_as_the_engines_differ(tmp_path: Path, edit, expected) -> None:
+    src = _synthetic(tmp_path / "src", bits=4, group_size=64)
+    out = tmp_path / "out"
+    export_compressed_tensors(src, out)
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    edit(cfg["quantization_config"])
+    cfg_path.write_text(json.dumps(cfg))
+    names = {"both": "(model.layers.0.mlp.down_proj, model.layers.0.mlp.up_proj)", "up": "(model.layers.0.mlp.up_proj)"}
+    want = [e.replace("(both)", names["both"]).replace("(up)", names["up"]) for e in expected]
+    assert check_export(out, src, numerics=False).problems == want
+
+
+def test_a_channel_layer_with_a_group_size_in_its_config_fails(tmp_path: Path) -> None:
+    # compressed-tensors refuses group_size with strategy "channel"; vLLM would read groups of it
+    src = _synthetic(tmp_path / "src", bits=4, group_size=-1)
+    out = tmp_path / "out"
+    export_compressed_tensors(src, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 128
+    (out / "config.json").write_text(json.dumps(cfg))
+    assert check_export(out, src, numerics=False).problems == [
+        "config group group_0: weights.group_size is 128, the layers need null "
+        "(model.layers.0.mlp.down_proj, model.layers.0.mlp.up_proj)"
+    ]
+
+
+def test_the_manifest_cannot_leave_a_packed_layer_unchecked(tmp_path: Path) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    src = _synthetic(tmp_path / "src", bits=4, group_size=64)
+    out = tmp_path / "out"
+    export_compressed_tensors(src, out)
+    shard = out / "model.safetensors"
+    meta = SafetensorsFile(shard).metadata
+    manifest = json.loads(meta[EXPORT_META_KEY])
+    by_name = {rec["name"].rsplit(".", 1)[1]: rec for rec in manifest["layers"]}
+    up, down = by_name["up_proj"], by_name["down_proj"]
+    for layers, problem in [
+        ([down], "the export packs layers its manifest does not list as exported (model.layers.0.mlp.up_proj)"),
+        ([up, down, down], "the export manifest lists layers more than once (model.layers.0.mlp.down_proj)"),
+    ]:
+        tensors = load_file(shard)
+        save_file(tensors, shard, metadata=dict(meta, **{EXPORT_META_KEY: json.dumps(dict(manifest, layers=layers))}))
+        assert problem in check_export(out, src, numerics=False).problems

@@ -120,6 +120,24 @@ def test_a_wrong_scale_in_the_export_fails_the_numerics(tmp_path: Path) -> None:
     ]
 
 
+def test_problems_past_the_cap_are_counted_and_verbose_lists_them(tmp_path: Path, monkeypatch) -> None:
+    import converter.cli.verify_cmd as verify_cmd
+    from tests.helpers.clirun import invoke
+
+    src, out = _export(tmp_path, 4, 64, False)
+    _plant_scale(out, UP, 2.0)  # two problems: the scales, then the numerics
+    monkeypatch.setattr(verify_cmd, "PROBLEM_LINES", 1)
+    res = invoke("marlin-verify", out, "--against", src)
+    assert res.exit_code == 1
+    assert res.stdout.splitlines() == [
+        f"problem: {UP}: scales differ from the source",
+        "... and 1 more; --verbose or --json lists every problem",
+        "FAILED: 2 problem(s); checked against source, CPU numerics",
+    ]
+    res = invoke("marlin-verify", out, "--against", src, "--verbose")
+    assert [ln for ln in res.stdout.splitlines() if ln.startswith("problem: ")][1].startswith(f"problem: layer {UP}: ")
+
+
 @pytest.mark.parametrize(("group_size", "act_order"), [(32, True), (-1, False)])
 def test_numerics_read_in_chunks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, group_size: int, act_order: bool
