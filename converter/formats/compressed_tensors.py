@@ -315,7 +315,8 @@ class CompressedTensorsSource(
                 path=self.ckpt.file_of(packed.name),
                 tensor=packed.name,
             )
-        strategy = args.strategy or ("group" if args.group_size else "channel")
+        # compressed-tensors: no strategy and group_size -1 (or none) is per channel
+        strategy = args.strategy or ("group" if (args.group_size or 0) > 0 else "channel")
         if strategy == "group":
             if not args.group_size or args.group_size <= 0:
                 raise ConfigError(

@@ -99,6 +99,18 @@ def test_pack_quantized_fixture_converts_exactly(
     assert_truth(tmp_path / "a.safetensors", P, lay)
 
 
+def test_no_strategy_and_group_size_minus_one_is_per_channel(tmp_path: Path) -> None:
+    # compressed-tensors' QuantizationArgs reads group_size -1 without a strategy as "channel"
+    rng = np.random.default_rng(31)
+    lay = make_layer(rng, 256, 128, group_size=-1)
+    cfg = ct_config(group=-1)
+    del cfg["config_groups"]["group_0"]["weights"]["strategy"]
+    src = write_checkpoint(tmp_path / "src", {**ct_tensors(P, lay, sym=False), **plain_tensors(rng)}, cfg)
+    (rec,) = convert(src, tmp_path / "a.safetensors").converted
+    assert rec.group_size == 256
+    assert_truth(tmp_path / "a.safetensors", P, lay)
+
+
 def test_ignore_and_targets(tmp_path: Path) -> None:
     rng = np.random.default_rng(5)
     q = make_layer(rng, 128, 64)
