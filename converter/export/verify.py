@@ -62,8 +62,12 @@ def export_manifest(folder: str | Path) -> dict | None:
     found = {m[EXPORT_META_KEY]: f for f, m in metas if EXPORT_META_KEY in m}
     if not found:
         return None
-    if len(found) != 1 or any(EXPORT_META_KEY not in m for _, m in metas):
-        raise ConverterError("the export's shards carry different manifests", path=folder)
+    odd = next((f for f, m in metas if m.get(EXPORT_META_KEY) != metas[0][1].get(EXPORT_META_KEY)), None)
+    if odd is not None:  # each shard carries the manifest as written, byte for byte
+        raise ConverterError(
+            f"the export's shards carry different manifests: this one's differs from {metas[0][0].name}'s",
+            path=odd,
+        )
     text, shard = found.popitem()
     try:  # the house JSON policy: bounded nesting and size, no duplicate keys
         manifest = loads(text)

@@ -456,3 +456,20 @@ def test_the_manifest_cannot_leave_a_packed_layer_unchecked(tmp_path: Path) -> N
         tensors = load_file(shard)
         save_file(tensors, shard, metadata=dict(meta, **{EXPORT_META_KEY: json.dumps(dict(manifest, layers=layers))}))
         assert problem in check_export(out, src, numerics=False).problems
+
+
+def test_a_shard_with_another_manifest_is_named(tmp_path: Path) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    src = _synthetic(tmp_path / "src", bits=4, group_size=64)
+    out = tmp_path / "out"
+    export_compressed_tensors(src, out, max_shard_size="20KB")
+    shards = sorted(out.glob("*.safetensors"))
+    assert len(shards) >= 2
+    meta = SafetensorsFile(shards[1]).metadata
+    save_file(load_file(shards[1]), shards[1], metadata=dict(meta, **{EXPORT_META_KEY: meta[EXPORT_META_KEY] + " "}))
+    with pytest.raises(ConverterError) as exc:
+        export_manifest(out)
+    assert str(exc.value) == (
+        f"{shards[1]}: the export's shards carry different manifests: this one's differs from {shards[0].name}'s"
+    )
