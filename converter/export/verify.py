@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,13 @@ from ..digests import sha256_files
 from ..errors import ConverterError
 from ..formats import open_source
 from ..formats.base import LayerPlan, Source
-from ..formats.compressed_tensors import CONVERTIBLE_BITS, PACK_QUANTIZED, CompressedTensorsSource, _Target
+from ..formats.compressed_tensors import (
+    CONVERTIBLE_BITS,
+    PACK_QUANTIZED,
+    CompressedTensorsSource,
+    _is_class_name,
+    _Target,
+)
 from ..jsonio import JsonError, loads
 from ..numerics import accumulate, relative_error
 from ..quant_weight import QuantWeight
@@ -138,13 +145,13 @@ def check_export(export: str | Path, src: str | Path, *, numerics: bool = True) 
         for name, digest in recorded.items():
             if actual.get(name) != digest:
                 out.problems.append(f"source file {name}: sha256 differs from the one the export recorded")
-        listed = [r["name"] for r in manifest["layers"] if r["exported"]]
+        listed = Counter(r["name"] for r in manifest["layers"] if r["exported"])
         out.problems.extend(config_problems(e, [r for r in manifest["layers"] if r["exported"]]))
         splan = {lay.name: lay for lay in s.plan(pad=True).layers}
         eplan = {lay.name: lay for lay in e.plan(pad=True).layers}
         # The manifest says what to compare: a layer it leaves out would go unchecked.
         unlisted = [n for n, lay in eplan.items() if lay.convertible and n not in listed]
-        twice = sorted({n for n in listed if listed.count(n) > 1})
+        twice = sorted(n for n, count in listed.items() if count > 1)
         if unlisted:
             out.problems.append(f"the export packs layers its manifest does not list as exported ({_names(unlisted)})")
         if twice:
@@ -283,10 +290,11 @@ def _engine_names(name: str) -> list[str]:
 
 
 def _counts(target: _Target, names: list[str]) -> bool:
+    """Whether a ``targets`` or ``ignore`` entry applies to a layer known by ``names``
+    (:func:`_engine_names`) in either engine."""
     entry = target.entry
-    if not entry.startswith("re:") and "." not in entry and entry[:1].isalpha() and not entry.islower():
-        low = entry.lower()
-        return entry == "Linear" or any(low in cls for cls in _VLLM_LINEAR_CLASSES)
+    if _is_class_name(entry):
+        return entry == "Linear" or any(entry.lower() in cls for cls in _VLLM_LINEAR_CLASSES)
     return any(target.matches(n) for n in names)
 
 
