@@ -145,8 +145,9 @@ def check_export(export: str | Path, src: str | Path, *, numerics: bool = True) 
         for name, digest in recorded.items():
             if actual.get(name) != digest:
                 out.problems.append(f"source file {name}: sha256 differs from the one the export recorded")
-        listed = Counter(r["name"] for r in manifest["layers"] if r["exported"])
-        out.problems.extend(config_problems(e, [r for r in manifest["layers"] if r["exported"]]))
+        exported = [r for r in manifest["layers"] if r["exported"]]
+        listed = Counter(r["name"] for r in exported)
+        out.problems.extend(config_problems(e, exported))
         splan = {lay.name: lay for lay in s.plan(pad=True).layers}
         eplan = {lay.name: lay for lay in e.plan(pad=True).layers}
         # The manifest says what to compare: a layer it leaves out would go unchecked.

@@ -287,11 +287,8 @@ class MarlinConvertHfQuantizer(HfQuantizer):
                     check_fields(_model_fields(raw), path=cfg_path)
                     # transformers builds every layer the config asks for before the
                     # weights are bound: a planted count would take unbounded time and memory
-                    art = open_artifact(folder)
-                    try:
+                    with open_artifact(folder) as art:
                         check_depth(raw, art.file.infos, path=cfg_path, what="artifact")
-                    finally:
-                        art.close()
         self._checked = True
 
     def _claim_weights(self, config: Any) -> Any:
