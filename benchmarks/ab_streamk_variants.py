@@ -34,6 +34,7 @@ Results: docs/notes/perf_notes.md (2026-12-03T18:30Z section).
 from __future__ import annotations
 
 import json
+import multiprocessing
 import re
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -122,7 +123,9 @@ def main() -> int:
     threads = {name: t for name, _, _, _, t in parsed}
     names = sorted({Pipe.of(p).name(1, True) for p in pipes.values()})
     sources = {(code, defs) for code, defs, _ in variants.values()}
-    with ProcessPoolExecutor(len(sources)) as ex:  # NVRTC in parallel; CuPy caches the cubins
+    print(f"building {len(names)} kernel(s) in {len(sources)} form(s): {', '.join(names)}", file=sys.stderr, flush=True)
+    # NVRTC in parallel (CuPy caches the cubins); spawned, so no child inherits a CUDA context
+    with ProcessPoolExecutor(len(sources), mp_context=multiprocessing.get_context("spawn")) as ex:
         list(ex.map(_warm, [(code, defs, names) for code, defs in sources]))
     import cupy as cp
     import numpy as np
@@ -172,6 +175,7 @@ def main() -> int:
         }
         ref, same = None, {}
         for v in order:
+            print(f"{k} x {n} M={m}: first call of {v}", file=sys.stderr, flush=True)
             use(v)
             got = K.marlin_gemm(a, **layers[0], tuning=tunings[v], **kw)
             bits = got.view(cp.uint16).copy()
