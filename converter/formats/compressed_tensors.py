@@ -100,6 +100,10 @@ def _is_class_name(target: str) -> bool:
     return not target.startswith("re:") and "." not in target and target[:1].isupper()
 
 
+def _precedence(target: str) -> int:
+    return 2 if _is_class_name(target) else 1 if target.startswith("re:") else 0
+
+
 class CompressedTensorsSource(
     HFSource,
     format=SourceFormat.COMPRESSED_TENSORS,
@@ -210,13 +214,19 @@ class CompressedTensorsSource(
         return targets, args
 
     def args_for(self, module: str) -> WeightArgs | None:
-        """The weights args of the first group whose targets name ``module`` (exact or
-        ``re:``), else of the first group with a class-name target; None if none."""
+        """The weights args the engines give ``module``: an exact name before a ``re:``
+        target before a class name, each kind in the order its entries first appear, and
+        an entry that several groups list takes the last group's args (vLLM and
+        compressed-tensors build one target-to-scheme map, a later group overwriting an
+        earlier one's entry); None if no target applies."""
+        by_entry: dict[str, tuple[_Target, WeightArgs]] = {}
         for targets, args in self.groups:
-            if any(not _is_class_name(t.entry) and t.matches(module) for t in targets):
-                return args
-        for targets, args in self.groups:
-            if any(_is_class_name(t.entry) for t in targets):
+            for t in targets:
+                first = by_entry.get(t.entry, (t, args))[0]
+                by_entry[t.entry] = (first, args)
+        ranked = sorted(by_entry.values(), key=lambda ta: _precedence(ta[0].entry))  # stable: first-seen order
+        for target, args in ranked:
+            if _is_class_name(target.entry) or target.matches(module):
                 return args
         return None
 

@@ -149,6 +149,41 @@ def test_ignore_and_targets(tmp_path: Path) -> None:
     assert_truth(tmp_path / "a.safetensors", P, q)
 
 
+EIGHT_BITS = {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "group", "group_size": 128}
+
+
+@pytest.mark.parametrize(
+    ("first", "later", "winner"),
+    [
+        (["Linear"], ["Linear"], "group_1"),  # one entry in two groups: the later group's
+        ([P], [P], "group_1"),
+        ([r"re:.*q_proj$"], [P], "group_1"),  # an exact name before a regex
+        ([P], [r"re:.*q_proj$"], "group_0"),
+        (["Linear"], [r"re:.*q_proj$"], "group_1"),  # a regex before a class name
+        ([r"re:.*q_proj$"], ["Linear"], "group_0"),
+        ([r"re:.*q_proj$"], [r"re:.*self_attn.*"], "group_0"),  # regexes in their first order
+    ],
+)
+def test_group_precedence_is_the_engines(tmp_path: Path, first: list[str], later: list[str], winner: str) -> None:
+    # vLLM and compressed-tensors map each target entry to its last group, then take an
+    # exact name before a regex before a class name: convert what they would load
+    rng = np.random.default_rng(8)
+    lay = make_layer(rng, 128, 64)
+    cfg = ct_config(targets=first, extra_groups={"group_1": {"targets": later, "weights": EIGHT_BITS}})
+    if winner == "group_0":  # the 8-bit group is the loser: swap the args so the test says which applied
+        cfg["config_groups"]["group_0"]["weights"], cfg["config_groups"]["group_1"]["weights"] = (
+            EIGHT_BITS,
+            cfg["config_groups"]["group_0"]["weights"],
+        )
+    src = write_checkpoint(tmp_path / "src", {**ct_tensors(P, lay, sym=False), **plain_tensors(rng)}, cfg)
+    report = convert(src, tmp_path / "a.safetensors")
+    assert not report.converted
+    (refused,) = [p for p in report.passthrough if p.name == f"{P}.weight_packed"]
+    assert refused.reason == (
+        f"layer {P} not converted: 8-bit codes (config group {winner}) do not convert to Marlin's 4-bit layout"
+    )
+
+
 def test_marlin24_format_is_refused(tmp_path: Path) -> None:
     src = write_checkpoint(tmp_path / "src", plain_tensors(np.random.default_rng(0)), ct_config(fmt="marlin-24"))
     with pytest.raises(
