@@ -35,7 +35,10 @@ CASES = (
     (64, 4096, 2048, 128, False, True, 5),
     (100, 2048, 1024, 128, True, True, None),
 )
-PIPES = {"hopper_skg": [("hopper_skg", r, 8, 6) for r in (1, 2, 3, 4)], "hopper_sk": [("hopper_sk", r, 8, 6) for r in (3, 4, 6, 8)]}
+PIPES = {
+    "hopper_skg": [("hopper_skg", r, 8, 6) for r in (1, 2, 3, 4)],
+    "hopper_sk": [("hopper_sk", r, 8, 6) for r in (3, 4, 6, 8)],
+}
 
 
 def main() -> int:
@@ -87,14 +90,17 @@ def main() -> int:
             plan = kernels.gemm_plan(m, k, n, gs, delta=asym, pipe=pipe, tuning=tuning, act=act)
             host = dict(delta=L["delta"], perm=L["perm"], bias=L["bias"], arith=plan.arith)
             want = twin.marlin_gemm(a, L["B"], L["S"], **kw, **host)
-            as64 = (lambda x: bf16_to_f32(x).astype(np.float64)) if act == "bfloat16" else (lambda x: x.astype(np.float64))
+            as64 = (
+                (lambda x: bf16_to_f32(x).astype(np.float64)) if act == "bfloat16" else (lambda x: x.astype(np.float64))
+            )
             diff = np.abs(as64(got) - as64(want))
             bound = twin.gemm_error_bound(a, L["B"], L["S"], **kw, **host, splits=plan.splits * plan.wk)
             bad = int((diff > bound).sum()) + int(np.isnan(diff).sum())
             bad_total += bad
+            worst = float(np.nanmax(diff / bound))
             print(
                 f"{act} M={m} K={k} N={n} group={gs} act_order={act_order} asym={asym} iters={iters} "
-                f"{plan.kind.value} T={8 * pipe[1]}: {bad} out of bound, worst {float(np.nanmax(diff / bound)):.3f} of it",
+                f"{plan.kind.value} T={8 * pipe[1]}: {bad} out of bound, worst {worst:.3f} of it",
                 flush=True,
             )
     print(f"{bad_total} outputs out of bound")
