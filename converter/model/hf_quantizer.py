@@ -63,6 +63,28 @@ def _local_folder(config: Any) -> Path | None:
     return Path(name) if name and Path(name).is_dir() else None
 
 
+def _check_weight_file(folder: Path, weight_file: str) -> None:
+    """``weight_file`` must be the artifact load_model and marlin-verify read in ``folder``:
+    transformers takes the unconverted tensors (embeddings, norms) from it, and another
+    file there would give the model other weights than the checked ones.
+
+    Raises:
+        ModelError: it names another file.
+        ArtifactError: the folder holds no single artifact.
+    """
+    from ..artifact.sharded_reader import resolve_artifact
+
+    index, files = resolve_artifact(folder)
+    artifact = Path(index.path).name if index is not None else files[0].name
+    if weight_file != artifact:
+        raise ModelError(
+            f"names {weight_file!r}, but the folder's artifact is {artifact!r} (what load_model and "
+            "marlin-verify read): transformers would take the unconverted tensors from another file",
+            path=folder / "config.json",
+            tensor="quantization_config.weight_file",
+        )
+
+
 def _model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """``cfg`` without what is ours, not the model's: ``quantization_config`` and folder
     mode's guard (as :func:`~converter.model.build.hf_config` drops them)."""
@@ -196,6 +218,25 @@ class MarlinConvertHfQuantizer(HfQuantizer):
         self._swaps: dict[str, str] = {}
         self._report: LoadReport | None = None
         self._checked = False
+        # Offline from the first hook that sees a local folder's config (a hub id's: from
+        # update_dtype, after its files are fetched) to the end of the load: transformers
+        # builds the modules between two hooks, and a module's __init__ may fetch (model_type
+        # "rwkv" asks the Hub for a kernel). A load that fails between two hooks is released
+        # when the quantizer is collected.
+        self._offline = contextlib.ExitStack()
+        self._cfg_path = Path("config.json")
+        weakref.finalize(self, self._offline.close)
+
+    def update_dtype(self, dtype: Any) -> Any:  # the last hook before transformers builds the modules
+        self._go_offline(self._cfg_path)
+        return dtype
+
+    def _go_offline(self, cfg_path: Path) -> None:
+        if not self._offline._exit_callbacks:  # type: ignore[attr-defined]
+            self._offline.enter_context(offline(cfg_path))
+
+    def _back_online(self) -> None:
+        self._offline.close()
 
     def validate_environment(self, *args: Any, device_map: Any = None, **kwargs: Any) -> None:
         """Check a ``device_map`` of modules to devices; transformers calls this with the map
@@ -278,7 +319,10 @@ class MarlinConvertHfQuantizer(HfQuantizer):
             return
         folder = _local_folder(config)
         cfg_path = folder / "config.json" if folder is not None else Path("config.json")
-        with offline(cfg_path):
+        self._cfg_path = cfg_path
+        if folder is not None:  # a hub id's weights are fetched after this hook
+            self._go_offline(cfg_path)
+        with self._released_on_error(), offline(cfg_path):
             built = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
             check_config(_model_fields(built), path=cfg_path)
             if folder is not None and cfg_path.is_file():
@@ -290,6 +334,14 @@ class MarlinConvertHfQuantizer(HfQuantizer):
                     with open_artifact(folder) as art:
                         check_depth(raw, art.file.infos, path=cfg_path, what="artifact")
         self._checked = True
+
+    @contextlib.contextmanager
+    def _released_on_error(self) -> Iterator[None]:
+        try:
+            yield
+        except BaseException:
+            self._back_online()
+            raise
 
     def _claim_weights(self, config: Any) -> Any:
         """Point ``config.transformers_weights`` at the artifact, replacing folder mode's guard.
@@ -304,11 +356,16 @@ class MarlinConvertHfQuantizer(HfQuantizer):
             or not wf.endswith((".safetensors", ".safetensors.index.json"))
         ):
             folder = _local_folder(config)
+            self._back_online()
             raise ModelError(
                 f"{wf!r} is not the name of a safetensors file or index beside config.json",
                 path=folder / "config.json" if folder is not None else "config.json",
                 tensor="quantization_config.weight_file",
             )
+        folder = _local_folder(config)
+        if folder is not None:
+            with self._released_on_error():
+                _check_weight_file(folder, wf)
         config.transformers_weights = wf
         return config
 
@@ -318,9 +375,10 @@ class MarlinConvertHfQuantizer(HfQuantizer):
         files = kwargs.get("checkpoint_files")
         if not files:
             raise ModelError(f"a {PRODUCER_NAME} model loads from its folder's artifact: from_pretrained found none")
-        folder, cfg = read_converted_config(Path(files[0]).parent)
-        with offline(folder / "config.json"):
-            return self._before_weight_loading(model, folder, cfg, kwargs)
+        with self._released_on_error():
+            folder, cfg = read_converted_config(Path(files[0]).parent)
+            with offline(folder / "config.json"):
+                return self._before_weight_loading(model, folder, cfg, kwargs)
 
     def _before_weight_loading(self, model: Any, folder: Path, cfg: dict[str, Any], kwargs: dict[str, Any]) -> Any:
         from .build import check_fields
@@ -375,10 +433,13 @@ class MarlinConvertHfQuantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model: Any, **kwargs: Any) -> Any:
         layers, report = self._layers, self._report
-        if layers is None or report is None:
-            return model
-        with offline(Path(report.folder) / "config.json"):
-            return self._after_weight_loading(model, layers, report)
+        try:
+            if layers is None or report is None:
+                return model
+            with offline(Path(report.folder) / "config.json"):
+                return self._after_weight_loading(model, layers, report)
+        finally:
+            self._back_online()
 
     def _after_weight_loading(self, model: Any, layers: ConvertedLayers, report: LoadReport) -> Any:
         from ..safetensors_io import release_mapped_pages

@@ -4,6 +4,7 @@ top-1 rule of --model is fair to near-ties. Every refusal is one ModelError line
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -194,12 +195,37 @@ def test_from_pretrained_refuses_a_weight_file_that_is_no_safetensors_naming_the
     assert no_network == []
 
 
-@pytest.mark.parametrize("hook", ["ConvertedLayers", "module"])
+def test_from_pretrained_refuses_a_weight_file_other_than_the_artifact(
+    tiny: tuple[Path, Path], tmp_path: Path, no_network: list[object]
+) -> None:
+    """transformers takes the unconverted tensors from quantization_config.weight_file;
+    another safetensors file there would give the model weights load_model and
+    marlin-verify never read."""
+    from transformers import AutoModelForCausalLM
+
+    import converter  # noqa: F401
+
+    qc = json.loads((tiny[1] / "config.json").read_text())["quantization_config"]
+    folder = _edited(tiny[1], tmp_path / "m", quantization_config={**qc, "weight_file": "evil.safetensors"})
+    shutil.copy(folder / "model.safetensors", folder / "evil.safetensors")
+    with pytest.raises(ModelError) as ei:
+        AutoModelForCausalLM.from_pretrained(folder)
+    assert str(ei.value) == (
+        f"{folder / 'config.json'}: quantization_config.weight_file: names 'evil.safetensors', but the folder's "
+        "artifact is 'model.safetensors' (what load_model and marlin-verify read): transformers would take the "
+        "unconverted tensors from another file"
+    )
+    assert no_network == []
+
+
+@pytest.mark.parametrize("hook", ["ConvertedLayers", "module", "init"])
 def test_from_pretrained_hooks_run_offline(
     tiny: tuple[Path, Path], no_network: list[object], monkeypatch: pytest.MonkeyPatch, hook: str
 ) -> None:
-    """What our quantizer runs before and after weight loading runs with the socket layer
-    closed: a connection attempted there is a NetworkAttempt, and none reaches the socket."""
+    """What our quantizer runs before and after weight loading, and the modules' __init__
+    that transformers runs between two hooks (model_type "rwkv" fetches a kernel there), run
+    with the socket layer closed: a connection attempted there is a NetworkAttempt, and none
+    reaches the socket."""
     from transformers import AutoModelForCausalLM
 
     import converter  # noqa: F401
@@ -211,7 +237,17 @@ def test_from_pretrained_hooks_run_offline(
         seen.append(os.environ.get("HF_HUB_OFFLINE", ""))
         socket.create_connection(("huggingface.co", 443))
 
-    if hook == "ConvertedLayers":
+    if hook == "init":
+        from transformers.models.llama import modeling_llama
+
+        real_init = modeling_llama.LlamaRMSNorm.__init__
+
+        def init(self: object, *args: object, **kwargs: object) -> None:
+            dial()
+            real_init(self, *args, **kwargs)
+
+        monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "__init__", init)
+    elif hook == "ConvertedLayers":
         real = hf_quantizer.ConvertedLayers
 
         def layers(*args: object, **kwargs: object) -> object:
@@ -231,6 +267,7 @@ def test_from_pretrained_hooks_run_offline(
     with pytest.raises(NetworkAttempt, match="asks for a network connection"):
         AutoModelForCausalLM.from_pretrained(tiny[1])
     assert seen == ["1"] and no_network == []
+    gc.collect()  # a load that failed between two hooks is released with its quantizer
     assert os.environ["HF_HUB_OFFLINE"] == "0"  # restored
 
 
@@ -245,8 +282,12 @@ def test_from_pretrained_still_loads_an_ordinary_folder(
 
     import converter  # noqa: F401
 
+    before = (socket.socket.connect, socket.create_connection, socket.getaddrinfo)
     model = AutoModelForCausalLM.from_pretrained(tiny[1])
     assert model.marlin_report.architecture == "LlamaForCausalLM" and no_network == []
+    # offline from the first hook to the last, and back online after
+    assert "HF_HUB_OFFLINE" not in os.environ and "TRANSFORMERS_OFFLINE" not in os.environ
+    assert (socket.socket.connect, socket.create_connection, socket.getaddrinfo) == before
 
 
 def test_tokenizer_remote_code_is_refused_and_never_imported(
