@@ -74,6 +74,7 @@ class ProblemCode(str, enum.Enum):
     KERNEL_FALLBACK = "kernel_fallback"
     UNUSED_TENSORS = "unused_tensors"
     TIED_DIFFERS = "tied_differs"
+    CONFIG_DIFFERS = "config_differs"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,8 +16,8 @@ class Finding:
         code: stable identifier (:class:`~converter.artifact.problems.ProblemCode`):
             ``model_error``, ``model_top1``, ``layer_error``, ``missing_tensor``,
             ``missing_bias``, ``tensor_dtype``, ``tensor_bytes``, ``tensor_not_in_source``,
-            ``layer_not_in_source``, ``artifact``, ``source_differs`` (errors; the last a
-            warning with ``allow_source_mismatch``); ``not_converted``,
+            ``layer_not_in_source``, ``artifact``, ``source_differs``, ``config_differs``
+            (errors; the last two warnings with ``allow_source_mismatch``); ``not_converted``,
             ``kernel_fallback``, ``unused_tensors``, ``tied_differs``, ``layer_not_run``
             (warnings).
         message: one line naming the layer or tensor and the rule.

@@ -283,10 +283,13 @@ def _verify_model(
 ) -> ModelReport:
     t_start = time.perf_counter()
     torch, _ = import_stack()
+    from ..artifact.hf_config import edited_fields
     from ..artifact.validate import validate_artifact
     from ..formats import open_source
+    from .config import hf_config
     from .modules import swapped_modules
     from .reference import FP16, FP32, build_reference, source_config
+    from .skeleton import model_class
 
     dt = torch_dtype(dtype)
     if dt is not None and dt not in (torch.float16, torch.bfloat16):
@@ -312,7 +315,7 @@ def _verify_model(
                 return _finish(report, t_start)
             source = open_source(against)
             stack.callback(source.close)
-            source_config(source)
+            _, src_cfg = source_config(source)
             actual = {f["name"]: f["sha256"] for f in source.describe()["files"]}
             changed = sorted(n for n in recorded.keys() & actual.keys() if recorded[n] != actual[n])
             if changed or (recorded and not recorded.keys() & actual.keys()):
@@ -326,6 +329,22 @@ def _verify_model(
                     )
                     return _finish(report, t_start)
                 report.add(P.SOURCE_DIFFERS, message, severity="warning")
+            # The references are built from the source's config.json and ours from the
+            # folder's: a field edited there (rope scaling, the context length, which also
+            # sets the input's length) would go unseen at the lengths checked.
+            # a config.json no model can be built from is bad input, refused as load_model would
+            cfg_path = folder / "config.json"
+            model_class(hf_config(cfg, path=cfg_path), cfg, path=cfg_path)
+            edits = edited_fields(cfg, src_cfg)
+            for field, what in edits:
+                report.add(
+                    P.CONFIG_DIFFERS,
+                    f"{cfg_path}: {field}: {what}",
+                    field,
+                    severity="warning" if allow_source_mismatch else "error",
+                )
+            if edits and not allow_source_mismatch:
+                return _finish(report, t_start)
             ids, report.input = input_ids(folder, cfg, text)
             plans = {lp.name: lp for lp in source.plan().layers}
         stack.enter_context(_true_fp32(torch, device))

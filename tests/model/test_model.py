@@ -1267,3 +1267,27 @@ def test_verify_model_passes_on_the_ragged_llama(ragged: tuple[Path, Path]) -> N
     assert all(r["ok"] and r["rel_err"] < 1e-3 for r in rep.layers)
     conv, f16 = rep.metrics["converted"], rep.metrics["fp16_dequant"]
     assert conv["mean_rel_err"] <= 1.5 * f16["mean_rel_err"] and conv["top1"] >= 0.99
+
+
+def test_verify_model_refuses_a_config_json_edited_after_conversion(tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    """The references are built from the source's config.json and ours from the folder's:
+    an edit that shows only at lengths the check does not run (a rope scaling, a context
+    length, which also caps the input) fails before any model is built, naming the field."""
+    src, out = tiny
+    bad = tmp_path / "edited"
+    shutil.copytree(out, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    was = cfg["max_position_embeddings"]
+    cfg["max_position_embeddings"] = 4
+    (bad / "config.json").write_text(json.dumps(cfg))
+    reseal_folder_files(bad)
+    rep = verify_model(bad, src, gpu=False)
+    assert not rep.ok and rep.layers == []  # no model was run
+    (p,) = rep.problems
+    assert (p.code.value, p.tensor, p.severity) == ("config_differs", "max_position_embeddings", "error")
+    assert p.message == (f"{bad / 'config.json'}: max_position_embeddings: 4 where the source's config.json has {was}")
+    anyway = verify_model(bad, src, gpu=False, allow_source_mismatch=True)
+    assert [(q.code.value, q.severity) for q in anyway.problems if q.code.value == "config_differs"] == [
+        ("config_differs", "warning")
+    ]
+    assert verify_model(out, src, gpu=False).ok  # the folder as written has no edit
