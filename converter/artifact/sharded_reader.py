@@ -17,6 +17,7 @@ import numpy as np
 from ..constants import HF_INDEX_NAME
 from ..errors import ArtifactError, ConverterError
 from ..hf_index import HFIndex, read_index
+from ..jsonio import not_regular
 from ..quant_weight import Tensor, TensorInfo
 from ..safetensors_io import SafetensorsFile
 from .manifest import dump_manifest
@@ -126,8 +127,12 @@ class ShardedFile:
         try:
             for f in files:
                 if not f.is_file():
+                    try:
+                        what = not_regular(f.stat().st_mode)
+                    except OSError:
+                        what = "missing"
                     self._problem(
-                        ProblemCode.MISSING_SHARD, f"{f.name}: shard listed in {index.name} is missing", f.name
+                        ProblemCode.MISSING_SHARD, f"{f.name}: shard listed in {index.name} is {what}", f.name
                     )
                     continue
                 try:

@@ -10,6 +10,7 @@ import numpy as np
 
 from ..constants import PRODUCER_NAME
 from ..errors import ConverterError, GpuUnavailableError
+from ..jsonio import not_regular
 from . import ModelError
 from .build import (
     apply_binding,
@@ -65,7 +66,11 @@ def read_converted_config(path: str | Path) -> tuple[Path, dict[str, Any]]:
         raise ModelError(f"not a converted model folder: {hint}, not from a single file", path=folder)
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
-        raise ModelError(f"not a converted model folder: no config.json; {hint}", path=folder)
+        try:
+            mode = cfg_path.stat().st_mode  # through a symlink, as the read would go
+        except OSError:
+            raise ModelError(f"not a converted model folder: no config.json; {hint}", path=folder) from None
+        raise ModelError(f"{not_regular(mode)}; a converted folder's config.json is a file", path=cfg_path)
     cfg = read_json_file(cfg_path)
     qc = cfg.get("quantization_config")
     method = qc.get("quant_method") if isinstance(qc, dict) else None

@@ -205,6 +205,9 @@ def test_verify_reports_missing_shard_and_bad_index(tmp_path: Path, src: tuple[P
     msgs = [p.message for p in rep.problems]
     assert any(m == f"{victim}: shard listed in m.safetensors.index.json is missing" for m in msgs)
     assert any(p.code == "missing_tensor" for p in rep.problems)
+    os.mkfifo(tmp_path / victim)  # there, but nothing to read: said so, and no read waits for a writer
+    msgs = [p.message for p in verify(index, shapes_only=True).problems]
+    assert f"{victim}: shard listed in m.safetensors.index.json is not a regular file (a FIFO)" in msgs
 
 
 def test_verify_flags_a_single_file_that_would_shadow_the_shards(tmp_path: Path, src: tuple[Path, dict]) -> None:

@@ -532,3 +532,18 @@ def test_judge_reports_the_decided_rule(tiny: tuple[Path, Path]) -> None:
     msgs = [p.message for p in rep.problems if p.code.value == "model_top1"]
     assert len(msgs) == 1 and "at its 500 decided positions (of 512" in msgs[0] and "0.9000" in msgs[0]
     assert rep.bar["top1_min"] == 0.995 and conv["top1_decided"] == 0.9
+
+
+def test_a_config_json_that_is_no_file_is_named_as_such(tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    folder = tmp_path / "m"
+    shutil.copytree(tiny[1], folder)
+    (folder / "config.json").unlink()
+    os.mkfifo(folder / "config.json")
+    assert _refused(folder) == (
+        f"{folder / 'config.json'}: not a regular file (a FIFO); a converted folder's config.json is a file"
+    )
+    (folder / "config.json").unlink()
+    (folder / "config.json").symlink_to("/dev/zero")
+    assert _refused(folder) == (
+        f"{folder / 'config.json'}: not a regular file (a device); a converted folder's config.json is a file"
+    )
