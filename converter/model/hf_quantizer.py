@@ -224,6 +224,7 @@ class MarlinConvertHfQuantizer(HfQuantizer):
         # "rwkv" asks the Hub for a kernel). A load that fails between two hooks is released
         # when the quantizer is collected.
         self._offline = contextlib.ExitStack()
+        self._is_offline = False
         self._cfg_path = Path("config.json")
         weakref.finalize(self, self._offline.close)
 
@@ -232,11 +233,13 @@ class MarlinConvertHfQuantizer(HfQuantizer):
         return dtype
 
     def _go_offline(self, cfg_path: Path) -> None:
-        if not self._offline._exit_callbacks:  # type: ignore[attr-defined]
+        if not self._is_offline:
             self._offline.enter_context(offline(cfg_path))
+            self._is_offline = True
 
     def _back_online(self) -> None:
         self._offline.close()
+        self._is_offline = False
 
     def validate_environment(self, *args: Any, device_map: Any = None, **kwargs: Any) -> None:
         """Check a ``device_map`` of modules to devices; transformers calls this with the map
