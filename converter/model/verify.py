@@ -329,12 +329,12 @@ def _verify_model(
                     )
                     return _finish(report, t_start)
                 report.add(P.SOURCE_DIFFERS, message, severity="warning")
-            # The references are built from the source's config.json and ours from the
-            # folder's: a field edited there (rope scaling, the context length, which also
-            # sets the input's length) would go unseen at the lengths checked.
             # a config.json no model can be built from is bad input, refused as load_model would
             cfg_path = folder / "config.json"
             model_class(hf_config(cfg, path=cfg_path), cfg, path=cfg_path)
+            # The references are built from the source's config.json and ours from the
+            # folder's: a field edited there (rope scaling, the context length, which also
+            # sets the input's length) would go unseen at the lengths checked.
             edits = edited_fields(cfg, src_cfg)
             for field, what in edits:
                 report.add(
