@@ -3,8 +3,8 @@
 (needs an sm_90 GPU): ``ab_streamk_variants.py`` compares bits with the shipped kernel,
 which a variant that sums in another order (``skg_producer_sums.patch``) changes by
 design; this checks its outputs within ``gemm_error_bound``, in both activation types,
-B unit-major as ``MarlinLinear`` keeps it, forced pipes of one kind, ragged N, act-order,
-per-channel, symmetric and units cut into pieces (forced run lengths). Usage::
+B unit-major as ``MarlinLinear`` keeps it and in Marlin's order, forced pipes of one kind,
+ragged N, act-order, per-channel, symmetric and units cut into pieces (forced run lengths). Usage::
 
     PYTHONPATH=$PWD python3 benchmarks/check_streamk_variant.py \\
         docs/notes/streamk_variants/skg_producer_sums.patch SKG_XSUM=1 [hopper_skg|hopper_sk]
@@ -21,19 +21,22 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-# m, k, n, group size, act-order, asymmetric, forced run length (None: the planner's)
+# m, k, n, group size, act-order, asymmetric, forced run length (None: the planner's),
+# B unit-major (else Marlin's order)
 CASES = (
-    (1, 4096, 4096, 128, False, True, None),
-    (8, 4096, 4096, 128, False, True, 3),
-    (13, 2048, 1024, 128, True, True, 5),
-    (16, 4096, 512, -1, False, True, 2),
-    (17, 1024, 4096, 128, False, False, None),
-    (24, 4096, 4096, 128, False, True, 7),
-    (32, 8192, 1024, 256, False, True, 3),
-    (29, 2048, 1280, 128, True, True, None),
-    (32, 4096, 4096, 128, False, True, None),
-    (64, 4096, 2048, 128, False, True, 5),
-    (100, 2048, 1024, 128, True, True, None),
+    (1, 4096, 4096, 128, False, True, None, True),
+    (8, 4096, 4096, 128, False, True, 3, True),
+    (13, 2048, 1024, 128, True, True, 5, True),
+    (16, 4096, 512, -1, False, True, 2, True),
+    (17, 1024, 4096, 128, False, False, None, True),
+    (24, 4096, 4096, 128, False, True, 7, True),
+    (32, 8192, 1024, 256, False, True, 3, True),
+    (29, 2048, 1280, 128, True, True, None, True),
+    (32, 4096, 4096, 128, False, True, None, True),
+    (64, 4096, 2048, 128, False, True, 5, True),
+    (100, 2048, 1024, 128, True, True, None, True),
+    (9, 2048, 1280, 128, False, True, 3, False),
+    (31, 4096, 512, -1, True, True, None, False),
 )
 PIPES = {
     "hopper_skg": [("hopper_skg", r, 8, 6) for r in (1, 2, 3, 4)],
@@ -72,7 +75,7 @@ def main() -> int:
         launches._gemm_launch.cache_clear()
         launches._plan.cache_clear()
         twin = ref16 if act == "bfloat16" else ref
-        for m, k, n, gs, act_order, asym, iters in CASES:
+        for m, k, n, gs, act_order, asym, iters, unit_major in CASES:
             pipe = next((p for p in pipes if 8 * p[1] >= m), pipes[-1])
             rng = np.random.default_rng([m, k, n, 7])
             L = make_layer(rng, k, n, gs, act_order, asym)
@@ -82,7 +85,7 @@ def main() -> int:
             dev = {key: None if L[key] is None else cp.asarray(L[key]) for key in ("delta", "perm", "bias")}
             kw = dict(size_k=k, size_n=n, group_size=gs)
             tuning = Tuning(streamk_iters=iters) if iters else Tuning()
-            units = kernels.prepare_b_units(B, k, n)
+            units = kernels.prepare_b_units(B, k, n) if unit_major else None
             got = kernels.marlin_gemm(
                 cp.asarray(a), B, cp.asarray(L["S"]), **kw, **dev, pipe=pipe, b_units=units, tuning=tuning, act=act
             )
@@ -100,6 +103,7 @@ def main() -> int:
             worst = float(np.nanmax(diff / bound))
             print(
                 f"{act} M={m} K={k} N={n} group={gs} act_order={act_order} asym={asym} iters={iters} "
+                f"unit_major={unit_major} "
                 f"{plan.kind.value} T={8 * pipe[1]}: {bad} out of bound, worst {worst:.3f} of it",
                 flush=True,
             )
