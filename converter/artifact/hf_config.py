@@ -72,25 +72,6 @@ def artifact_config(
     return cfg
 
 
-def edited_fields(written: Mapping[str, Any], source_config: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """``(field, what differs)`` for every top-level field of a folder's ``config.json``
-    that is not what :func:`artifact_config` writes from ``source_config``: the source's
-    fields as they are, ``quantization_config`` and ``transformers_weights`` ours."""
-    ours = {"quantization_config", HF_WEIGHTS_KEY}
-    missing = object()
-
-    def show(v: Any) -> str:
-        text = "absent" if v is missing else json.dumps(v, sort_keys=True, default=str)
-        return text if len(text) <= 80 else text[:77] + "..."
-
-    out = []
-    for key in sorted((written.keys() | source_config.keys()) - ours, key=str):
-        mine, theirs = written.get(key, missing), source_config.get(key, missing)
-        if mine != theirs:
-            out.append((str(key), f"{show(mine)} where the source's config.json has {show(theirs)}"))
-    return out
-
-
 def copied_files(source: Source) -> dict[str, Path]:
     """The source's tokenizer (and generation-config) files that folder mode copies:
     ``{name: path}``, from an HF checkpoint's folder; none for a ``.tinyloop`` file,

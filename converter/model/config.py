@@ -5,6 +5,7 @@ transformers sees them, its errors as one line, and the dtype the model is built
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,29 @@ from ..constants import HF_WEIGHTS_KEY
 from ..dtypes import DTYPE_ALIASES
 from . import ModelError
 from .guard import check_config, offline, short
+
+
+def model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` without what is ours, not the model's: ``quantization_config`` and folder
+    mode's guard against a plain from_pretrained (``transformers_weights``)."""
+    return {k: v for k, v in cfg.items() if k not in ("quantization_config", HF_WEIGHTS_KEY)}
+
+
+def edited_fields(written: dict[str, Any], source: dict[str, Any]) -> list[tuple[str, str]]:
+    """``(field, what differs)`` for every model field of a folder's ``config.json`` that
+    is not the source's (marlin-convert copies them as they are)."""
+    mine, theirs = model_fields(written), model_fields(source)
+    missing = object()
+
+    def show(v: Any) -> str:
+        return "absent" if v is missing else short(json.dumps(v, sort_keys=True, default=str), 80)
+
+    out = []
+    for key in sorted(mine.keys() | theirs.keys(), key=str):
+        a, b = mine.get(key, missing), theirs.get(key, missing)
+        if a != b:
+            out.append((short(key), f"{show(a)} where the source's config.json has {show(b)}"))
+    return out
 
 
 def import_stack() -> tuple[Any, Any]:
@@ -184,8 +208,7 @@ def hf_config(cfg: dict[str, Any], *, path: Path) -> Any:
     _, transformers = import_stack()
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    # transformers_weights is folder mode's guard against a plain from_pretrained (hf_config.py), no model field.
-    d = {k: v for k, v in cfg.items() if k not in ("quantization_config", HF_WEIGHTS_KEY)}
+    d = model_fields(cfg)
     model_type = d.get("model_type")
     if not isinstance(model_type, str) or not model_type:
         raise ModelError(

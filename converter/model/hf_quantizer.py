@@ -44,9 +44,10 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..artifact.problems import ProblemCode
-from ..constants import HF_WEIGHTS_KEY, PRODUCER_NAME
+from ..constants import PRODUCER_NAME
 from . import ModelError
 from .build import model_kind, promote_plain_linears
+from .config import model_fields
 from .fuse import enabled as fuse_enabled
 from .guard import check_config, offline
 from .layers import ConvertedLayers, LoadReport
@@ -83,12 +84,6 @@ def _check_weight_file(folder: Path, weight_file: str) -> None:
             path=folder / "config.json",
             tensor="quantization_config.weight_file",
         )
-
-
-def _model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """``cfg`` without what is ours, not the model's: ``quantization_config`` and folder
-    mode's guard (as :func:`~converter.model.build.hf_config` drops them)."""
-    return {k: v for k, v in cfg.items() if k not in ("quantization_config", HF_WEIGHTS_KEY)}
 
 
 class MarlinConvertConfig(QuantizationConfigMixin):
@@ -327,11 +322,11 @@ class MarlinConvertHfQuantizer(HfQuantizer):
             self._go_offline(cfg_path)
         with self._released_on_error(), offline(cfg_path):
             built = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
-            check_config(_model_fields(built), path=cfg_path)
+            check_config(model_fields(built), path=cfg_path)
             if folder is not None and cfg_path.is_file():
                 raw = read_json_file(cfg_path)
                 if isinstance(raw, dict):
-                    check_fields(_model_fields(raw), path=cfg_path)
+                    check_fields(model_fields(raw), path=cfg_path)
                     # transformers builds every layer the config asks for before the
                     # weights are bound: a planted count would take unbounded time and memory
                     with open_artifact(folder) as art:
@@ -350,24 +345,23 @@ class MarlinConvertHfQuantizer(HfQuantizer):
         """Point ``config.transformers_weights`` at the artifact, replacing folder mode's guard.
 
         Raises:
-            ModelError: ``weight_file`` is not a safetensors file or index name.
+            ModelError: ``weight_file`` is not a safetensors file or index name, or not
+                the folder's artifact.
         """
         wf = getattr(self.quantization_config, "weight_file", None)
-        if (
-            not isinstance(wf, str)
-            or Path(wf).name != wf
-            or not wf.endswith((".safetensors", ".safetensors.index.json"))
-        ):
-            folder = _local_folder(config)
-            self._back_online()
-            raise ModelError(
-                f"{wf!r} is not the name of a safetensors file or index beside config.json",
-                path=folder / "config.json" if folder is not None else "config.json",
-                tensor="quantization_config.weight_file",
-            )
         folder = _local_folder(config)
-        if folder is not None:
-            with self._released_on_error():
+        with self._released_on_error():
+            if (
+                not isinstance(wf, str)
+                or Path(wf).name != wf
+                or not wf.endswith((".safetensors", ".safetensors.index.json"))
+            ):
+                raise ModelError(
+                    f"{wf!r} is not the name of a safetensors file or index beside config.json",
+                    path=folder / "config.json" if folder is not None else "config.json",
+                    tensor="quantization_config.weight_file",
+                )
+            if folder is not None:
                 _check_weight_file(folder, wf)
         config.transformers_weights = wf
         return config
@@ -386,9 +380,7 @@ class MarlinConvertHfQuantizer(HfQuantizer):
     def _before_weight_loading(self, model: Any, folder: Path, cfg: dict[str, Any], kwargs: dict[str, Any]) -> Any:
         from .build import check_fields
 
-        check_fields(
-            _model_fields(cfg), path=folder / "config.json"
-        )  # the artifact's own folder, whatever the hub said
+        check_fields(model_fields(cfg), path=folder / "config.json")  # the artifact's own folder, whatever the hub said
         given = kwargs.get("device_map")
         self._device_map = dict(given) if isinstance(given, Mapping) else None  # "auto": inferred later
         # A hub download holds config.json and the weights, not the tokenizer files the manifest lists.

@@ -283,10 +283,9 @@ def _verify_model(
 ) -> ModelReport:
     t_start = time.perf_counter()
     torch, _ = import_stack()
-    from ..artifact.hf_config import edited_fields
     from ..artifact.validate import validate_artifact
     from ..formats import open_source
-    from .config import hf_config
+    from .config import edited_fields, hf_config
     from .modules import swapped_modules
     from .reference import FP16, FP32, build_reference, source_config
     from .skeleton import model_class
