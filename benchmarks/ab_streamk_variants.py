@@ -20,10 +20,12 @@ order changed). Usage::
 ``--bf16`` first: every variant built with ``-DMARLIN_BF16`` and timed on bf16 activations
 (the routes bf16's knobs give; ``same`` then compares bf16 bits).
 
-A variant is ``NAME=SOURCE[:DEF,DEF..][@ITERS][%THREADS]``, SOURCE ``-`` for the shipped
-kernel or a diff of that one file (it is compiled against the shipped headers: a diff that
-needs new helpers carries them); THREADS launches its blocks with that many threads instead
-of the shipped 384 (``streamk_variants/four_consumer_warpgroups.patch:SK_WG4=1%640``).
+A variant is ``NAME=SOURCE[:DEF,DEF..][@ITERS][%THREADS][^KIND.R.U.NS]``, SOURCE ``-`` for the
+shipped kernel or a diff of that one file (it is compiled against the shipped headers: a diff
+that needs new helpers carries them); THREADS launches its blocks with that many threads
+instead of the shipped 384 (``streamk_variants/four_consumer_warpgroups.patch:SK_WG4=1%640``);
+``^KIND.R.U.NS`` forces that pipe on every row instead of the planner's (a form the route
+table does not give, e.g. ``^hopper_skg.8.8.6``, the per-group kind at 64 tokens a chunk).
 Limits: rows the planner gives the persistent kinds only (a decode or tile row has no
 ``marlin_streamk`` name to build), group 128, B unit-major always, one block per
 multiprocessor (``streamk_variants/two_blocks_per_sm.patch`` needs two, so it is a ptxas
@@ -74,14 +76,21 @@ def apply_patch(source: str, patch: str) -> str:
     return text[1:]
 
 
-def parse(spec: str) -> tuple[str, str, tuple[str, ...], int | None, int | None]:
+def parse(spec: str) -> tuple[str, str, tuple[str, ...], int | None, int | None, tuple | None]:
     name, rest = spec.split("=", 1)
+    rest, _, forced = rest.partition("^")
+    pipe = None
+    if forced:
+        kind, *rest_nums = forced.split(".")
+        pipe = (kind, *(int(v) for v in rest_nums))
+        if len(pipe) != 4:
+            raise SystemExit(f"{spec}: a forced pipe is KIND.R.U.NS, e.g. hopper_skg.8.8.6")
     rest, _, threads = rest.partition("%")
     rest, _, iters = rest.partition("@")
     src, _, defs = rest.partition(":")
     code = KERNEL.read_text() if src == "-" else apply_patch(KERNEL.read_text(), Path(src).read_text())
     defines = tuple("-D" + d for d in defs.split(",") if d)
-    return name, code, defines, int(iters) if iters else None, int(threads) if threads else None
+    return name, code, defines, int(iters) if iters else None, int(threads) if threads else None, pipe
 
 
 def build(code: str, defines: tuple[str, ...], names: list[str]):
@@ -94,6 +103,17 @@ def build(code: str, defines: tuple[str, ...], names: list[str]):
     for n in names:
         mod.get_function(n)
     return mod
+
+
+def allow_pipes(pipes: list[tuple]) -> None:
+    """Let the launcher take forced pipes the catalog does not build (``hopper_skg`` at 48
+    or 64 tokens): their kernels come from the variants' own modules, built from ``names``."""
+    from converter.gpu.plan import Pipe, catalog
+
+    extra = tuple(p for p in {Pipe.of(f) for f in pipes} if p not in catalog.GEMM_PIPES)
+    if extra:
+        print(f"forced pipes outside the catalog: {', '.join(map(str, extra))}", file=sys.stderr, flush=True)
+        catalog.GEMM_PIPES = catalog.GEMM_PIPES + extra
 
 
 def _warm(args) -> None:
@@ -119,9 +139,11 @@ def main() -> int:
     out_json = argv[1]
     bf16_define = ("-DMARLIN_BF16",) if act == "bfloat16" else ()
     parsed = [parse(spec) for spec in argv[2:]]
-    variants = {name: (code, defs + bf16_define, iters) for name, code, defs, iters, _ in parsed}
-    threads = {name: t for name, _, _, _, t in parsed}
-    names = sorted({Pipe.of(p).name(1, True) for p in pipes.values()})
+    variants = {name: (code, defs + bf16_define, iters) for name, code, defs, iters, _, _ in parsed}
+    threads = {name: t for name, _, _, _, t, _ in parsed}
+    forced = {name: f for name, *_, f in parsed}
+    names = sorted({Pipe.of(p).name(1, True) for p in [*pipes.values(), *(f for f in forced.values() if f)]})
+    allow_pipes([f for f in forced.values() if f])
     sources = {(code, defs) for code, defs, _ in variants.values()}
     print(f"building {len(names)} kernel(s) in {len(sources)} form(s): {', '.join(names)}", file=sys.stderr, flush=True)
     # NVRTC in parallel (CuPy caches the cubins); spawned, so no child inherits a CUDA context
@@ -168,7 +190,7 @@ def main() -> int:
         calls = max(16, len(layers))
         thunks = {
             v: [
-                partial(K.marlin_gemm, a, **layers[i % len(layers)], out=out, tuning=tunings[v], **kw)
+                partial(K.marlin_gemm, a, **layers[i % len(layers)], out=out, tuning=tunings[v], pipe=forced[v], **kw)
                 for i in range(calls)
             ]
             for v in order
@@ -177,7 +199,7 @@ def main() -> int:
         for v in order:
             print(f"{k} x {n} M={m}: first call of {v}", file=sys.stderr, flush=True)
             use(v)
-            got = K.marlin_gemm(a, **layers[0], tuning=tunings[v], **kw)
+            got = K.marlin_gemm(a, **layers[0], tuning=tunings[v], pipe=forced[v], **kw)
             bits = got.view(cp.uint16).copy()
             ref = bits if ref is None else ref
             same[v] = bool(cp.array_equal(bits, ref))
@@ -190,7 +212,7 @@ def main() -> int:
         plans = {}
         for v in order:
             use(v)  # the plan counts the variant's own registers
-            p = K.gemm_plan(m, k, n, 128, delta=True, tuning=tunings[v], act=act)
+            p = K.gemm_plan(m, k, n, 128, delta=True, tuning=tunings[v], act=act, pipe=forced[v])
             plans[v] = {
                 "kind": p.kind.value,
                 "rows": p.rows,

@@ -7,7 +7,7 @@ B unit-major as ``MarlinLinear`` keeps it and in Marlin's order, forced pipes of
 ragged N, act-order, per-channel, symmetric and units cut into pieces (forced run lengths). Usage::
 
     PYTHONPATH=$PWD python3 benchmarks/check_streamk_variant.py \\
-        docs/notes/streamk_variants/skg_producer_sums.patch SKG_XSUM=1 [hopper_skg|hopper_sk]
+        docs/notes/streamk_variants/skg_producer_sums.patch SKG_XSUM=1 [hopper_skg|hopper_sk|hopper_skg64]
 
 Prints one line a case and exits 1 when any output is outside the bound or NaN.
 """
@@ -41,6 +41,8 @@ CASES = (
 PIPES = {
     "hopper_skg": [("hopper_skg", r, 8, 6) for r in (1, 2, 3, 4)],
     "hopper_sk": [("hopper_sk", r, 8, 6) for r in (3, 4, 6, 8)],
+    # the per-group kind up to 64 tokens a chunk (not in the catalog: ab_streamk_variants' ^ pipes)
+    "hopper_skg64": [("hopper_skg", r, 8, 6) for r in (1, 2, 3, 4, 6, 8)],
 }
 
 
@@ -51,7 +53,7 @@ def main() -> int:
     import cupy as cp
     import numpy as np
 
-    from benchmarks.ab_streamk_variants import apply_patch, build
+    from benchmarks.ab_streamk_variants import allow_pipes, apply_patch, build
     from converter.dtypes import bf16_to_f32, f32_to_bf16
     from converter.gpu import build as gbuild
     from converter.gpu import kernels, launches
@@ -65,6 +67,7 @@ def main() -> int:
     defs = tuple("-D" + d for d in sys.argv[2].split(",") if d)
     pipes = PIPES[sys.argv[3] if len(sys.argv) > 3 else "hopper_skg"]
     names = sorted({Pipe.of(p).name(1, d) for p in pipes for d in (True, False)})
+    allow_pipes(pipes)
     acts = ("float16", "bfloat16")
     mods = {a: build(code, defs + (("-DMARLIN_BF16",) if a == "bfloat16" else ()), names) for a in acts}
     current = {"act": acts[0]}
