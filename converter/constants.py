@@ -122,6 +122,9 @@ META_FORMAT = "format"
 META_FORMAT_VALUE = "pt"
 META_SCHEMA_VERSION = "marlin.schema_version"
 META_MANIFEST = "marlin.manifest"
+#: safetensors ``__metadata__`` key of a compressed-tensors export's manifest (never the
+#: Marlin artifact's keys: our own reader must read the export back as a source).
+EXPORT_META_KEY = "marlin_convert_export"
 #: xxh3-128 of the manifest string, so a flipped byte in the manifest is caught too.
 META_MANIFEST_CHECKSUM = "marlin.manifest_checksum"
 CHECKSUM_ALGORITHM = "xxh3_128"

@@ -13,12 +13,29 @@ VARIANTS = REPO / "docs" / "notes" / "streamk_variants"
 
 
 def test_a_variant_spec_names_source_defines_run_length_and_block_size() -> None:
-    name, code, defines, iters, threads = parse(
+    name, code, defines, iters, threads, pipe = parse(
         f"wg4={VARIANTS / 'four_consumer_warpgroups.patch'}:SK_WG4=1,X=2@55%640"
     )
-    assert (name, defines, iters, threads) == ("wg4", ("-DSK_WG4=1", "-DX=2"), 55, 640)
+    assert (name, defines, iters, threads, pipe) == ("wg4", ("-DSK_WG4=1", "-DX=2"), 55, 640, None)
     assert "struct ConsumerShape" in code and "struct ConsumerShape" not in KERNEL.read_text()
-    assert parse("main=-")[1:] == (KERNEL.read_text(), (), None, None)
+    assert parse("main=-")[1:] == (KERNEL.read_text(), (), None, None, None)
+    # ^KIND.R.U.NS forces a pipe on every row, also one the catalog does not build
+    assert parse("skg64=-@7^hopper_skg.8.8.6")[3:] == (7, None, ("hopper_skg", 8, 8, 6))
+    with pytest.raises(SystemExit, match="a forced pipe is KIND.R.U.NS"):
+        parse("x=-^hopper_skg.8")
+
+
+def test_a_forced_pipe_outside_the_catalog_is_planned() -> None:
+    from benchmarks.ab_streamk_variants import allow_pipes
+    from converter.gpu.plan import catalog
+
+    before = catalog.GEMM_PIPES
+    try:
+        allow_pipes([("hopper_skg", 8, 8, 6)])
+        v = catalog.kernel_variant(8192, 57344, 128, ("hopper_skg", 8, 8, 6), smem_limit=227 * 1024)
+        assert v.name(True) == "marlin_streamk<64, 8, 1, 6, true, true>"
+    finally:
+        catalog.GEMM_PIPES = before
 
 
 @pytest.mark.parametrize(

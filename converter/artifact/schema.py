@@ -42,6 +42,7 @@ import xxhash
 
 from .. import jsonio
 from ..constants import (
+    EXPORT_META_KEY,
     META_MANIFEST,
     META_MANIFEST_CHECKSUM,
     META_SCHEMA_VERSION,
@@ -241,6 +242,11 @@ def read_document(metadata: Mapping[str, str], *, path: Path) -> ManifestDocumen
         SchemaVersionError: a schema version this tool does not read, with the fix.
     """
     version = metadata.get(META_SCHEMA_VERSION)
+    if version is None and EXPORT_META_KEY in metadata:
+        # marlin-verify reads an export by its folder (config.json and every shard)
+        raise ArtifactError(
+            f"a file of a compressed-tensors export: give its folder, {path.parent}, to check the export", path=path
+        )
     if version is None or META_MANIFEST not in metadata:
         raise ArtifactError(
             f"not a marlin-convert artifact: __metadata__ lacks {META_SCHEMA_VERSION!r} or {META_MANIFEST!r}", path=path

@@ -26,7 +26,7 @@ from pathlib import Path
 import xxhash
 
 from ..atomic import free_bytes, stores_files
-from ..constants import META_MANIFEST, META_SCHEMA_VERSION
+from ..constants import EXPORT_META_KEY, META_MANIFEST, META_SCHEMA_VERSION
 from ..errors import ArtifactError, ConverterError, OutputExistsError, OutputPathError
 from ..hf_index import SHARD_NAME_RE, read_index
 from ..safetensors_io import MAX_MAPPED_FILES, SafetensorsFile, set_map_limit
@@ -304,7 +304,7 @@ class OutputTarget:
             if p != self.path and p.suffix == ".safetensors" and os.path.lexists(p) and not is_artifact_file(p):
                 raise ConverterError(
                     f"replacing the output would delete this file, which {self.index.name} names but which is not "
-                    "a marlin-convert artifact's shard; move it away or choose another output",
+                    "a shard marlin-convert wrote; move it away or choose another output",
                     path=p,
                 )
         if self.directory and not self.folder.is_dir():
@@ -329,6 +329,8 @@ class OutputTarget:
                 raise OutputPathError("output folder's parent does not exist", path=self.folder.parent)
             return
         if self.directory and not self.folder.exists():
+            if not self.folder.parent.is_dir():  # as the dry run says it: the missing folder named
+                raise OutputPathError("output folder's parent does not exist", path=self.folder.parent)
             try:
                 self.folder.mkdir(parents=False)
                 self.created = True
@@ -404,11 +406,13 @@ class OutputTarget:
 
 
 def is_artifact_file(path: Path) -> bool:
-    """Whether ``path`` is a safetensors file carrying a marlin-convert manifest."""
+    """Whether ``path`` is a safetensors file marlin-convert wrote: a Marlin artifact's
+    (its manifest) or a compressed-tensors export's (its export manifest)."""
     try:
-        return META_SCHEMA_VERSION in SafetensorsFile(path, error=ArtifactError).metadata
+        meta = SafetensorsFile(path, error=ArtifactError).metadata
     except ConverterError:
         return False
+    return META_SCHEMA_VERSION in meta or EXPORT_META_KEY in meta
 
 
 def writable(folder: Path) -> bool:

@@ -173,6 +173,8 @@ def verify_cmd(
             from ..export import export_manifest
 
             exported = export_manifest(artifact) is not None
+        if exported and gpu:
+            _fail(f"--gpu: {artifact} is a compressed-tensors export, whose check runs no GPU", as_json)
         if exported:
             _verify_export_cmd(artifact, against, as_json, quiet, debug, shapes=shapes, verbose=verbose)
     with _errors_to_exit(debug, as_json), _progress(_show_progress(quiet, as_json)) as prog:

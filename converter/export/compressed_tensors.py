@@ -40,12 +40,12 @@ from .. import __version__
 from ..artifact.hf_config import copied_files
 from ..artifact.shards import Layout, parse_size, plan_shards
 from ..artifact.target import CONFIG_NAME, InputGuard, OutputTarget
-from ..constants import PRODUCER_NAME
+from ..constants import EXPORT_META_KEY, PRODUCER_NAME
 from ..digests import sha256_files
 from ..errors import OutputPathError, UnsupportedQuantError, short_name
 from ..formats import open_source
 from ..formats.base import LayerPlan
-from ..formats.hf_checkpoint import read_member_bytes
+from ..formats.hf_checkpoint import QUANT_CONFIG_FILES, read_member_bytes
 from ..safetensors_io import release_mapped_pages
 from .folder_writer import _TensorSource, _write
 from .layer_tensors import _layer_tensors, _scales_for, _unrepresentable, _zero_problem, pack_int32
@@ -76,9 +76,6 @@ __all__ = [
     "vllm_kernels",
 ]
 
-#: safetensors ``__metadata__`` key of the export manifest (never the Marlin artifact's
-#: keys: our own reader must read the export back as a source).
-EXPORT_META_KEY = "marlin_convert_export"
 EXPORT_SCHEMA = 1
 
 
@@ -221,6 +218,13 @@ def export_compressed_tensors(
         layout: Layout = [(n, d, shape) for n, (d, shape, _) in tensors.items()]
         shards = plan_shards(layout, [], max_bytes)
         target = OutputTarget(str(out_folder).rstrip("/") + "/")
+        for name in QUANT_CONFIG_FILES:  # not ours to delete, and a reader would take it over config.json's
+            if (target.folder / name).exists() or (target.folder / name).is_symlink():
+                raise OutputPathError(
+                    "a reader would take this file for the export's quantization config over config.json's "
+                    "(a file of another checkpoint); move it away or choose another output; nothing was written",
+                    path=target.folder / name,
+                )
         guard = InputGuard([*source.input_files(), *copied.values()], source.checkpoint_folder)
         target.check(guard, force, count=len(shards), extra_names=extras)
         files = _write(target, shards, _TensorSource(source, tensors), meta, extras, guard)

@@ -49,14 +49,20 @@ def _pack_rows(values: np.ndarray, bits: int) -> np.ndarray:
     return out.astype(np.uint32).view(np.int32)
 
 
+def scale_dtype_of(qw: QuantWeight) -> str:
+    """The dtype ``weight_scale`` is written in: the source's own (BF16, F32), else F16."""
+    return qw.source_scales_dtype if qw.source_scales_dtype in ("BF16", "F32") else "F16"
+
+
 def _scales_for(qw: QuantWeight) -> tuple[str, np.ndarray]:
     """The source's scales transposed to ``(N, G)``, in the source's own dtype (exact)."""
     s = qw.source_scales_f32()
-    if qw.source_scales_dtype == "BF16":
-        return "BF16", np.ascontiguousarray((s.view(np.uint32) >> np.uint32(16)).astype(np.uint16).T)
-    if qw.source_scales_dtype == "F32":
-        return "F32", np.ascontiguousarray(s.T)
-    return "F16", np.ascontiguousarray(qw.scales.T)
+    dtype = scale_dtype_of(qw)
+    if dtype == "BF16":
+        return dtype, np.ascontiguousarray((s.view(np.uint32) >> np.uint32(16)).astype(np.uint16).T)
+    if dtype == "F32":
+        return dtype, np.ascontiguousarray(s.T)
+    return dtype, np.ascontiguousarray(qw.scales.T)
 
 
 def _unrepresentable(layer: LayerPlan, legacy_act_order: bool) -> str | None:
@@ -86,6 +92,12 @@ def _zero_problem(qw: QuantWeight) -> str | None:
     if z.size and (int(z.min()) < 0 or int(z.max()) > hi):
         return f"zero point {int(z.max())} is outside the {qw.bits}-bit range [0, {hi}]"
     return None
+
+
+def layer_tensor_names(layer: LayerPlan) -> list[str]:
+    """The names :func:`_layer_tensors` writes for ``layer`` (``weight_g_idx`` on act-order only)."""
+    suffixes = ["weight_packed", "weight_scale", "weight_zero_point", "weight_shape"]
+    return [f"{layer.name}.{x}" for x in suffixes + (["weight_g_idx"] if layer.act_order else [])]
 
 
 def _layer_tensors(qw: QuantWeight, layer: LayerPlan) -> dict[str, tuple[str, np.ndarray]]:

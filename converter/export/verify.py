@@ -42,7 +42,8 @@ from ..numerics import accumulate, relative_error
 from ..quant_weight import QuantWeight
 from ..safetensors_io import SafetensorsFile, release_mapped_pages
 from .compressed_tensors import EXPORT_META_KEY, _names
-from .quant_config import _weights_args
+from .layer_tensors import layer_tensor_names, scale_dtype_of
+from .quant_config import _config_json, _weights_args, quantization_config
 from .summary import LayerExport
 
 
@@ -148,8 +149,11 @@ def check_export(export: str | Path, src: str | Path, *, numerics: bool = True) 
         exported = [r for r in manifest["layers"] if r["exported"]]
         listed = Counter(r["name"] for r in exported)
         out.problems.extend(config_problems(e, exported))
-        splan = {lay.name: lay for lay in s.plan(pad=True).layers}
+        source_plan = s.plan(pad=True)
+        splan = {lay.name: lay for lay in source_plan.layers}
         eplan = {lay.name: lay for lay in e.plan(pad=True).layers}
+        out.problems.extend(written_config_problems(s, e, source_plan.layers, set(listed)))
+        scale_dtypes: dict[str, str] = {}
         # The manifest says what to compare: a layer it leaves out would go unchecked.
         unlisted = [n for n, lay in eplan.items() if lay.convertible and n not in listed]
         twice = sorted(n for n, count in listed.items() if count > 1)
@@ -186,7 +190,7 @@ def check_export(export: str | Path, src: str | Path, *, numerics: bool = True) 
                 continue
             # One x per layer read back, drawn in manifest order (as on a Marlin artifact).
             x = rng.standard_normal((CPU_M, sl.size_k), dtype=np.float32) if numerics else None
-            diffs, err = _compare_layer(s, sl, e, el, x)
+            diffs, err, scale_dtypes[name] = _compare_layer(s, sl, e, el, x)
             if diffs:
                 out.problems.append(f"{name}: {', '.join(diffs)} differ from the source")
             else:
@@ -195,9 +199,87 @@ def check_export(export: str | Path, src: str | Path, *, numerics: bool = True) 
                 out.layers.append({"name": name, "cpu_rel_err": err})
                 if not err <= CPU_REL_TOL:
                     numeric_problems.append(f"layer {name}: CPU relative error {err:.3g} exceeds {CPU_REL_TOL:g}")
+        out.problems.extend(tensor_problems(s, e, source_plan, set(listed), scale_dtypes))
     out.problems.extend(numeric_problems)
     out.cpu_numerics = bool(out.layers)  # an all-3-bit export reads no layer back: nothing ran
     return out
+
+
+def tensor_problems(
+    s: Source, e: Source, source_plan: Any, exported: set[str], scale_dtypes: dict[str, str]
+) -> list[str]:
+    """What the export holds besides its layers' own values: every tensor it does not
+    compute from a layer (embeddings, norms, biases, a passed-through layer's source
+    tensors) must be the source's, bytes, dtype and shape; no tensor may be missing or
+    added; a layer's ``weight_scale`` keeps the source's dtype (the read-back compares
+    values, which a cast keeps). One problem per rule, with its tensors."""
+    carried: list[str] = [t.name for t in source_plan.tensors]
+    computed: set[str] = set()
+    for lay in source_plan.layers:
+        bias = [lay.bias.name] if lay.bias is not None else []
+        if lay.name in exported:
+            computed.update(layer_tensor_names(lay))
+            carried += bias
+        else:
+            carried += [*lay.source_tensors, *bias]
+    have = set(e.ckpt.infos) if isinstance(e, CompressedTensorsSource) else set()
+    found: dict[str, list[str]] = {}
+    for name in carried:
+        if name not in have:
+            found.setdefault("missing from the export", []).append(name)
+            continue
+        a, b = s.load_tensor(name), e.load_tensor(name)
+        if (a.dtype, tuple(a.shape)) != (b.dtype, tuple(b.shape)):
+            found.setdefault("dtype or shape differ from the source's", []).append(name)
+        elif not np.array_equal(np.asarray(a.data).view(np.uint8), np.asarray(b.data).view(np.uint8)):
+            found.setdefault("bytes differ from the source's", []).append(name)
+        del a, b
+        release_mapped_pages()
+    for name in sorted(computed - have):
+        found.setdefault("missing from the export", []).append(name)
+    for layer, dtype in scale_dtypes.items():
+        name = f"{layer}.weight_scale"
+        if name in have and e.ckpt.infos[name].dtype != dtype:
+            found.setdefault(f"stored in another dtype than the source's scales ({dtype})", []).append(name)
+    extra = sorted(have - computed - set(carried))
+    if extra:
+        found["tensors the source does not have"] = extra
+    return [f"{rule}: {_names(names)}" for rule, names in found.items()]
+
+
+def written_config_problems(s: Source, e: Source, layers: list[LayerPlan], exported: set[str]) -> list[str]:
+    """Where the export's ``config.json`` differs from the one the export writes for this
+    source, outside the config groups and ``ignore`` (:func:`config_problems` judges those
+    as the engines read them): the model's fields and ``quantization_config``'s own
+    (``format``, ``quantization_status``, ``kv_cache_scheme``, ...)."""
+    if not isinstance(e, CompressedTensorsSource):
+        return []  # config_problems says so
+    plans = [
+        LayerExport(lay.name, lay.bits, lay.size_k, lay.size_n, g, "channel" if g >= lay.size_k else "group",
+                    lay.act_order, lay.name in exported)
+        for lay in layers
+        for g in [lay.source_group_size or lay.group_size]
+    ]  # fmt: skip
+    ignore = sorted(lay.name for lay in plans if not lay.exported)
+    want = json.loads(_config_json(s, quantization_config(plans, ignore)))
+    have = e.ckpt.config
+    paths = [
+        k
+        for k in sorted(set(want) | set(have))
+        if k != "quantization_config" and want.get(k, _GONE) != have.get(k, _GONE)
+    ]
+    wq, hq = want["quantization_config"], have.get("quantization_config") or {}
+    paths += [
+        f"quantization_config.{k}"
+        for k in sorted(set(wq) | set(hq))
+        if k not in ("config_groups", "ignore") and wq.get(k, _GONE) != hq.get(k, _GONE)
+    ]
+    if not paths:
+        return []
+    return [f"config.json: {', '.join(paths)} differ from what the export writes for this source"]
+
+
+_GONE = object()
 
 
 def config_problems(export: Source, layers: list[dict[str, Any]]) -> list[str]:
@@ -233,7 +315,8 @@ def config_problems(export: Source, layers: list[dict[str, Any]]) -> list[str]:
             if _counts(target, names):  # an engine loads it unquantized
                 add(f"config.json lists exported layers in quantization_config.ignore ({target.entry!r})", name)
         lay = LayerExport(name, rec["bits"], 0, 0, rec["group_size"], rec["strategy"], rec["act_order"], True)
-        want = {k: v for k, v in _weights_args(lay).items() if k in _ARG_DEFAULTS}
+        written = _weights_args(lay)
+        want = {k: written.get(k, default) for k, default in _ARG_DEFAULTS.items()}
         matched = False
         for gname, group, targets in groups:
             hit = next((t.entry for t in targets if _counts(t, names)), None)
@@ -247,6 +330,9 @@ def config_problems(export: Source, layers: list[dict[str, Any]]) -> list[str]:
                 have = weights.get(key, _ARG_DEFAULTS[key])
                 if have != value or type(have) is not type(value):
                     add(f"{where}: weights.{key} is {json.dumps(have)}, the layers need {json.dumps(value)}", name)
+            for key in ("input_activations", "output_activations"):
+                if group.get(key) is not None:  # the layers are weight-only: an engine would quantize activations
+                    add(f"{where}: {key} is {json.dumps(group.get(key))}, the layers need null", name)
             # vLLM takes a group's own format wherever it is not null ("" included)
             fmt = group.get("format") if group.get("format") is not None else top_format
             if fmt != PACK_QUANTIZED:
@@ -266,6 +352,8 @@ _ARG_DEFAULTS: dict[str, Any] = {
     "group_size": None,
     "actorder": None,
     "dynamic": False,
+    "scale_dtype": None,
+    "zp_dtype": None,
 }
 #: The module vLLM fuses a projection into (its weights loaded into one layer).
 _FUSED = {
@@ -301,9 +389,9 @@ def _counts(target: _Target, names: list[str]) -> bool:
 
 def _compare_layer(
     s: Source, sl: LayerPlan, e: Source, el: LayerPlan, x: np.ndarray | None
-) -> tuple[list[str], float | None]:
-    """One layer in chunks of whole groups: what differs from the source exactly, and
-    (with ``x``) the CPU numerics' relative error."""
+) -> tuple[list[str], float | None, str]:
+    """One layer in chunks of whole groups: what differs from the source exactly, (with
+    ``x``) the CPU numerics' relative error, and the dtype its ``weight_scale`` must have."""
     from ..convert import chunk_rows
     from ..verify import CPU_M
 
@@ -313,10 +401,12 @@ def _compare_layer(
     y = y_ref = None
     if x is not None:
         y, y_ref = np.zeros((CPU_M, width), np.float32), np.zeros((CPU_M, width), np.float32)
+    scale_dtype = "F16"
     step = chunk_rows(sl.size_k, width, sl.source_group_size or sl.group_size)
     for k0 in range(0, sl.size_k, step):
         k1 = min(k0 + step, sl.size_k)
         a, b = s.load_layer(sl, k0, k1), e.load_layer(el, k0, k1)
+        scale_dtype = scale_dtype_of(a)
         for what, u, v in (
             ("codes", a.q, b.q),
             ("scales", a.source_scales_f32().view(np.uint32), b.source_scales_f32().view(np.uint32)),
@@ -336,7 +426,7 @@ def _compare_layer(
         e.release_pages()
     order = ("codes", "scales", "zero points", "act-order permutation")
     err = None if y is None or y_ref is None else relative_error(y[:, :size_n], y_ref[:, :size_n])
-    return [d for d in order if d in diffs], err
+    return [d for d in order if d in diffs], err, scale_dtype
 
 
 def _product(y: np.ndarray, x: np.ndarray, qw: QuantWeight, k0: int, k1: int, width: int, *, factored: bool) -> None:

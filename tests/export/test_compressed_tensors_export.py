@@ -473,3 +473,125 @@ def test_a_shard_with_another_manifest_is_named(tmp_path: Path) -> None:
     assert str(exc.value) == (
         f"{shards[1]}: the export's shards carry different manifests: this one's differs from {shards[0].name}'s"
     )
+
+
+def _rewrite(shard: Path, edit) -> None:
+    """Edit an export's shard as a hostile or careless tool would: tensors changed, its
+    metadata (the manifest) kept."""
+    from safetensors.numpy import load_file, save_file
+
+    meta = SafetensorsFile(shard).metadata
+    tensors = load_file(shard)
+    edit(tensors)
+    save_file(tensors, shard, metadata=meta)
+
+
+UP = "model.layers.0.mlp.up_proj"
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (lambda t: t["model.embed_tokens.weight"].flat.__setitem__(0, 7),
+         "bytes differ from the source's: model.embed_tokens.weight"),
+        (lambda t: t.pop("model.embed_tokens.weight"), "missing from the export: model.embed_tokens.weight"),
+        (lambda t: t.update({f"{UP}.bias": np.zeros(int(t[f"{UP}.weight_shape"][0]), np.float16)}),
+         f"tensors the source does not have: {UP}.bias"),
+        (lambda t: t.update({f"{UP}.weight": np.zeros(tuple(t[f"{UP}.weight_shape"]), np.float16)}),
+         f"tensors the source does not have: {UP}.weight"),
+        (lambda t: t.update({"model.embed_tokens.weight": t["model.embed_tokens.weight"].astype(np.float32)}),
+         "dtype or shape differ from the source's: model.embed_tokens.weight"),
+        (lambda t: t.update({f"{UP}.weight_scale": t[f"{UP}.weight_scale"].astype(np.float32)}),
+         f"stored in another dtype than the source's scales (F16): {UP}.weight_scale"),
+    ],
+)  # fmt: skip
+def test_check_export_compares_every_tensor_it_does_not_compute(tmp_path: Path, edit, expected: str) -> None:
+    # the layers' values alone would pass: an edited embedding, a stray or missing tensor,
+    # or a scale cast to another dtype (same values) used to give OK
+    src = _synthetic(tmp_path / "src", bits=4, group_size=64)
+    out = tmp_path / "out"
+    export_compressed_tensors(src, out)
+    _rewrite(out / "model.safetensors", edit)
+    assert check_export(out, src, numerics=False).problems == [expected]
+
+
+def test_check_export_compares_passed_through_layers_and_biases(tmp_path: Path) -> None:
+    # a layer with no exact form is copied as the source stores it; biases are copied beside
+    rng = np.random.default_rng(5)
+    good, ragged = make_layer(rng, 256, 128, group_size=64), make_layer(rng, 200, 128, group_size=64)
+    tensors = {**gptq_tensors("m.good", good, v1=False), **gptq_tensors("m.ragged", ragged, v1=False)}
+    tensors |= {f"m.{n}.bias": rng.standard_normal(128).astype(np.float16) for n in ("good", "ragged")}
+    src = write_checkpoint(tmp_path / "src", tensors, gptq_config(4, 64, fmt="gptq_v2"), where="quantize_config.json")
+    out = tmp_path / "out"
+    export_compressed_tensors(src, out, allow_passthrough=True)
+    assert check_export(out, src, numerics=False).problems == []
+    for name in ("m.ragged.qzeros", "m.good.bias", "m.ragged.bias"):
+        export_compressed_tensors(src, out, allow_passthrough=True, force=True)
+        _rewrite(out / "model.safetensors", lambda t, n=name: t[n].view(np.uint8).flat.__setitem__(0, 0x55))
+        assert check_export(out, src, numerics=False).problems == [f"bytes differ from the source's: {name}"]
+
+
+WRITES = "differ from what the export writes for this source"
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (lambda c: c.update(hidden_size=256), f"config.json: hidden_size {WRITES}"),
+        (lambda c: c.update(architectures=["BertModel"], rope_theta=1.0),
+         f"config.json: architectures, rope_theta {WRITES}"),
+        (lambda c: c["quantization_config"].update(quantization_status="frozen", format="marlin-24"),
+         f"config.json: quantization_config.format, quantization_config.quantization_status {WRITES}"),
+        (lambda c: c["quantization_config"].update(kv_cache_scheme={"num_bits": 8, "type": "float"}),
+         f"config.json: quantization_config.kv_cache_scheme {WRITES}"),
+        (lambda c: c["quantization_config"]["config_groups"]["group_0"].update(
+            input_activations={"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}),
+         'config group group_0: input_activations is {"num_bits": 8, "type": "float", "strategy": "token", '
+         '"dynamic": true}, the layers need null (both)'),
+        (lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(
+            scale_dtype="torch.bfloat16"),
+         'config group group_0: weights.scale_dtype is "torch.bfloat16", the layers need null (both)'),
+    ],
+)  # fmt: skip
+def test_check_export_compares_the_rest_of_the_config(tmp_path: Path, edit, expected: str) -> None:
+    src = _synthetic(tmp_path / "src", bits=4, group_size=64)
+    out = tmp_path / "out"
+    export_compressed_tensors(src, out)
+    cfg = json.loads((out / "config.json").read_text())
+    edit(cfg)
+    (out / "config.json").write_text(json.dumps(cfg))
+    both = "(model.layers.0.mlp.down_proj, model.layers.0.mlp.up_proj)"
+    assert check_export(out, src, numerics=False).problems == [expected.replace("(both)", both)]
+
+
+def test_force_replaces_a_sharded_export_it_wrote(tmp_path: Path) -> None:
+    # its shards were taken for another model's (not a Marlin artifact's): every --force refused
+    from converter.convert import convert
+
+    src = _synthetic(tmp_path / "src", bits=4, group_size=64)
+    out = tmp_path / "out"
+    export_compressed_tensors(src, out, max_shard_size="20KB")
+    assert len(list(out.glob("model-*.safetensors"))) >= 2
+    export_compressed_tensors(src, out, force=True)
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
+    assert not (out / "model.safetensors.index.json").exists()
+    assert check_export(out, src, numerics=False).problems == []
+    export_compressed_tensors(src, out, max_shard_size="20KB", force=True)
+    convert(src, out, force=True)  # a Marlin folder over the export
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
+    assert export_manifest(out) is None
+
+
+def test_an_output_folder_with_another_quant_config_file_is_refused(tmp_path: Path) -> None:
+    # --force over a GPTQ folder left its quantize_config.json, which readers take over
+    # config.json's: the export then read as GPTQ (no *.qweight) and failed its own check
+    src = _synthetic(tmp_path / "src", bits=4, group_size=64)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "quantize_config.json").write_text('{"bits": 4}')
+    with pytest.raises(
+        ConverterError,
+        match=r"quantize_config.json: a reader would take this file for the export's quantization config",
+    ):
+        export_compressed_tensors(src, out, force=True)
+    assert sorted(p.name for p in out.iterdir()) == ["quantize_config.json"]

@@ -170,3 +170,23 @@ def test_dtype_on_an_export_is_refused(tmp_path: Path) -> None:
     src, out = _export(tmp_path, 4, 128, False)
     line = assert_refused(invoke("marlin-verify", out, "--against", src, "--dtype", "bf16"))
     assert line == f"error: --dtype: {out} is a compressed-tensors export, whose check runs no GPU"
+
+
+def test_gpu_on_an_export_is_refused(tmp_path: Path) -> None:
+    """--gpu requires GPU numerics, which an export's check never runs: it passed silently."""
+    from tests.helpers.clirun import assert_refused, invoke
+
+    src, out = _export(tmp_path, 4, 128, False)
+    line = assert_refused(invoke("marlin-verify", out, "--against", src, "--gpu"))
+    assert line == f"error: --gpu: {out} is a compressed-tensors export, whose check runs no GPU"
+
+
+def test_a_file_of_an_export_names_its_folder(tmp_path: Path) -> None:
+    """marlin-verify takes an artifact's file or index; an export's file was refused as "not a
+    marlin-convert artifact", which it is: the error says to give the folder."""
+    from tests.helpers.clirun import assert_refused, invoke
+
+    src, out = _export(tmp_path, 4, 128, False)
+    shard = out / "model.safetensors"
+    line = assert_refused(invoke("marlin-verify", shard, "--against", src))
+    assert line == f"error: {shard}: a file of a compressed-tensors export: give its folder, {out}, to check the export"
