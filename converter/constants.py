@@ -171,3 +171,11 @@ class ZeroConvention(str, enum.Enum):
     TINYLOOP_ADDITIVE = "tinyloop_additive"
     AWQ = "awq"
     CT_OFFSET8 = "ct_offset8"
+
+
+#: Why a model folder converted from a ``.tinyloop`` file loads in no model class (the
+#: loaders refuse it; the conversion warns).
+TINYLOOP_MESSAGE = (
+    "converted from a .tinyloop checkpoint: TinyLoop models are not a transformers architecture, so there is "
+    "no model to build; run its layers with converter.gpu.api.load_artifact_gpu"
+)

@@ -58,3 +58,13 @@ def test_progress_names_the_stages_before_the_slow_work(tmp_path: Path) -> None:
     assert stages == [("planning sample.tinyloop", 1), ("converting sample.tinyloop", steps)]
     assert calls[0] == stages[0] and calls[1] == ("", 1)
     assert calls[2:] == [stages[1]] + [("", 1)] * steps
+
+
+def test_a_tinyloop_model_folder_says_no_model_class_loads_it(tmp_path: Path) -> None:
+    # from_pretrained on it fails in transformers ("does not recognize this architecture ...
+    # upgrade transformers"), which misleads: the conversion says why and what runs it
+    from converter.constants import TINYLOOP_MESSAGE
+
+    folder = convert(SAMPLE, tmp_path / "folder")
+    assert f"a model folder {TINYLOOP_MESSAGE}" in folder.warnings
+    assert not any(TINYLOOP_MESSAGE in w for w in convert(SAMPLE, tmp_path / "one.safetensors").warnings)

@@ -12,6 +12,7 @@ from ..artifact.manifest import new_manifest
 from ..artifact.shards import oversize_warnings, parse_size, plan_shards
 from ..artifact.target import InputGuard, OutputTarget
 from ..artifact.writer import ArtifactWriter
+from ..constants import TINYLOOP_MESSAGE
 from ..digests import FileDigests
 from ..dtypes import nbytes
 from ..errors import UnsupportedQuantError
@@ -134,6 +135,7 @@ def convert(
             ],
             files=[{"name": p.name, "bytes": n} for p, n in sizes.items()],
             warnings=_plan_warnings(plan, layers)
+            + ([f"a model folder {TINYLOOP_MESSAGE}"] if target.directory and source.format.value == "tinyloop" else [])
             + oversize_warnings(
                 shards,
                 [p.name for p in target.shard_paths(len(shards))],

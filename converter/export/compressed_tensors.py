@@ -227,7 +227,11 @@ def export_compressed_tensors(
                 )
         guard = InputGuard([*source.input_files(), *copied.values()], source.checkpoint_folder)
         target.check(guard, force, count=len(shards), extra_names=extras)
-        files = _write(target, shards, _TensorSource(source, tensors), meta, extras, guard)
+        try:
+            files = _write(target, shards, _TensorSource(source, tensors), meta, extras, guard)
+        except BaseException:  # an interrupt before the write's own clean-up starts
+            target.discard_created()
+            raise
         return ExportSummary(
             str(src),
             str(target.folder),

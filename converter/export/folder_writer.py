@@ -125,13 +125,9 @@ def _write(
     except OSError as exc:
         raise ConverterError(f"could not write the export ({exc.strerror or exc})", path=folder) from None
     finally:
+        lock.release()  # first: its file would keep a folder this run created from being removed
         if not done:
             for tmp in temps:
                 tmp.unlink(missing_ok=True)
-            if target.created:
-                try:
-                    folder.rmdir()
-                except OSError:
-                    pass
-        lock.release()
+            target.discard_created()
     return [final for _, final in pairs]

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ..constants import PRODUCER_NAME
+from ..constants import PRODUCER_NAME, TINYLOOP_MESSAGE
 from ..errors import ConverterError, GpuUnavailableError
 from ..jsonio import not_regular
 from . import ModelError
@@ -38,11 +38,6 @@ __all__ = [
     "read_converted_config",
     "resolve_device",
 ]
-
-TINYLOOP_MESSAGE = (
-    "converted from a .tinyloop checkpoint: TinyLoop models are not a transformers architecture, so there is "
-    "no model to build; run its layers with converter.gpu.api.load_artifact_gpu"
-)
 
 
 def read_converted_config(path: str | Path) -> tuple[Path, dict[str, Any]]:

@@ -595,3 +595,24 @@ def test_an_output_folder_with_another_quant_config_file_is_refused(tmp_path: Pa
     ):
         export_compressed_tensors(src, out, force=True)
     assert sorted(p.name for p in out.iterdir()) == ["quantize_config.json"]
+
+
+@pytest.mark.parametrize("where", ["write", "check"])
+def test_an_interrupted_export_leaves_no_folder_it_created(tmp_path: Path, monkeypatch, where: str) -> None:
+    # Ctrl-C mid-write said "no output was written" but left the new folder behind (its
+    # lock file was released after the folder's removal was tried)
+    from converter.export import folder_writer
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    if where == "write":
+        monkeypatch.setattr(folder_writer._TensorSource, "__getitem__", interrupt)
+    else:  # after the folder is made, before the write's own clean-up is in place
+        from converter.export import compressed_tensors
+
+        monkeypatch.setattr(compressed_tensors, "_write", interrupt)
+    src = _synthetic(tmp_path / "src", bits=4, group_size=64)
+    with pytest.raises(KeyboardInterrupt):
+        export_compressed_tensors(src, tmp_path / "new")
+    assert not (tmp_path / "new").exists()
