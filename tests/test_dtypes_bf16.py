@@ -47,3 +47,17 @@ def test_nan_stays_nan_with_its_sign() -> None:
     x = np.array([0x7F800001, 0xFFC00000], dtype=np.uint32).view(np.float32)  # a signalling and a negative NaN
     out = bf16_to_f32(f32_to_bf16(x))
     assert np.isnan(out).all() and np.signbit(out).tolist() == [False, True]
+
+
+def test_an_fp16_scale_splits_into_two_bf16_whose_products_with_codes_are_exact() -> None:
+    """The fact docs/notes/bf16.md's per-weight lead rests on: for every finite fp16 ``s``,
+    ``s_lo = s - bf16(s)`` is a bf16 and so is ``(q - 8) s_lo`` for every 4-bit code, so
+    ``fma.rn.bf16x2(q - 8, bf16(s), (q - 8) s_lo)`` rounds ``(q - 8) s`` once, with no fp32."""
+    s = np.arange(0, 0x7C00, dtype=np.uint16).view(np.float16).astype(np.float64)
+    s = np.concatenate([s, -s])
+    s_hi = bf16_to_f32(f32_to_bf16(s.astype(np.float32))).astype(np.float64)
+    s_lo = s - s_hi
+    assert np.abs(s_lo).max() > 0  # not vacuous: most fp16 scales have bits below bf16's
+    for q in range(16):
+        t = (q - 8) * s_lo
+        assert np.array_equal(bf16_to_f32(f32_to_bf16(t.astype(np.float32))).astype(np.float64), t), q
