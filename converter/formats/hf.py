@@ -97,6 +97,14 @@ class HFSource(Source):
         would stay resident through the whole conversion."""
         layers = []
         for prefix in prefixes:
+            dense = f"{prefix}.weight"
+            if dense in self.ckpt:  # engines and our loaders would each pick one silently
+                raise SourceFormatError(
+                    f"layer {prefix} has both {self.anchor} and a dense weight: which one the model uses is "
+                    "ambiguous; remove one",
+                    path=self.ckpt.file_of(dense),
+                    tensor=dense,
+                )
             layers.append(self._plan_layer(prefix, pad))  # type: ignore[attr-defined]
             release_mapped_pages()
         return layers

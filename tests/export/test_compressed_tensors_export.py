@@ -497,8 +497,6 @@ UP = "model.layers.0.mlp.up_proj"
         (lambda t: t.pop("model.embed_tokens.weight"), "missing from the export: model.embed_tokens.weight"),
         (lambda t: t.update({f"{UP}.bias": np.zeros(int(t[f"{UP}.weight_shape"][0]), np.float16)}),
          f"tensors the source does not have: {UP}.bias"),
-        (lambda t: t.update({f"{UP}.weight": np.zeros(tuple(t[f"{UP}.weight_shape"]), np.float16)}),
-         f"tensors the source does not have: {UP}.weight"),
         (lambda t: t.update({"model.embed_tokens.weight": t["model.embed_tokens.weight"].astype(np.float32)}),
          "dtype or shape differ from the source's: model.embed_tokens.weight"),
         (lambda t: t.update({f"{UP}.weight_scale": t[f"{UP}.weight_scale"].astype(np.float32)}),
@@ -513,6 +511,16 @@ def test_check_export_compares_every_tensor_it_does_not_compute(tmp_path: Path, 
     export_compressed_tensors(src, out)
     _rewrite(out / "model.safetensors", edit)
     assert check_export(out, src, numerics=False).problems == [expected]
+
+
+def test_a_dense_weight_beside_an_exported_layer_is_refused(tmp_path: Path) -> None:
+    src = _synthetic(tmp_path / "src", bits=4, group_size=64)
+    out = tmp_path / "out"
+    export_compressed_tensors(src, out)
+    dense = lambda t: t.update({f"{UP}.weight": np.zeros(tuple(t[f"{UP}.weight_shape"]), np.float16)})  # noqa: E731
+    _rewrite(out / "model.safetensors", dense)
+    with pytest.raises(ConverterError, match=f"layer {UP} has both weight_packed and a dense weight"):
+        check_export(out, src, numerics=False)
 
 
 def test_check_export_compares_passed_through_layers_and_biases(tmp_path: Path) -> None:

@@ -36,6 +36,29 @@ def test_layer_naming_a_missing_tensor(gptq: Path) -> None:
         src.plan()
 
 
+def test_a_layer_with_a_dense_weight_beside_its_codes_is_ambiguous(gptq: Path) -> None:
+    # converted, the folder (or export) held both and each loader picked one silently
+    from tests.helpers.artifact_edit import read_st, write_st
+
+    shard = only_shard(gptq)
+    meta, tensors = read_st(shard)
+    tensors[f"{LAYER}.weight"] = ("F16", [4, 4], bytes(32))
+    write_st(shard, tensors, meta)
+    index = gptq / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"][f"{LAYER}.weight"] = shard.name
+    index.write_text(json.dumps(data))
+    with (
+        open_source(gptq) as src,
+        pytest.raises(
+            SourceFormatError,
+            match=rf"{LAYER}.weight: layer {LAYER} has both qweight and a dense weight: which one the model uses "
+            "is ambiguous; remove one",
+        ),
+    ):
+        src.plan()
+
+
 def test_index_naming_a_missing_shard(gptq: Path) -> None:
     index = gptq / "model.safetensors.index.json"
     data = json.loads(index.read_text())
