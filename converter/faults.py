@@ -29,6 +29,14 @@ from typing import Any
 INTERRUPTED_EXIT = 130
 #: The line an interrupted command prints (the CLI's, and the early handler's).
 INTERRUPTED = "interrupted; no output was written"
+#: marlin-verify's, which writes nothing (its results are what it would have printed).
+INTERRUPTED_CHECK = "interrupted; the check did not finish"
+#: The command this process runs (set by the console scripts' entry); picks the line.
+_command = [os.path.basename(sys.argv[0]) if sys.argv else ""]
+
+
+def set_command(prog: str) -> None:
+    _command[0] = prog
 
 
 def interrupted_message() -> str:
@@ -38,7 +46,7 @@ def interrupted_message() -> str:
 
     done = committed_outputs()
     if not done:
-        return INTERRUPTED
+        return INTERRUPTED_CHECK if _command[0] == "marlin-verify" else INTERRUPTED
     return f"interrupted after the output was written: {done[-1]} is complete"
 
 
@@ -78,7 +86,8 @@ def quiet_interrupt_until_ready(as_json: bool) -> None:
     process is one of the two commands (``converter/__init__.py``)."""
 
     # Built now: the signal may land while ``json`` is half imported.
-    fd, line = (1, error_document("KeyboardInterrupt", INTERRUPTED)) if as_json else (2, INTERRUPTED)
+    said = INTERRUPTED_CHECK if _command[0] == "marlin-verify" else INTERRUPTED
+    fd, line = (1, error_document("KeyboardInterrupt", said)) if as_json else (2, said)
 
     def handler(signum: int, frame: object) -> None:
         write_fd(fd, line + "\n")

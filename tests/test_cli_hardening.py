@@ -390,6 +390,12 @@ print("not reached")
 """
 
 
+def test_an_interrupted_verify_says_its_check_did_not_finish() -> None:
+    """marlin-verify writes nothing, so "no output was written" (convert's line) misled."""
+    res = _run_code(EARLY_INTERRUPT.replace('"marlin-convert"', '"marlin-verify"'), "SIGTERM", timeout=60)
+    assert (res.returncode, res.stdout, res.stderr) == (130, "", "interrupted; the check did not finish\n")
+
+
 def test_interrupt_while_json_is_half_imported_is_still_one_json_document() -> None:
     """Found by killing runs at random: the early handler called json.dumps, which
     raised AttributeError (a traceback, exit 1) when the signal landed inside json's import."""

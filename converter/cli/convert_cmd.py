@@ -12,6 +12,7 @@ from rich.table import Table
 
 from ..artifact.shards import human_size
 from ..errors import short_name
+from ..faults import set_command
 from .options import DebugOpt, InPath, JsonOpt, OutPath, QuietOpt, _Command, _version_option
 from .output import _errors_to_exit, _fail, _group_cell, _print_json, _progress, _show, _show_progress
 from .streams import _guard_streams, err_console, out_console
@@ -91,6 +92,7 @@ def convert_cmd(
     debug: DebugOpt = False,
     version: Annotated[bool, _version_option("marlin-convert")] = False,
 ) -> None:
+    set_command("marlin-convert")
     if overwrite:  # the name other tools use: point at ours
         _fail("no such option: --overwrite; to replace an existing output, pass --force", as_json)
     if to not in EXPORT_FORMATS:

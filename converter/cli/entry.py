@@ -10,7 +10,7 @@ import sys
 
 import typer
 
-from ..faults import INTERRUPTED_EXIT, error_document, interrupted_message, wants_json
+from ..faults import INTERRUPTED_EXIT, error_document, interrupted_message, set_command, wants_json
 from . import output
 from .convert_cmd import convert_app
 from .streams import _standard_streams, _stream_failed, _StreamError, err_console
@@ -29,6 +29,7 @@ def _main(app: typer.Typer, prog: str) -> None:
     gives one line on stderr (the output, if one was committed, is complete and valid)
     and exit 2; a stream that cannot encode a character gets it escaped."""
     _standard_streams()
+    set_command(prog)
     try:
         code = _run(app, prog, wants_json(sys.argv[1:]))
         # Said and done: an interrupt while the process flushes and shuts down would only

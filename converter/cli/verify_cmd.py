@@ -15,6 +15,7 @@ from rich.table import Table
 
 from ..artifact.problems import Report
 from ..errors import short_name
+from ..faults import set_command
 from .options import ArtPath, DebugOpt, JsonOpt, VerifyQuietOpt, _Command, _version_option
 from .output import _errors_to_exit, _fail, _group_cell, _print_json, _progress, _show, _show_progress
 from .streams import _can_encode, _guard_streams, _real, err_console, out_console
@@ -111,6 +112,7 @@ def verify_cmd(
     debug: DebugOpt = False,
     version: Annotated[bool, _version_option("marlin-verify")] = False,
 ) -> None:
+    set_command("marlin-verify")  # its interrupt line (a CliRunner call has no argv[0] to tell)
     if gpu and cpu:
         _fail("--gpu and --cpu contradict each other", as_json)
     use_gpu = True if gpu else (False if cpu else None)  # None: when CuPy and a GPU are there
