@@ -21,9 +21,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any
 
 #: The commands' status when interrupted (128 + SIGINT, as shells report it).
 INTERRUPTED_EXIT = 130
@@ -37,6 +34,62 @@ _command = [os.path.basename(sys.argv[0]) if sys.argv else ""]
 
 def set_command(prog: str) -> None:
     _command[0] = prog
+
+
+def write_fd(fd: int, text: str) -> None:
+    """Write ``text`` to ``fd`` whole, without Python's buffered streams (safe in a signal
+    handler); undecodable characters are escaped, and a closed descriptor is ignored."""
+    data = text.encode("utf-8", "backslashreplace")
+    while data:
+        try:
+            n = os.write(fd, data)
+        except OSError:
+            return
+        data = data[n:]
+
+
+def wants_json(argv: list[str]) -> bool:
+    """Whether the command line asks for ``--json`` output, seen before click parses it
+    (``--json=1`` too: its usage error is then a JSON document as well)."""
+    return any(a == "--json" or a.startswith("--json=") for a in argv)
+
+
+def is_command() -> bool:
+    """Whether this process is ``marlin-convert`` or ``marlin-verify`` (the console
+    scripts name themselves in ``argv[0]``)."""
+    return bool(sys.argv) and os.path.basename(sys.argv[0]) in ("marlin-convert", "marlin-verify")
+
+
+def quiet_interrupt_until_ready(as_json: bool) -> None:
+    """Make Ctrl-C exit 130 with one line (a JSON document with ``as_json``) until the
+    command installs its own handling (:func:`restore_interrupt`).  Only called when the
+    process is one of the two commands (``converter/__init__.py``)."""
+
+    # Built now, without json (not imported yet, or half imported when the signal lands):
+    # the document error_document writes for this constant ASCII line.
+    said = INTERRUPTED_CHECK if _command[0] == "marlin-verify" else INTERRUPTED
+    doc = (
+        f'{{"ok": false, "error": {{"type": "KeyboardInterrupt", "message": "{said}", "file": null, "tensor": null}}}}'
+    )
+    fd, line = (1, doc) if as_json else (2, said)
+
+    def handler(signum: int, frame: object) -> None:
+        write_fd(fd, line + "\n")
+        os._exit(INTERRUPTED_EXIT)
+
+    # SIGTERM and SIGHUP too: the CLI maps them to the same exit once it runs; before
+    # that their default action would kill the process silently (no JSON document).
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, handler)
+
+
+if is_command():  # the console scripts import this package, and so this module, first: the
+    # handler goes in before anything else is imported (typing alone is milliseconds)
+    quiet_interrupt_until_ready(wants_json(sys.argv[1:]))
+
+from collections.abc import Callable, Iterator  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+from typing import Any  # noqa: E402
 
 
 def interrupted_message() -> str:
@@ -53,18 +106,6 @@ def interrupted_message() -> str:
 _keep: list[Any] = []  # the installed C callback: it must outlive its installation
 
 
-def write_fd(fd: int, text: str) -> None:
-    """Write ``text`` to ``fd`` whole, without Python's buffered streams (safe in a signal
-    handler); undecodable characters are escaped, and a closed descriptor is ignored."""
-    data = text.encode("utf-8", "backslashreplace")
-    while data:
-        try:
-            n = os.write(fd, data)
-        except OSError:
-            return
-        data = data[n:]
-
-
 def error_document(kind: str, message: str, file: object = None, tensor: str | None = None) -> str:
     """The commands' ``--json`` document for a failure: ``{"ok": false, "error": {...}}``;
     every string valid Unicode (:func:`converter.errors.json_text`), an empty ``file`` or
@@ -78,25 +119,6 @@ def error_document(kind: str, message: str, file: object = None, tensor: str | N
 
     error = {"type": kind, "message": json_text(message), "file": text(file), "tensor": text(tensor)}
     return json.dumps({"ok": False, "error": error})
-
-
-def quiet_interrupt_until_ready(as_json: bool) -> None:
-    """Make Ctrl-C exit 130 with one line (a JSON document with ``as_json``) until the
-    command installs its own handling (:func:`restore_interrupt`).  Only called when the
-    process is one of the two commands (``converter/__init__.py``)."""
-
-    # Built now: the signal may land while ``json`` is half imported.
-    said = INTERRUPTED_CHECK if _command[0] == "marlin-verify" else INTERRUPTED
-    fd, line = (1, error_document("KeyboardInterrupt", said)) if as_json else (2, said)
-
-    def handler(signum: int, frame: object) -> None:
-        write_fd(fd, line + "\n")
-        os._exit(INTERRUPTED_EXIT)
-
-    # SIGTERM and SIGHUP too: the CLI maps them to the same exit once it runs; before
-    # that their default action would kill the process silently (no JSON document).
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, handler)
 
 
 def restore_interrupt() -> None:
@@ -157,19 +179,3 @@ def sigbus_as_error(report: Callable[[str], None]) -> Iterator[None]:
     finally:
         install(signal.SIGBUS, previous)
         _keep.remove(callback)
-
-
-def wants_json(argv: list[str]) -> bool:
-    """Whether the command line asks for ``--json`` output, seen before click parses it
-    (``--json=1`` too: its usage error is then a JSON document as well)."""
-    return any(a == "--json" or a.startswith("--json=") for a in argv)
-
-
-def is_command() -> bool:
-    """Whether this process is ``marlin-convert`` or ``marlin-verify`` (the console
-    scripts name themselves in ``argv[0]``)."""
-    return bool(sys.argv) and os.path.basename(sys.argv[0]) in ("marlin-convert", "marlin-verify")
-
-
-if is_command():  # the console scripts import this package, and so this module, first
-    quiet_interrupt_until_ready(wants_json(sys.argv[1:]))

@@ -885,3 +885,23 @@ def test_verify_reads_the_artifact_it_opened_even_when_replaced_meanwhile(
     report = verify(art, against=SAMPLE, gpu=False)
     assert report.ok, [p.message for p in report.problems]
     assert report.checked["layers"] == 15  # the sample's, not the replacement's one layer
+
+
+@pytest.mark.parametrize("prog", ["marlin-convert", "marlin-verify"])
+def test_the_early_handlers_document_is_error_documents(monkeypatch, prog: str) -> None:
+    """The early handler writes its JSON document by hand (json may not be imported yet):
+    it must be the one error_document writes for the same line."""
+    import signal
+
+    from converter import faults
+
+    written: list[tuple[int, str]] = []
+    handlers: dict[int, object] = {}
+    monkeypatch.setattr(faults, "_command", [prog])
+    monkeypatch.setattr(faults, "write_fd", lambda fd, text: written.append((fd, text)))
+    monkeypatch.setattr(faults.signal, "signal", lambda sig, h: handlers.__setitem__(sig, h))
+    monkeypatch.setattr(faults.os, "_exit", lambda code: None)
+    faults.quiet_interrupt_until_ready(True)
+    handlers[signal.SIGTERM](signal.SIGTERM, None)
+    said = faults.INTERRUPTED_CHECK if prog == "marlin-verify" else faults.INTERRUPTED
+    assert written == [(1, faults.error_document("KeyboardInterrupt", said) + "\n")]
