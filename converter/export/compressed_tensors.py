@@ -41,6 +41,7 @@ from ..artifact.hf_config import copied_files
 from ..artifact.shards import Layout, parse_size, plan_shards
 from ..artifact.target import CONFIG_NAME, InputGuard, OutputTarget
 from ..constants import EXPORT_META_KEY, PRODUCER_NAME
+from ..convert.plan import _refuse_non_finite_bias
 from ..digests import sha256_files
 from ..errors import OutputPathError, UnsupportedQuantError, short_name
 from ..formats import open_source
@@ -128,6 +129,7 @@ def export_compressed_tensors(
     max_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
     with open_source(src) as source:
         plan = source.plan(pad=True)
+        _refuse_non_finite_bias(source, plan)  # an engine adds it to every output row, as our kernels do
         layers: list[LayerExport] = []
         # name -> (dtype, shape, where): a plain tensor's name, or the layer it is computed from
         # (recomputed at write time, one layer at a time, so memory stays one layer's worth).

@@ -368,3 +368,9 @@ def test_a_non_finite_bias_is_refused_by_name(tmp_path: Path, dtype: str, bad: f
     ):
         convert(folder, out)
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    # the export too (it copied the NaN, which an engine adds to every output row as well)
+    from converter.export import export_compressed_tensors
+
+    with pytest.raises(SourceFormatError, match=rf"{name}.bias: {count} NaN or Inf value\(s\)"):
+        export_compressed_tensors(folder, tmp_path / "ct")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
