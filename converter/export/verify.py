@@ -231,10 +231,9 @@ def tensor_problems(
         a, b = s.load_tensor(name), e.load_tensor(name)
         if (a.dtype, tuple(a.shape)) != (b.dtype, tuple(b.shape)):
             found.setdefault("dtype or shape differ from the source's", []).append(name)
-        elif not np.array_equal(np.asarray(a.data).view(np.uint8), np.asarray(b.data).view(np.uint8)):
+        elif not _same_bytes(a.data, b.data):
             found.setdefault("bytes differ from the source's", []).append(name)
         del a, b
-        release_mapped_pages()
     for name in sorted(computed - have):
         found.setdefault("missing from the export", []).append(name)
     for layer, dtype in scale_dtypes.items():
@@ -245,6 +244,20 @@ def tensor_problems(
     if extra:
         found["tensors the source does not have"] = extra
     return [f"{rule}: {_names(names)}" for rule, names in found.items()]
+
+
+def _same_bytes(a: Any, b: Any, chunk: int = 64 * 2**20) -> bool:
+    """Whether two stored tensors hold the same bytes, compared a slice at a time with the
+    mapped pages dropped after each (an embedding can be gigabytes)."""
+    u, v = np.asarray(a).reshape(-1).view(np.uint8), np.asarray(b).reshape(-1).view(np.uint8)
+    if u.size != v.size:
+        return False
+    for i in range(0, u.size, chunk):
+        same = np.array_equal(u[i : i + chunk], v[i : i + chunk])
+        release_mapped_pages()
+        if not same:
+            return False
+    return True
 
 
 def written_config_problems(s: Source, e: Source, layers: list[LayerPlan], exported: set[str]) -> list[str]:

@@ -624,3 +624,15 @@ def test_an_interrupted_export_leaves_no_folder_it_created(tmp_path: Path, monke
     with pytest.raises(KeyboardInterrupt):
         export_compressed_tensors(src, tmp_path / "new")
     assert not (tmp_path / "new").exists()
+
+
+def test_pass_through_bytes_are_compared_by_slices_and_scalars_too() -> None:
+    # a 0-d tensor has no uint8 view of its own; an embedding is compared a slice at a time
+    from converter.export.verify import _same_bytes
+
+    x = np.arange(1000, dtype=np.int32)
+    y = x.copy()
+    y[999] = 0
+    assert _same_bytes(np.float16(3), np.array(3, np.float16)) and not _same_bytes(np.float16(3), np.float16(2))
+    assert _same_bytes(x, x.copy(), chunk=7) and not _same_bytes(x, y, chunk=7)
+    assert not _same_bytes(x, x[:-1], chunk=7)
