@@ -213,6 +213,8 @@ def tensor_problems(
     tensors) must be the source's, bytes, dtype and shape; no tensor may be missing or
     added; a layer's ``weight_scale`` keeps the source's dtype (the read-back compares
     values, which a cast keeps). One problem per rule, with its tensors."""
+    if not isinstance(e, CompressedTensorsSource):
+        return []  # config_problems says so; every tensor would read as missing
     carried: list[str] = [t.name for t in source_plan.tensors]
     computed: set[str] = set()
     for lay in source_plan.layers:
@@ -222,7 +224,7 @@ def tensor_problems(
             carried += bias
         else:
             carried += [*lay.source_tensors, *bias]
-    have = set(e.ckpt.infos) if isinstance(e, CompressedTensorsSource) else set()
+    have = set(e.ckpt.infos)
     found: dict[str, list[str]] = {}
     for name in carried:
         if name not in have:
