@@ -63,7 +63,7 @@ def is_command() -> bool:
 def quiet_interrupt_until_ready(as_json: bool) -> None:
     """Make Ctrl-C exit 130 with one line (a JSON document with ``as_json``) until the
     command installs its own handling (:func:`restore_interrupt`).  Only called when the
-    process is one of the two commands (``converter/__init__.py``)."""
+    process is one of the two commands (by this module, as it is imported)."""
 
     # Built now, without json (not imported yet, or half imported when the signal lands):
     # the document error_document writes for this constant ASCII line.
