@@ -323,14 +323,11 @@ class OutputTarget:
                     "folder; give a .safetensors file name to write one file",
                     path=self.folder,
                 )
-        if self.directory and not self.folder.exists() and not create:
-            # a dry run creates nothing; the checks above (the input guard) still ran
-            if not self.folder.parent.is_dir():
-                raise OutputPathError("output folder's parent does not exist", path=self.folder.parent)
-            return
         if self.directory and not self.folder.exists():
-            if not self.folder.parent.is_dir():  # as the dry run says it: the missing folder named
+            if not self.folder.parent.is_dir():  # the missing folder named (mkdir's error names the new one)
                 raise OutputPathError("output folder's parent does not exist", path=self.folder.parent)
+            if not create:  # a dry run creates nothing; the checks above (the input guard) still ran
+                return
             try:
                 self.folder.mkdir(parents=False)
                 self.created = True

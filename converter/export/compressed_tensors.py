@@ -50,7 +50,13 @@ from ..formats.hf_checkpoint import QUANT_CONFIG_FILES, read_member_bytes
 from ..safetensors_io import release_mapped_pages
 from .folder_writer import _TensorSource, _write
 from .layer_tensors import _layer_tensors, _scales_for, _unrepresentable, _zero_problem, pack_int32
-from .quant_config import COMPRESSED_TENSORS_VERSION, _config_json, _weights_args, quantization_config
+from .quant_config import (
+    COMPRESSED_TENSORS_VERSION,
+    _config_json,
+    _weights_args,
+    export_config_json,
+    quantization_config,
+)
 from .summary import TORCH_DTYPE_NAMES, VLLM_SOURCES, VLLM_VERSION_NOTE, ExportSummary, LayerExport, vllm_kernels
 
 # Everything this module defined before the split (issue 39) stays importable from here.
@@ -146,11 +152,7 @@ def export_compressed_tensors(
             if why is None:
                 qw = source.load_layer(layer)
                 why = _zero_problem(qw)
-            g = layer.source_group_size or layer.group_size
-            strategy = "channel" if g >= layer.size_k else "group"
-            info = LayerExport(
-                layer.name, layer.bits, layer.size_k, layer.size_n, g, strategy, layer.act_order, why is None
-            )
+            info = LayerExport.of(layer, why is None)
             layers.append(info)
             if why is not None:
                 info.reason = why
@@ -164,7 +166,7 @@ def export_compressed_tensors(
             del qw, written
             if layer.bias is not None:
                 tensors[layer.bias.name] = (layer.bias.dtype, tuple(layer.bias.shape), layer.bias.name)
-            info.kernels = vllm_kernels(layer.bits, g, layer.size_k, layer.size_n, layer.act_order)
+            info.kernels = vllm_kernels(layer.bits, info.group_size, layer.size_k, layer.size_n, layer.act_order)
         if refused and not allow_passthrough:
             by_reason: dict[str, list[str]] = {}
             for n, r in refused:
@@ -201,9 +203,7 @@ def export_compressed_tensors(
         for name in [t.name for t in plan.tensors] + passthrough:
             info = plan_info.get(name) or source.load_tensor(name)  # a memory map: header facts only
             tensors[name] = (info.dtype, tuple(info.shape), name)
-        ignore = sorted({lay.name for lay in layers if not lay.exported})
-        qc = quantization_config(layers, ignore)
-        extras: dict[str, bytes] = {CONFIG_NAME: _config_json(source, qc)}
+        extras: dict[str, bytes] = {CONFIG_NAME: export_config_json(source, layers)}
         copied = copied_files(source)
         for name, path in copied.items():
             extras[name] = read_member_bytes(path)

@@ -67,6 +67,13 @@ def quantization_config(layers: list[LayerExport], ignore: list[str]) -> dict[st
     }
 
 
+def export_config_json(source: Source, layers: list[LayerExport]) -> bytes:
+    """The export's ``config.json``: the source's, with the ``quantization_config`` of
+    ``layers`` (those not exported listed in ``ignore``)."""
+    ignore = sorted({lay.name for lay in layers if not lay.exported})
+    return _config_json(source, quantization_config(layers, ignore))
+
+
 def _config_json(source: Source, qc: dict[str, Any]) -> bytes:
     if isinstance(source, HFSource):
         cfg = dict(source.ckpt.config or {"model_type": "unknown"})

@@ -5,7 +5,10 @@ kernels can serve an exported layer (advice from the vLLM sources it cites).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..formats.base import LayerPlan
 
 #: Where :func:`vllm_kernels` takes its rules from (advice, not a guarantee).
 VLLM_SOURCES = (
@@ -43,6 +46,14 @@ class LayerExport:
     kernels: list[str] = dataclasses.field(default_factory=list)
     #: the exported ``weight_scale``'s dtype (the source's, exact); "" when not exported
     scale_dtype: str = ""
+
+    @classmethod
+    def of(cls, layer: LayerPlan, exported: bool) -> LayerExport:
+        """A source layer as the export writes it (its source group size; per-channel
+        when one group spans K)."""
+        g = layer.source_group_size or layer.group_size
+        strategy = "channel" if g >= layer.size_k else "group"
+        return cls(layer.name, layer.bits, layer.size_k, layer.size_n, g, strategy, layer.act_order, exported)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -43,7 +43,7 @@ from ..quant_weight import QuantWeight
 from ..safetensors_io import SafetensorsFile, release_mapped_pages
 from .compressed_tensors import EXPORT_META_KEY, _names
 from .layer_tensors import layer_tensor_names, scale_dtype_of
-from .quant_config import _config_json, _weights_args, quantization_config
+from .quant_config import _weights_args, export_config_json
 from .summary import LayerExport
 
 
@@ -262,6 +262,10 @@ def _same_bytes(a: Any, b: Any, chunk: int = 64 * 2**20) -> bool:
     return True
 
 
+#: A key one side of a comparison lacks (``None`` is a value).
+_GONE = object()
+
+
 def written_config_problems(s: Source, e: Source, layers: list[LayerPlan], exported: set[str]) -> list[str]:
     """Where the export's ``config.json`` differs from the one the export writes for this
     source, outside the config groups and ``ignore`` (:func:`config_problems` judges those
@@ -269,14 +273,8 @@ def written_config_problems(s: Source, e: Source, layers: list[LayerPlan], expor
     (``format``, ``quantization_status``, ``kv_cache_scheme``, ...)."""
     if not isinstance(e, CompressedTensorsSource):
         return []  # config_problems says so
-    plans = [
-        LayerExport(lay.name, lay.bits, lay.size_k, lay.size_n, g, "channel" if g >= lay.size_k else "group",
-                    lay.act_order, lay.name in exported)
-        for lay in layers
-        for g in [lay.source_group_size or lay.group_size]
-    ]  # fmt: skip
-    ignore = sorted(lay.name for lay in plans if not lay.exported)
-    want = json.loads(_config_json(s, quantization_config(plans, ignore)))
+    plans = [LayerExport.of(lay, lay.name in exported) for lay in layers]
+    want = json.loads(export_config_json(s, plans))
     have = e.ckpt.config
     paths = [
         k
@@ -292,9 +290,6 @@ def written_config_problems(s: Source, e: Source, layers: list[LayerPlan], expor
     if not paths:
         return []
     return [f"config.json: {', '.join(paths)} differ from what the export writes for this source"]
-
-
-_GONE = object()
 
 
 def config_problems(export: Source, layers: list[dict[str, Any]]) -> list[str]:
