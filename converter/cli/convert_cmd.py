@@ -102,7 +102,8 @@ def convert_cmd(
                     allow_passthrough=allow_passthrough, legacy_act_order=legacy_act_order)  # fmt: skip
         return
     if allow_passthrough or legacy_act_order:
-        _fail("--allow-passthrough and --legacy-act-order go with --to compressed-tensors", as_json)
+        given = _given(("--allow-passthrough", allow_passthrough), ("--legacy-act-order", legacy_act_order))
+        _fail(f"{given} {'go' if ' and ' in given else 'goes'} with --to compressed-tensors", as_json)
     with _errors_to_exit(debug, as_json), _progress(_show_progress(quiet, as_json)) as prog:
         from ..convert import convert
 
@@ -117,6 +118,11 @@ def convert_cmd(
 
 #: What ``--to`` accepts: the Marlin artifact, or an exact export (converter.export).
 EXPORT_FORMATS = ("marlin", "compressed-tensors")
+
+
+def _given(*flags: tuple[str, bool]) -> str:
+    """The misplaced options the user gave, by name ("--a", "--a and --b"), never one they did not."""
+    return " and ".join(name for name, given in flags if given)
 
 
 def _export_cmd(
@@ -136,7 +142,8 @@ def _export_cmd(
 ) -> None:
     """``marlin-convert IN OUT --to compressed-tensors``: :func:`converter.export.export_compressed_tensors`."""
     if dry_run or not pad:
-        _fail(f"--dry-run and --no-pad are for the Marlin artifact, not --to {to}", as_json)
+        given = _given(("--dry-run", dry_run), ("--no-pad", not pad))
+        _fail(f"{given} {'are' if ' and ' in given else 'is'} for the Marlin artifact, not --to {to}", as_json)
     with _errors_to_exit(debug, as_json):
         from ..artifact.shards import parse_size
         from ..export import export_compressed_tensors

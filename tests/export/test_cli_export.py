@@ -72,11 +72,18 @@ def test_act_order_is_refused_in_one_line_and_nothing_is_written(tmp_path: Path)
 def test_bad_to_and_misplaced_flags_are_usage_errors(tmp_path: Path) -> None:
     r = run_cli("marlin-convert", AWQ, tmp_path / "x", "--to", "gguf")
     assert (r.returncode, r.stderr.strip()) == (2, "error: --to 'gguf': one of marlin, compressed-tensors")
+    # each message names the options given, never one the user did not pass
     r = run_cli("marlin-convert", AWQ, tmp_path / "y", "--allow-passthrough")
+    assert (r.returncode, r.stderr.strip()) == (2, "error: --allow-passthrough goes with --to compressed-tensors")
+    r = run_cli("marlin-convert", AWQ, tmp_path / "y", "--legacy-act-order", "--allow-passthrough")
     assert r.returncode == 2
-    assert "--allow-passthrough and --legacy-act-order go with --to compressed-tensors" in r.stderr
+    assert r.stderr.strip() == "error: --allow-passthrough and --legacy-act-order go with --to compressed-tensors"
     r = run_cli("marlin-convert", AWQ, tmp_path / "z", "--to", "compressed-tensors", "--dry-run")
-    assert r.returncode == 2 and "--dry-run and --no-pad are for the Marlin artifact" in r.stderr
+    assert r.returncode == 2
+    assert r.stderr.strip() == "error: --dry-run is for the Marlin artifact, not --to compressed-tensors"
+    r = run_cli("marlin-convert", AWQ, tmp_path / "z", "--to", "compressed-tensors", "--no-pad", "--dry-run")
+    assert r.returncode == 2
+    assert r.stderr.strip() == "error: --dry-run and --no-pad are for the Marlin artifact, not --to compressed-tensors"
     assert not any(tmp_path.iterdir())
 
 
