@@ -186,6 +186,17 @@ def test_a_changed_source_file_is_reported_first(tmp_path: Path) -> None:
     ]
 
 
+def test_layers_not_in_the_source_are_reported_in_name_order(tmp_path: Path) -> None:
+    """Against the wrong source, the layer problems come sorted by name, the same on every run."""
+    art = Path(convert(SAMPLE, tmp_path / "s.safetensors").output)
+    names = sorted(open_artifact(art).layers)
+    rep = verify(art, against=_checkpoint(tmp_path / "ckpt"), gpu=False)
+    layer_lines = [p.message for p in rep.problems if p.message.startswith("layer ")]
+    assert layer_lines == [f"layer {n} is in the artifact but not converted from the source" for n in names] + [
+        f"layer {L} converts from the source but is missing from the artifact"
+    ]
+
+
 @pytest.mark.parametrize(
     "kw,stages",
     [

@@ -100,9 +100,10 @@ def _check_identity(art: Artifact, source: Source, digests: FileDigests, report:
 def _compare_tensor_sets(art: Artifact, source: Source, plan: SourcePlan, report: Report) -> None:
     """The artifact holds exactly the layers and tensors a conversion of the source makes."""
     src_layers = {lay.name for lay in plan.layers if lay.convertible}
-    for name in art.layers.keys() - src_layers:
+    # Sorted, as the tensors below: a set's order changes from run to run.
+    for name in sorted(art.layers.keys() - src_layers):
         report.add(P.SOURCE_MISMATCH, f"layer {name} is in the artifact but not converted from the source", name)
-    for name in src_layers - art.layers.keys():
+    for name in sorted(src_layers - art.layers.keys()):
         report.add(P.SOURCE_MISMATCH, f"layer {name} converts from the source but is missing from the artifact", name)
     from ..convert.plan import build_layout  # the conversion's own plan of the artifact
 
