@@ -173,6 +173,14 @@ def _refuse_non_finite_bias(source: Source, plan: SourcePlan) -> None:
     source.release_pages()
 
 
+def lone_shard_warnings(source: Source) -> list[str]:
+    """A lone shard whose layers are whole converts; the other shards' tensors (embeddings,
+    heads) are then missing from the output, so it says what to pass instead."""
+    ckpt = getattr(source, "ckpt", None)
+    hint = ckpt.lone_shard_hint if ckpt is not None else ""
+    return [f"the other shards' tensors are left out{hint}"] if hint else []
+
+
 def _plan_warnings(plan: SourcePlan, layers: list[LayerEntry]) -> list[str]:
     """Findings about the conversion as a whole (layer findings are in each layer's record)."""
     if not layers:

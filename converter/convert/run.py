@@ -24,6 +24,7 @@ from .plan import (
     _refuse_non_finite,
     _refuse_non_finite_bias,
     build_layout,
+    lone_shard_warnings,
 )
 from .report import ConvertReport, NotConverted, Progress
 from .stream import _PLACEHOLDER, _write
@@ -135,6 +136,7 @@ def convert(
             ],
             files=[{"name": p.name, "bytes": n} for p, n in sizes.items()],
             warnings=_plan_warnings(plan, layers)
+            + lone_shard_warnings(source)
             + ([f"a model folder {TINYLOOP_MESSAGE}"] if target.directory and source.format.value == "tinyloop" else [])
             + oversize_warnings(
                 shards,

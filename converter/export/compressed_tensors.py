@@ -41,7 +41,7 @@ from ..artifact.hf_config import copied_files
 from ..artifact.shards import Layout, parse_size, plan_shards
 from ..artifact.target import CONFIG_NAME, InputGuard, OutputTarget
 from ..constants import EXPORT_META_KEY, PRODUCER_NAME
-from ..convert.plan import _refuse_non_finite_bias
+from ..convert.plan import _refuse_non_finite_bias, lone_shard_warnings
 from ..digests import sha256_files
 from ..errors import OutputPathError, UnsupportedQuantError, short_name
 from ..formats import open_source
@@ -142,7 +142,7 @@ def export_compressed_tensors(
         tensors: dict[str, tuple[str, tuple[int, ...], str | LayerPlan]] = {}
         passthrough: list[str] = []
         refused: list[tuple[str, str]] = []
-        warnings: list[str] = []
+        warnings: list[str] = lone_shard_warnings(source)
         for layer in plan.layers:
             # this pass reads every layer once; without this the whole mapped input stays resident
             release_mapped_pages()

@@ -834,6 +834,33 @@ def test_each_shard_of_a_sharded_input_gets_the_hint(tmp_path: Path) -> None:
     assert convert(src, tmp_path / "whole.safetensors").converted
 
 
+def test_a_lone_shard_that_converts_warns_that_the_other_shards_are_left_out(tmp_path: Path) -> None:
+    """Shard 1 holds every layer whole, shard 2 the embedding and norm: shard 1 alone
+    converts (and exports), and says that the other shard's tensors are not in the output."""
+    tensors = _tensors()
+    src = tmp_path / "src"
+    write_checkpoint(src, tensors, gptq_config(4, 64))
+    (src / "model.safetensors").unlink()
+    plain = {n: t for n, t in tensors.items() if not n.startswith(NAMES)}
+    names = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    save_safetensors(src / names[0], {n: t for n, t in tensors.items() if n not in plain})
+    save_safetensors(src / names[1], plain)
+    wmap = {n: names[1] if n in plain else names[0] for n in tensors}
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wmap}))
+    warning = (
+        "the other shards' tensors are left out; "
+        f"{names[0]} is one shard of model.safetensors.index.json: pass the index or the folder"
+    )
+    assert convert(src / names[0], tmp_path / "a.safetensors", dry_run=True).warnings == [warning]
+    r = invoke("marlin-convert", src / names[0], tmp_path / "a.safetensors")
+    assert r.exit_code == 0 and f"warning: {warning}" in r.stderr.splitlines()
+    r = invoke("marlin-convert", src / names[0], tmp_path / "ct", "--to", "compressed-tensors", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["warnings"][0] == warning
+    assert convert(src, tmp_path / "whole.safetensors").warnings == []
+    r = invoke("marlin-convert", src, tmp_path / "ct2", "--to", "compressed-tensors", "--json")
+    assert r.exit_code == 0 and warning not in json.loads(r.stdout)["warnings"]
+
+
 def test_the_input_is_unchanged_by_every_refusal_above(tmp_path: Path, ckpt: Path) -> None:
     """A refusal of each class, run against one folder, leaves every byte of it as it was."""
     before = snapshot(ckpt)
