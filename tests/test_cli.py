@@ -118,6 +118,22 @@ def test_wrong_magic_safetensors(tmp_path: Path) -> None:
     assert "header length 18446744073709551615 exceeds the 100000000-byte limit" in res.stderr
 
 
+def test_a_file_named_otherwise_says_what_in_may_be(tmp_path: Path) -> None:
+    """A config.json (or README) given as IN: one line that says what IN may be, not only
+    the header length its first 8 bytes spell."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text('{"architectures": ["LlamaForCausalLM"]}')
+    r = invoke("marlin-convert", cfg, tmp_path / "o.safetensors")
+    assert (r.exit_code, r.stderr.strip()) == (
+        2,
+        # 8388350557284278907: the bytes '{"archit' read as a little-endian uint64
+        f"error: {cfg}: neither .tinyloop nor safetensors (header length 8388350557284278907 exceeds the "
+        "100000000-byte limit); IN is a .tinyloop file, a checkpoint folder, a .safetensors file or a "
+        "model.safetensors.index.json",
+    )
+    assert not (tmp_path / "o.safetensors").exists()
+
+
 def test_truncated_checkpoint(gptq_copy: Path, tmp_path: Path) -> None:
     f = gptq_copy / "model.safetensors"
     data = f.read_bytes()

@@ -36,6 +36,8 @@ from ..safetensors_io import SafetensorsFile
 #: auto-round writes quantization_config.json).
 QUANT_CONFIG_FILES = ("quantize_config.json", "quantization_config.json", "quant_config.json")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+#: What IN may be, said when a file of another name is no safetensors file either.
+INPUT_KINDS = "IN is a .tinyloop file, a checkpoint folder, a .safetensors file or a model.safetensors.index.json"
 #: Files copied next to a directory-mode artifact so it is a complete model folder.
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -166,7 +168,7 @@ class HFCheckpoint:
         try:
             for f in self.files:
                 # Opened lazily (SafetensorsFile): headers now, maps on use, a bounded number at once.
-                shard = SafetensorsFile(f)
+                shard = self._open_weights(f, given=path)
                 self._shards.append(shard)
                 for name in shard.infos:
                     if name in self._where:
@@ -181,6 +183,19 @@ class HFCheckpoint:
         except BaseException:
             self.close()
             raise
+
+    @staticmethod
+    def _open_weights(file: Path, *, given: Path) -> SafetensorsFile:
+        """A weight file's reader; IN itself, named other than ``*.safetensors`` (a
+        config.json, a README given by mistake), says what IN may be when it is no
+        safetensors file, not only the header length its first bytes spell."""
+        try:
+            return SafetensorsFile(file)
+        except SourceFormatError as e:
+            if file != given or file.suffix == ".safetensors":
+                raise
+            detail = e.rule.removeprefix("not a safetensors file: ")
+            raise SourceFormatError(f"neither .tinyloop nor safetensors ({detail}); {INPUT_KINDS}", path=file) from None
 
     def _check_index_placement(self, index: HFIndex) -> None:
         """Every tensor the index names is in the shard it names: a loader that looks
