@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Annotated
@@ -115,6 +116,8 @@ def verify_cmd(
     set_command("marlin-verify")  # its interrupt line (a CliRunner call has no argv[0] to tell)
     if gpu and cpu:
         _fail("--gpu and --cpu contradict each other", as_json)
+    if gpu and shapes:
+        _fail("--gpu and --shapes contradict each other (--shapes runs no numerics)", as_json)
     use_gpu = True if gpu else (False if cpu else None)  # None: when CuPy and a GPU are there
     spread = _spread_options(device_map, max_memory, model=model, cpu=cpu, as_json=as_json)
     if dtype is not None:
@@ -314,6 +317,13 @@ def _spread_options(
             as_json,
         )
     out: dict = {"device_map": device_map}
+    if re.fullmatch(r"cpu|cuda(:\d+)?|\d+", device_map):  # from_pretrained's one-device form
+        one = json.dumps({"": int(device_map) if device_map.isdigit() else device_map})
+        _fail(
+            f"--device-map {device_map}: one device is the JSON object '{one}' (or leave --device-map out: "
+            "--gpu / --cpu pick the device)",
+            as_json,
+        )
     if device_map not in SPREAD_MAPS:
         not_json = f"neither {', '.join(SPREAD_MAPS)} nor a JSON object"
         shape = 'a JSON object maps module names to a device (0, "cuda:1", "cpu")'

@@ -731,6 +731,17 @@ def test_error_layers_without_modules_and_modules_without_layers_are_all_named(
             "(Expecting value: line 1 column 1 (char 0))",
         ),
         (
+            ["--model", "--against", ".", "--device-map", "cuda:1"],
+            """error: --device-map cuda:1: one device is the JSON object '{"": "cuda:1"}' (or leave --device-map """
+            "out: --gpu / --cpu pick the device)",
+        ),
+        (
+            ["--model", "--against", ".", "--device-map", "0"],
+            """error: --device-map 0: one device is the JSON object '{"": 0}' (or leave --device-map out: """
+            "--gpu / --cpu pick the device)",
+        ),
+        (["--shapes", "--gpu"], "error: --gpu and --shapes contradict each other (--shapes runs no numerics)"),
+        (
             ["--model", "--against", ".", "--device-map", '{"model": [0]}'],
             'error: --device-map: a JSON object maps module names to a device (0, "cuda:1", "cpu")',
         ),
