@@ -249,7 +249,9 @@ def read_document(metadata: Mapping[str, str], *, path: Path) -> ManifestDocumen
         )
     if version is None or META_MANIFEST not in metadata:
         raise ArtifactError(
-            f"not a marlin-convert artifact: __metadata__ lacks {META_SCHEMA_VERSION!r} or {META_MANIFEST!r}", path=path
+            f"not a marlin-convert artifact: __metadata__ lacks {META_SCHEMA_VERSION!r} or {META_MANIFEST!r} "
+            "(a source checkpoint? convert it with marlin-convert, or compare with it through --against)",
+            path=path,
         )
     # Canonical ASCII digits only: str.isdigit() also accepts "²" and "١", which int()
     # refuses or reads as another number.
