@@ -13,6 +13,7 @@ from typing import Any
 
 from ..constants import HF_WEIGHTS_KEY
 from ..dtypes import DTYPE_ALIASES
+from ..jsonio import non_finite_path
 from . import ModelError
 from .guard import check_config, offline, short
 
@@ -98,7 +99,8 @@ def _is_int(v: Any) -> bool:
 def check_fields(cfg: dict[str, Any], *, path: Path) -> None:
     """Refuse, one line naming the field, what transformers would crash on or fetch:
     remote code and hub ids (:func:`~converter.model.guard.check_config`), sizes that are
-    not positive integers, norms' epsilons that are not numbers, an unknown activation,
+    not positive integers, norms' epsilons that are not numbers, NaN or an infinity at
+    any depth (``rope_parameters.rope_theta``), an unknown activation,
     a token id outside the vocabulary, a dtype other than float32 / float16 / bfloat16.
 
     Raises:
@@ -115,6 +117,15 @@ def check_fields(cfg: dict[str, Any], *, path: Path) -> None:
         v = cfg.get(key)
         if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)):
             raise ModelError(f"{short(repr(v), 40)} is not a finite number", path=path, tensor=key)
+    # Nested numbers too: transformers takes them as they are (a NaN rope_theta gave NaN
+    # rotary frequencies and wrong logits, silently), and marlin-convert never writes one.
+    where = non_finite_path(cfg)
+    if where is not None:
+        raise ModelError(
+            "is NaN or infinite: a config.json holds finite numbers only (marlin-convert writes standard JSON)",
+            path=path,
+            tensor=short(where),
+        )
     for key in _ACTIVATIONS:
         v = cfg.get(key)
         if v is not None and not (isinstance(v, str) and v in ACT2FN):

@@ -352,6 +352,29 @@ def test_config_transformers_cannot_build_is_one_model_error(
     assert no_network == []
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_nested_non_finite_number_is_refused_by_both_loaders(
+    tiny: tuple[Path, Path], tmp_path: Path, no_network: list[object], value: float
+) -> None:
+    """A NaN rope_theta inside rope_parameters loaded silently (NaN rotary frequencies,
+    logits off by 3 on the real llama-tiny): both loaders refuse it, naming the path."""
+    from transformers import AutoModelForCausalLM
+
+    import converter  # noqa: F401  (registers the quantizer)
+
+    rope = json.loads((tiny[1] / "config.json").read_text()).get("rope_parameters") or {"rope_type": "default"}
+    folder = _edited(tiny[1], tmp_path / "m", rope_parameters={**rope, "rope_theta": value})
+    want = (
+        f"{folder / 'config.json'}: rope_parameters.rope_theta: is NaN or infinite: a config.json holds finite "
+        "numbers only (marlin-convert writes standard JSON)"
+    )
+    assert _refused(folder) == want
+    with pytest.raises(ModelError) as ei:
+        AutoModelForCausalLM.from_pretrained(folder)
+    assert str(ei.value) == want
+    assert no_network == []
+
+
 _BOMBS = r"""
 import json, resource, shutil, sys, time
 from pathlib import Path
