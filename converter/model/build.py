@@ -199,17 +199,37 @@ def apply_binding(
         t = load_tensor(tensor_name)
         for name in names:
             if name in shapes and shapes[name] != tuple(t.shape):
-                raise ModelError(
-                    f"shape {list(t.shape)}, but {name} of the model is {list(shapes[name])}",
-                    path=path,
-                    tensor=tensor_name,
-                )
+                raise shape_error(tensor_name, tuple(t.shape), name, shapes[name], path=path)
         param = torch.nn.Parameter(t, requires_grad=False) if any(n in is_param for n in names) else None
         for name in names:
             _set_tensor(model, name, param if name in is_param else t)
         del t, param
         release_mapped_pages()
     promote_plain_linears(model)
+
+
+def shape_error(
+    tensor: str, shape: tuple[int, ...], name: str, model_shape: tuple[int, ...], *, path: Path
+) -> ModelError:
+    """The one line for an artifact tensor whose shape is not its model tensor's."""
+    return ModelError(f"shape {list(shape)}, but {name} of the model is {list(model_shape)}", path=path, tensor=tensor)
+
+
+def check_load_shapes(model: Any, b: Binding, infos: Mapping[str, Any], *, path: Path) -> None:
+    """Every bound tensor's shape (its artifact header's) against the model's, before
+    anything is loaded: ``from_pretrained`` would otherwise stop on transformers' own
+    size-mismatch table and a ``RuntimeError``.
+
+    Raises:
+        ModelError: the first tensor whose shape differs (:func:`shape_error`).
+    """
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+    shapes.update({n: tuple(t.shape) for n, t in model.named_buffers(remove_duplicate=False) if n not in shapes})
+    for tensor_name, names in b.loads.items():
+        shape = tuple(infos[tensor_name].shape)
+        for name in names:
+            if name in shapes and shapes[name] != shape:
+                raise shape_error(tensor_name, shape, name, shapes[name], path=path)
 
 
 def promote_plain_linears(model: Any) -> None:

@@ -46,7 +46,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from ..artifact.problems import ProblemCode
 from ..constants import PRODUCER_NAME
 from . import ModelError
-from .build import model_kind, promote_plain_linears
+from .build import check_load_shapes, model_kind, promote_plain_linears
 from .config import model_fields
 from .fuse import enabled as fuse_enabled
 from .guard import check_config, offline
@@ -401,6 +401,7 @@ class MarlinConvertHfQuantizer(HfQuantizer):
         arch = type(model).__name__
         ties = getattr(model, "all_tied_weights_keys", None)
         b, _ = layers.bind(model, arch=arch, strict=True, ties=ties)
+        check_load_shapes(model, b, layers.art.file.infos, path=folder)  # as load_model refuses them, in one line
         for module, layer in b.swaps.items():
             parent_name, _, child = module.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model

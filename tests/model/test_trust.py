@@ -26,7 +26,7 @@ from converter.model import inputs as model_inputs
 from converter.model import verify as mv
 from converter.model.guard import NetworkAttempt, check_config, offline, short
 from converter.model.verify import input_ids, output_metrics, position_errors, reference_decisions, top1_verdict
-from tests.helpers.artifact_edit import reseal_folder_files
+from tests.helpers.artifact_edit import reseal_folder_files, rewrite_artifact_arrays
 from tests.helpers.model_fixture import write_tiny_llama
 from tests.helpers.paths import REPO
 
@@ -271,6 +271,35 @@ def test_from_pretrained_hooks_run_offline(
     assert os.environ["HF_HUB_OFFLINE"] == "0"  # restored
 
 
+def test_from_pretrained_refuses_a_tensor_shape_the_model_lacks_in_one_line(
+    tiny: tuple[Path, Path], tmp_path: Path, no_network: list[object]
+) -> None:
+    """A pass-through tensor stored in another shape than the model's (model.norm.weight,
+    its bytes unchanged): load_model refused it in one line, while from_pretrained printed
+    transformers' size-mismatch table and raised a RuntimeError ("You set
+    `ignore_mismatched_sizes` to `False`"); both now give the same line."""
+    from transformers import AutoModelForCausalLM
+
+    import converter  # noqa: F401  (registers the quantizer)
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny[1], folder)
+
+    def fold(manifest: dict, tensors: dict) -> None:
+        dtype, a = tensors["model.norm.weight"]
+        tensors["model.norm.weight"] = (dtype, a.reshape(2, -1))
+
+    art = folder / "model.safetensors"
+    rewrite_artifact_arrays(art, art, fold)
+    hidden = json.loads((folder / "config.json").read_text())["hidden_size"]
+    want = f"{folder}: model.norm.weight: shape [2, {hidden // 2}], but model.norm.weight of the model is [{hidden}]"
+    assert _refused(folder) == want
+    with pytest.raises(ModelError) as ei:
+        AutoModelForCausalLM.from_pretrained(folder)
+    assert str(ei.value) == want
+    assert no_network == []
+
+
 def test_from_pretrained_still_loads_an_ordinary_folder(
     tiny: tuple[Path, Path], no_network: list[object], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -379,7 +408,7 @@ _BOMBS = r"""
 import json, resource, shutil, sys, time
 from pathlib import Path
 from converter.model import ModelError, load_model
-from tests.helpers.artifact_edit import reseal_folder_files
+from tests.helpers.artifact_edit import reseal_folder_files, rewrite_artifact_arrays
 out, tmp = Path(sys.argv[1]), Path(sys.argv[2])
 for i, (k, v) in enumerate([("num_hidden_layers", 100000), ("hidden_size", 2**28), ("num_hidden_layers", 1000),
                             ("intermediate_size", 2**30), ("vocab_size", 2**34)]):
