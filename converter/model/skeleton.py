@@ -150,11 +150,18 @@ def model_class(config: Any, cfg: dict[str, Any], *, path: Path) -> ModelClass:
     class for the config when it names none).
 
     Raises:
-        ModelError: the architecture is not a transformers class, or not one for this config.
+        ModelError: ``architectures`` is not a list of class names; the architecture is not
+            a transformers class, or not one for this config.
     """
     _, transformers = import_stack()
     archs = cfg.get("architectures")
-    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+    # A malformed list is refused, not read as naming none: that built AutoModel's class
+    # (LlamaModel, hidden states) for "architectures": "LlamaForCausalLM" or [5], silently.
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) and a for a in archs)):
+        raise ModelError(
+            f"{short(repr(archs), 60)} is not a list of model class names", path=path, tensor="architectures"
+        )
+    arch = archs[0] if archs else None
     for auto_name in _AUTO_CLASSES:
         auto = getattr(transformers, auto_name, None)
         mapping = getattr(auto, "_model_mapping", None)

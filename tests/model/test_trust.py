@@ -404,6 +404,16 @@ def test_a_nested_non_finite_number_is_refused_by_both_loaders(
     assert no_network == []
 
 
+@pytest.mark.parametrize(("archs", "shown"), [("LlamaForCausalLM", "'LlamaForCausalLM'"), ([5], "[5]"), ([""], "['']")])
+def test_architectures_that_is_no_list_of_names_is_refused(
+    tiny: tuple[Path, Path], tmp_path: Path, archs: object, shown: str
+) -> None:
+    """It was read as naming no class, so load_model silently built AutoModel's
+    (LlamaModel: hidden states, no logits) instead of the LlamaForCausalLM meant."""
+    folder = _edited(tiny[1], tmp_path / "m", architectures=archs)
+    assert _refused(folder) == (f"{folder / 'config.json'}: architectures: {shown} is not a list of model class names")
+
+
 _BOMBS = r"""
 import json, resource, shutil, sys, time
 from pathlib import Path
