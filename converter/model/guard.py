@@ -66,7 +66,8 @@ class NetworkAttempt(ModelError):
 def offline(what: str | Path = "config.json") -> Iterator[None]:
     """Offline mode forced and the socket layer closed while this is active.
 
-    Every ``socket.connect``, ``socket.create_connection`` or ``getaddrinfo`` raises
+    Every ``socket.connect``, ``socket.create_connection``, ``getaddrinfo``,
+    ``gethostbyname`` (``_ex``), ``gethostbyaddr`` or ``socket.sendto`` raises
     :class:`NetworkAttempt` naming ``what`` (the file whose content asked for it). The
     environment variables, huggingface_hub's and transformers' offline switches and the
     socket functions are restored on exit. Nested use is a no-op.
@@ -89,6 +90,12 @@ def offline(what: str | Path = "config.json") -> Iterator[None]:
         if mod is not None and hasattr(mod, attr):
             switches.append((mod, attr, getattr(mod, attr)))
     saved_sock = (socket.socket.connect, socket.socket.connect_ex, socket.create_connection, socket.getaddrinfo)
+    # Lookups that go to the resolver without socket.getaddrinfo, and a datagram sent
+    # without connect: each reaches the network as surely as a connection does.
+    saved_more = {
+        (socket, name): getattr(socket, name) for name in ("gethostbyname", "gethostbyname_ex", "gethostbyaddr")
+    }
+    saved_more[(socket.socket, "sendto")] = socket.socket.sendto
 
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise NetworkAttempt(
@@ -106,11 +113,15 @@ def offline(what: str | Path = "config.json") -> Iterator[None]:
         socket.socket.connect_ex = refuse  # type: ignore[method-assign]
         socket.create_connection = refuse  # type: ignore[assignment]
         socket.getaddrinfo = refuse  # type: ignore[assignment]
+        for owner, name in saved_more:
+            setattr(owner, name, refuse)
         _state.depth = 1
         yield
     finally:
         _state.depth = 0
         (socket.socket.connect, socket.socket.connect_ex, socket.create_connection, socket.getaddrinfo) = saved_sock  # type: ignore[method-assign]
+        for (owner, name), fn in saved_more.items():
+            setattr(owner, name, fn)
         for mod, attr, value in switches:
             setattr(mod, attr, value)
         for k, v in saved_env.items():

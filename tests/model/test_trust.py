@@ -96,6 +96,7 @@ def test_offline_forces_the_switches_and_closes_the_socket_layer(monkeypatch: py
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
     before = (socket.socket.connect, socket.create_connection, socket.getaddrinfo)
+    more = (socket.gethostbyname, socket.gethostbyname_ex, socket.gethostbyaddr, socket.socket.sendto)
     with offline("x/config.json"):
         assert os.environ["HF_HUB_OFFLINE"] == "1" and os.environ["TRANSFORMERS_OFFLINE"] == "1"
         assert hc.HF_HUB_OFFLINE is True
@@ -105,7 +106,14 @@ def test_offline_forces_the_switches_and_closes_the_socket_layer(monkeypatch: py
             s.connect(("127.0.0.1", 9))
         with pytest.raises(NetworkAttempt):
             socket.getaddrinfo("huggingface.co", 443)
+        # these reached the resolver or the network past the guard before (no getaddrinfo, no connect)
+        for lookup in (socket.gethostbyname, socket.gethostbyname_ex, socket.gethostbyaddr):
+            with pytest.raises(NetworkAttempt, match=r"^x/config.json: asks for a network connection"):
+                lookup("huggingface.co")
+        with pytest.raises(NetworkAttempt), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.sendto(b"x", ("127.0.0.1", 9))
     assert (socket.socket.connect, socket.create_connection, socket.getaddrinfo) == before
+    assert (socket.gethostbyname, socket.gethostbyname_ex, socket.gethostbyaddr, socket.socket.sendto) == more
     assert os.environ["HF_HUB_OFFLINE"] == "0" and "TRANSFORMERS_OFFLINE" not in os.environ
     assert hc.HF_HUB_OFFLINE is False
 
