@@ -860,8 +860,16 @@ def test_a_path_without_the_suffix_is_a_model_folder(tmp_path: Path) -> None:
     (tmp_path / "taken").write_bytes(b"x")
     assert_refused(
         invoke("marlin-convert", SAMPLE, tmp_path / "taken"),
-        f"{tmp_path / 'taken'}: output exists and is not a folder",
+        f"{tmp_path / 'taken'}: output exists and is not a folder: a path that does not end in '.safetensors'",
     )
+    # a trailing slash is the rule that made it a folder: said so, not the suffix rule
+    (tmp_path / "file.safetensors").write_bytes(b"y")
+    assert_refused(
+        invoke("marlin-convert", SAMPLE, f"{tmp_path / 'file.safetensors'}/"),
+        f"{tmp_path / 'file.safetensors'}: output exists and is not a folder: a path ending in '/' names a model "
+        "folder; drop the '/' to write the file",
+    )
+    assert (tmp_path / "file.safetensors").read_bytes() == b"y"
     for name in ("m.SafeTensors", "m.safetensors.index.json"):
         assert_refused(invoke("marlin-convert", SAMPLE, tmp_path / name), "output names neither a .safetensors file")
     assert (tmp_path / "taken").read_bytes() == b"x" and not (tmp_path / "m.SafeTensors").exists()

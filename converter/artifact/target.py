@@ -318,11 +318,15 @@ class OutputTarget:
                     path=self.folder,
                 )
             if os.path.lexists(self.folder):
-                raise ConverterError(
-                    "output exists and is not a folder: a path that does not end in '.safetensors' names a model "
-                    "folder; give a .safetensors file name to write one file",
-                    path=self.folder,
+                # The rule that made it a folder, as the user wrote the path: a trailing
+                # slash ('x.safetensors/') does end in '.safetensors' before it.
+                why = (
+                    "a path ending in '/' names a model folder; drop the '/' to write the file"
+                    if self.trailing_slash
+                    else "a path that does not end in '.safetensors' names a model folder; give a .safetensors "
+                    "file name to write one file"
                 )
+                raise ConverterError(f"output exists and is not a folder: {why}", path=self.folder)
         if self.directory and not self.folder.exists():
             if not self.folder.parent.is_dir():  # the missing folder named (mkdir's error names the new one)
                 raise OutputPathError("output folder's parent does not exist", path=self.folder.parent)
