@@ -64,28 +64,6 @@ def _local_folder(config: Any) -> Path | None:
     return Path(name) if name and Path(name).is_dir() else None
 
 
-def _check_weight_file(folder: Path, weight_file: str) -> None:
-    """``weight_file`` must be the artifact load_model and marlin-verify read in ``folder``:
-    transformers takes the unconverted tensors (embeddings, norms) from it, and another
-    file there would give the model other weights than the checked ones.
-
-    Raises:
-        ModelError: it names another file.
-        ArtifactError: the folder holds no single artifact.
-    """
-    from ..artifact.sharded_reader import resolve_artifact
-
-    index, files = resolve_artifact(folder)
-    artifact = Path(index.path).name if index is not None else files[0].name
-    if weight_file != artifact:
-        raise ModelError(
-            f"names {weight_file!r}, but the folder's artifact is {artifact!r} (what load_model and "
-            "marlin-verify read): transformers would take the unconverted tensors from another file",
-            path=folder / "config.json",
-            tensor="quantization_config.weight_file",
-        )
-
-
 class MarlinConvertConfig(QuantizationConfigMixin):
     """``quantization_config`` of a converted folder (converter/artifact/hf_config.py writes
     it), every field kept as written; ``weight_file`` names the artifact beside config.json."""
@@ -350,19 +328,10 @@ class MarlinConvertHfQuantizer(HfQuantizer):
         """
         wf = getattr(self.quantization_config, "weight_file", None)
         folder = _local_folder(config)
+        from .loader import check_weight_file
+
         with self._released_on_error():
-            if (
-                not isinstance(wf, str)
-                or Path(wf).name != wf
-                or not wf.endswith((".safetensors", ".safetensors.index.json"))
-            ):
-                raise ModelError(
-                    f"{wf!r} is not the name of a safetensors file or index beside config.json",
-                    path=folder / "config.json" if folder is not None else "config.json",
-                    tensor="quantization_config.weight_file",
-                )
-            if folder is not None:
-                _check_weight_file(folder, wf)
+            check_weight_file(folder, wf)
         config.transformers_weights = wf
         return config
 

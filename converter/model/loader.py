@@ -33,6 +33,7 @@ __all__ = [
     "KernelFactory",
     "LoadReport",
     "build_converted",
+    "check_weight_file",
     "dequantized_weight",
     "load_model",
     "read_converted_config",
@@ -78,7 +79,48 @@ def read_converted_config(path: str | Path) -> tuple[Path, dict[str, Any]]:
         )
     if cfg.get("model_type") == "tinyloop" or qc.get("source_format") == "tinyloop":
         raise ModelError(TINYLOOP_MESSAGE, path=folder)
+    if "weight_file" in qc:  # load_model reads the folder's artifact whatever it says: refused as from_pretrained does
+        check_weight_file(folder, qc["weight_file"])
     return folder, cfg
+
+
+def check_weight_file(folder: Path | None, weight_file: Any) -> None:
+    """``quantization_config.weight_file`` must name the artifact that load_model and
+    marlin-verify read in ``folder``: transformers takes the unconverted tensors
+    (embeddings, norms) from the file it names, and another file there would give the
+    model other weights than the checked ones.
+
+    Args:
+        folder: the converted folder, or None (a hub id: the name's form is checked only).
+
+    Raises:
+        ModelError: not a safetensors file or index name, or another file than the artifact.
+        ArtifactError: the folder holds no single artifact.
+    """
+    from ..artifact.sharded_reader import resolve_artifact
+
+    cfg_path = folder / "config.json" if folder is not None else "config.json"
+    if (
+        not isinstance(weight_file, str)
+        or Path(weight_file).name != weight_file
+        or not weight_file.endswith((".safetensors", ".safetensors.index.json"))
+    ):
+        raise ModelError(
+            f"{weight_file!r} is not the name of a safetensors file or index beside config.json",
+            path=cfg_path,
+            tensor="quantization_config.weight_file",
+        )
+    if folder is None:
+        return
+    index, files = resolve_artifact(folder)
+    artifact = Path(index.path).name if index is not None else files[0].name
+    if weight_file != artifact:
+        raise ModelError(
+            f"names {weight_file!r}, but the folder's artifact is {artifact!r} (what load_model and "
+            "marlin-verify read): transformers would take the unconverted tensors from another file",
+            path=cfg_path,
+            tensor="quantization_config.weight_file",
+        )
 
 
 def resolve_device(device: Any) -> Any:

@@ -226,6 +226,27 @@ def test_from_pretrained_refuses_a_weight_file_other_than_the_artifact(
     assert no_network == []
 
 
+def test_load_model_and_verify_model_refuse_a_weight_file_other_than_the_artifact(
+    tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """load_model and marlin-verify --model read the folder's artifact whatever
+    weight_file says; they refuse the folder as from_pretrained does, so the three agree
+    on which folders are converted models."""
+    from tests.helpers.clirun import run_cli
+
+    qc = json.loads((tiny[1] / "config.json").read_text())["quantization_config"]
+    for i, wf in enumerate(["other.safetensors", "../base/model.safetensors", 5]):
+        folder = _edited(tiny[1], tmp_path / f"m{i}", quantization_config={**qc, "weight_file": wf})
+        with pytest.raises(ModelError) as ei:
+            load_model(folder, device="cpu")
+        line = str(ei.value)
+        assert line.startswith(f"{folder / 'config.json'}: quantization_config.weight_file: {wf!r} ") or (
+            line.startswith(f"{folder / 'config.json'}: quantization_config.weight_file: names {wf!r}, but the ")
+        ), line
+    res = run_cli("marlin-verify", folder, "--model", "--against", tiny[0], "--cpu")
+    assert res.returncode == 2 and "quantization_config.weight_file: 5 is not the name of a safetensors" in res.stderr
+
+
 @pytest.mark.parametrize("hook", ["ConvertedLayers", "module", "init"])
 def test_from_pretrained_hooks_run_offline(
     tiny: tuple[Path, Path], no_network: list[object], monkeypatch: pytest.MonkeyPatch, hook: str
