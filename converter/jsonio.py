@@ -324,3 +324,21 @@ def not_regular(mode: int) -> str:
         return "a directory, not a file"
     kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
     return f"not a regular file ({kind})"
+
+
+def inside_folder(real: Path, root: Path) -> bool:
+    """Whether the resolved path ``real`` lies in the resolved folder ``root``, or, for a
+    hub cache snapshot (``models--org--name/snapshots/<rev>/file -> ../../blobs/<hash>``),
+    in its ``blobs``: where a folder's symbolic links may lead."""
+    if real.is_relative_to(root):
+        return True
+    return root.parent.name == "snapshots" and real.is_relative_to(root.parent.parent / "blobs")
+
+
+def link_out_of(path: Path, folder: Path) -> Path | None:
+    """Where ``path`` leads when it is a symbolic link that leaves ``folder``
+    (:func:`inside_folder`), else None."""
+    if not os.path.islink(path):
+        return None
+    real = Path(os.path.realpath(path))
+    return None if inside_folder(real, Path(os.path.realpath(folder))) else real

@@ -17,7 +17,7 @@ import numpy as np
 from ..constants import HF_INDEX_NAME
 from ..errors import ArtifactError, ConverterError
 from ..hf_index import HFIndex, read_index
-from ..jsonio import not_regular
+from ..jsonio import link_out_of, not_regular
 from ..quant_weight import Tensor, TensorInfo
 from ..safetensors_io import SafetensorsFile
 from .manifest import dump_manifest
@@ -45,24 +45,43 @@ def resolve_artifact(path: Path) -> tuple[HFIndex | None, list[Path]]:
     if not path.exists():
         raise missing_artifact(path)
     if path.is_dir():
-        if (path / HF_INDEX_NAME).is_file():
-            path = path / HF_INDEX_NAME
-        elif (path / DIR_MODE_NAME).is_file():
-            return None, [path / DIR_MODE_NAME]
-        else:
-            indexes = sorted(p for p in path.glob("*.safetensors.index.json") if p.is_file())
-            if len(indexes) == 1:
-                path = indexes[0]
-            else:
-                files = sorted(path.glob("*.safetensors"))
-                if len(files) != 1 or indexes:
-                    found = ", ".join(p.name for p in indexes) or f"{len(files)} .safetensors files"
-                    raise ArtifactError(
-                        f"folder holds no single artifact ({found}; no {HF_INDEX_NAME} or {DIR_MODE_NAME}); "
-                        "give the artifact file or its index",
-                        path=path,
-                    )
-                return None, files
+        index, files = _resolve_in_folder(path)
+        # A folder's files stay in it (as a source checkpoint's do): a link out of a
+        # downloaded folder would have the checks and the loaders read any file.
+        for p in ([index.path] if index is not None else []) + files:
+            real = link_out_of(p, path)
+            if real is not None:
+                raise ArtifactError(
+                    f"is a symbolic link to {real}, outside the artifact's folder; links that leave it are not "
+                    "followed (copy the file into the folder)",
+                    path=p,
+                )
+        return index, files
+    return _resolve_file(path)
+
+
+def _resolve_in_folder(folder: Path) -> tuple[HFIndex | None, list[Path]]:
+    """:func:`resolve_artifact` of a folder."""
+    if (folder / HF_INDEX_NAME).is_file():
+        return _resolve_file(folder / HF_INDEX_NAME)
+    if (folder / DIR_MODE_NAME).is_file():
+        return None, [folder / DIR_MODE_NAME]
+    indexes = sorted(p for p in folder.glob("*.safetensors.index.json") if p.is_file())
+    if len(indexes) == 1:
+        return _resolve_file(indexes[0])
+    files = sorted(folder.glob("*.safetensors"))
+    if len(files) != 1 or indexes:
+        found = ", ".join(p.name for p in indexes) or f"{len(files)} .safetensors files"
+        raise ArtifactError(
+            f"folder holds no single artifact ({found}; no {HF_INDEX_NAME} or {DIR_MODE_NAME}); "
+            "give the artifact file or its index",
+            path=folder,
+        )
+    return None, files
+
+
+def _resolve_file(path: Path) -> tuple[HFIndex | None, list[Path]]:
+    """:func:`resolve_artifact` of a file: an index or one artifact file."""
     if not path.name.endswith(".index.json"):
         return None, [path]
     index = read_index(path, error=ArtifactError, allow_empty=True)

@@ -19,7 +19,7 @@ from ..constants import (
 )
 from ..errors import ArtifactError
 from ..formats.hf_checkpoint import MAX_COPIED_FILE_BYTES
-from ..jsonio import read_regular_file
+from ..jsonio import link_out_of, read_regular_file
 from .problems import ProblemCode, Report
 from .reader import Artifact
 from .schema import Manifest
@@ -62,6 +62,14 @@ def _check_folder_files(art: Artifact, manifest: Manifest, report: Report) -> No
             report.add(
                 P.FOLDER_FILE_MISSING,
                 f"{entry.name}: the manifest lists this file beside the artifact, but it is missing",
+                entry.name,
+            )
+            continue
+        real = link_out_of(path, folder)
+        if real is not None:  # not read: its size and hash would tell what lies outside
+            report.add(
+                P.FOLDER_FILE_MISMATCH,
+                f"{entry.name}: a symbolic link to {real}, outside the artifact's folder (not followed)",
                 entry.name,
             )
             continue

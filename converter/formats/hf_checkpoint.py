@@ -28,7 +28,7 @@ from ..constants import HF_INDEX_NAME
 from ..digests import PLACEHOLDER, sha256_files
 from ..errors import ConfigError, SourceFormatError, printable, short_name
 from ..hf_index import SHARD_NAME_RE, HFIndex, read_index
-from ..jsonio import not_regular, read_object, read_regular_file
+from ..jsonio import inside_folder, not_regular, read_object, read_regular_file
 from ..quant_weight import Tensor, TensorInfo
 from ..safetensors_io import SafetensorsFile
 
@@ -73,7 +73,7 @@ def folder_member(folder: Path, name: str) -> Path | None:
         real = Path(os.path.realpath(path))
         if not real.exists():
             raise SourceFormatError(f"is a symbolic link to {real}, which does not exist", path=path)
-        if not _inside(real, Path(os.path.realpath(folder))):
+        if not inside_folder(real, Path(os.path.realpath(folder))):
             raise SourceFormatError(
                 f"is a symbolic link to {real}, outside the checkpoint folder; links that leave a checkpoint "
                 "are not followed (copy the file into the folder)",
@@ -83,13 +83,6 @@ def folder_member(folder: Path, name: str) -> Path | None:
     if not stat.S_ISREG(mode):
         raise SourceFormatError(f"{not_regular(mode)}; a checkpoint's files must be regular files", path=path)
     return path
-
-
-def _inside(real: Path, root: Path) -> bool:
-    if real.is_relative_to(root):
-        return True
-    # The hub cache: models--org--name/snapshots/<rev>/file -> ../../blobs/<hash>.
-    return root.parent.name == "snapshots" and real.is_relative_to(root.parent.parent / "blobs")
 
 
 def read_member_bytes(path: Path) -> bytes:

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..constants import PRODUCER_NAME, TINYLOOP_MESSAGE
 from ..errors import ConverterError, GpuUnavailableError
-from ..jsonio import not_regular
+from ..jsonio import link_out_of, not_regular
 from . import ModelError
 from .build import (
     apply_binding,
@@ -67,6 +67,13 @@ def read_converted_config(path: str | Path) -> tuple[Path, dict[str, Any]]:
         except OSError:
             raise ModelError(f"not a converted model folder: no config.json; {hint}", path=folder) from None
         raise ModelError(f"{not_regular(mode)}; a converted folder's config.json is a file", path=cfg_path)
+    real = link_out_of(cfg_path, folder)
+    if real is not None:  # as the artifact's files (resolve_artifact) and a source's
+        raise ModelError(
+            f"is a symbolic link to {real}, outside the model folder; links that leave it are not followed "
+            "(copy the file into the folder)",
+            path=cfg_path,
+        )
     cfg = read_json_file(cfg_path)
     qc = cfg.get("quantization_config")
     method = qc.get("quant_method") if isinstance(qc, dict) else None

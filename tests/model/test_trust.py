@@ -638,3 +638,52 @@ def test_a_config_json_that_is_no_file_is_named_as_such(tiny: tuple[Path, Path],
     assert _refused(folder) == (
         f"{folder / 'config.json'}: not a regular file (a device); a converted folder's config.json is a file"
     )
+
+
+def test_links_out_of_a_converted_folder_are_not_followed(tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    """A converted folder's files stay in it, as a source checkpoint's do: the artifact,
+    config.json or a manifest-listed file that links outside (here to an identical copy,
+    so only the link is wrong) is refused by name and not read; a link inside the folder
+    and the hub cache's links into blobs/ still load."""
+    from converter.errors import ArtifactError
+    from tests.helpers.clirun import run_cli
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for name in ("model.safetensors", "config.json"):
+        folder = tmp_path / f"link_{name}"
+        shutil.copytree(tiny[1], folder)
+        shutil.move(folder / name, outside / name)
+        (folder / name).symlink_to(outside / name)
+        error, whose = {
+            "model.safetensors": (ArtifactError, "the artifact's"),
+            "config.json": (ModelError, "the model"),
+        }[name]
+        with pytest.raises(error) as ei:
+            load_model(folder, device="cpu")
+        assert str(ei.value) == (
+            f"{folder / name}: is a symbolic link to {outside / name}, outside {whose} folder; links that leave it "
+            "are not followed (copy the file into the folder)"
+        )
+        res = run_cli("marlin-verify", folder, "--shapes")
+        if name == "model.safetensors":
+            assert res.returncode == 2 and "outside the artifact's folder" in res.stderr, res.stderr
+        else:  # config.json is a manifest-listed file beside the artifact: reported, not read
+            assert res.returncode == 1, res.stdout + res.stderr
+            assert f"config.json: a symbolic link to {outside / name}, outside the artifact's folder" in res.stdout
+        (outside / name).unlink()
+    # inside the folder, and the hub cache's layout: followed
+    inner = tmp_path / "inner"
+    shutil.copytree(tiny[1], inner)
+    (inner / "sub").mkdir()
+    shutil.move(inner / "model.safetensors", inner / "sub" / "m.safetensors")
+    (inner / "model.safetensors").symlink_to(Path("sub") / "m.safetensors")
+    assert run_cli("marlin-verify", inner, "--shapes", "-q").returncode == 0
+    snap = tmp_path / "models--org--m" / "snapshots" / "abc"
+    shutil.copytree(tiny[1], snap)
+    blobs = tmp_path / "models--org--m" / "blobs"
+    blobs.mkdir()
+    for f in list(snap.iterdir()):
+        shutil.move(f, blobs / f.name)
+        f.symlink_to(Path("..") / ".." / "blobs" / f.name)
+    assert type(load_model(snap, device="cpu")).__name__ == "LlamaForCausalLM"
