@@ -103,7 +103,7 @@ def convert_cmd(
         return
     if allow_passthrough or legacy_act_order:
         given = _given(("--allow-passthrough", allow_passthrough), ("--legacy-act-order", legacy_act_order))
-        _fail(f"{given} {'go' if ' and ' in given else 'goes'} with --to compressed-tensors", as_json)
+        _fail(f"{' and '.join(given)} {'go' if len(given) > 1 else 'goes'} with --to compressed-tensors", as_json)
     with _errors_to_exit(debug, as_json), _progress(_show_progress(quiet, as_json)) as prog:
         from ..convert import convert
 
@@ -120,9 +120,9 @@ def convert_cmd(
 EXPORT_FORMATS = ("marlin", "compressed-tensors")
 
 
-def _given(*flags: tuple[str, bool]) -> str:
-    """The misplaced options the user gave, by name ("--a", "--a and --b"), never one they did not."""
-    return " and ".join(name for name, given in flags if given)
+def _given(*flags: tuple[str, bool]) -> list[str]:
+    """The misplaced options the user gave, by name, never one they did not."""
+    return [name for name, given in flags if given]
 
 
 def _export_cmd(
@@ -143,7 +143,8 @@ def _export_cmd(
     """``marlin-convert IN OUT --to compressed-tensors``: :func:`converter.export.export_compressed_tensors`."""
     if dry_run or not pad:
         given = _given(("--dry-run", dry_run), ("--no-pad", not pad))
-        _fail(f"{given} {'are' if ' and ' in given else 'is'} for the Marlin artifact, not --to {to}", as_json)
+        verb = "are" if len(given) > 1 else "is"
+        _fail(f"{' and '.join(given)} {verb} for the Marlin artifact, not --to {to}", as_json)
     with _errors_to_exit(debug, as_json):
         from ..artifact.shards import parse_size
         from ..export import export_compressed_tensors

@@ -33,6 +33,7 @@ The parts: :mod:`~converter.export.summary` (what the export reports, vLLM kerne
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -221,7 +222,7 @@ def export_compressed_tensors(
         shards = plan_shards(layout, [], max_bytes)
         target = OutputTarget(str(out_folder).rstrip("/") + "/")
         for name in QUANT_CONFIG_FILES:  # not ours to delete, and a reader would take it over config.json's
-            if (target.folder / name).exists() or (target.folder / name).is_symlink():
+            if os.path.lexists(target.folder / name):
                 raise OutputPathError(
                     "a reader would take this file for the export's quantization config over config.json's "
                     "(a file of another checkpoint); move it away or choose another output; nothing was written",
